@@ -1,0 +1,69 @@
+"""kfac_func: K-FAC for PyTorch as pure functions over immutable state pytrees.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> import kfac_func as kf
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    >>> layers = kf.register(model)
+    >>> state = kf.init(layers)
+    >>> x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    >>> params = dict(model.named_parameters())
+    >>> loss, grads, caps = kf.capture(model, params, x,
+    ...                                lambda out: nn.functional.cross_entropy(out, y))
+    >>> grads, state = kf.update(state, grads, captures=caps, damping=1e-2, lr=0.1)
+"""
+
+from kfac_func.capture import Captures, LayerCapture, capture
+from kfac_func.conventions import CONVENTIONS, Convention
+from kfac_func.decomposition import (
+    EigenDecomposition,
+    InverseDecomposition,
+    eigen_decompose,
+    inverse_decompose,
+    kl_clip_scale,
+    precondition,
+)
+from kfac_func.factors import a_factor, g_factor, grads_to_matrix, matrix_to_grads
+from kfac_func.layers import LayerSpec, LayerTable, register
+from kfac_func.state import KFACConfig, KFACState, LayerState, init
+from kfac_func.update import (
+    NonFiniteError,
+    accumulate_factors,
+    decompose,
+    precondition_grads,
+    update,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CONVENTIONS",
+    "Captures",
+    "Convention",
+    "EigenDecomposition",
+    "InverseDecomposition",
+    "KFACConfig",
+    "KFACState",
+    "LayerCapture",
+    "LayerSpec",
+    "LayerState",
+    "LayerTable",
+    "NonFiniteError",
+    "__version__",
+    "a_factor",
+    "accumulate_factors",
+    "capture",
+    "decompose",
+    "eigen_decompose",
+    "g_factor",
+    "grads_to_matrix",
+    "init",
+    "inverse_decompose",
+    "kl_clip_scale",
+    "matrix_to_grads",
+    "precondition",
+    "precondition_grads",
+    "register",
+    "update",
+]

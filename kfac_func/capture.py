@@ -1,0 +1,245 @@
+"""One forward/backward through ``torch.func`` that returns loss, gradients and captures.
+
+Each registered layer gets a forward hook for the duration of the call. The hook records
+the layer's input (returned as aux, never stashed in a global) and adds a zero "probe"
+tensor to its output; differentiating with respect to the parameters and the probes in
+one VJP gives the parameter gradients and every layer's output-gradient at once. Backward
+hooks are not used (they do not work inside torch.func transforms).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.utils._pytree as torch_pytree
+from torch import nn
+from torch.func import functional_call
+
+from kfac_func._pytree import register_dataclass
+from kfac_func.layers import LayerSpec, register
+
+__all__ = ["Captures", "LayerCapture", "capture"]
+
+Fisher = Literal["empirical", "mc"]
+Likelihood = Literal["cross_entropy", "mse"]
+
+
+@dataclass(frozen=True)
+class LayerCapture:
+    """What one layer saw in one forward/backward: one entry per call of the module."""
+
+    inputs: tuple[torch.Tensor, ...]
+    output_grads: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class Captures:
+    """Captured inputs and output-gradients of every registered layer for one batch.
+
+    Attributes:
+        layers: ``{name: LayerCapture}``.
+        batch_size: number of examples ``N`` in the batch.
+        loss_scale: ``c`` such that the differentiated loss is ``c · Σ_n ℓ_n``
+            (``1/N`` for a mean-reduced loss, ``1`` for a sum); the ``"fisher"``
+            convention divides it out of the output-gradients.
+    """
+
+    layers: dict[str, LayerCapture]
+    batch_size: int
+    loss_scale: float
+
+
+register_dataclass(LayerCapture, data=("inputs", "output_grads"))
+register_dataclass(Captures, data=("layers",), static=("batch_size", "loss_scale"))
+
+
+class _Calls:
+    """Per-call bookkeeping shared by the forward hooks of one traced forward."""
+
+    def __init__(self, names: list[str], probes: Mapping[str, list[torch.Tensor]] | None):
+        self.probes = probes
+        self.inputs: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+        self.outputs: dict[str, list[tuple[torch.Size, torch.dtype]]] = {n: [] for n in names}
+
+    def hook(self, name: str) -> Callable[..., Any]:
+        def fn(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> Any:
+            k = len(self.outputs[name])
+            self.outputs[name].append((out.shape, out.dtype))
+            if self.probes is None:
+                return None
+            if k >= len(self.probes[name]):
+                raise RuntimeError(
+                    f"layer {name!r} was called {k + 1} times, more than in the shape pass "
+                    "(the forward pass must call layers the same way for the same inputs)"
+                )
+            self.inputs[name].append(args[0])
+            return out + self.probes[name][k]
+
+        return fn
+
+    def run(self, modules: Mapping[str, nn.Module], fn: Callable[[], Any]) -> Any:
+        handles = [m.register_forward_hook(self.hook(n)) for n, m in modules.items()]
+        try:
+            return fn()
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def _output_shapes(
+    model: nn.Module,
+    modules: Mapping[str, nn.Module],
+    tensors: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> dict[str, list[tuple[torch.Size, torch.dtype]]]:
+    """Shape of every call's output, from a forward pass on meta tensors (no compute).
+
+    Falls back to a real forward without gradients (buffers cloned, RNG restored) for
+    models that cannot run on the meta device.
+    """
+
+    def to_meta(x: Any) -> Any:
+        return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+    calls = _Calls(list(modules), None)
+    meta = torch_pytree.tree_map(to_meta, (tensors, args, kwargs))
+    try:
+        with torch.no_grad():
+            calls.run(modules, lambda: functional_call(model, meta[0], meta[1], meta[2]))
+        return calls.outputs
+    except Exception:
+        pass
+    calls = _Calls(list(modules), None)
+    params, buffers = tensors
+    cloned = {k: v.clone() for k, v in buffers.items()}
+    devices = [t.device for t in params.values() if t.device.type == "cuda"][:1]
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        calls.run(modules, lambda: functional_call(model, (params, cloned), args, kwargs))
+    return calls.outputs
+
+
+def _mc_cotangent(
+    out: Any, likelihood: str | None, loss_scale: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    """``c · ∇_y ℓ(y, t̂)`` with ``t̂`` sampled from the model's predictive distribution."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"fisher='mc' needs the model to return one tensor, got {type(out)}")
+    y = out.detach()
+    if likelihood == "cross_entropy":
+        p = torch.softmax(y.float(), dim=-1).reshape(-1, y.shape[-1])
+        t = torch.multinomial(p, 1, generator=generator).squeeze(-1)
+        grad = p.clone()
+        grad[torch.arange(p.shape[0], device=p.device), t] -= 1.0
+    elif likelihood == "mse":
+        # Unit-variance Gaussian: ℓ = ½‖y − t̂‖², t̂ = y + ε, ∇_y ℓ = −ε.
+        grad = -torch.randn(y.shape, generator=generator, device=y.device, dtype=torch.float32)
+    else:
+        raise ValueError(
+            f"fisher='mc' needs likelihood='cross_entropy' or 'mse', got {likelihood!r}"
+        )
+    return (loss_scale * grad).reshape(y.shape).to(y.dtype)
+
+
+def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    for leaf in torch_pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise ValueError("cannot infer batch_size: no tensor input with a batch dimension")
+
+
+def capture(
+    model: nn.Module,
+    params: Mapping[str, torch.Tensor],
+    args: Any,
+    loss_fn: Callable[[Any], torch.Tensor],
+    *,
+    layers: Mapping[str, LayerSpec] | None = None,
+    buffers: Mapping[str, torch.Tensor] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    fisher: Fisher = "empirical",
+    likelihood: Likelihood | None = None,
+    loss_reduction: Literal["mean", "sum"] = "mean",
+    batch_size: int | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], Captures]:
+    """Loss, parameter gradients and K-FAC captures from one forward/backward.
+
+    Args:
+        model: the module (its own parameters are replaced by ``params`` for the call).
+        params: ``{name: tensor}`` to differentiate, e.g. ``dict(model.named_parameters())``.
+        args: the model's positional input (a tensor or a tuple of them).
+        loss_fn: ``outputs -> scalar loss`` (close over the targets).
+        layers: layers to capture (default: ``register(model)``).
+        buffers: buffers for the call (default: the model's own).
+        kwargs: keyword arguments for the model.
+        fisher: ``"empirical"`` uses the output-gradients of ``loss_fn``; ``"mc"`` samples
+            targets from the model's predictive distribution (``likelihood``) and uses
+            the output-gradients of that sampled loss. Parameter gradients are always
+            those of ``loss_fn``.
+        likelihood: for ``fisher="mc"``: ``"cross_entropy"`` (classes on the last
+            dimension) or ``"mse"`` (unit-variance Gaussian, ``ℓ = ½‖y − t‖²``).
+        loss_reduction: whether ``loss_fn`` averages (``"mean"``) or sums (``"sum"``) its
+            per-example losses over the batch; recorded as ``Captures.loss_scale``.
+        batch_size: number of examples (default: first dimension of the first input).
+        generator: random generator for ``fisher="mc"``.
+
+    Returns:
+        ``(loss, grads, captures)``; ``grads`` is keyed like ``params``. A module called
+        several times contributes every call, in order, to ``captures.layers[name]``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+        >>> x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+        >>> loss_fn = lambda out: nn.functional.cross_entropy(out, y)
+        >>> loss, grads, caps = kf.capture(model, dict(model.named_parameters()), x, loss_fn)
+        >>> sorted(caps.layers), caps.layers["0"].inputs[0].shape
+        (['0', '2'], torch.Size([8, 4]))
+    """
+    if fisher not in ("empirical", "mc"):
+        raise ValueError(f"fisher must be 'empirical' or 'mc', got {fisher!r}")
+    if fisher == "mc" and likelihood not in ("cross_entropy", "mse"):
+        raise ValueError(
+            f"fisher='mc' needs likelihood='cross_entropy' or 'mse', got {likelihood!r}"
+        )
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    args = args if isinstance(args, tuple) else (args,)
+    kwargs = dict(kwargs or {})
+    specs = register(model) if layers is None else layers
+    modules = {name: model.get_submodule(name) for name in specs}
+    params = {k: v.detach() for k, v in params.items()}
+    bufs = dict(model.named_buffers()) if buffers is None else dict(buffers)
+    n = _batch_size(args, kwargs) if batch_size is None else int(batch_size)
+    scale = 1.0 / n if loss_reduction == "mean" else 1.0
+
+    shapes = _output_shapes(model, modules, (params, bufs), args, kwargs)
+    device = next(iter(params.values())).device if params else torch.device("cpu")
+    probes = {
+        name: [torch.zeros(s, dtype=dt, device=device) for s, dt in calls]
+        for name, calls in shapes.items()
+    }
+
+    def forward(
+        p: dict[str, torch.Tensor], pr: dict[str, list[torch.Tensor]]
+    ) -> tuple[Any, dict[str, list[torch.Tensor]]]:
+        calls = _Calls(list(modules), pr)
+        out = calls.run(modules, lambda: functional_call(model, (p, bufs), args, kwargs))
+        return out, calls.inputs
+
+    out, vjp_fn, inputs = torch.func.vjp(forward, params, probes, has_aux=True)  # type: ignore[misc]
+    dloss, loss = torch.func.grad_and_value(loss_fn)(out)
+    grads, output_grads = vjp_fn(dloss)
+    if fisher == "mc":
+        _, output_grads = vjp_fn(_mc_cotangent(out, likelihood, scale, generator))
+
+    captured = {
+        name: LayerCapture(tuple(inputs[name]), tuple(output_grads[name])) for name in modules
+    }
+    return loss.detach(), grads, Captures(captured, n, scale)

@@ -1,0 +1,210 @@
+"""Kronecker factors per layer kind, and the gradient ⇄ matrix reshaping.
+
+Pure tensor functions: no module, no hook, no process group. Each layer kind turns its
+captured inputs into rows ``a`` (patches for Conv2d) and its output-gradients into rows
+``r``; a factor is the scaled sum of row outer products (scales: :mod:`conventions`).
+Factors and gradient matrices carry a leading ``groups`` dimension for grouped
+convolutions (one block per group: K-FAC is block-diagonal over groups).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from kfac_func.conventions import Convention, a_scales, g_scales
+from kfac_func.layers import LayerSpec
+
+__all__ = [
+    "a_factor",
+    "a_rows",
+    "g_factor",
+    "g_rows",
+    "grads_to_matrix",
+    "matrix_to_grads",
+    "symmetrize",
+]
+
+
+def _bad(
+    spec: LayerSpec, what: str, expected: str, shape: torch.Size | tuple[int, ...]
+) -> ValueError:
+    return ValueError(
+        f"layer {spec.name!r} ({spec.kind}): {what} must have {expected}, got shape {tuple(shape)}"
+    )
+
+
+def _conv_patches(spec: LayerSpec, x: torch.Tensor) -> torch.Tensor:
+    """Patches ``(*batch_shape, N·L, Cg·kh·kw)`` exactly as the convolution sees them."""
+    if x.dim() == 3:
+        x = x.unsqueeze(0)
+    if x.dim() != 4 or x.shape[1] != spec.in_dim:
+        raise _bad(spec, "input", f"shape (N, {spec.in_dim}, H, W)", x.shape)
+    if any(spec.padding):
+        mode = "constant" if spec.padding_mode == "zeros" else spec.padding_mode
+        x = F.pad(x, spec.padding, mode=mode)
+    cols = F.unfold(x, spec.kernel_size, dilation=spec.dilation, stride=spec.stride)
+    n, _, length = cols.shape
+    g = spec.groups
+    cols = cols.view(n, g, -1, length).permute(1, 0, 3, 2).reshape(g, n * length, -1)
+    return cols[0] if g == 1 else cols
+
+
+def a_rows(spec: LayerSpec, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Input rows of one call, without the bias column, and rows per example from space.
+
+    Linear: ``x`` of shape ``(..., in)`` → ``(prod(...), in)``, spatial 1.
+    Conv2d: ``x`` of shape ``(N, C, H, W)`` → patches ``(*batch_shape, N·L, C/groups·kh·kw)``,
+    spatial ``L = out_h·out_w``.
+    """
+    if spec.kind == "linear":
+        if x.dim() == 0 or x.shape[-1] != spec.in_dim:
+            raise _bad(spec, "input", f"last dimension {spec.in_dim}", x.shape)
+        return x.reshape(-1, spec.in_dim), 1
+    cols = _conv_patches(spec, x)
+    n = x.shape[0] if x.dim() == 4 else 1
+    return cols, cols.shape[-2] // n
+
+
+def g_rows(spec: LayerSpec, r: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Output-gradient rows of one call and rows per example from space."""
+    if spec.kind == "linear":
+        if r.dim() == 0 or r.shape[-1] != spec.out_dim:
+            raise _bad(spec, "output-gradient", f"last dimension {spec.out_dim}", r.shape)
+        return r.reshape(-1, spec.out_dim), 1
+    if r.dim() == 3:
+        r = r.unsqueeze(0)
+    if r.dim() != 4 or r.shape[1] != spec.out_dim:
+        raise _bad(spec, "output-gradient", f"shape (N, {spec.out_dim}, h, w)", r.shape)
+    n, _, h, w = r.shape
+    g = spec.groups
+    rows = r.reshape(n, g, -1, h * w).permute(1, 0, 3, 2).reshape(g, n * h * w, -1)
+    return (rows[0] if g == 1 else rows), h * w
+
+
+def symmetrize(m: torch.Tensor) -> torch.Tensor:
+    """``(M + Mᵀ) / 2`` over the last two dimensions."""
+    return (m + m.mT) / 2
+
+
+def _gram(rows: torch.Tensor, with_ones: bool) -> torch.Tensor:
+    """``rowsᵀ rows``; with ``with_ones`` as if a column of ones were appended (no copy)."""
+    xx = rows.mT @ rows
+    if not with_ones:
+        return xx
+    s = rows.sum(dim=-2)
+    n = torch.full((*s.shape[:-1], 1), rows.shape[-2], dtype=rows.dtype, device=rows.device)
+    top = torch.cat([xx, s.unsqueeze(-1)], dim=-1)
+    bottom = torch.cat([s, n], dim=-1).unsqueeze(-2)
+    return torch.cat([top, bottom], dim=-2)
+
+
+def a_factor(
+    spec: LayerSpec,
+    inputs: Sequence[torch.Tensor],
+    convention: Convention = "fisher",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """A factor of one batch from the inputs of every call of the layer.
+
+    Args:
+        spec: the layer.
+        inputs: the layer's input for each call in the forward pass.
+        convention: scaling convention (see :mod:`kfac_func.conventions`).
+        dtype: accumulation dtype (inputs are cast before the product).
+
+    Returns:
+        Symmetric tensor of shape ``spec.factor_shapes[0]``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from kfac_func.layers import register
+        >>> spec = register(nn.Linear(2, 3))[""]
+        >>> a_factor(spec, [torch.tensor([[1.0, 2.0]])])
+        tensor([[1., 2., 1.],
+                [2., 4., 2.],
+                [1., 2., 1.]])
+    """
+    if not inputs:
+        raise ValueError(f"layer {spec.name!r}: no captured inputs")
+    parts = [a_rows(spec, x.to(dtype)) for x in inputs]
+    scales = a_scales(convention, [p.shape[-2] for p, _ in parts], [s for _, s in parts])
+    total = sum(k * _gram(p, spec.has_bias) for (p, _), k in zip(parts, scales))
+    return symmetrize(total)  # type: ignore[arg-type]
+
+
+def g_factor(
+    spec: LayerSpec,
+    output_grads: Sequence[torch.Tensor],
+    convention: Convention = "fisher",
+    dtype: torch.dtype = torch.float32,
+    *,
+    batch_size: int,
+    loss_scale: float,
+) -> torch.Tensor:
+    """G factor of one batch from the raw output-gradients of every call of the layer.
+
+    Args:
+        spec: the layer.
+        output_grads: gradient of the loss w.r.t. the layer's output, per call.
+        convention: scaling convention (see :mod:`kfac_func.conventions`).
+        dtype: accumulation dtype.
+        batch_size: number of examples ``N`` in the batch.
+        loss_scale: ``c`` with loss ``= c · Σ_n ℓ_n`` (``1/N`` for a mean).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from kfac_func.layers import register
+        >>> spec = register(nn.Linear(2, 2))[""]
+        >>> r = torch.tensor([[0.5, 0.0], [0.0, 0.5]])  # mean loss over 2 examples
+        >>> g_factor(spec, [r], batch_size=2, loss_scale=0.5)
+        tensor([[0.5000, 0.0000],
+                [0.0000, 0.5000]])
+    """
+    if not output_grads:
+        raise ValueError(f"layer {spec.name!r}: no captured output-gradients")
+    parts = [g_rows(spec, r.to(dtype)) for r in output_grads]
+    rows = [p.shape[-2] for p, _ in parts]
+    scales = g_scales(convention, rows, [s for _, s in parts], batch_size, loss_scale)
+    total = sum(k * _gram(p, False) for (p, _), k in zip(parts, scales))
+    return symmetrize(total)  # type: ignore[arg-type]
+
+
+def grads_to_matrix(
+    spec: LayerSpec, weight_grad: torch.Tensor, bias_grad: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Gradient matrix ``(*batch_shape, g_dim, a_dim)``; the bias is the last column.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from kfac_func.layers import register
+        >>> spec = register(nn.Linear(2, 1))[""]
+        >>> grads_to_matrix(spec, torch.tensor([[1.0, 2.0]]), torch.tensor([3.0]))
+        tensor([[1., 2., 3.]])
+    """
+    if tuple(weight_grad.shape) != spec.weight_shape:
+        raise _bad(spec, "weight gradient", f"shape {spec.weight_shape}", weight_grad.shape)
+    g = spec.groups
+    m = weight_grad.reshape(*spec.batch_shape, spec.g_dim, -1)
+    if spec.has_bias:
+        if bias_grad is None:
+            raise ValueError(f"layer {spec.name!r}: missing gradient for {spec.bias!r}")
+        if tuple(bias_grad.shape) != (spec.out_dim,):
+            raise _bad(spec, "bias gradient", f"shape ({spec.out_dim},)", bias_grad.shape)
+        b = bias_grad.reshape(*spec.batch_shape, spec.g_dim, 1) if g > 1 else bias_grad[:, None]
+        m = torch.cat([m, b.to(m.dtype)], dim=-1)
+    return m
+
+
+def matrix_to_grads(spec: LayerSpec, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Inverse of :func:`grads_to_matrix`: ``(weight_grad, bias_grad or None)``."""
+    if spec.has_bias:
+        w, b = m[..., :-1], m[..., -1].reshape(spec.out_dim)
+    else:
+        w, b = m, None
+    return w.reshape(spec.weight_shape), b

@@ -1,0 +1,142 @@
+"""Immutable K-FAC state pytrees.
+
+``KFACState(step, layers={name: LayerState}, config)`` is a frozen dataclass registered
+with optree and with torch's pytree registry. Tensors (factors, decompositions) are the
+children; counters, layer specs and the configuration are static metadata, so
+``optree.tree_map(lambda t: t.to(device), state)`` touches tensors only. Nothing in the
+library mutates a state: every transition builds a new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from kfac_func._pytree import register_dataclass
+from kfac_func.conventions import Convention, check_convention, initial_factor
+from kfac_func.decomposition import COMPUTE_METHODS, Decomposition
+from kfac_func.layers import LayerSpec
+
+__all__ = ["KFACConfig", "KFACState", "LayerState", "init"]
+
+
+@dataclass(frozen=True)
+class KFACConfig:
+    """Choices fixed for the life of a state (they decide its structure and meaning).
+
+    Attributes:
+        convention: ``"fisher"`` or ``"kfac-pytorch"`` (see :mod:`kfac_func.conventions`).
+        compute_method: ``"eigen"`` or ``"inverse"``.
+        compute_eigenvalue_outer_product: eigen only: precompute ``1/(dg daᵀ + λ)`` when
+            decomposing (λ then stays fixed until the next decomposition).
+        factor_dtype: dtype factors accumulate in (inputs of lower precision are cast up).
+        inv_dtype: dtype decompositions are stored in.
+    """
+
+    convention: Convention = "fisher"
+    compute_method: str = "eigen"
+    compute_eigenvalue_outer_product: bool = True
+    factor_dtype: torch.dtype = torch.float32
+    inv_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        check_convention(self.convention)
+        if self.compute_method not in COMPUTE_METHODS:
+            raise ValueError(
+                f"compute_method must be one of {COMPUTE_METHODS}, got {self.compute_method!r}"
+            )
+        for name in ("factor_dtype", "inv_dtype"):
+            dt = getattr(self, name)
+            if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+                raise ValueError(f"{name} must be a floating torch.dtype, got {dt!r}")
+
+
+@dataclass(frozen=True)
+class LayerState:
+    """Per-layer state: running-average factors and their latest decomposition.
+
+    Attributes:
+        a_factor, g_factor: running averages of A and G (``spec.factor_shapes``).
+        decomposition: :class:`EigenDecomposition`, :class:`InverseDecomposition`, or
+            ``None`` before the first one (the layer's gradient then passes unchanged).
+        spec: the layer (static).
+        factor_updates: number of batch factors averaged in so far (static).
+        skipped_updates: factor updates skipped because of non-finite values (static).
+    """
+
+    a_factor: torch.Tensor
+    g_factor: torch.Tensor
+    decomposition: Decomposition | None
+    spec: LayerSpec
+    factor_updates: int = 0
+    skipped_updates: int = 0
+
+    def replace(self, **changes: object) -> LayerState:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class KFACState:
+    """The whole K-FAC state: a step counter, per-layer states and the configuration.
+
+    ``step`` counts calls of :func:`kfac_func.update`; hyperparameter callables receive it.
+    """
+
+    layers: dict[str, LayerState]
+    step: int = 0
+    config: KFACConfig = field(default_factory=KFACConfig)
+
+    def replace(self, **changes: object) -> KFACState:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+register_dataclass(
+    LayerState,
+    data=("a_factor", "g_factor", "decomposition"),
+    static=("spec", "factor_updates", "skipped_updates"),
+)
+register_dataclass(KFACState, data=("layers",), static=("step", "config"))
+
+
+def init(
+    layers: Mapping[str, LayerSpec],
+    *,
+    convention: Convention = "fisher",
+    compute_method: str = "eigen",
+    compute_eigenvalue_outer_product: bool = True,
+    factor_dtype: torch.dtype = torch.float32,
+    inv_dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> KFACState:
+    """A fresh state for ``layers`` (as returned by :func:`kfac_func.register`).
+
+    Factors start at the convention's initial value (zeros that the first update replaces
+    for ``"fisher"``, the identity for ``"kfac-pytorch"``); there is no decomposition yet.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> state = kf.init(kf.register(nn.Linear(3, 2)), factor_dtype=torch.float64)
+        >>> state.layers[""].a_factor.shape, state.step
+        (torch.Size([4, 4]), 0)
+    """
+    config = KFACConfig(
+        convention, compute_method, compute_eigenvalue_outer_product, factor_dtype, inv_dtype
+    )
+    dev = torch.device(device) if device is not None else None
+    states = {}
+    for name, spec in layers.items():
+        a_shape, g_shape = spec.factor_shapes
+        states[name] = LayerState(
+            a_factor=initial_factor(convention, a_shape, factor_dtype, dev),
+            g_factor=initial_factor(convention, g_shape, factor_dtype, dev),
+            decomposition=None,
+            spec=spec,
+        )
+    return KFACState(layers=states, step=0, config=config)

@@ -1,0 +1,321 @@
+"""`update`: one pure K-FAC step, composed of three pure stages.
+
+1. :func:`accumulate_factors` folds the batch factors of the captures into the running
+   averages (``factor_decay``);
+2. :func:`decompose` recomputes the eigendecompositions or damped inverses;
+3. :func:`precondition_grads` applies them to the gradients and scales by ``kl_clip``.
+
+Every function returns new objects and leaves its inputs untouched. Hyperparameters are
+numbers or ``step -> value`` callables, evaluated at ``state.step``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Literal, TypeVar
+
+import torch
+
+from kfac_func.capture import Captures
+from kfac_func.conventions import decomposition_dtype, micro_batch_weights
+from kfac_func.decomposition import (
+    eigen_decompose,
+    inverse_decompose,
+    kl_clip_scale,
+    precondition,
+)
+from kfac_func.factors import a_factor, g_factor, grads_to_matrix, matrix_to_grads
+from kfac_func.layers import LayerSpec
+from kfac_func.state import KFACState, LayerState
+
+__all__ = [
+    "NonFiniteError",
+    "accumulate_factors",
+    "decompose",
+    "precondition_grads",
+    "update",
+]
+
+T = TypeVar("T")
+Hyper = float | Callable[[int], float]
+NonFinite = Literal["skip", "raise"]
+
+
+class NonFiniteError(ValueError):
+    """A NaN or Inf reached K-FAC; the message names the layer and the tensor."""
+
+
+def _resolve(value: T | Callable[[int], T], step: int) -> T:
+    return value(step) if callable(value) else value  # type: ignore[return-value]
+
+
+def _check(name: str, value: float | None, ok: Callable[[float], bool], expected: str) -> None:
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if math.isnan(value) or not ok(value):
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def _as_list(captures: Captures | Sequence[Captures]) -> list[Captures]:
+    return [captures] if isinstance(captures, Captures) else list(captures)
+
+
+def _batch_factors(
+    spec: LayerSpec, micro_batches: list[Captures], state: KFACState
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A and G of one accumulation window for one layer, or None if it was not called."""
+    cfg = state.config
+    seen = [c for c in micro_batches if spec.name in c.layers and c.layers[spec.name].inputs]
+    if not seen:
+        return None
+    weights = micro_batch_weights(cfg.convention, [c.batch_size for c in seen])
+    a_sum: torch.Tensor | None = None
+    g_sum: torch.Tensor | None = None
+    for w, cap in zip(weights, seen):
+        lc = cap.layers[spec.name]
+        if len(lc.inputs) != len(lc.output_grads):
+            raise ValueError(
+                f"layer {spec.name!r}: {len(lc.inputs)} captured inputs but "
+                f"{len(lc.output_grads)} output-gradients"
+            )
+        a = a_factor(spec, lc.inputs, cfg.convention, cfg.factor_dtype)
+        g = g_factor(
+            spec,
+            lc.output_grads,
+            cfg.convention,
+            cfg.factor_dtype,
+            batch_size=cap.batch_size,
+            loss_scale=cap.loss_scale,
+        )
+        a_sum = w * a if a_sum is None else a_sum + w * a
+        g_sum = w * g if g_sum is None else g_sum + w * g
+    assert a_sum is not None and g_sum is not None
+    return a_sum, g_sum
+
+
+def _non_finite(layer: str, what: str, mode: NonFinite) -> None:
+    msg = f"layer {layer!r}: non-finite values (NaN/Inf) in {what}"
+    if mode == "raise":
+        raise NonFiniteError(msg)
+    warnings.warn(f"{msg}; skipped for this step", RuntimeWarning, stacklevel=3)
+
+
+def accumulate_factors(
+    state: KFACState,
+    captures: Captures | Sequence[Captures],
+    *,
+    factor_decay: Hyper = 0.95,
+    nonfinite: NonFinite = "skip",
+) -> KFACState:
+    """Fold one accumulation window of captures into the running-average factors.
+
+    ``new = decay · old + (1 − decay) · batch``; the first update of a ``"fisher"`` state
+    takes the batch factor as is (see :mod:`kfac_func.conventions`). Several captures
+    (micro-batches) form one update. Layers absent from the captures keep their factors.
+    A layer whose batch factors hold NaN/Inf keeps its factors and counts a skipped update
+    (``nonfinite="skip"``, with a warning) or raises :class:`NonFiniteError`.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> model = nn.Linear(3, 2)
+        >>> state = kf.init(kf.register(model))
+        >>> _, _, caps = kf.capture(model, dict(model.named_parameters()),
+        ...                         torch.randn(4, 3), lambda out: out.sum())
+        >>> kf.accumulate_factors(state, caps).layers[""].factor_updates
+        1
+    """
+    decay = _resolve(factor_decay, state.step)
+    _check("factor_decay", decay, lambda v: 0 < v <= 1, "in (0, 1]")
+    micro = _as_list(captures)
+    first_replaces = state.config.convention == "fisher"
+    layers = dict(state.layers)
+    for name, ls in state.layers.items():
+        batch = _batch_factors(ls.spec, micro, state)
+        if batch is None:
+            continue
+        a, g = batch
+        bad = [w for w, f in (("A", a), ("G", g)) if not bool(torch.isfinite(f).all())]
+        if bad:
+            _non_finite(name, f"the {' and '.join(bad)} factor of this batch", nonfinite)
+            layers[name] = ls.replace(skipped_updates=ls.skipped_updates + 1)
+            continue
+        if ls.factor_updates == 0 and first_replaces:
+            new_a, new_g = a, g
+        else:
+            new_a = decay * ls.a_factor + (1 - decay) * a
+            new_g = decay * ls.g_factor + (1 - decay) * g
+        layers[name] = ls.replace(
+            a_factor=new_a, g_factor=new_g, factor_updates=ls.factor_updates + 1
+        )
+    return state.replace(layers=layers)
+
+
+def decompose(state: KFACState, *, damping: Hyper = 1e-3, only_missing: bool = False) -> KFACState:
+    """Recompute every layer's decomposition from its current factors.
+
+    With ``only_missing``, only layers without a decomposition are computed. Layers of a
+    ``"fisher"`` state whose factors were never updated get none (their gradients pass
+    unchanged), as zero factors carry no curvature.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> state = kf.init(kf.register(nn.Linear(3, 2)), convention="kfac-pytorch")
+        >>> kf.decompose(state).layers[""].decomposition.da
+        tensor([1., 1., 1., 1.])
+    """
+    lam = _resolve(damping, state.step)
+    _check("damping", lam, lambda v: v >= 0, ">= 0")
+    cfg = state.config
+    cdt = decomposition_dtype(cfg.convention, cfg.inv_dtype)
+    layers = dict(state.layers)
+    for name, ls in state.layers.items():
+        if only_missing and ls.decomposition is not None:
+            continue
+        if ls.factor_updates == 0 and cfg.convention == "fisher":
+            continue
+        if cfg.compute_method == "eigen":
+            dec: object = eigen_decompose(
+                ls.a_factor,
+                ls.g_factor,
+                lam,
+                dtype=cfg.inv_dtype,
+                compute_dtype=cdt,
+                outer_product=cfg.compute_eigenvalue_outer_product,
+            )
+        else:
+            dec = inverse_decompose(
+                ls.a_factor, ls.g_factor, lam, dtype=cfg.inv_dtype, compute_dtype=cdt
+            )
+        layers[name] = ls.replace(decomposition=dec)
+    return state.replace(layers=layers)
+
+
+def _layer_matrix(ls: LayerState, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    spec = ls.spec
+    missing = [p for p in spec.param_names() if p not in grads]
+    if missing:
+        raise ValueError(f"layer {spec.name!r}: no gradient for {missing} in grads")
+    return grads_to_matrix(spec, grads[spec.weight], grads[spec.bias] if spec.bias else None)
+
+
+def precondition_grads(
+    state: KFACState,
+    grads: Mapping[str, torch.Tensor],
+    *,
+    damping: Hyper = 1e-3,
+    kl_clip: Hyper | None = 1e-3,
+    lr: Hyper = 0.1,
+    nonfinite: NonFinite = "skip",
+) -> dict[str, torch.Tensor]:
+    """Precondition the gradients of every decomposed layer; others pass unchanged.
+
+    The preconditioned gradients of all layers are scaled by
+    ``min(1, sqrt(kl_clip / |lr² Σ P ⊙ grad|))`` unless ``kl_clip`` is None.
+
+    Returns:
+        A new dict with the keys of ``grads``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> layers = kf.register(nn.Linear(1, 1))
+        >>> state = kf.decompose(kf.init(layers, convention="kfac-pytorch"), damping=1.0)
+        >>> g = {"weight": torch.ones(1, 1), "bias": torch.ones(1)}
+        >>> kf.precondition_grads(state, g, damping=1.0, kl_clip=None)["weight"]
+        tensor([[0.5000]])
+    """
+    lam = _resolve(damping, state.step)
+    _check("damping", lam, lambda v: v >= 0, ">= 0")
+    clip = _resolve(kl_clip, state.step) if kl_clip is not None else None
+    rate = _resolve(lr, state.step)
+    _check("lr", rate, lambda v: v >= 0, ">= 0")
+    if clip is not None:
+        _check("kl_clip", clip, lambda v: v > 0, "> 0 (or None to disable)")
+
+    out = dict(grads)
+    done: list[tuple[LayerState, torch.Tensor, torch.Tensor]] = []
+    for name, ls in state.layers.items():
+        m = _layer_matrix(ls, grads)
+        if ls.decomposition is None:
+            continue
+        if not bool(torch.isfinite(m).all()):
+            _non_finite(name, f"the gradients of {list(ls.spec.param_names())}", nonfinite)
+            continue
+        done.append((ls, precondition(m, ls.decomposition, lam), m))
+    if clip is not None and done:
+        scale = kl_clip_scale([(p, m) for _, p, m in done], clip, rate)
+        done = [(ls, p * scale.to(p.dtype), m) for ls, p, m in done]
+    for ls, p, _ in done:
+        w, b = matrix_to_grads(ls.spec, p)
+        out[ls.spec.weight] = w.to(grads[ls.spec.weight].dtype)
+        if ls.spec.bias is not None and b is not None:
+            out[ls.spec.bias] = b.to(grads[ls.spec.bias].dtype)
+    return out
+
+
+def update(
+    state: KFACState,
+    grads: Mapping[str, torch.Tensor],
+    *,
+    captures: Captures | Sequence[Captures] | None = None,
+    damping: Hyper = 1e-3,
+    factor_decay: Hyper = 0.95,
+    kl_clip: Hyper | None = 1e-3,
+    lr: Hyper = 0.1,
+    update_factors: bool | Callable[[int], bool] = True,
+    update_inverses: bool | Callable[[int], bool] = True,
+    nonfinite: NonFinite = "skip",
+) -> tuple[dict[str, torch.Tensor], KFACState]:
+    """One K-FAC step: returns ``(preconditioned_grads, new_state)``; inputs are untouched.
+
+    Args:
+        state: from :func:`kfac_func.init` or a previous ``update``.
+        grads: ``{param_name: grad}``; parameters of unregistered layers pass unchanged.
+        captures: from :func:`kfac_func.capture` (or a list of them, one per micro-batch
+            of an accumulation window); needed when factors are updated.
+        damping: Tikhonov damping λ.
+        factor_decay: running-average coefficient in (0, 1].
+        kl_clip: gradient-scale clipping; None disables it.
+        lr: learning rate used by the kl_clip scale.
+        update_factors: fold the captures into the factors this step.
+        update_inverses: recompute decompositions this step (layers without one are
+            always decomposed once their factors hold data).
+        nonfinite: ``"skip"`` (warn, keep that layer's state, pass its gradient
+            unchanged) or ``"raise"`` (:class:`NonFiniteError`) on NaN/Inf.
+
+    All hyperparameters may be ``step -> value`` callables, evaluated at ``state.step``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        >>> params = dict(model.named_parameters())
+        >>> state = kf.init(kf.register(model))
+        >>> x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+        >>> loss, grads, caps = kf.capture(model, params, x,
+        ...                                lambda out: nn.functional.cross_entropy(out, y))
+        >>> new_grads, state = kf.update(state, grads, captures=caps, damping=1e-2)
+        >>> state.step, sorted(new_grads) == sorted(params)
+        (1, True)
+    """
+    if nonfinite not in ("skip", "raise"):
+        raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
+    step = state.step
+    new = state
+    if _resolve(update_factors, step):
+        if captures is None:
+            raise ValueError("update_factors=True needs captures= (from kfac_func.capture)")
+        new = accumulate_factors(new, captures, factor_decay=factor_decay, nonfinite=nonfinite)
+    new = decompose(new, damping=damping, only_missing=not _resolve(update_inverses, step))
+    out = precondition_grads(
+        new, grads, damping=damping, kl_clip=kl_clip, lr=lr, nonfinite=nonfinite
+    )
+    return out, new.replace(step=step + 1)
