@@ -129,14 +129,15 @@ def _mc_cotangent(
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"fisher='mc' needs the model to return one tensor, got {type(out)}")
     y = out.detach()
+    dtype = torch.promote_types(y.dtype, torch.float32)
     if likelihood == "cross_entropy":
-        p = torch.softmax(y.float(), dim=-1).reshape(-1, y.shape[-1])
+        p = torch.softmax(y.to(dtype), dim=-1).reshape(-1, y.shape[-1])
         t = torch.multinomial(p, 1, generator=generator).squeeze(-1)
         grad = p.clone()
         grad[torch.arange(p.shape[0], device=p.device), t] -= 1.0
     elif likelihood == "mse":
         # Unit-variance Gaussian: ℓ = ½‖y − t̂‖², t̂ = y + ε, ∇_y ℓ = −ε.
-        grad = -torch.randn(y.shape, generator=generator, device=y.device, dtype=torch.float32)
+        grad = -torch.randn(y.shape, generator=generator, device=y.device, dtype=dtype)
     else:
         raise ValueError(
             f"fisher='mc' needs likelihood='cross_entropy' or 'mse', got {likelihood!r}"
@@ -174,7 +175,9 @@ def capture(
         args: the model's positional input (a tensor or a tuple of them).
         loss_fn: ``outputs -> scalar loss`` (close over the targets).
         layers: layers to capture (default: ``register(model)``).
-        buffers: buffers for the call (default: the model's own).
+        buffers: buffers for the call (default: the model's own). In-place updates the
+            forward makes to them (BatchNorm running statistics) are written back, as in
+            an ordinary forward pass.
         kwargs: keyword arguments for the model.
         fisher: ``"empirical"`` uses the output-gradients of ``loss_fn``; ``"mc"`` samples
             targets from the model's predictive distribution (``likelihood``) and uses
@@ -228,12 +231,20 @@ def capture(
 
     def forward(
         p: dict[str, torch.Tensor], pr: dict[str, list[torch.Tensor]]
-    ) -> tuple[Any, dict[str, list[torch.Tensor]]]:
+    ) -> tuple[Any, tuple[dict[str, list[torch.Tensor]], dict[str, torch.Tensor]]]:
+        # Buffers are cloned inside the transform so that in-place updates (BatchNorm
+        # running statistics) are allowed; they are written back once the call is done.
+        b = {k: v.clone() for k, v in bufs.items()}
         calls = _Calls(list(modules), pr)
-        out = calls.run(modules, lambda: functional_call(model, (p, bufs), args, kwargs))
-        return out, calls.inputs
+        out = calls.run(modules, lambda: functional_call(model, (p, b), args, kwargs))
+        return out, (calls.inputs, b)
 
-    out, vjp_fn, inputs = torch.func.vjp(forward, params, probes, has_aux=True)  # type: ignore[misc]
+    out, vjp_fn, (inputs, new_bufs) = torch.func.vjp(  # type: ignore[misc]
+        forward, params, probes, has_aux=True
+    )
+    with torch.no_grad():
+        for k, v in new_bufs.items():
+            bufs[k].copy_(v)
     dloss, loss = torch.func.grad_and_value(loss_fn)(out)
     grads, output_grads = vjp_fn(dloss)
     if fisher == "mc":

@@ -1,0 +1,111 @@
+"""Layer registration: kinds, shapes, skip_layers, unsupported modules, the table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import kfac_func as kf
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.norm = nn.LayerNorm(8)
+        self.proj = nn.Linear(8, 16, bias=False)
+        self.conv = nn.Conv2d(4, 6, 3, padding="same", groups=2)
+        self.attn = nn.MultiheadAttention(8, 2)
+        self.head = nn.Sequential(nn.Linear(16, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+def test_kinds_and_shapes() -> None:
+    table = kf.register(Block())
+    assert list(table) == ["proj", "conv", "head.0", "head.2"]
+    proj, conv = table["proj"], table["conv"]
+    assert (proj.kind, proj.bias, proj.factor_shapes) == ("linear", None, ((8, 8), (16, 16)))
+    assert conv.kind == "conv2d" and conv.groups == 2
+    # per group: 2 input channels * 3*3 + bias = 19; 3 output channels
+    assert conv.factor_shapes == ((2, 19, 19), (2, 3, 3))
+    assert conv.matrix_shape == (2, 3, 19)
+    assert conv.padding == (1, 1, 1, 1)
+    assert table["head.0"].weight == "head.0.weight" and table["head.0"].bias == "head.0.bias"
+
+
+def test_unsupported_modules_are_listed_not_fatal() -> None:
+    table = kf.register(Block())
+    assert "unsupported kind Embedding" in table.skipped["embed"]
+    assert "unsupported kind LayerNorm" in table.skipped["norm"]
+    # MultiheadAttention reads out_proj.weight directly: its hooks would see nothing
+    assert "attn.out_proj" not in table
+    assert "attn.out_proj" in table.skipped
+    assert "MultiheadAttention" in table.skipped["attn"]
+
+
+def test_skip_layers_by_name_class_and_parent() -> None:
+    model = Block()
+    table = kf.register(model, skip_layers=["head", "Conv2d"])
+    assert set(table) == {"proj"}
+    assert table.skipped["head"] == "matched skip_layers 'head'"
+    assert table.skipped["conv"] == "matched skip_layers 'Conv2d'"
+    # children of a skipped parent are not listed separately
+    assert not any(k.startswith("head.") for k in table.skipped)
+    # a single string is accepted as one pattern
+    assert set(kf.register(model, skip_layers="proj|conv")) == {"head.0", "head.2"}
+
+
+def test_frozen_layers_are_skipped() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    model[0].weight.requires_grad_(False)
+    table = kf.register(model)
+    assert list(table) == ["1"]
+    assert table.skipped["0"] == "weight does not require grad"
+
+
+def test_table_prints_every_row() -> None:
+    text = str(kf.register(Block(), skip_layers=["embed"]))
+    lines = text.splitlines()
+    assert lines[0].split() == ["name", "kind", "A", "G", "note"]
+    assert any(
+        line.startswith("conv ") and "2x19x19" in line and "2 groups" in line for line in lines
+    )
+    assert any(
+        line.startswith("embed ") and "skipped: matched skip_layers" in line for line in lines
+    )
+    assert any(line.startswith("norm ") and "unsupported kind LayerNorm" in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"kernel_size": 3, "padding": 1}, (1, 1, 1, 1)),
+        ({"kernel_size": 3, "padding": (1, 2)}, (2, 2, 1, 1)),
+        ({"kernel_size": 3, "padding": "valid"}, (0, 0, 0, 0)),
+        ({"kernel_size": (4, 3), "padding": "same", "dilation": (1, 2)}, (2, 2, 1, 2)),
+        ({"kernel_size": 2, "padding": "same"}, (0, 1, 0, 1)),
+    ],
+)
+def test_conv_padding_matches_pytorch(kwargs: dict[str, object], expected: tuple[int, ...]) -> None:
+    conv = nn.Conv2d(2, 2, **kwargs)  # type: ignore[arg-type]
+    spec = kf.register(conv)[""]
+    assert spec.padding == expected
+    # PyTorch's own record of the padding it applies, in F.pad order
+    assert tuple(conv._reversed_padding_repeated_twice) == expected
+
+
+def test_weight_shape_and_spec_is_hashable() -> None:
+    table = kf.register(nn.Sequential(nn.Conv2d(4, 8, (2, 3), groups=4), nn.Linear(5, 6)))
+    assert table["0"].weight_shape == (8, 1, 2, 3)
+    assert table["1"].weight_shape == (6, 5)
+    assert len({table["0"], table["1"], table["0"]}) == 2
+
+
+def test_root_module_can_be_a_layer() -> None:
+    table = kf.register(nn.Linear(2, 3))
+    assert list(table) == [""]
+    assert table[""].weight == "weight"
+    x = torch.randn(4, 2)
+    model = nn.Linear(2, 3)
+    _, grads, caps = kf.capture(model, dict(model.named_parameters()), x, lambda o: o.sum())
+    assert set(grads) == {"weight", "bias"} and caps.layers[""].inputs[0] is not None
