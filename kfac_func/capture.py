@@ -9,6 +9,7 @@ hooks are not used (they do not work inside torch.func transforms).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -56,6 +57,34 @@ register_dataclass(LayerCapture, data=("inputs", "output_grads"))
 register_dataclass(Captures, data=("layers",), static=("batch_size", "loss_scale"))
 
 
+class _ShapesChanged(Exception):
+    """A layer was called more often, or with another output shape, than recorded."""
+
+
+Shapes = dict[str, list[tuple[torch.Size, torch.dtype]]]
+
+# Output shapes per model and call signature, so the shape pass runs once per signature.
+_SHAPES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], Shapes]] = (
+    weakref.WeakKeyDictionary()
+)
+_MAX_SIGNATURES = 32
+
+
+def _signature(model: nn.Module, names: tuple[str, ...], tree: Any) -> tuple[Any, ...] | None:
+    """Hashable key of everything that decides the layers' output shapes, or None."""
+    key: list[Any] = [model.training, names]
+    for leaf in torch_pytree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            key.append((tuple(leaf.shape), leaf.dtype, leaf.device))
+        else:
+            key.append(leaf)
+    try:
+        hash(tuple(key))
+    except TypeError:
+        return None
+    return tuple(key)
+
+
 class _Calls:
     """Per-call bookkeeping shared by the forward hooks of one traced forward."""
 
@@ -70,13 +99,11 @@ class _Calls:
             self.outputs[name].append((out.shape, out.dtype))
             if self.probes is None:
                 return None
-            if k >= len(self.probes[name]):
-                raise RuntimeError(
-                    f"layer {name!r} was called {k + 1} times, more than in the shape pass "
-                    "(the forward pass must call layers the same way for the same inputs)"
-                )
+            probes = self.probes[name]
+            if k >= len(probes) or probes[k].shape != out.shape:
+                raise _ShapesChanged(name)
             self.inputs[name].append(args[0])
-            return out + self.probes[name][k]
+            return out + probes[k]
 
         return fn
 
@@ -95,12 +122,34 @@ def _output_shapes(
     tensors: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> dict[str, list[tuple[torch.Size, torch.dtype]]]:
-    """Shape of every call's output, from a forward pass on meta tensors (no compute).
+    *,
+    refresh: bool = False,
+) -> Shapes:
+    """Shape of every call's output, cached per model and call signature.
 
-    Falls back to a real forward without gradients (buffers cloned, RNG restored) for
-    models that cannot run on the meta device.
+    Measured by a forward pass on meta tensors (no compute), or, for models that cannot
+    run on the meta device, a real forward without gradients (buffers cloned, RNG
+    restored).
     """
+    key = _signature(model, tuple(modules), (tensors, args, kwargs))
+    cache = _SHAPES.setdefault(model, {})
+    if key is not None and not refresh and key in cache:
+        return cache[key]
+    shapes = _measure_shapes(model, modules, tensors, args, kwargs)
+    if key is not None:
+        if len(cache) >= _MAX_SIGNATURES:
+            cache.clear()
+        cache[key] = shapes
+    return shapes
+
+
+def _measure_shapes(
+    model: nn.Module,
+    modules: Mapping[str, nn.Module],
+    tensors: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Shapes:
 
     def to_meta(x: Any) -> Any:
         return x.to("meta") if isinstance(x, torch.Tensor) else x
@@ -187,7 +236,8 @@ def capture(
             dimension) or ``"mse"`` (unit-variance Gaussian, ``ℓ = ½‖y − t‖²``).
         loss_reduction: whether ``loss_fn`` averages (``"mean"``) or sums (``"sum"``) its
             per-example losses over the batch; recorded as ``Captures.loss_scale``.
-        batch_size: number of examples (default: first dimension of the first input).
+        batch_size: number of examples (default: first dimension of the first input;
+            pass it for unbatched inputs or layouts whose batch is not dimension 0).
         generator: random generator for ``fisher="mc"``.
 
     Returns:
@@ -222,13 +272,6 @@ def capture(
     n = _batch_size(args, kwargs) if batch_size is None else int(batch_size)
     scale = 1.0 / n if loss_reduction == "mean" else 1.0
 
-    shapes = _output_shapes(model, modules, (params, bufs), args, kwargs)
-    device = next(iter(params.values())).device if params else torch.device("cpu")
-    probes = {
-        name: [torch.zeros(s, dtype=dt, device=device) for s, dt in calls]
-        for name, calls in shapes.items()
-    }
-
     def forward(
         p: dict[str, torch.Tensor], pr: dict[str, list[torch.Tensor]]
     ) -> tuple[Any, tuple[dict[str, list[torch.Tensor]], dict[str, torch.Tensor]]]:
@@ -239,9 +282,24 @@ def capture(
         out = calls.run(modules, lambda: functional_call(model, (p, b), args, kwargs))
         return out, (calls.inputs, b)
 
-    out, vjp_fn, (inputs, new_bufs) = torch.func.vjp(  # type: ignore[misc]
-        forward, params, probes, has_aux=True
-    )
+    device = next(iter(params.values())).device if params else torch.device("cpu")
+    for attempt in (0, 1):
+        shapes = _output_shapes(model, modules, (params, bufs), args, kwargs, refresh=attempt > 0)
+        probes = {
+            name: [torch.zeros(s, dtype=dt, device=device) for s, dt in calls]
+            for name, calls in shapes.items()
+        }
+        try:
+            out, vjp_fn, (inputs, new_bufs) = torch.func.vjp(  # type: ignore[misc]
+                forward, params, probes, has_aux=True
+            )
+            break
+        except _ShapesChanged as e:
+            if attempt:
+                raise RuntimeError(
+                    f"layer {e.args[0]!r} was called a different number of times, or gave "
+                    "other output shapes, in two forward passes on the same inputs"
+                ) from None
     with torch.no_grad():
         for k, v in new_bufs.items():
             bufs[k].copy_(v)
@@ -251,6 +309,7 @@ def capture(
         _, output_grads = vjp_fn(_mc_cotangent(out, likelihood, scale, generator))
 
     captured = {
-        name: LayerCapture(tuple(inputs[name]), tuple(output_grads[name])) for name in modules
+        name: LayerCapture(tuple(inputs[name]), tuple(output_grads[name][: len(inputs[name])]))
+        for name in modules
     }
     return loss.detach(), grads, Captures(captured, n, scale)

@@ -38,10 +38,10 @@ def _bad(
 
 def _conv_patches(spec: LayerSpec, x: torch.Tensor) -> torch.Tensor:
     """Patches ``(*batch_shape, N·L, Cg·kh·kw)`` exactly as the convolution sees them."""
+    if x.dim() not in (3, 4) or x.shape[-3] != spec.in_dim:
+        raise _bad(spec, "input", f"shape (N, {spec.in_dim}, H, W)", x.shape)
     if x.dim() == 3:
         x = x.unsqueeze(0)
-    if x.dim() != 4 or x.shape[1] != spec.in_dim:
-        raise _bad(spec, "input", f"shape (N, {spec.in_dim}, H, W)", x.shape)
     if any(spec.padding):
         mode = "constant" if spec.padding_mode == "zeros" else spec.padding_mode
         x = F.pad(x, spec.padding, mode=mode)
@@ -74,10 +74,10 @@ def g_rows(spec: LayerSpec, r: torch.Tensor) -> tuple[torch.Tensor, int]:
         if r.dim() == 0 or r.shape[-1] != spec.out_dim:
             raise _bad(spec, "output-gradient", f"last dimension {spec.out_dim}", r.shape)
         return r.reshape(-1, spec.out_dim), 1
+    if r.dim() not in (3, 4) or r.shape[-3] != spec.out_dim:
+        raise _bad(spec, "output-gradient", f"shape (N, {spec.out_dim}, h, w)", r.shape)
     if r.dim() == 3:
         r = r.unsqueeze(0)
-    if r.dim() != 4 or r.shape[1] != spec.out_dim:
-        raise _bad(spec, "output-gradient", f"shape (N, {spec.out_dim}, h, w)", r.shape)
     n, _, h, w = r.shape
     g = spec.groups
     rows = r.reshape(n, g, -1, h * w).permute(1, 0, 3, 2).reshape(g, n * h * w, -1)

@@ -1,0 +1,52 @@
+"""The house rules: the math knows no ranks, and imports point one way."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "kfac_func"
+
+# module -> package modules it may import (capture → math → state → update)
+ALLOWED = {
+    "_pytree": set(),
+    "layers": set(),
+    "conventions": set(),
+    "factors": {"conventions", "layers"},
+    "decomposition": {"_pytree"},
+    "state": {"_pytree", "conventions", "decomposition", "layers"},
+    "capture": {"_pytree", "layers"},
+    "update": {"capture", "conventions", "decomposition", "factors", "layers", "state"},
+}
+MATH = ["layers", "conventions", "factors", "decomposition", "state", "capture", "update"]
+
+
+def _imports(module: str) -> set[str]:
+    tree = ast.parse((PKG / f"{module}.py").read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+@pytest.mark.parametrize("module", sorted(ALLOWED))
+def test_imports_point_one_way(module: str) -> None:
+    used = {n.split(".")[1] for n in _imports(module) if n.startswith("kfac_func.")}
+    assert used <= ALLOWED[module], f"{module} imports {sorted(used - ALLOWED[module])}"
+
+
+@pytest.mark.parametrize("module", MATH)
+def test_math_knows_no_ranks(module: str) -> None:
+    assert not any("torch.distributed" in n for n in _imports(module))
+    assert "torch.distributed" not in (PKG / f"{module}.py").read_text()
+
+
+def test_every_module_is_covered() -> None:
+    modules = {p.stem for p in PKG.glob("*.py")} - {"__init__"}
+    assert modules == set(ALLOWED)
