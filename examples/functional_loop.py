@@ -28,7 +28,9 @@ def make_data(n: int, dim: int, classes: int, seed: int) -> tuple[torch.Tensor, 
 
 def make_model(dim: int, classes: int, seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(dim, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, classes))
+    return nn.Sequential(
+        nn.Linear(dim, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, classes)
+    )
 
 
 def train(args: argparse.Namespace, use_kfac: bool) -> list[float]:
@@ -43,7 +45,10 @@ def train(args: argparse.Namespace, use_kfac: bool) -> list[float]:
         for i in range(0, args.samples, args.batch_size):
             idx = perm[i : i + args.batch_size]
             params = dict(model.named_parameters())
-            loss, grads, caps = kf.capture(model, params, x[idx], lambda out: F.cross_entropy(out, y[idx]))
+            xb, yb = x[idx], y[idx]
+            loss, grads, caps = kf.capture(
+                model, params, xb, lambda out, yb=yb: F.cross_entropy(out, yb)
+            )
             if use_kfac:
                 grads, state = kf.update(
                     state,
