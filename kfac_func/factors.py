@@ -202,7 +202,16 @@ def grads_to_matrix(
 
 
 def matrix_to_grads(spec: LayerSpec, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Inverse of :func:`grads_to_matrix`: ``(weight_grad, bias_grad or None)``."""
+    """Inverse of :func:`grads_to_matrix`: ``(weight_grad, bias_grad or None)``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from kfac_func.layers import register
+        >>> spec = register(nn.Linear(2, 1))[""]
+        >>> matrix_to_grads(spec, torch.tensor([[1.0, 2.0, 3.0]]))
+        (tensor([[1., 2.]]), tensor([3.]))
+    """
     if spec.has_bias:
         w, b = m[..., :-1], m[..., -1].reshape(spec.out_dim)
     else:
