@@ -24,8 +24,26 @@ from kfac_func.decomposition import (
     kl_clip_scale,
     precondition,
 )
+from kfac_func.distributed import Communicator
 from kfac_func.factors import a_factor, g_factor, grads_to_matrix, matrix_to_grads
+from kfac_func.kaisa import update_distributed
 from kfac_func.layers import LayerSpec, LayerTable, register
+from kfac_func.plan import (
+    AssignmentStrategy,
+    DistributedStrategy,
+    LayerPlan,
+    Plan,
+    make_plan,
+)
+from kfac_func.serialization import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointMismatchError,
+    load_state,
+    save_state,
+    state_from_dict,
+    state_to_dict,
+)
 from kfac_func.state import KFACConfig, KFACState, LayerState, init
 from kfac_func.update import (
     NonFiniteError,
@@ -39,17 +57,25 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CONVENTIONS",
+    "AssignmentStrategy",
     "Captures",
+    "CheckpointError",
+    "CheckpointFormatError",
+    "CheckpointMismatchError",
+    "Communicator",
     "Convention",
+    "DistributedStrategy",
     "EigenDecomposition",
     "InverseDecomposition",
     "KFACConfig",
     "KFACState",
     "LayerCapture",
+    "LayerPlan",
     "LayerSpec",
     "LayerState",
     "LayerTable",
     "NonFiniteError",
+    "Plan",
     "__version__",
     "a_factor",
     "accumulate_factors",
@@ -61,9 +87,15 @@ __all__ = [
     "init",
     "inverse_decompose",
     "kl_clip_scale",
+    "load_state",
+    "make_plan",
     "matrix_to_grads",
     "precondition",
     "precondition_grads",
     "register",
+    "save_state",
+    "state_from_dict",
+    "state_to_dict",
     "update",
+    "update_distributed",
 ]

@@ -23,7 +23,10 @@ __all__ = [
     "COMPUTE_METHODS",
     "EigenDecomposition",
     "InverseDecomposition",
+    "damped_inverse",
     "eigen_decompose",
+    "eigenvalue_outer",
+    "eigh_factor",
     "inverse_decompose",
     "kl_clip_scale",
     "precondition",
@@ -57,9 +60,41 @@ register_dataclass(InverseDecomposition, data=("a_inv", "g_inv"))
 Decomposition = EigenDecomposition | InverseDecomposition
 
 
-def _eigh(factor: torch.Tensor, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    d, q = torch.linalg.eigh(factor.to(compute_dtype))
-    return d.clamp(min=0.0), q
+def eigh_factor(
+    factor: torch.Tensor, *, dtype: torch.dtype, compute_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(eigenvectors, eigenvalues clamped at 0)`` of one symmetric factor, in ``dtype``.
+
+    Example:
+        >>> q, d = eigh_factor(torch.diag(torch.tensor([2.0, -1e-9])), dtype=torch.float32)
+        >>> d
+        tensor([0., 2.])
+    """
+    cdt = compute_dtype or torch.promote_types(dtype, torch.float32)
+    d, q = torch.linalg.eigh(factor.to(cdt))
+    # eigh returns column-major eigenvectors; a row-major copy makes later products take
+    # the same BLAS path on every rank, whether the tensor was computed or received
+    return q.to(dtype).contiguous(), d.clamp(min=0.0).to(dtype)
+
+
+def eigenvalue_outer(dg: torch.Tensor, da: torch.Tensor, damping: float) -> torch.Tensor:
+    """``1 / (outer(dg, da) + damping)`` (batched over leading dimensions)."""
+    return 1.0 / (dg.unsqueeze(-1) * da.unsqueeze(-2) + damping)
+
+
+def damped_inverse(
+    factor: torch.Tensor,
+    damping: float,
+    *,
+    dtype: torch.dtype,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``(F + damping·I)⁻¹`` of one factor, in ``dtype``."""
+    cdt = compute_dtype or torch.promote_types(dtype, torch.float32)
+    f = factor.to(cdt)
+    eye = torch.eye(f.shape[-1], dtype=cdt, device=f.device)
+    inv: torch.Tensor = torch.linalg.inv(f + damping * eye)
+    return inv.to(dtype).contiguous()  # row-major, as in eigh_factor
 
 
 def eigen_decompose(
@@ -86,13 +121,10 @@ def eigen_decompose(
         >>> eig.da, eig.dg
         (tensor([1., 1., 1.]), tensor([2., 2.]))
     """
-    cdt = compute_dtype or torch.promote_types(dtype, torch.float32)
-    da, qa = _eigh(a, cdt)
-    dg, qg = _eigh(g, cdt)
-    dgda = None
-    if outer_product:
-        dgda = (1.0 / (dg.unsqueeze(-1) * da.unsqueeze(-2) + damping)).to(dtype)
-    return EigenDecomposition(qa.to(dtype), da.to(dtype), qg.to(dtype), dg.to(dtype), dgda)
+    qa, da = eigh_factor(a, dtype=dtype, compute_dtype=compute_dtype)
+    qg, dg = eigh_factor(g, dtype=dtype, compute_dtype=compute_dtype)
+    dgda = eigenvalue_outer(dg, da, damping) if outer_product else None
+    return EigenDecomposition(qa, da, qg, dg, dgda)
 
 
 def inverse_decompose(
@@ -112,15 +144,10 @@ def inverse_decompose(
         tensor([[0.5000, 0.0000],
                 [0.0000, 0.5000]])
     """
-    cdt = compute_dtype or torch.promote_types(dtype, torch.float32)
-
-    def damped_inv(f: torch.Tensor) -> torch.Tensor:
-        f = f.to(cdt)
-        eye = torch.eye(f.shape[-1], dtype=cdt, device=f.device)
-        inv: torch.Tensor = torch.linalg.inv(f + damping * eye)
-        return inv.to(dtype)
-
-    return InverseDecomposition(damped_inv(a), damped_inv(g))
+    return InverseDecomposition(
+        damped_inverse(a, damping, dtype=dtype, compute_dtype=compute_dtype),
+        damped_inverse(g, damping, dtype=dtype, compute_dtype=compute_dtype),
+    )
 
 
 def precondition(

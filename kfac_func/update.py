@@ -21,6 +21,7 @@ import torch
 from kfac_func.capture import Captures
 from kfac_func.conventions import decomposition_dtype, micro_batch_weights
 from kfac_func.decomposition import (
+    Decomposition,
     eigen_decompose,
     inverse_decompose,
     kl_clip_scale,
@@ -28,7 +29,7 @@ from kfac_func.decomposition import (
 )
 from kfac_func.factors import a_factor, g_factor, grads_to_matrix, matrix_to_grads
 from kfac_func.layers import LayerSpec
-from kfac_func.state import KFACState, LayerState
+from kfac_func.state import KFACConfig, KFACState, LayerState
 
 __all__ = [
     "NonFiniteError",
@@ -62,15 +63,19 @@ def _as_list(captures: Captures | Sequence[Captures]) -> list[Captures]:
     return [captures] if isinstance(captures, Captures) else list(captures)
 
 
-def _batch_factors(
-    spec: LayerSpec, micro_batches: list[Captures], state: KFACState
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A and G of one accumulation window for one layer, or None if it was not called."""
-    cfg = state.config
+def layer_batch_factors(
+    spec: LayerSpec, micro_batches: Sequence[Captures], config: KFACConfig
+) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """A, G and weight of one accumulation window for one layer; None if not called.
+
+    The weight is what the window counts for when windows of several ranks are averaged
+    (see :func:`kfac_func.conventions.micro_batch_weights`).
+    """
     seen = [c for c in micro_batches if spec.name in c.layers and c.layers[spec.name].inputs]
     if not seen:
         return None
-    weights = micro_batch_weights(cfg.convention, [c.batch_size for c in seen])
+    sizes = [c.batch_size for c in seen]
+    weights = micro_batch_weights(config.convention, sizes)
     a_sum: torch.Tensor | None = None
     g_sum: torch.Tensor | None = None
     for w, cap in zip(weights, seen):
@@ -80,19 +85,40 @@ def _batch_factors(
                 f"layer {spec.name!r}: {len(lc.inputs)} captured inputs but "
                 f"{len(lc.output_grads)} output-gradients"
             )
-        a = a_factor(spec, lc.inputs, cfg.convention, cfg.factor_dtype)
+        a = a_factor(spec, lc.inputs, config.convention, config.factor_dtype)
         g = g_factor(
             spec,
             lc.output_grads,
-            cfg.convention,
-            cfg.factor_dtype,
+            config.convention,
+            config.factor_dtype,
             batch_size=cap.batch_size,
             loss_scale=cap.loss_scale,
         )
         a_sum = w * a if a_sum is None else a_sum + w * a
         g_sum = w * g if g_sum is None else g_sum + w * g
     assert a_sum is not None and g_sum is not None
-    return a_sum, g_sum
+    return a_sum, g_sum, float(sum(sizes)) if config.convention == "fisher" else 1.0
+
+
+def factors_finite(name: str, a: torch.Tensor, g: torch.Tensor, mode: NonFinite) -> bool:
+    """True if both batch factors are finite; else warn (``"skip"``) or raise."""
+    bad = [w for w, f in (("A", a), ("G", g)) if not bool(torch.isfinite(f).all())]
+    if bad:
+        _non_finite(name, f"the {' and '.join(bad)} factor of this batch", mode)
+    return not bad
+
+
+def fold_factors(
+    ls: LayerState, a: torch.Tensor, g: torch.Tensor, decay: float, config: KFACConfig
+) -> LayerState:
+    """Running average ``decay·old + (1−decay)·batch`` (the first ``"fisher"`` update
+    takes the batch factors as they are)."""
+    if ls.factor_updates == 0 and config.convention == "fisher":
+        new_a, new_g = a, g
+    else:
+        new_a = decay * ls.a_factor + (1 - decay) * a
+        new_g = decay * ls.g_factor + (1 - decay) * g
+    return ls.replace(a_factor=new_a, g_factor=new_g, factor_updates=ls.factor_updates + 1)
 
 
 def _non_finite(layer: str, what: str, mode: NonFinite) -> None:
@@ -131,26 +157,16 @@ def accumulate_factors(
     decay = _resolve(factor_decay, state.step)
     _check("factor_decay", decay, lambda v: 0 < v <= 1, "in (0, 1]")
     micro = _as_list(captures)
-    first_replaces = state.config.convention == "fisher"
     layers = dict(state.layers)
     for name, ls in state.layers.items():
-        batch = _batch_factors(ls.spec, micro, state)
+        batch = layer_batch_factors(ls.spec, micro, state.config)
         if batch is None:
             continue
-        a, g = batch
-        bad = [w for w, f in (("A", a), ("G", g)) if not bool(torch.isfinite(f).all())]
-        if bad:
-            _non_finite(name, f"the {' and '.join(bad)} factor of this batch", nonfinite)
-            layers[name] = ls.replace(skipped_updates=ls.skipped_updates + 1)
-            continue
-        if ls.factor_updates == 0 and first_replaces:
-            new_a, new_g = a, g
+        a, g, _ = batch
+        if factors_finite(name, a, g, nonfinite):
+            layers[name] = fold_factors(ls, a, g, decay, state.config)
         else:
-            new_a = decay * ls.a_factor + (1 - decay) * a
-            new_g = decay * ls.g_factor + (1 - decay) * g
-        layers[name] = ls.replace(
-            a_factor=new_a, g_factor=new_g, factor_updates=ls.factor_updates + 1
-        )
+            layers[name] = ls.replace(skipped_updates=ls.skipped_updates + 1)
     return state.replace(layers=layers)
 
 
@@ -171,32 +187,40 @@ def decompose(state: KFACState, *, damping: Hyper = 1e-3, only_missing: bool = F
     """
     lam = _resolve(damping, state.step)
     _check("damping", lam, lambda v: v >= 0, ">= 0")
-    cfg = state.config
-    cdt = decomposition_dtype(cfg.convention, cfg.inv_dtype)
     layers = dict(state.layers)
     for name, ls in state.layers.items():
-        if only_missing and ls.decomposition is not None:
-            continue
-        if ls.factor_updates == 0 and cfg.convention == "fisher":
-            continue
-        if cfg.compute_method == "eigen":
-            dec: object = eigen_decompose(
-                ls.a_factor,
-                ls.g_factor,
-                lam,
-                dtype=cfg.inv_dtype,
-                compute_dtype=cdt,
-                outer_product=cfg.compute_eigenvalue_outer_product,
-            )
-        else:
-            dec = inverse_decompose(
-                ls.a_factor, ls.g_factor, lam, dtype=cfg.inv_dtype, compute_dtype=cdt
-            )
-        layers[name] = ls.replace(decomposition=dec)
+        if needs_decomposition(ls, state.config, update_inverses=not only_missing):
+            layers[name] = ls.replace(decomposition=decompose_layer(ls, lam, state.config))
     return state.replace(layers=layers)
 
 
-def _layer_matrix(ls: LayerState, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def needs_decomposition(ls: LayerState, config: KFACConfig, *, update_inverses: bool) -> bool:
+    """Whether a layer gets a new decomposition: on ``update_inverses`` steps, or when it
+    has none yet; never from ``"fisher"`` factors that hold no data."""
+    if ls.factor_updates == 0 and config.convention == "fisher":
+        return False
+    return update_inverses or ls.decomposition is None
+
+
+def decompose_layer(ls: LayerState, damping: float, config: KFACConfig) -> Decomposition:
+    """The configured decomposition of one layer's current factors."""
+    cdt = decomposition_dtype(config.convention, config.inv_dtype)
+    if config.compute_method == "eigen":
+        return eigen_decompose(
+            ls.a_factor,
+            ls.g_factor,
+            damping,
+            dtype=config.inv_dtype,
+            compute_dtype=cdt,
+            outer_product=config.compute_eigenvalue_outer_product,
+        )
+    return inverse_decompose(
+        ls.a_factor, ls.g_factor, damping, dtype=config.inv_dtype, compute_dtype=cdt
+    )
+
+
+def layer_matrix(ls: LayerState, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The layer's gradient matrix; errors name the layer, missing keys and shapes."""
     spec = ls.spec
     missing = [p for p in spec.param_names() if p not in grads]
     if missing:
@@ -233,30 +257,49 @@ def precondition_grads(
     """
     lam = _resolve(damping, state.step)
     _check("damping", lam, lambda v: v >= 0, ">= 0")
-    clip = _resolve(kl_clip, state.step) if kl_clip is not None else None
-    rate = _resolve(lr, state.step)
+    done: list[tuple[LayerSpec, torch.Tensor, torch.Tensor]] = []
+    for name, ls in state.layers.items():
+        m = layer_matrix(ls, grads)
+        if ls.decomposition is not None and grads_finite(name, ls.spec, m, nonfinite):
+            done.append((ls.spec, precondition(m, ls.decomposition, lam), m))
+    return apply_preconditioned(grads, done, kl_clip=kl_clip, lr=lr, step=state.step)
+
+
+def grads_finite(name: str, spec: LayerSpec, m: torch.Tensor, mode: NonFinite) -> bool:
+    """True if the gradient matrix is finite; else warn (``"skip"``) or raise."""
+    if bool(torch.isfinite(m).all()):
+        return True
+    _non_finite(name, f"the gradients of {list(spec.param_names())}", mode)
+    return False
+
+
+def apply_preconditioned(
+    grads: Mapping[str, torch.Tensor],
+    done: Sequence[tuple[LayerSpec, torch.Tensor, torch.Tensor]],
+    *,
+    kl_clip: Hyper | None,
+    lr: Hyper,
+    step: int,
+) -> dict[str, torch.Tensor]:
+    """Scale the preconditioned matrices by the kl_clip factor and write them back.
+
+    ``done`` holds ``(spec, preconditioned matrix, raw matrix)`` of the layers that were
+    preconditioned; every other entry of ``grads`` passes unchanged into the new dict.
+    """
+    clip = _resolve(kl_clip, step) if kl_clip is not None else None
+    rate = _resolve(lr, step)
     _check("lr", rate, lambda v: v >= 0, ">= 0")
     if clip is not None:
         _check("kl_clip", clip, lambda v: v > 0, "> 0 (or None to disable)")
-
-    out = dict(grads)
-    done: list[tuple[LayerState, torch.Tensor, torch.Tensor]] = []
-    for name, ls in state.layers.items():
-        m = _layer_matrix(ls, grads)
-        if ls.decomposition is None:
-            continue
-        if not bool(torch.isfinite(m).all()):
-            _non_finite(name, f"the gradients of {list(ls.spec.param_names())}", nonfinite)
-            continue
-        done.append((ls, precondition(m, ls.decomposition, lam), m))
     if clip is not None and done:
         scale = kl_clip_scale([(p, m) for _, p, m in done], clip, rate)
-        done = [(ls, p * scale.to(p.dtype), m) for ls, p, m in done]
-    for ls, p, _ in done:
-        w, b = matrix_to_grads(ls.spec, p)
-        out[ls.spec.weight] = w.to(grads[ls.spec.weight].dtype)
-        if ls.spec.bias is not None and b is not None:
-            out[ls.spec.bias] = b.to(grads[ls.spec.bias].dtype)
+        done = [(spec, p * scale.to(p.dtype), m) for spec, p, m in done]
+    out = dict(grads)
+    for spec, p, _ in done:
+        w, b = matrix_to_grads(spec, p)
+        out[spec.weight] = w.to(grads[spec.weight].dtype)
+        if spec.bias is not None and b is not None:
+            out[spec.bias] = b.to(grads[spec.bias].dtype)
     return out
 
 

@@ -19,8 +19,24 @@ ALLOWED = {
     "state": {"_pytree", "conventions", "decomposition", "layers"},
     "capture": {"_pytree", "layers"},
     "update": {"capture", "conventions", "decomposition", "factors", "layers", "state"},
+    # plan → distributed → kaisa (the distributed step composes the stages of update)
+    "plan": {"layers"},
+    "distributed": {"plan"},
+    "kaisa": {"capture", "conventions", "decomposition", "distributed", "plan", "state", "update"},
+    # checkpoints of states (reads kfac_func.__version__ lazily)
+    "serialization": {"decomposition", "layers", "state"},
 }
-MATH = ["layers", "conventions", "factors", "decomposition", "state", "capture", "update"]
+MATH = [
+    "layers",
+    "conventions",
+    "factors",
+    "decomposition",
+    "state",
+    "capture",
+    "update",
+    "plan",
+    "serialization",
+]
 
 
 def _imports(module: str) -> set[str]:

@@ -1,0 +1,263 @@
+"""Collective communication for a plan over torch.distributed (NCCL, gloo). No K-FAC math.
+
+:class:`Communicator` creates the plan's process groups once and offers the three
+movements KAISA needs, all asynchronous:
+
+- :meth:`Communicator.reduce_mean`: average tensors across ranks, bucketed up to
+  ``bucket_cap_mb`` (0: one collective per tensor), to every rank (all-reduce) or only to
+  a destination rank per tensor (reduce); symmetric matrices can travel as their upper
+  triangle (``symmetry_aware``);
+- :meth:`Communicator.broadcast`: from one rank to a group of ranks.
+
+Without an initialized process group (or with one rank) every operation is local.
+Bytes are counted per rank and per kind of traffic, modelled on bandwidth-optimal ring
+algorithms: of an all-reduce of ``S`` bytes over ``n`` ranks each rank sends
+``2(n−1)S/n``, of a reduce or a broadcast ``(n−1)S/n``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kfac_func.plan import Plan
+
+__all__ = ["Communicator", "Pending"]
+
+Group = Any  # dist.ProcessGroup | None (None: the default group)
+
+
+def _pack(t: torch.Tensor, symmetric: bool) -> torch.Tensor:
+    """Flatten; a symmetric matrix (last two dims) keeps only its upper triangle."""
+    if not symmetric:
+        return t.reshape(-1)
+    n = t.shape[-1]
+    iu = torch.triu_indices(n, n, device=t.device)
+    return t[..., iu[0], iu[1]].reshape(-1)
+
+
+def _unpack(flat: torch.Tensor, like: torch.Tensor, symmetric: bool) -> torch.Tensor:
+    """A fresh tensor shaped like ``like``: never a view into a communication buffer,
+    whose offset would change the memory alignment and with it the rounding of later
+    BLAS calls (ranks must stay bit-identical)."""
+    if not symmetric:
+        return flat.reshape(like.shape).clone()
+    n = like.shape[-1]
+    iu = torch.triu_indices(n, n, device=flat.device)
+    out = torch.empty(like.shape, dtype=flat.dtype, device=flat.device)
+    vals = flat.reshape(*like.shape[:-2], -1)
+    out[..., iu[0], iu[1]] = vals
+    out[..., iu[1], iu[0]] = vals
+    return out
+
+
+@dataclass
+class Pending:
+    """Results of asynchronous collectives; :meth:`wait` returns them in order."""
+
+    works: list[Any] = field(default_factory=list)
+    finish: list[Any] = field(default_factory=list)
+
+    def wait(self) -> list[torch.Tensor]:
+        for w in self.works:
+            w.wait()
+        out: list[torch.Tensor] = []
+        for f in self.finish:
+            out.extend(f())
+        return out
+
+
+class Communicator:
+    """Process groups of a :class:`Plan` and the collectives that execute it.
+
+    All ranks must construct it at the same point with the same plan (``new_group`` is a
+    collective). Groups are created here, once, never per step.
+
+    Example:
+        >>> from kfac_func.plan import make_plan
+        >>> comm = Communicator(make_plan({"fc": (3, 2)}, world_size=1))
+        >>> comm.rank, comm.world_size
+        (0, 1)
+        >>> comm.reduce_mean([torch.ones(2, 2)], symmetric=[True]).wait()
+        [tensor([[1., 1.],
+                [1., 1.]])]
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        *,
+        bucket_cap_mb: float = 25.0,
+        symmetry_aware: bool = False,
+        group: Group = None,
+    ) -> None:
+        if bucket_cap_mb < 0:
+            raise ValueError(f"allreduce_bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
+        self.active = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.active else 0
+        self.world_size = dist.get_world_size() if self.active else 1
+        if plan.world_size != self.world_size:
+            raise ValueError(
+                f"plan is for world_size={plan.world_size} but the process group has "
+                f"{self.world_size} ranks (rank {self.rank})"
+            )
+        self.plan = plan
+        self.bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
+        self.symmetry_aware = symmetry_aware
+        self.bytes: Counter[str] = Counter()
+        self._groups: dict[tuple[int, ...], Group] = {}
+        if self.active and self.world_size > 1:
+            for ranks in (*plan.worker_groups, *plan.receiver_groups):
+                if len(ranks) == self.world_size:
+                    self._groups[ranks] = None
+                elif len(ranks) > 1 and ranks not in self._groups:
+                    self._groups[ranks] = dist.new_group(list(ranks))
+
+    def group(self, ranks: tuple[int, ...]) -> Group:
+        """The process group of ``ranks`` (one of the plan's groups)."""
+        return self._groups[tuple(ranks)]
+
+    # --- reductions ----------------------------------------------------------------
+
+    def reduce_mean(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        symmetric: Sequence[bool],
+        dst: Sequence[int] | None = None,
+        divisor: float | None = None,
+        kind: str = "factors",
+    ) -> Pending:
+        """Sum ``tensors`` over all ranks and divide by ``divisor`` (default: world size).
+
+        With ``dst`` (one rank per tensor) each sum is only delivered to its rank; other
+        ranks get their input back unchanged. Inputs are never modified.
+        """
+        div = float(self.world_size if divisor is None else divisor)
+        sym = [s and self.symmetry_aware for s in symmetric]
+        if not self.active or self.world_size == 1:
+            return Pending(finish=[lambda: [t / div for t in tensors]])
+        targets: list[int | None] = list(dst) if dst is not None else [None] * len(tensors)
+        pending = Pending()
+        # Buckets hold tensors of one dtype and one destination.
+        order = sorted(
+            range(len(tensors)), key=lambda i: (str(tensors[i].dtype), targets[i] or -1, i)
+        )
+        results: dict[int, torch.Tensor] = {}
+        bucket: list[int] = []
+        size = 0
+
+        def flush() -> None:
+            nonlocal bucket, size
+            if bucket:
+                self._launch_reduce(bucket, tensors, sym, targets, div, kind, pending, results)
+            bucket, size = [], 0
+
+        for i in order:
+            t = tensors[i]
+            nbytes = t.numel() * t.element_size()
+            if bucket and (
+                self.bucket_cap_bytes == 0
+                or size + nbytes > self.bucket_cap_bytes
+                or tensors[bucket[0]].dtype != t.dtype
+                or targets[bucket[0]] != targets[i]
+            ):
+                flush()
+            bucket.append(i)
+            size += nbytes
+        flush()
+        pending.finish.append(lambda: [results[i] for i in range(len(tensors))])
+        return pending
+
+    def _launch_reduce(
+        self,
+        idx: list[int],
+        tensors: Sequence[torch.Tensor],
+        sym: list[bool],
+        targets: list[int | None],
+        div: float,
+        kind: str,
+        pending: Pending,
+        results: dict[int, torch.Tensor],
+    ) -> None:
+        flats = [_pack(tensors[i], sym[i]) for i in idx]
+        buf = torch.cat(flats) if len(flats) > 1 else flats[0].clone()
+        dst = targets[idx[0]]
+        n = self.world_size
+        nbytes = buf.numel() * buf.element_size()
+        if dst is None:
+            work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, async_op=True)
+            self.bytes[f"{kind} (all-reduce)"] += 2 * (n - 1) * nbytes // n
+        else:
+            work = dist.reduce(buf, dst=dst, op=dist.ReduceOp.SUM, async_op=True)
+            self.bytes[f"{kind} (reduce)"] += (n - 1) * nbytes // n
+        pending.works.append(work)
+
+        def finish() -> list[torch.Tensor]:
+            if dst is not None and dst != self.rank:
+                for i in idx:
+                    results[i] = tensors[i]
+                return []
+            offset = 0
+            for i, flat in zip(idx, flats):
+                part = buf[offset : offset + flat.numel()] / div
+                offset += flat.numel()
+                results[i] = _unpack(part, tensors[i], sym[i])
+            return []
+
+        pending.finish.append(finish)
+
+    # --- broadcasts ----------------------------------------------------------------
+
+    def broadcast(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        src: int,
+        ranks: tuple[int, ...],
+        kind: str,
+        symmetric: Sequence[bool] | None = None,
+    ) -> Pending:
+        """Send ``tensors`` from ``src`` to the ``ranks`` group (which must hold ``src``).
+
+        Only members of ``ranks`` may call it; on ``src`` the tensors are returned as
+        they are, elsewhere they are buffers of the right shape and dtype that the
+        result replaces (inputs are never modified).
+        """
+        if src not in ranks:
+            raise ValueError(f"broadcast source rank {src} is not in group {ranks}")
+        if self.rank not in ranks:
+            raise ValueError(f"rank {self.rank} is not in broadcast group {ranks}")
+        if not self.active or len(ranks) == 1:
+            return Pending(finish=[lambda: list(tensors)])
+        sym = [bool(s) and self.symmetry_aware for s in (symmetric or [False] * len(tensors))]
+        flats = [_pack(t, s) for t, s in zip(tensors, sym)]
+        dtypes = {t.dtype for t in flats}
+        if len(dtypes) != 1:
+            raise ValueError(f"broadcast of mixed dtypes {sorted(map(str, dtypes))}")
+        buf = torch.cat(flats) if len(flats) > 1 else flats[0].clone()
+        work = dist.broadcast(buf, src=src, group=self.group(ranks), async_op=True)
+        n = len(ranks)
+        self.bytes[f"{kind} (broadcast)"] += (n - 1) * buf.numel() * buf.element_size() // n
+
+        def finish() -> list[torch.Tensor]:
+            if self.rank == src and not any(sym):
+                return list(tensors)
+            # receivers (and a source that packed triangles) read the sent values back,
+            # so every rank of the group holds bit-identical tensors
+            out, offset = [], 0
+            for t, flat, s in zip(tensors, flats, sym):
+                out.append(_unpack(buf[offset : offset + flat.numel()], t, s))
+                offset += flat.numel()
+            return out
+
+        return Pending([work], [finish])
+
+    def sum_bytes(self) -> int:
+        """Bytes this rank sent so far (model: see the module docstring)."""
+        return sum(self.bytes.values())

@@ -1,0 +1,283 @@
+"""`update_distributed`: the K-FAC step of :func:`kfac_func.update`, executed under a plan.
+
+Composition only: the stages of :mod:`kfac_func.update` and the factor decompositions do
+the math, :class:`kfac_func.distributed.Communicator` moves tensors, the
+:class:`kfac_func.plan.Plan` says who does what. Per step:
+
+1. every rank computes its local batch factors; they are averaged over ranks (weighted
+   like micro-batches, see :func:`kfac_func.conventions.micro_batch_weights`) by a
+   bucketed asynchronous all-reduce, or, under ``MEM_OPT`` where only the owner needs
+   them, by a reduce to the owner (half the bytes);
+2. the owners decompose their factors and broadcast the results to the layer's grad
+   workers (``COMM_OPT``, ``HYBRID_OPT``);
+3. grad workers precondition; under ``MEM_OPT``/``HYBRID_OPT`` they broadcast the result
+   (with a flag saying whether it was preconditioned) to their receiver group;
+4. every rank applies the same kl_clip scale to the same tensors.
+
+Gradients must already be averaged over data-parallel ranks (as DDP does). Each rank
+keeps a full :class:`KFACState`; under ``MEM_OPT`` a rank's factors are current only for
+the layers it owns, and decompositions live only on grad workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from kfac_func.capture import Captures
+from kfac_func.conventions import decomposition_dtype
+from kfac_func.decomposition import (
+    Decomposition,
+    EigenDecomposition,
+    InverseDecomposition,
+    damped_inverse,
+    eigenvalue_outer,
+    eigh_factor,
+    precondition,
+)
+from kfac_func.distributed import Communicator, Pending
+from kfac_func.plan import DistributedStrategy, Plan
+from kfac_func.state import KFACState, LayerState
+from kfac_func.update import (
+    Hyper,
+    NonFinite,
+    _as_list,
+    _check,
+    _resolve,
+    apply_preconditioned,
+    factors_finite,
+    fold_factors,
+    grads_finite,
+    layer_batch_factors,
+    layer_matrix,
+    needs_decomposition,
+)
+
+__all__ = ["local_batch_factors", "update_distributed"]
+
+
+def _check_plan(state: KFACState, plan: Plan) -> list[str]:
+    names = list(plan.layers)
+    if set(names) != set(state.layers):
+        missing = sorted(set(state.layers) - set(names))
+        extra = sorted(set(names) - set(state.layers))
+        raise ValueError(
+            f"plan and state disagree on layers: not in plan {missing}, not in state {extra}"
+        )
+    return names
+
+
+BatchFactors = Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]
+
+
+def local_batch_factors(
+    state: KFACState, captures: Captures | Sequence[Captures]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """``{layer: (A, G, weight)}`` of this rank's captures (layers not called are absent)."""
+    micro = _as_list(captures)
+    out = {}
+    for name, ls in state.layers.items():
+        batch = layer_batch_factors(ls.spec, micro, state.config)
+        if batch is not None:
+            out[name] = batch
+    return out
+
+
+def _reduce_factors(
+    state: KFACState,
+    names: list[str],
+    local: BatchFactors,
+    plan: Plan,
+    comm: Communicator,
+    decay: float,
+    nonfinite: NonFinite,
+) -> dict[str, LayerState]:
+    cfg = state.config
+    to_owner = plan.strategy is DistributedStrategy.MEM_OPT
+    device = state.layers[names[0]].a_factor.device if names else torch.device("cpu")
+    weights = torch.zeros(len(names), dtype=torch.float64, device=device)
+    tensors: list[torch.Tensor] = []
+    dst: list[int] = []
+    for i, name in enumerate(names):
+        ls = state.layers[name]
+        batch = local.get(name)
+        if batch is None:  # not called here: contribute nothing, keep the collective shape
+            tensors += [torch.zeros_like(ls.a_factor), torch.zeros_like(ls.g_factor)]
+        else:
+            a, g, w = batch
+            weights[i] = w
+            tensors += [w * a, w * g]
+        dst += [plan.layers[name].a_owner, plan.layers[name].g_owner]
+    totals_pending = comm.reduce_mean([weights], symmetric=[False], divisor=1.0, kind="weights")
+    sums_pending = comm.reduce_mean(
+        tensors,
+        symmetric=[True] * len(tensors),
+        dst=dst if to_owner else None,
+        divisor=1.0,
+    )
+    totals = totals_pending.wait()[0]
+    sums = sums_pending.wait()
+    layers = dict(state.layers)
+    for i, name in enumerate(names):
+        total = float(totals[i])
+        ls = state.layers[name]
+        if total == 0.0 or (to_owner and comm.rank != plan.layers[name].a_owner):
+            continue
+        a, g = sums[2 * i] / total, sums[2 * i + 1] / total
+        if factors_finite(name, a, g, nonfinite):
+            layers[name] = fold_factors(ls, a, g, decay, cfg)
+        else:
+            layers[name] = ls.replace(skipped_updates=ls.skipped_updates + 1)
+    return layers
+
+
+def _decompose(
+    state: KFACState,
+    layers: dict[str, LayerState],
+    names: list[str],
+    plan: Plan,
+    comm: Communicator,
+    damping: float,
+    update_inverses: bool,
+) -> dict[str, LayerState]:
+    cfg = state.config
+    cdt = decomposition_dtype(cfg.convention, cfg.inv_dtype)
+    eigen = cfg.compute_method == "eigen"
+    outer = eigen and cfg.compute_eigenvalue_outer_product
+    rank = comm.rank
+    todo: list[tuple[str, Pending, Pending]] = []
+    for name in names:
+        lp, ls = plan.layers[name], layers[name]
+        if rank not in lp.grad_workers or not needs_decomposition(
+            ls, cfg, update_inverses=update_inverses
+        ):
+            continue
+        parts = []
+        for owner, factor in ((lp.a_owner, ls.a_factor), (lp.g_owner, ls.g_factor)):
+            n = factor.shape[-1]
+            batch = factor.shape[:-2]
+            if eigen:
+                if rank == owner:
+                    sent = list(eigh_factor(factor, dtype=cfg.inv_dtype, compute_dtype=cdt))
+                else:
+                    sent = [
+                        torch.empty((*batch, n, n), dtype=cfg.inv_dtype, device=factor.device),
+                        torch.empty((*batch, n), dtype=cfg.inv_dtype, device=factor.device),
+                    ]
+                sym = [False, False]
+            else:
+                if rank == owner:
+                    sent = [damped_inverse(factor, damping, dtype=cfg.inv_dtype, compute_dtype=cdt)]
+                else:
+                    sent = [torch.empty(factor.shape, dtype=cfg.inv_dtype, device=factor.device)]
+                sym = [True]
+            parts.append(
+                comm.broadcast(
+                    sent, src=owner, ranks=lp.grad_workers, kind="decompositions", symmetric=sym
+                )
+            )
+        todo.append((name, parts[0], parts[1]))
+    new = dict(layers)
+    for name, a_part, g_part in todo:
+        a_res, g_res = a_part.wait(), g_part.wait()
+        dec: Decomposition
+        if eigen:
+            (qa, da), (qg, dg) = a_res, g_res
+            dgda = eigenvalue_outer(dg, da, damping) if outer else None
+            dec = EigenDecomposition(qa, da, qg, dg, dgda)
+        else:
+            dec = InverseDecomposition(a_res[0], g_res[0])
+        new[name] = new[name].replace(decomposition=dec)
+    return new
+
+
+def update_distributed(
+    state: KFACState,
+    grads: Mapping[str, torch.Tensor],
+    *,
+    plan: Plan,
+    comm: Communicator,
+    captures: Captures | Sequence[Captures] | None = None,
+    batch_factors: BatchFactors | None = None,
+    damping: Hyper = 1e-3,
+    factor_decay: Hyper = 0.95,
+    kl_clip: Hyper | None = 1e-3,
+    lr: Hyper = 0.1,
+    update_factors: bool | Callable[[int], bool] = True,
+    update_inverses: bool | Callable[[int], bool] = True,
+    nonfinite: NonFinite = "skip",
+) -> tuple[dict[str, torch.Tensor], KFACState]:
+    """:func:`kfac_func.update` across ranks, with the communication of ``plan``.
+
+    Every rank calls it with its local captures and the rank-averaged gradients; every
+    rank returns the same preconditioned gradients. Arguments are those of
+    :func:`kfac_func.update`, plus the plan and its :class:`Communicator`, and
+    ``batch_factors`` (``{layer: (A, G, weight)}`` of this rank, as from
+    :func:`local_batch_factors`) for callers that built the factors already (the hooks of
+    the stateful adapter) instead of ``captures``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> model = nn.Linear(3, 2)
+        >>> layers = kf.register(model)
+        >>> plan = kf.make_plan(layers, world_size=1)
+        >>> comm = kf.Communicator(plan)  # no process group: one rank
+        >>> _, grads, caps = kf.capture(model, dict(model.named_parameters()),
+        ...                             torch.randn(4, 3), lambda o: o.pow(2).mean())
+        >>> new_grads, state = kf.update_distributed(kf.init(layers), grads, captures=caps,
+        ...                                          plan=plan, comm=comm)
+        >>> state.step
+        1
+    """
+    if nonfinite not in ("skip", "raise"):
+        raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
+    names = _check_plan(state, plan)
+    step = state.step
+    lam = _resolve(damping, step)
+    _check("damping", lam, lambda v: v >= 0, ">= 0")
+    layers = dict(state.layers)
+    if _resolve(update_factors, step):
+        if (captures is None) == (batch_factors is None):
+            raise ValueError("update_factors=True needs exactly one of captures= or batch_factors=")
+        decay = _resolve(factor_decay, step)
+        _check("factor_decay", decay, lambda v: 0 < v <= 1, "in (0, 1]")
+        local = batch_factors if captures is None else local_batch_factors(state, captures)
+        assert local is not None
+        layers = _reduce_factors(state, names, local, plan, comm, decay, nonfinite)
+    layers = _decompose(
+        state, layers, names, plan, comm, lam, bool(_resolve(update_inverses, step))
+    )
+
+    rank = comm.rank
+    results: list[tuple[str, torch.Tensor, Pending | None]] = []
+    for name in names:
+        lp, ls = plan.layers[name], layers[name]
+        m = layer_matrix(ls, grads)
+        flag = torch.zeros(1, dtype=m.dtype, device=m.device)
+        p = m
+        worker = rank in lp.grad_workers and ls.decomposition is not None
+        if worker and grads_finite(name, ls.spec, m, nonfinite):
+            assert ls.decomposition is not None
+            p = precondition(m, ls.decomposition, lam)
+            flag = torch.ones(1, dtype=m.dtype, device=m.device)
+        pending = None
+        if plan.broadcast_gradients:
+            src = plan.src_of(name, rank)
+            sent = [p, flag] if rank == src else [torch.empty_like(m), flag]
+            pending = comm.broadcast(
+                sent, src=src, ranks=plan.receiver_group_of(rank), kind="gradients"
+            )
+        else:
+            pending = Pending(finish=[lambda p=p, flag=flag: [p, flag]])
+        results.append((name, m, pending))
+    done = []
+    for name, m, pending in results:
+        assert pending is not None
+        p, flag = pending.wait()
+        if bool(flag.item()):
+            done.append((layers[name].spec, p, m))
+    out = apply_preconditioned(grads, done, kl_clip=kl_clip, lr=lr, step=step)
+    return out, state.replace(layers=layers, step=step + 1)
