@@ -10,6 +10,7 @@ convolutions (one block per group: K-FAC is block-diagonal over groups).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +19,13 @@ from kfac_func.conventions import Convention, a_scales, g_scales
 from kfac_func.layers import LayerSpec
 
 __all__ = [
+    "Gram",
     "a_factor",
+    "a_gram",
     "a_rows",
+    "factor_from_grams",
     "g_factor",
+    "g_gram",
     "g_rows",
     "grads_to_matrix",
     "matrix_to_grads",
@@ -101,6 +106,45 @@ def _gram(rows: torch.Tensor, with_ones: bool) -> torch.Tensor:
     return torch.cat([top, bottom], dim=-2)
 
 
+class Gram(NamedTuple):
+    """Unscaled statistics of one call: ``Σ rowsᵀrows``, its row count, rows per example
+    that stem from space. Factors are scaled sums of these (see :mod:`conventions`)."""
+
+    gram: torch.Tensor
+    rows: int
+    spatial: int
+
+
+def a_gram(spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> Gram:
+    """Gram statistics of one call's input (bias column of ones included)."""
+    rows, spatial = a_rows(spec, x.to(dtype))
+    return Gram(_gram(rows, spec.has_bias), rows.shape[-2], spatial)
+
+
+def g_gram(spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype = torch.float32) -> Gram:
+    """Gram statistics of one call's raw output-gradient."""
+    rows, spatial = g_rows(spec, r.to(dtype))
+    return Gram(_gram(rows, False), rows.shape[-2], spatial)
+
+
+def factor_from_grams(
+    grams: Sequence[Gram],
+    convention: Convention,
+    *,
+    batch_size: int | None = None,
+    loss_scale: float | None = None,
+) -> torch.Tensor:
+    """A factor from the per-call Grams of one batch: A without ``batch_size``/``loss_scale``,
+    G with them."""
+    rows, spatial = [g.rows for g in grams], [g.spatial for g in grams]
+    if batch_size is None or loss_scale is None:
+        scales = a_scales(convention, rows, spatial)
+    else:
+        scales = g_scales(convention, rows, spatial, batch_size, loss_scale)
+    total = sum(k * g.gram for g, k in zip(grams, scales))
+    return symmetrize(total)  # type: ignore[arg-type]
+
+
 def a_factor(
     spec: LayerSpec,
     inputs: Sequence[torch.Tensor],
@@ -130,10 +174,7 @@ def a_factor(
     """
     if not inputs:
         raise ValueError(f"layer {spec.name!r}: no captured inputs")
-    parts = [a_rows(spec, x.to(dtype)) for x in inputs]
-    scales = a_scales(convention, [p.shape[-2] for p, _ in parts], [s for _, s in parts])
-    total = sum(k * _gram(p, spec.has_bias) for (p, _), k in zip(parts, scales))
-    return symmetrize(total)  # type: ignore[arg-type]
+    return factor_from_grams([a_gram(spec, x, dtype) for x in inputs], convention)
 
 
 def g_factor(
@@ -167,11 +208,8 @@ def g_factor(
     """
     if not output_grads:
         raise ValueError(f"layer {spec.name!r}: no captured output-gradients")
-    parts = [g_rows(spec, r.to(dtype)) for r in output_grads]
-    rows = [p.shape[-2] for p, _ in parts]
-    scales = g_scales(convention, rows, [s for _, s in parts], batch_size, loss_scale)
-    total = sum(k * _gram(p, False) for (p, _), k in zip(parts, scales))
-    return symmetrize(total)  # type: ignore[arg-type]
+    grams = [g_gram(spec, r, dtype) for r in output_grads]
+    return factor_from_grams(grams, convention, batch_size=batch_size, loss_scale=loss_scale)
 
 
 def grads_to_matrix(

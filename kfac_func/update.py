@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal, TypeVar
+from typing import Literal, NamedTuple, TypeVar
 
 import torch
 
@@ -27,7 +27,14 @@ from kfac_func.decomposition import (
     kl_clip_scale,
     precondition,
 )
-from kfac_func.factors import a_factor, g_factor, grads_to_matrix, matrix_to_grads
+from kfac_func.factors import (
+    Gram,
+    a_gram,
+    factor_from_grams,
+    g_gram,
+    grads_to_matrix,
+    matrix_to_grads,
+)
 from kfac_func.layers import LayerSpec
 from kfac_func.state import KFACConfig, KFACState, LayerState
 
@@ -63,41 +70,64 @@ def _as_list(captures: Captures | Sequence[Captures]) -> list[Captures]:
     return [captures] if isinstance(captures, Captures) else list(captures)
 
 
-def layer_batch_factors(
-    spec: LayerSpec, micro_batches: Sequence[Captures], config: KFACConfig
+class MicroBatchStats(NamedTuple):
+    """One layer's statistics from one micro-batch: per-call Grams of inputs and
+    output-gradients, the micro-batch's example count and its loss scale."""
+
+    a: list[Gram]
+    g: list[Gram]
+    batch_size: int
+    loss_scale: float
+
+
+def factors_from_stats(
+    name: str, micro_batches: Sequence[MicroBatchStats], config: KFACConfig
 ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """A, G and weight of one accumulation window for one layer; None if not called.
+    """A, G and weight of one accumulation window for one layer; None if it saw nothing.
 
     The weight is what the window counts for when windows of several ranks are averaged
     (see :func:`kfac_func.conventions.micro_batch_weights`).
     """
-    seen = [c for c in micro_batches if spec.name in c.layers and c.layers[spec.name].inputs]
+    seen = [m for m in micro_batches if m.a]
     if not seen:
         return None
-    sizes = [c.batch_size for c in seen]
-    weights = micro_batch_weights(config.convention, sizes)
+    sizes = [m.batch_size for m in seen]
     a_sum: torch.Tensor | None = None
     g_sum: torch.Tensor | None = None
-    for w, cap in zip(weights, seen):
-        lc = cap.layers[spec.name]
-        if len(lc.inputs) != len(lc.output_grads):
+    for w, m in zip(micro_batch_weights(config.convention, sizes), seen):
+        if len(m.a) != len(m.g):
             raise ValueError(
-                f"layer {spec.name!r}: {len(lc.inputs)} captured inputs but "
-                f"{len(lc.output_grads)} output-gradients"
+                f"layer {name!r}: {len(m.a)} captured inputs but {len(m.g)} output-gradients"
             )
-        a = a_factor(spec, lc.inputs, config.convention, config.factor_dtype)
-        g = g_factor(
-            spec,
-            lc.output_grads,
-            config.convention,
-            config.factor_dtype,
-            batch_size=cap.batch_size,
-            loss_scale=cap.loss_scale,
+        a = factor_from_grams(m.a, config.convention)
+        g = factor_from_grams(
+            m.g, config.convention, batch_size=m.batch_size, loss_scale=m.loss_scale
         )
         a_sum = w * a if a_sum is None else a_sum + w * a
         g_sum = w * g if g_sum is None else g_sum + w * g
     assert a_sum is not None and g_sum is not None
     return a_sum, g_sum, float(sum(sizes)) if config.convention == "fisher" else 1.0
+
+
+def layer_batch_factors(
+    spec: LayerSpec, micro_batches: Sequence[Captures], config: KFACConfig
+) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """:func:`factors_from_stats` of captures (one per micro-batch)."""
+    stats = []
+    for cap in micro_batches:
+        lc = cap.layers.get(spec.name)
+        if lc is None or not lc.inputs:
+            continue
+        dt = config.factor_dtype
+        stats.append(
+            MicroBatchStats(
+                [a_gram(spec, x, dt) for x in lc.inputs],
+                [g_gram(spec, r, dt) for r in lc.output_grads],
+                cap.batch_size,
+                cap.loss_scale,
+            )
+        )
+    return factors_from_stats(spec.name, stats, config)
 
 
 def factors_finite(name: str, a: torch.Tensor, g: torch.Tensor, mode: NonFinite) -> bool:
