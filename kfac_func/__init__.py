@@ -14,6 +14,7 @@ Example:
     >>> grads, state = kf.update(state, grads, captures=caps, damping=1e-2, lr=0.1)
 """
 
+from kfac_func.adapter import ComputeMethod, KFACPreconditioner
 from kfac_func.capture import Captures, LayerCapture, capture
 from kfac_func.conventions import CONVENTIONS, Convention
 from kfac_func.decomposition import (
@@ -25,6 +26,12 @@ from kfac_func.decomposition import (
     precondition,
 )
 from kfac_func.distributed import Communicator
+from kfac_func.factor_files import (
+    layer_file_name,
+    load_factor_dir,
+    read_factor_manifest,
+    save_factor_dir,
+)
 from kfac_func.factors import a_factor, g_factor, grads_to_matrix, matrix_to_grads
 from kfac_func.kaisa import update_distributed
 from kfac_func.layers import LayerSpec, LayerTable, register
@@ -63,11 +70,13 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointMismatchError",
     "Communicator",
+    "ComputeMethod",
     "Convention",
     "DistributedStrategy",
     "EigenDecomposition",
     "InverseDecomposition",
     "KFACConfig",
+    "KFACPreconditioner",
     "KFACState",
     "LayerCapture",
     "LayerPlan",
@@ -87,12 +96,16 @@ __all__ = [
     "init",
     "inverse_decompose",
     "kl_clip_scale",
+    "layer_file_name",
+    "load_factor_dir",
     "load_state",
     "make_plan",
     "matrix_to_grads",
     "precondition",
     "precondition_grads",
+    "read_factor_manifest",
     "register",
+    "save_factor_dir",
     "save_state",
     "state_from_dict",
     "state_to_dict",

@@ -118,6 +118,13 @@ class Communicator:
                 elif len(ranks) > 1 and ranks not in self._groups:
                     self._groups[ranks] = dist.new_group(list(ranks))
 
+    @staticmethod
+    def current_world_size() -> int:
+        """World size of the default process group, 1 when none is initialized."""
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size()
+        return 1
+
     def group(self, ranks: tuple[int, ...]) -> Group:
         """The process group of ``ranks`` (one of the plan's groups)."""
         return self._groups[tuple(ranks)]

@@ -23,6 +23,16 @@ ALLOWED = {
     "plan": {"layers"},
     "distributed": {"plan"},
     "kaisa": {"capture", "conventions", "decomposition", "distributed", "plan", "state", "update"},
+    "adapter": {
+        "decomposition",
+        "distributed",
+        "factors",
+        "kaisa",
+        "layers",
+        "plan",
+        "state",
+        "update",
+    },
     # checkpoints of states (reads kfac_func.__version__ lazily)
     "serialization": {"decomposition", "layers", "state"},
 }

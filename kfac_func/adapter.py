@@ -1,0 +1,466 @@
+"""`KFACPreconditioner`: a stateful drop-in for kfac-pytorch's preconditioner.
+
+Forward hooks (and gradient hooks on each call's output) collect each registered layer's
+statistics during the forward and backward passes: Gram matrices at once with
+``update_factors_in_hook``, else the raw tensors until ``step()``. ``step()`` hands them
+to :func:`kfac_func.update_distributed` (which runs on one process too) and rewrites
+``.grad`` in place. The adapter owns no math and keeps one immutable
+:class:`KFACState`, exposed as :attr:`KFACPreconditioner.state`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from kfac_func.decomposition import EigenDecomposition, InverseDecomposition
+from kfac_func.distributed import Communicator
+from kfac_func.factors import Gram, a_gram, g_gram
+from kfac_func.kaisa import update_distributed
+from kfac_func.layers import LayerSpec, register
+from kfac_func.plan import AssignmentStrategy, DistributedStrategy, make_plan
+from kfac_func.state import KFACState, LayerState, init
+from kfac_func.update import MicroBatchStats, decompose_layer, factors_from_stats
+
+__all__ = ["ComputeMethod", "KFACPreconditioner"]
+
+logger = logging.getLogger("kfac_func")
+
+IntOrFn = int | Callable[[int], int]
+FloatOrFn = float | Callable[[int], float]
+
+
+class ComputeMethod(enum.Enum):
+    """How the curvature is inverted: eigendecomposition or damped inverses."""
+
+    EIGEN = 1
+    INVERSE = 2
+
+
+def _enum(cls: type[enum.Enum], value: Any, arg: str) -> Any:
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str) and value.upper() in cls.__members__:
+        return cls[value.upper()]
+    names = ", ".join(m.lower() for m in cls.__members__)
+    raise ValueError(f"{arg} must be one of {names} (or {cls.__name__}), got {value!r}")
+
+
+def _check_number(name: str, value: Any, ok: Callable[[float], bool], expected: str) -> None:
+    if callable(value):
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+@dataclass
+class _MicroBatch:
+    """Statistics of one forward/backward (a micro-batch), per layer."""
+
+    batch_size: int
+    a: dict[str, list[Any]] = field(default_factory=dict)
+    g: dict[str, list[Any]] = field(default_factory=dict)
+
+
+class KFACPreconditioner:
+    """K-FAC preconditioner for an ``nn.Module``, with kfac-pytorch's arguments and defaults.
+
+    Call :meth:`step` after ``loss.backward()`` and before ``optimizer.step()``: it
+    preconditions the gradients of the registered layers in place. Every hyperparameter
+    may be a number or a ``step -> value`` callable. ``kl_clip=None`` disables clipping.
+    ``scaling`` picks the factor convention (``"kfac-pytorch"``, the default, so tuned
+    hyperparameters carry over, or ``"fisher"``); ``loss_reduction`` tells the
+    ``"fisher"`` convention how the loss reduces the batch.
+
+    Under DistributedDataParallel (gradients averaged across ranks) the work is spread
+    over the ranks by a KAISA plan (``grad_worker_fraction``, ``colocate_factors``,
+    ``assignment_strategy``); without a process group it runs on one process.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from kfac_func import KFACPreconditioner
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> pre = KFACPreconditioner(model, damping=0.01)
+        >>> loss = model(torch.randn(16, 4)).pow(2).mean()
+        >>> loss.backward()
+        >>> pre.step()
+        >>> opt.step()
+        >>> pre.steps
+        1
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        factor_update_steps: IntOrFn = 1,
+        inv_update_steps: IntOrFn = 1,
+        damping: FloatOrFn = 0.001,
+        factor_decay: FloatOrFn = 0.95,
+        kl_clip: FloatOrFn | None = 0.001,
+        lr: FloatOrFn = 0.1,
+        accumulation_steps: int = 1,
+        allreduce_bucket_cap_mb: float = 25.0,
+        assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
+        colocate_factors: bool = True,
+        compute_method: ComputeMethod | str = ComputeMethod.EIGEN,
+        compute_eigenvalue_outer_product: bool = True,
+        grad_worker_fraction: DistributedStrategy | float = DistributedStrategy.COMM_OPT,
+        symmetry_aware: bool = False,
+        grad_scaler: Any = None,
+        factor_dtype: torch.dtype | None = None,
+        inv_dtype: torch.dtype = torch.float32,
+        skip_layers: list[str] | None = None,
+        update_factors_in_hook: bool = True,
+        loglevel: int = logging.DEBUG,
+        scaling: str = "kfac-pytorch",
+        loss_reduction: str = "mean",
+    ) -> None:
+        if allreduce_bucket_cap_mb < 0:
+            raise ValueError("allreduce_bucket_cap_mb must be >= 0")
+        method = _enum(ComputeMethod, compute_method, "compute_method")
+        strategy = _enum(AssignmentStrategy, assignment_strategy, "assignment_strategy")
+        for name, value in (
+            ("factor_update_steps", factor_update_steps),
+            ("inv_update_steps", inv_update_steps),
+            ("accumulation_steps", accumulation_steps),
+        ):
+            _check_number(name, value, lambda v: int(v) == v and v > 0, "a positive int")
+        _check_number("damping", damping, lambda v: v >= 0, ">= 0")
+        _check_number("factor_decay", factor_decay, lambda v: 0 < v <= 1, "in (0, 1]")
+        _check_number("lr", lr, lambda v: v >= 0, ">= 0")
+        if kl_clip is not None:
+            _check_number("kl_clip", kl_clip, lambda v: v > 0, "> 0 (or None to disable)")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+
+        self.model = model
+        self.factor_update_steps = factor_update_steps
+        self.inv_update_steps = inv_update_steps
+        self.damping = damping
+        self.factor_decay = factor_decay
+        self.kl_clip = kl_clip
+        self.lr = lr
+        self.accumulation_steps = accumulation_steps
+        self.allreduce_bucket_cap_mb = allreduce_bucket_cap_mb
+        self.assignment_strategy = strategy
+        self.compute_method = method
+        self.compute_eigenvalue_outer_product = compute_eigenvalue_outer_product
+        self.symmetry_aware = symmetry_aware
+        self.grad_scaler = grad_scaler
+        self.inv_dtype = inv_dtype
+        self.skip_layers = [] if skip_layers is None else list(skip_layers)
+        self.update_factors_in_hook = update_factors_in_hook
+        self.loglevel = loglevel
+        self.scaling = scaling
+        self.loss_reduction = loss_reduction
+
+        self.layers = register(model, self.skip_layers)
+        if not self.layers:
+            raise ValueError(
+                f"no layer of {type(model).__name__} can be preconditioned:\n{self.layers}"
+            )
+        weight = model.get_parameter(next(iter(self.layers.values())).weight)
+        self.factor_dtype = factor_dtype or torch.promote_types(weight.dtype, torch.float32)
+        comm_world = Communicator.current_world_size()
+        self.plan = make_plan(
+            self.layers,
+            comm_world,
+            grad_worker_fraction=grad_worker_fraction,
+            assignment_strategy=strategy,
+            colocate_factors=colocate_factors,
+            compute_method=method.name.lower(),
+            compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
+        )
+        self.colocate_factors = self.plan.colocate_factors
+        self.grad_worker_fraction = self.plan.grad_worker_fraction
+        self.distributed_strategy = self.plan.strategy
+        self.comm = Communicator(
+            self.plan, bucket_cap_mb=allreduce_bucket_cap_mb, symmetry_aware=symmetry_aware
+        )
+        self._state = init(
+            self.layers,
+            convention=scaling,  # type: ignore[arg-type]
+            compute_method=method.name.lower(),
+            compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
+            factor_dtype=self.factor_dtype,
+            inv_dtype=inv_dtype,
+            device=weight.device,
+        )
+        self._micro: list[_MicroBatch] = []
+        self._handles: list[Any] = []
+        self._register_hooks()
+        logger.log(loglevel, "K-FAC registered layers:\n%s", self.layers)
+        logger.log(loglevel, "%s", self.plan)
+
+    # --- hyperparameters ---------------------------------------------------------
+
+    @property
+    def steps(self) -> int:
+        """Number of :meth:`step` calls so far."""
+        return self._state.step
+
+    @property
+    def state(self) -> KFACState:
+        """The immutable K-FAC state (save it with :func:`kfac_func.save_state`)."""
+        return self._state
+
+    @state.setter
+    def state(self, value: KFACState) -> None:
+        if set(value.layers) != set(self.layers):
+            raise ValueError(
+                f"state layers {sorted(value.layers)} differ from the preconditioner's "
+                f"{sorted(self.layers)}"
+            )
+        self._state = value
+
+    def _value(self, v: Any) -> Any:
+        return v(self.steps) if callable(v) else v
+
+    def _collecting(self) -> bool:
+        return (
+            self.model.training
+            and torch.is_grad_enabled()
+            and (self.steps % int(self._value(self.factor_update_steps)) == 0)
+        )
+
+    # --- hooks -------------------------------------------------------------------
+
+    def _register_hooks(self) -> None:
+        self._handles.append(self.model.register_forward_pre_hook(self._start_micro_batch))
+        for name, spec in self.layers.items():
+            module = self.model.get_submodule(name)
+            self._handles.append(module.register_forward_hook(self._forward_hook(spec)))
+
+    def _start_micro_batch(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if not self._collecting():
+            return
+        first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+        self._micro.append(_MicroBatch(int(first.shape[0]) if first is not None else 1))
+
+    def _forward_hook(self, spec: LayerSpec) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+            if not self._collecting():
+                return
+            x = args[0].detach()
+            if not self._micro:
+                self._micro.append(_MicroBatch(int(x.shape[0]) if x.dim() > 1 else 1))
+            micro = self._micro[-1]
+            item = a_gram(spec, x, self.factor_dtype) if self.update_factors_in_hook else x
+            micro.a.setdefault(spec.name, []).append(item)
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                # a hook on this call's output sees its gradient even when later ops
+                # modify the output in place (and needs no input that requires grad)
+                out.register_hook(self._grad_hook(spec, micro))
+
+        return hook
+
+    def _grad_hook(self, spec: LayerSpec, micro: _MicroBatch) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            gy = grad.detach()
+            if self.grad_scaler is not None:
+                gy = gy.to(self.factor_dtype) / self._grad_scale()
+            item = g_gram(spec, gy, self.factor_dtype) if self.update_factors_in_hook else gy
+            micro.g.setdefault(spec.name, []).append(item)
+
+        return hook
+
+    def _grad_scale(self) -> float:
+        scaler = self.grad_scaler
+        scale = scaler.get_scale() if hasattr(scaler, "get_scale") else scaler()
+        return float(scale)
+
+    # --- step --------------------------------------------------------------------
+
+    def _batch_factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+        cfg = self._state.config
+        c_mean = self.loss_reduction == "mean"
+        out = {}
+        for name, spec in self.layers.items():
+            stats = []
+            for mb in self._micro:
+                a = mb.a.get(name, [])
+                g = mb.g.get(name, [])
+                if not self.update_factors_in_hook:
+                    a = [a_gram(spec, x, cfg.factor_dtype) for x in a]
+                    g = [g_gram(spec, r, cfg.factor_dtype) for r in g]
+                scale = 1.0 / mb.batch_size if c_mean else 1.0
+                stats.append(MicroBatchStats(a, g, mb.batch_size, scale))
+            factors = factors_from_stats(name, stats, cfg)
+            if factors is not None:
+                out[name] = factors
+        return out
+
+    def step(self) -> None:
+        """Precondition the registered layers' ``.grad`` in place (before ``optimizer.step()``).
+
+        Updates the factors from the statistics collected since the last step (every
+        ``factor_update_steps``; all micro-batches of the window form one update) and
+        recomputes the decompositions every ``inv_update_steps``.
+        """
+        batch = self._batch_factors() if self._micro else {}
+        self._micro = []
+        grads: dict[str, torch.Tensor] = {}
+        for name, spec in self.layers.items():
+            for pname in spec.param_names():
+                p = self.model.get_parameter(pname)
+                if p.grad is None:
+                    raise RuntimeError(
+                        f"layer {name!r}: parameter {pname!r} has no gradient; call "
+                        "loss.backward() before step()"
+                    )
+                grads[pname] = p.grad
+        inv_every = int(self._value(self.inv_update_steps))
+        new_grads, self._state = update_distributed(
+            self._state,
+            grads,
+            plan=self.plan,
+            comm=self.comm,
+            batch_factors=batch if batch else None,
+            damping=self.damping,
+            factor_decay=self.factor_decay,
+            kl_clip=self.kl_clip,
+            lr=self.lr,
+            update_factors=bool(batch),
+            update_inverses=self.steps % inv_every == 0,
+        )
+        with torch.no_grad():
+            for pname, g in grads.items():
+                if new_grads[pname] is not g:
+                    g.copy_(new_grads[pname])
+
+    # --- state -------------------------------------------------------------------
+
+    _HYPER = (
+        "factor_update_steps",
+        "inv_update_steps",
+        "damping",
+        "factor_decay",
+        "kl_clip",
+        "lr",
+    )
+
+    def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
+        """kfac-pytorch's shape: ``steps``, the non-callable hyperparameters and, with
+        ``include_factors``, ``layers: {name: {"A", "G"}}`` (plus this rank's decomposition
+        and update counter, so a resumed run is bit-exact)."""
+        sd: dict[str, Any] = {"steps": self.steps}
+        for key in self._HYPER:
+            value = getattr(self, key)
+            if not callable(value):
+                sd[key] = value
+        if include_factors:
+            layers = {}
+            for name, ls in self._state.layers.items():
+                entry: dict[str, Any] = {
+                    "A": ls.a_factor,
+                    "G": ls.g_factor,
+                    "factor_updates": ls.factor_updates,
+                }
+                if ls.decomposition is not None:
+                    entry["decomposition"] = {
+                        k: v
+                        for k, v in vars(ls.decomposition).items()
+                        if isinstance(v, torch.Tensor)
+                    }
+                layers[name] = entry
+            sd["layers"] = layers
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any], compute_inverses: bool = True) -> None:
+        """Restore :meth:`state_dict`; decompositions missing from it are recomputed (with
+        ``compute_inverses``) on this rank's grad-worker layers, else at the next step."""
+        sd = dict(state_dict)
+        steps = int(sd.pop("steps"))
+        layers_sd = sd.pop("layers", None)
+        for key in self._HYPER:
+            if key in sd and not callable(getattr(self, key)):
+                setattr(self, key, sd[key])
+        layers = dict(self._state.layers)
+        if layers_sd is not None:
+            unknown = sorted(set(layers_sd) - set(layers))
+            missing = sorted(set(layers) - set(layers_sd))
+            if unknown or missing:
+                raise ValueError(
+                    f"state_dict layers do not match the model: missing {missing}, "
+                    f"unknown {unknown}"
+                )
+            for name, entry in layers_sd.items():
+                layers[name] = self._load_layer(layers[name], entry, compute_inverses)
+        self._state = self._state.replace(layers=layers, step=steps)
+
+    def _load_layer(self, ls: LayerState, entry: dict[str, Any], compute: bool) -> LayerState:
+        a_shape, g_shape = ls.spec.factor_shapes
+        a, g = entry["A"], entry["G"]
+        if tuple(a.shape) != a_shape or tuple(g.shape) != g_shape:
+            raise ValueError(
+                f"layer {ls.spec.name!r}: state_dict factors have shapes {tuple(a.shape)} and "
+                f"{tuple(g.shape)}, expected {a_shape} and {g_shape}"
+            )
+        cfg = self._state.config
+        new = ls.replace(
+            a_factor=a.to(cfg.factor_dtype, copy=True).contiguous(),
+            g_factor=g.to(cfg.factor_dtype, copy=True).contiguous(),
+            factor_updates=int(entry.get("factor_updates", max(1, ls.factor_updates))),
+            decomposition=None,
+        )
+        dec = entry.get("decomposition")
+        if dec is not None:
+            kind = type(ls.decomposition) if ls.decomposition is not None else None
+            cls = kind or _decomposition_class(cfg.compute_method)
+            fields = {k: v.clone() for k, v in dec.items()}
+            return new.replace(decomposition=cls(**fields))
+        if compute and self.comm.rank in self.plan.layers[ls.spec.name].grad_workers:
+            lam = self._value(self.damping)
+            return new.replace(decomposition=decompose_layer(new, lam, cfg))
+        return new
+
+    # --- housekeeping ------------------------------------------------------------
+
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes held, per category, and their total."""
+
+        def nbytes(t: Any) -> int:
+            if isinstance(t, Gram):
+                t = t.gram
+            return int(t.numel() * t.element_size()) if isinstance(t, torch.Tensor) else 0
+
+        usage = {"a_factors": 0, "g_factors": 0, "decompositions": 0, "hook_buffers": 0}
+        for ls in self._state.layers.values():
+            usage["a_factors"] += nbytes(ls.a_factor)
+            usage["g_factors"] += nbytes(ls.g_factor)
+            if ls.decomposition is not None:
+                usage["decompositions"] += sum(nbytes(v) for v in vars(ls.decomposition).values())
+        for mb in self._micro:
+            for items in (*mb.a.values(), *mb.g.values()):
+                usage["hook_buffers"] += sum(nbytes(i) for i in items)
+        usage["total"] = sum(usage.values())
+        return usage
+
+    def remove(self) -> None:
+        """Detach every hook and drop collected statistics."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._micro = []
+
+    def __repr__(self) -> str:
+        hyper = ", ".join(f"{k}={getattr(self, k)!r}" for k in self._HYPER)
+        return (
+            f"KFACPreconditioner({len(self.layers)} layers, {hyper}, "
+            f"accumulation_steps={self.accumulation_steps}, "
+            f"compute_method={self.compute_method.name.lower()}, "
+            f"distributed_strategy={self.distributed_strategy.name}, scaling={self.scaling!r})"
+        )
+
+
+def _decomposition_class(method: str) -> Any:
+    return EigenDecomposition if method == "eigen" else InverseDecomposition
