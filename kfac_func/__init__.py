@@ -42,6 +42,7 @@ from kfac_func.plan import (
     Plan,
     make_plan,
 )
+from kfac_func.scheduler import LambdaParamScheduler
 from kfac_func.serialization import (
     CheckpointError,
     CheckpointFormatError,
@@ -78,6 +79,7 @@ __all__ = [
     "KFACConfig",
     "KFACPreconditioner",
     "KFACState",
+    "LambdaParamScheduler",
     "LayerCapture",
     "LayerPlan",
     "LayerSpec",

@@ -259,7 +259,7 @@ class KFACPreconditioner:
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 # a hook on this call's output sees its gradient even when later ops
                 # modify the output in place (and needs no input that requires grad)
-                out.register_hook(self._grad_hook(spec, micro))
+                out.register_hook(self._grad_hook(spec, micro))  # type: ignore[no-untyped-call]
 
         return hook
 

@@ -33,8 +33,11 @@ ALLOWED = {
         "state",
         "update",
     },
+    "scheduler": set(),
     # checkpoints of states (reads kfac_func.__version__ lazily)
     "serialization": {"decomposition", "layers", "state"},
+    # sharded factor checkpoints: written by plan owners, committed after a collective
+    "factor_files": {"decomposition", "layers", "plan", "serialization", "state"},
 }
 MATH = [
     "layers",
