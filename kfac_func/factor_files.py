@@ -1,0 +1,623 @@
+"""Sharded factor checkpoints: one file per layer plus a manifest, resumable on any world size.
+
+:func:`save_factor_dir` writes a directory::
+
+    <directory>/
+        layer.<encoded layer name>.safetensors   one per layer
+        manifest.json                            written last: the commit point
+
+Each layer file is an ordinary single-layer checkpoint of :mod:`kfac_func.serialization`
+(``save_state`` of ``state.replace(layers={name: layer_state})``: same format, same
+metadata, same atomic write), so every check of that module applies to it. Under a
+:class:`~kfac_func.Plan` the file of a layer is written by the layer's A owner, the one
+rank whose copy is current under every strategy (under ``MEM_OPT`` only the owner folds
+and decomposes a layer; under ``COMM_OPT``/``HYBRID_OPT`` every rank holds the averaged
+factors and the A owner is one of the layer's grad workers, so it holds the
+decompositions too). Without a plan one process (rank 0) writes every file.
+
+Commit protocol. Rank 0 first removes an old manifest (so that overwriting a directory in
+place can never leave an old manifest in front of new files); after a collective every
+rank writes its files; the ranks then exchange the names, sizes and SHA-256 digests of
+what they wrote (an ``all_gather_object``, which is also the barrier), and only if every
+rank succeeded rank 0 writes the manifest atomically; a last collective tells every rank
+whether that worked. An exception on any rank makes every rank raise, and no manifest is
+written. (Under NCCL, as for every object collective, each rank's CUDA device must be
+set with ``torch.cuda.set_device`` first.) A directory without a manifest, or whose
+manifest lists a file that is missing, has another size or another digest, is refused by
+:func:`load_factor_dir` with an error naming every problem. Write each checkpoint to a
+fresh directory (``ckpt/step_000100``): re-saving in place destroys the previous one
+before the new one is committed.
+
+The manifest (UTF-8 JSON)::
+
+    {"format": "kfac_func.FactorDir", "format_version": 1, "library_version": "0.1.0",
+     "step": 3, "world_size": 4, "strategy": "MEM_OPT", "plan_fingerprint": "...",
+     "include_decompositions": false,
+     "layers": [{"name": "encoder.0", "file": "layer.encoder.0.safetensors",
+                 "bytes": 3416, "sha256": "...", "writer": 2}, ...]}
+
+File names (:func:`layer_file_name`) are derived from layer names alone and can never
+leave the directory: every character outside ``[a-z0-9_.-]`` (upper-case letters included,
+so that names differing only in case stay distinct on case-insensitive file systems) is
+percent-encoded as UTF-8 bytes with upper-case hex digits, the result is prefixed by
+``layer.`` (never ``.``, ``..``, hidden or empty) and suffixed by ``.safetensors``, and an
+encoded name longer than 180 characters is cut and given ``~`` plus 16 hex digits of the
+SHA-256 of the full name (``~`` appears nowhere else, so cut names never equal uncut
+ones). The mapping is injective up to that 64-bit hash; the manifest maps files back to
+names, and the loader only opens plain file names listed there.
+
+Loading (:func:`load_factor_dir`) takes the plan of the *new* run, which may be for
+another world size: the files do not depend on the saving plan. By default every rank
+reads every layer file (factor files are small next to a model, and every rank then
+holds the same, complete state and raises the same errors). With ``only_owned=True``,
+allowed under ``MEM_OPT`` only, a rank reads just the layers it owns and keeps ``like``'s
+entries for the others, which is exactly what an uninterrupted ``MEM_OPT`` run holds there
+(:func:`kfac_func.update_distributed` neither folds nor decomposes other ranks' layers);
+under ``COMM_OPT``/``HYBRID_OPT`` every rank holds the averaged factors, so every rank must
+read every layer. Decompositions not in the files come back as ``None`` and the next
+update recomputes them from that step's factors, so resume on an inverse-update step or
+save with ``include_decompositions=True`` to continue exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import safetensors.torch
+import torch.distributed as dist
+
+from kfac_func.plan import DistributedStrategy, Plan
+from kfac_func.serialization import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointMismatchError,
+    _atomic_write,
+    _fsync_dir,
+    save_state,
+    state_from_dict,
+)
+from kfac_func.state import KFACState, LayerState
+
+__all__ = [
+    "MANIFEST_FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "layer_file_name",
+    "load_factor_dir",
+    "read_factor_manifest",
+    "save_factor_dir",
+]
+
+MANIFEST_NAME = "manifest.json"
+"""File name of the manifest, the commit point of a factor directory."""
+
+MANIFEST_FORMAT_VERSION = 1
+"""Manifest format version this library writes (and the newest it reads)."""
+
+_MANIFEST_FORMAT = "kfac_func.FactorDir"
+_PREFIX = "layer."
+_SUFFIX = ".safetensors"
+_SAFE = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_.-")
+_MAX_ENCODED = 180  # + prefix/suffix (18) + the writer's ".<name>.<12 hex>.tmp": < 255 bytes
+_HASH_HEX = 16
+
+PathLike = str | os.PathLike[str]
+
+
+# --------------------------------------------------------------------------- file names
+
+
+def layer_file_name(name: str) -> str:
+    """The file name of layer ``name`` inside a factor directory (a plain, ASCII name).
+
+    See the module docstring for the encoding. It never contains a path separator, NUL,
+    ``..`` as a whole name, or a leading dot, is at most 210 characters long, and distinct
+    layer names give distinct file names, also when compared case-insensitively (up to a
+    64-bit hash for names whose encoding exceeds 180 characters).
+
+    Example:
+        >>> layer_file_name("encoder.0")
+        'layer.encoder.0.safetensors'
+        >>> layer_file_name("../evil"), layer_file_name("Fc")
+        ('layer...%2Fevil.safetensors', 'layer.%46c.safetensors')
+        >>> len(layer_file_name("x" * 500))
+        198
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"layer names are str, got {type(name).__name__}")
+    parts = []
+    for ch in name:
+        if ch in _SAFE:
+            parts.append(ch)
+        else:  # surrogatepass: total on every str, even lone surrogates
+            parts.extend(f"%{b:02X}" for b in ch.encode("utf-8", "surrogatepass"))
+    if sum(map(len, parts)) > _MAX_ENCODED:
+        digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:_HASH_HEX]
+        kept, size = [], 0
+        for p in parts:  # whole characters only: never a cut %XX triple
+            if size + len(p) > _MAX_ENCODED - 1 - _HASH_HEX:
+                break
+            kept.append(p)
+            size += len(p)
+        parts = [*kept, "~", digest]
+    return f"{_PREFIX}{''.join(parts)}{_SUFFIX}"
+
+
+def _plain_file_name(file: str) -> bool:
+    return (
+        bool(file)
+        and file not in (".", "..")
+        and not any(c in file for c in "/\\\0")
+        and os.path.basename(file) == file
+        and not os.path.isabs(file)
+    )
+
+
+# --------------------------------------------------------------------------- ranks
+
+
+def _context(rank: int | None, *, any_rank: bool) -> tuple[bool, int, int]:
+    """``(collective, rank, world)``: collective when a process group of >1 ranks is up."""
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+        raise ValueError(f"rank must be a non-negative int, got {rank!r}")
+    if dist.is_available() and dist.is_initialized():
+        world, mine = dist.get_world_size(), dist.get_rank()
+        if rank is not None and rank != mine:
+            raise ValueError(f"rank={rank} but this process is rank {mine} of the process group")
+        return world > 1, mine, world
+    if rank not in (None, 0) and not any_rank:
+        raise ValueError(
+            f"rank={rank} without an initialized process group: save_factor_dir writes "
+            "as rank 0 (pass plan=None to write every layer from one process)"
+        )
+    return False, 0 if rank is None else rank, 1
+
+
+def _check_plan(plan: Plan, names: Sequence[str], what: str) -> None:
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a kfac_func.Plan, got {type(plan).__name__}")
+    if set(plan.layers) != set(names):
+        missing = sorted(set(names) - set(plan.layers))
+        extra = sorted(set(plan.layers) - set(names))
+        raise ValueError(
+            f"plan and {what} disagree on layers: not in plan {missing}, not in {what} {extra}"
+        )
+
+
+def _gather(collective: bool, world: int, obj: Any) -> list[Any]:
+    if not collective:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _raise_failures(reports: list[Any], rank: int, own: BaseException | None, what: str) -> None:
+    """Every rank raises if any rank failed (the failing rank its own exception)."""
+    failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"] is not None]
+    if not failed:
+        return
+    if own is not None:
+        raise own
+    detail = "; ".join(f"rank {r}: {msg}" for r, msg in failed)
+    raise CheckpointError(f"{what} failed on another rank ({detail})")
+
+
+def _describe(e: BaseException | None) -> str | None:
+    return None if e is None else f"{type(e).__name__}: {e}"
+
+
+# --------------------------------------------------------------------------- save
+
+
+def _sha256_file(path: str) -> tuple[int, str]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def save_factor_dir(
+    state: KFACState,
+    directory: PathLike,
+    *,
+    plan: Plan | None = None,
+    rank: int | None = None,
+    include_decompositions: bool = False,
+) -> None:
+    """Write ``state`` as one checkpoint file per layer plus a manifest, written last.
+
+    When ``torch.distributed`` is initialized with more than one rank this is a collective:
+    every rank calls it with its own state and the same plan; each layer is written by its
+    A owner under ``plan`` (by rank 0 when ``plan`` is None), and rank 0 writes the
+    manifest once every rank has written its files. See the module docstring for the
+    layout and the commit protocol.
+
+    Args:
+        state: this rank's state (under ``MEM_OPT`` only the owned layers need be current).
+        directory: created if absent; best a fresh one per checkpoint (an existing
+            manifest there is removed first, so the directory reads as incomplete until
+            the new manifest is written).
+        plan: the plan the state was trained with (its ``world_size`` must be the process
+            group's); None: one writer for every layer.
+        rank: this process's rank; defaults to the process group's (0 without one), and
+            must equal it.
+        include_decompositions: also store the decompositions (see
+            :func:`kfac_func.state_to_dict`); without them the next update after loading
+            recomputes them.
+
+    Raises:
+        ValueError: the plan does not fit the state or the process group.
+        CheckpointError: another rank failed (the failing rank raises its own exception);
+            no manifest is written then.
+
+    Example:
+        >>> import os, tempfile
+        >>> import torch
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> layers = kf.register(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+        >>> state = kf.init(layers).replace(step=5)
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     kf.save_factor_dir(state, tmp, plan=kf.make_plan(layers, world_size=1))
+        ...     print(sorted(os.listdir(tmp)))
+        ...     print(kf.load_factor_dir(tmp, like=kf.init(layers)).step)
+        ['layer.0.safetensors', 'layer.2.safetensors', 'manifest.json']
+        5
+    """
+    if not isinstance(state, KFACState):
+        raise TypeError(f"state must be a KFACState, got {type(state).__name__}")
+    directory = os.fspath(directory)
+    collective, rank, world = _context(rank, any_rank=False)
+    if plan is not None:
+        _check_plan(plan, list(state.layers), "state")
+        if plan.world_size != world:
+            raise ValueError(
+                f"plan is for world_size={plan.world_size} but this process "
+                + (
+                    f"group has {world} ranks"
+                    if collective
+                    else "has no process group (initialize torch.distributed on every "
+                    "rank, or pass plan=None to write every layer from one process)"
+                )
+            )
+    files = {name: layer_file_name(name) for name in state.layers}
+    if len(set(files.values())) != len(files):  # pragma: no cover - a 64-bit hash collision
+        raise ValueError("two layer names map to the same file name")
+    writer = {name: plan.layers[name].a_owner if plan else 0 for name in state.layers}
+    manifest_path = os.path.join(directory, MANIFEST_NAME)
+    what = f"save_factor_dir({directory!r})"
+
+    # 1. the directory exists, and reads as uncommitted from now on
+    own: BaseException | None = None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        if rank == 0 and os.path.lexists(manifest_path):
+            os.remove(manifest_path)
+            _fsync_dir(directory)
+    except Exception as e:
+        own = e
+    _raise_failures(_gather(collective, world, {"error": _describe(own)}), rank, own, what)
+
+    # 2. each rank writes its layers
+    entries: dict[str, dict[str, Any]] = {}
+    try:
+        for name, ls in state.layers.items():
+            if writer[name] != rank:
+                continue
+            path = os.path.join(directory, files[name])
+            single = state.replace(layers={name: ls})
+            save_state(single, path, include_decompositions=include_decompositions)
+            size, digest = _sha256_file(path)
+            entries[name] = {"file": files[name], "bytes": size, "sha256": digest, "writer": rank}
+    except Exception as e:
+        own = e
+    reports = _gather(
+        collective, world, {"error": _describe(own), "entries": entries, "step": state.step}
+    )
+    _raise_failures(reports, rank, own, what)
+
+    # 3. rank 0 commits
+    try:
+        if rank == 0:
+            steps = {rep["step"] for rep in reports}
+            if len(steps) != 1:
+                raise ValueError(f"ranks saved states of different steps {sorted(steps)}")
+            written: dict[str, dict[str, Any]] = {}
+            for rep in reports:
+                written.update(rep["entries"])
+            lost = [n for n in state.layers if n not in written]
+            if lost:  # pragma: no cover - every layer has exactly one writer
+                raise ValueError(f"no rank wrote layers {lost}")
+            manifest = _manifest(state, plan, world, include_decompositions, written)
+            text = json.dumps(manifest, indent=1).encode("utf-8")
+
+            def write(tmp: str) -> None:
+                with open(tmp, "wb") as f:
+                    f.write(text)
+
+            _atomic_write(manifest_path, write)
+    except Exception as e:
+        own = e
+    _raise_failures(_gather(collective, world, {"error": _describe(own)}), rank, own, what)
+
+
+def _manifest(
+    state: KFACState,
+    plan: Plan | None,
+    world: int,
+    include_decompositions: bool,
+    written: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
+    import kfac_func
+
+    return {
+        "format": _MANIFEST_FORMAT,
+        "format_version": MANIFEST_FORMAT_VERSION,
+        "library_version": kfac_func.__version__,
+        "step": state.step,
+        "world_size": world,
+        "strategy": plan.strategy.name if plan is not None else None,
+        "plan_fingerprint": plan.fingerprint() if plan is not None else None,
+        "include_decompositions": include_decompositions,
+        "layers": [{"name": name, **written[name]} for name in state.layers],
+    }
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+def _bad(directory: str, msg: str) -> CheckpointFormatError:
+    return CheckpointFormatError(f"factor checkpoint {directory!r}: {msg}")
+
+
+def _field(obj: dict[str, Any], key: str, typ: type | tuple[type, ...], where: str) -> Any:
+    value = obj.get(key)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ValueError(f"{where}{key!r} is missing or of the wrong type ({value!r})")
+    return value
+
+
+def read_factor_manifest(directory: PathLike) -> dict[str, Any]:
+    """The validated manifest of a factor directory (see the module docstring).
+
+    Raises:
+        CheckpointFormatError: no manifest (the save was interrupted, failed or is still
+            running), a malformed one, one of a newer format version, or one listing a
+            file name that is not a plain name inside the directory.
+        FileNotFoundError: ``directory`` does not exist.
+
+    Example:
+        >>> import tempfile
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> state = kf.init(kf.register(nn.Sequential(nn.Linear(3, 2))))
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     kf.save_factor_dir(state, tmp)
+        ...     m = kf.read_factor_manifest(tmp)
+        >>> m["step"], m["world_size"], [(e["name"], e["file"]) for e in m["layers"]]
+        (0, 1, [('0', 'layer.0.safetensors')])
+    """
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"no factor checkpoint directory {directory!r}")
+    path = os.path.join(directory, MANIFEST_NAME)
+    if not os.path.exists(path):
+        present = sorted(
+            f for f in os.listdir(directory) if f.startswith(_PREFIX) and f.endswith(_SUFFIX)
+        )
+        raise _bad(
+            directory,
+            f"no {MANIFEST_NAME}: the save was interrupted, failed or has not finished (the "
+            f"manifest is written last, after every layer file); {len(present)} layer "
+            "file(s) present, refusing to load them",
+        )
+    try:
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _bad(directory, f"{MANIFEST_NAME} is not valid UTF-8 JSON ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != _MANIFEST_FORMAT:
+        raise _bad(directory, f"{MANIFEST_NAME} does not describe a {_MANIFEST_FORMAT}")
+    try:
+        version = _field(manifest, "format_version", int, "")
+        if version > MANIFEST_FORMAT_VERSION or version < 1:
+            import kfac_func
+
+            raise _bad(
+                directory,
+                f"manifest has format version {version} (written by kfac_func "
+                f"{manifest.get('library_version', '?')}); this library (kfac_func "
+                f"{kfac_func.__version__}) reads format version {MANIFEST_FORMAT_VERSION}"
+                + (": upgrade kfac_func to load it" if version > MANIFEST_FORMAT_VERSION else ""),
+            )
+        _field(manifest, "step", int, "")
+        _field(manifest, "world_size", int, "")
+        layers = _field(manifest, "layers", list, "")
+        names: set[str] = set()
+        files: set[str] = set()
+        for i, entry in enumerate(layers):
+            if not isinstance(entry, dict):
+                raise ValueError(f"layers[{i}] is not an object")
+            name = _field(entry, "name", str, f"layers[{i}] ")
+            where = f"layer {name!r} "
+            file = _field(entry, "file", str, where)
+            _field(entry, "bytes", int, where)
+            _field(entry, "sha256", str, where)
+            if not _plain_file_name(file) or file == MANIFEST_NAME:
+                raise ValueError(f"layer {name!r}: file {file!r} is not a plain file name")
+            if name in names or file in files:
+                raise ValueError(f"layer {name!r} or file {file!r} is listed twice")
+            names.add(name)
+            files.add(file)
+    except ValueError as e:
+        if isinstance(e, CheckpointFormatError):
+            raise
+        raise _bad(directory, f"malformed {MANIFEST_NAME}: {e}") from None
+    return manifest
+
+
+# --------------------------------------------------------------------------- load
+
+
+def load_factor_dir(
+    directory: PathLike,
+    *,
+    like: KFACState,
+    plan: Plan | None = None,
+    rank: int | None = None,
+    only_owned: bool = False,
+) -> KFACState:
+    """Rebuild a state from a directory of :func:`save_factor_dir`, for any world size.
+
+    ``like`` is a state of the same model and configuration (typically ``kf.init(...)``)
+    and supplies the specs, configuration and device, as for
+    :func:`kfac_func.load_state`. Every rank reads every layer file (the default), or,
+    with ``only_owned`` and a ``MEM_OPT`` plan, only the layers whose A owner it is under
+    ``plan`` (the plan of the new run, for any world size), keeping ``like``'s entries
+    for the others, which such a run never reads. The step comes from the manifest.
+    Decompositions that were not saved are ``None`` (the next update recomputes them).
+    Before anything is read, every file the manifest lists must exist with its recorded
+    size; each file read must match its SHA-256 digest and the manifest's step.
+
+    Args:
+        directory: written by :func:`save_factor_dir`.
+        like: the target state's structure.
+        plan: the new run's plan; must cover ``like``'s layers and, with a process group,
+            have its world size.
+        rank: this process's rank under ``plan``; defaults to the process group's (0
+            without one).
+        only_owned: read owned layers only (``MEM_OPT`` plans only: under ``COMM_OPT`` and
+            ``HYBRID_OPT`` every rank holds the averaged factors of every layer).
+
+    Raises:
+        CheckpointFormatError: no manifest (incomplete save), a malformed or future one,
+            missing, truncated or altered layer files, or files of another step; every
+            such problem is named in one message.
+        CheckpointMismatchError: one error listing the configuration differences and
+            every missing, extra or mis-shaped layer, as :func:`kfac_func.load_state`.
+        ValueError: ``plan``/``rank``/``only_owned`` do not fit.
+
+    Example:
+        >>> import tempfile
+        >>> import torch
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> layers = kf.register(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+        >>> state = kf.init(layers, factor_dtype=torch.float64)
+        >>> state = state.replace(layers={n: ls.replace(a_factor=ls.a_factor + 1)
+        ...                               for n, ls in state.layers.items()})
+        >>> plan2 = kf.make_plan(layers, world_size=2,
+        ...                      grad_worker_fraction=kf.DistributedStrategy.MEM_OPT)
+        >>> [plan2.layers[n].a_owner for n in layers]
+        [1, 0]
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     kf.save_factor_dir(state, tmp)
+        ...     mine = kf.load_factor_dir(tmp, like=kf.init(layers, factor_dtype=torch.float64),
+        ...                               plan=plan2, rank=1, only_owned=True)
+        >>> [float(mine.layers[n].a_factor[0, 0]) for n in layers]  # '0' read, '2' from like
+        [1.0, 0.0]
+    """
+    if not isinstance(like, KFACState):
+        raise TypeError(f"like must be a KFACState, got {type(like).__name__}")
+    directory = os.fspath(directory)
+    manifest = read_factor_manifest(directory)
+    collective, rank, world = _context(rank, any_rank=True)
+    if plan is not None:
+        _check_plan(plan, list(like.layers), "like")
+        if collective and plan.world_size != world:
+            raise ValueError(
+                f"plan is for world_size={plan.world_size}, the process group has {world} ranks"
+            )
+        if rank >= plan.world_size:
+            raise ValueError(f"rank {rank} is outside the plan's world of {plan.world_size}")
+    if only_owned:
+        if plan is None:
+            raise ValueError("only_owned=True needs the plan of the new run")
+        if plan.strategy is not DistributedStrategy.MEM_OPT:
+            raise ValueError(
+                f"only_owned=True is for MEM_OPT plans; under {plan.strategy.name} every "
+                "rank holds the averaged factors of every layer, so every rank must read "
+                "every layer"
+            )
+
+    step: int = manifest["step"]
+    entries = {e["name"]: e for e in manifest["layers"]}
+    missing = [n for n in like.layers if n not in entries]
+    extra = [n for n in entries if n not in like.layers]
+    owned = {n for n, lp in plan.layers.items() if lp.a_owner == rank} if plan else set()
+    wanted = [n for n in like.layers if n in entries and (not only_owned or n in owned)]
+
+    # every listed file is there with its size, before anything is read
+    problems: list[str] = []
+    for name, e in entries.items():
+        path = os.path.join(directory, e["file"])
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            problems.append(f"layer {name!r}: file {e['file']!r} is missing")
+            continue
+        if size != e["bytes"]:
+            problems.append(
+                f"layer {name!r}: file {e['file']!r} has {size} bytes, the manifest "
+                f"records {e['bytes']} (truncated or overwritten)"
+            )
+    if problems:
+        raise _incomplete(directory, problems)
+
+    config: list[str] = []
+    mismatched: dict[str, list[str]] = {}
+    loaded: dict[str, LayerState] = {}
+    for name in wanted:
+        e = entries[name]
+        path = os.path.join(directory, e["file"])
+        with open(path, "rb") as f:
+            data = f.read()
+        if len(data) != e["bytes"] or hashlib.sha256(data).hexdigest() != e["sha256"]:
+            problems.append(
+                f"layer {name!r}: file {e['file']!r} does not match its SHA-256 digest in "
+                "the manifest (altered, or written by another save)"
+            )
+            continue
+        try:
+            flat = safetensors.torch.load(data)
+        except Exception as err:  # SafetensorError and friends
+            problems.append(f"layer {name!r}: cannot read {e['file']!r} ({_describe(err)})")
+            continue
+        try:
+            single = state_from_dict(flat, like=like.replace(layers={name: like.layers[name]}))
+        except CheckpointMismatchError as err:
+            if err.missing or err.extra:
+                problems.append(
+                    f"layer {name!r}: file {e['file']!r} holds layers {err.extra!r} instead"
+                )
+            config += [c for c in err.config if c not in config]
+            mismatched.update(err.mismatched)
+            continue
+        except CheckpointFormatError as err:
+            problems.append(f"layer {name!r}: file {e['file']!r}: {err}")
+            continue
+        if single.step != step:
+            problems.append(
+                f"layer {name!r}: file {e['file']!r} holds step {single.step}, the manifest "
+                f"step {step} (files of different saves)"
+            )
+            continue
+        loaded[name] = single.layers[name]
+    if problems:
+        raise _incomplete(directory, problems)
+    if config or missing or extra or mismatched:
+        raise CheckpointMismatchError(config, missing, extra, mismatched, source=directory)
+    layers = {name: loaded.get(name, ls) for name, ls in like.layers.items()}
+    return KFACState(layers=layers, step=step, config=like.config)
+
+
+def _incomplete(directory: str, problems: list[str]) -> CheckpointFormatError:
+    lines = "\n".join(f"  {p}" for p in problems)
+    return _bad(directory, f"incomplete or damaged, refusing to load:\n{lines}")
