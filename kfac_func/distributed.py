@@ -97,7 +97,7 @@ class Communicator:
         group: Group = None,
     ) -> None:
         if bucket_cap_mb < 0:
-            raise ValueError(f"allreduce_bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
+            raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
         self.active = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.active else 0
         self.world_size = dist.get_world_size() if self.active else 1

@@ -46,8 +46,7 @@ from kfac_func.update import (
     _check,
     _resolve,
     apply_preconditioned,
-    factors_finite,
-    fold_factors,
+    fold_checked,
     grads_finite,
     layer_batch_factors,
     layer_matrix,
@@ -94,6 +93,11 @@ def _reduce_factors(
     nonfinite: NonFinite,
 ) -> dict[str, LayerState]:
     cfg = state.config
+    if comm.world_size == 1:  # nothing to average: fold the local factors as update() does
+        layers = dict(state.layers)
+        for name, (a, g, _) in local.items():
+            layers[name] = fold_checked(state.layers[name], a, g, decay, cfg, nonfinite)
+        return layers
     to_owner = plan.strategy is DistributedStrategy.MEM_OPT
     device = state.layers[names[0]].a_factor.device if names else torch.device("cpu")
     weights = torch.zeros(len(names), dtype=torch.float64, device=device)
@@ -125,10 +129,7 @@ def _reduce_factors(
         if total == 0.0 or (to_owner and comm.rank != plan.layers[name].a_owner):
             continue
         a, g = sums[2 * i] / total, sums[2 * i + 1] / total
-        if factors_finite(name, a, g, nonfinite):
-            layers[name] = fold_factors(ls, a, g, decay, cfg)
-        else:
-            layers[name] = ls.replace(skipped_updates=ls.skipped_updates + 1)
+        layers[name] = fold_checked(ls, a, g, decay, cfg, nonfinite)
     return layers
 
 

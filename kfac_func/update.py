@@ -138,6 +138,21 @@ def factors_finite(name: str, a: torch.Tensor, g: torch.Tensor, mode: NonFinite)
     return not bad
 
 
+def fold_checked(
+    ls: LayerState,
+    a: torch.Tensor,
+    g: torch.Tensor,
+    decay: float,
+    config: KFACConfig,
+    nonfinite: NonFinite,
+) -> LayerState:
+    """:func:`fold_factors` when both batch factors are finite, else the layer unchanged
+    but for one more skipped update (or :class:`NonFiniteError`)."""
+    if factors_finite(ls.spec.name, a, g, nonfinite):
+        return fold_factors(ls, a, g, decay, config)
+    return ls.replace(skipped_updates=ls.skipped_updates + 1)
+
+
 def fold_factors(
     ls: LayerState, a: torch.Tensor, g: torch.Tensor, decay: float, config: KFACConfig
 ) -> LayerState:
@@ -193,10 +208,7 @@ def accumulate_factors(
         if batch is None:
             continue
         a, g, _ = batch
-        if factors_finite(name, a, g, nonfinite):
-            layers[name] = fold_factors(ls, a, g, decay, state.config)
-        else:
-            layers[name] = ls.replace(skipped_updates=ls.skipped_updates + 1)
+        layers[name] = fold_checked(ls, a, g, decay, state.config, nonfinite)
     return state.replace(layers=layers)
 
 

@@ -27,3 +27,34 @@ def test_step_time_quick() -> None:
             assert any(
                 line.split()[:2] == [model, intervals] for line in proc.stdout.splitlines()
             ), proc.stdout
+
+
+@pytest.mark.slow
+def test_distributed_quick() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "distributed.py"), "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,  # a hang guard only; the script takes seconds
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ratio" in proc.stdout and "oversubscribed" in proc.stdout
+    # world, strategy, F/I, step ms, ratio, factors, decomp, grads, total (KiB)
+    rows = {tuple(line.split()[:3]): line.split()[3:] for line in proc.stdout.splitlines()}
+    expected = [
+        ("1", "COMM_OPT"),
+        ("2", "COMM_OPT"),
+        ("2", "MEM_OPT"),
+        ("4", "COMM_OPT"),
+        ("4", "HYBRID_OPT"),
+        ("4", "MEM_OPT"),
+    ]
+    for intervals in ("1/1", "10/100"):
+        for world, strategy in expected:
+            assert (world, strategy, intervals) in rows, proc.stdout
+        assert rows["1", "COMM_OPT", intervals][1] == "1.00"
+        assert float(rows["1", "COMM_OPT", intervals][-1]) == 0.0  # one rank sends nothing
+        assert float(rows["4", "COMM_OPT", intervals][4]) == 0.0  # no gradient broadcast
+        assert float(rows["4", "MEM_OPT", intervals][3]) == 0.0  # no decomposition broadcast
+        assert float(rows["4", "MEM_OPT", intervals][2]) > 0.0

@@ -1,0 +1,531 @@
+"""`update_distributed` on real gloo process groups of 1, 2 and 4 ranks.
+
+Each world size is spawned once (a module-scoped fixture); inside that one spawn every
+configuration runs: strategy (COMM_OPT, HYBRID_OPT on 4 ranks, MEM_OPT, a float
+fraction) x compute method (eigen with and without the eigenvalue outer product,
+inverse) x symmetry-aware packing x bucketing (one bucket, one collective per tensor, a
+tiny cap that forces several buckets). Every rank takes its slice of a global batch,
+averages its gradients like DDP and calls ``kf.update_distributed``; the result must match
+``kf.update`` on the whole global batch (computed in the same process) and be
+bit-identical on all ranks.
+
+Workers write one JSON file per rank; the parent asserts on them. An exception in a
+worker makes ``mp.spawn`` raise with the worker's traceback, which fails the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from collections import Counter
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import kfac_func as kf
+from kfac_func.plan import DistributedStrategy, resolve_grad_workers
+
+WORLDS = (1, 2, 4)
+STEPS = 5
+LOCAL_BATCH = 3  # examples per rank (not a power of two: weights are not exact)
+LR = 0.1
+TOL = 1e-6
+TINY_CAP_MB = 4096 / 2**20  # 4 KiB: several buckets of several tensors
+CAPS = (25.0, 0.0, TINY_CAP_MB)
+METHODS = (("eigen", True), ("eigen", False), ("inverse", False))
+
+
+def factor_every_2(step: int) -> bool:
+    return step % 2 == 0
+
+
+def inverse_every_3(step: int) -> bool:
+    return step % 3 == 0
+
+
+HYPER: dict[str, Any] = dict(
+    damping=0.01,
+    factor_decay=0.9,
+    kl_clip=1e-3,
+    lr=LR,
+    update_factors=factor_every_2,
+    update_inverses=inverse_every_3,
+)
+FACTOR_UPDATES = sum(factor_every_2(s) for s in range(STEPS))
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, groups=2),  # grouped: 2 blocks of A 10x10, G 2x2
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 8),
+        nn.ReLU(),
+        nn.Linear(8, 3),
+    ).double()
+
+
+def strategies(world: int) -> list[DistributedStrategy | float]:
+    out: list[DistributedStrategy | float] = [DistributedStrategy.COMM_OPT]
+    if world >= 4:
+        out.append(DistributedStrategy.HYBRID_OPT)
+    out += [DistributedStrategy.MEM_OPT, 0.5]
+    return out
+
+
+def make_config_plan(
+    layers: kf.LayerTable,
+    world: int,
+    fraction: DistributedStrategy | float,
+    method: str,
+    outer: bool,
+) -> kf.Plan:
+    """Colocated factors with the outer product (required) or MEM_OPT (forced); split
+    owners otherwise, so that both placements are exercised."""
+    strategy = resolve_grad_workers(fraction, world)[2]
+    colocate = outer or strategy is DistributedStrategy.MEM_OPT
+    return kf.make_plan(
+        layers,
+        world,
+        grad_worker_fraction=fraction,
+        compute_method=method,
+        compute_eigenvalue_outer_product=outer,
+        colocate_factors=colocate,
+    )
+
+
+def global_batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, 2, 6, 6, generator=g, dtype=torch.float64), torch.randint(
+        0, 3, (n,), generator=g
+    )
+
+
+def xent(y: torch.Tensor) -> Any:
+    return lambda out: F.cross_entropy(out, y)
+
+
+def init_state(layers: kf.LayerTable, method: str, outer: bool) -> kf.KFACState:
+    return kf.init(
+        layers,
+        compute_method=method,
+        compute_eigenvalue_outer_product=outer,
+        factor_dtype=torch.float64,
+        inv_dtype=torch.float64,
+    )
+
+
+# --------------------------------------------------------------------------- the data
+
+
+Step = tuple[list[dict[str, torch.Tensor]], list[kf.Captures], dict[str, torch.Tensor]]
+
+
+def trajectory(method: str, outer: bool, world: int) -> list[Step]:
+    """Per step: each rank's local gradients and captures, and the reference result.
+
+    The reference is ``kf.update`` on the global batch; parameters follow it, so every
+    configuration sees the same inputs at every step. Computed once, in the parent (the
+    first ``kf.capture`` of a process costs seconds of lazy imports), and shipped to the
+    ranks in a file.
+    """
+    model = make_model()
+    layers = kf.register(model)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    ref_state = init_state(layers, method, outer)
+    steps = []
+    for step in range(STEPS):
+        x, y = global_batch(step, LOCAL_BATCH * world)
+        _, ref_grads, ref_caps = kf.capture(model, params, x, xent(y), layers=layers)
+        ref_out, ref_state = kf.update(ref_state, ref_grads, captures=ref_caps, **HYPER)
+        local_grads, local_caps = [], []
+        for rank in range(world):
+            sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+            _, grads, caps = kf.capture(model, params, x[sl], xent(y[sl]), layers=layers)
+            local_grads.append(grads)
+            local_caps.append(caps)
+        steps.append((local_grads, local_caps, ref_out))
+        params = {k: params[k] - LR * ref_out[k] for k in params}
+    return steps
+
+
+def ddp_average(grads: dict[str, torch.Tensor], world: int) -> dict[str, torch.Tensor]:
+    """Gradients summed over ranks and divided by the world size, as DDP does."""
+    if world == 1:
+        return grads
+    names = sorted(grads)
+    flat = torch.cat([grads[k].reshape(-1) for k in names])
+    dist.all_reduce(flat)
+    flat /= world
+    out, offset = {}, 0
+    for k in names:
+        n = grads[k].numel()
+        out[k] = flat[offset : offset + n].reshape(grads[k].shape).clone()
+        offset += n
+    return out
+
+
+# --------------------------------------------------------------------------- the worker
+
+CALLS: Counter[str] = Counter()  # collectives launched in this worker, by name
+
+
+def _counting(name: str) -> Any:
+    original = getattr(dist, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        CALLS[name] += 1
+        return original(*args, **kwargs)
+
+    return counted
+
+
+def _count_collectives() -> None:
+    """Count the reductions and broadcasts the Communicator launches (worker only)."""
+    for name in ("all_reduce", "reduce", "broadcast"):
+        setattr(dist, name, _counting(name))
+
+
+def _run_config(
+    layers: kf.LayerTable,
+    steps: list[tuple[dict[str, torch.Tensor], kf.Captures, dict[str, torch.Tensor]]],
+    world: int,
+    fraction: DistributedStrategy | float,
+    method: str,
+    outer: bool,
+    sym: bool,
+    cap: float,
+) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    calls = Counter(CALLS)
+    plan = make_config_plan(layers, world, fraction, method, outer)
+    comm = kf.Communicator(plan, bucket_cap_mb=cap, symmetry_aware=sym)
+    state = init_state(layers, method, outer)
+    max_err = 0.0
+    outs = []
+    for grads, caps, ref_out in steps:
+        out, state = kf.update_distributed(
+            state, grads, captures=caps, plan=plan, comm=comm, **HYPER
+        )
+        assert sorted(out) == sorted(ref_out)
+        for k in out:
+            max_err = max(max_err, float((out[k] - ref_out[k]).abs().max()))
+        outs.append(torch.cat([out[k].reshape(-1) for k in sorted(out)]))
+    calls = CALLS - calls
+    mine = torch.cat(outs)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    if world > 1:
+        dist.all_gather(gathered, mine)
+    else:
+        gathered = [mine]
+    return {
+        "fraction": fraction.name if isinstance(fraction, DistributedStrategy) else fraction,
+        "strategy": plan.strategy.name,
+        "method": method,
+        "outer": outer,
+        "sym": sym,
+        "cap": cap,
+        "colocate": plan.colocate_factors,
+        "max_err": max_err,
+        "identical": all(torch.equal(gathered[0], g) for g in gathered),
+        "bytes": dict(comm.bytes),
+        "reductions": calls["all_reduce"] + calls["reduce"],
+        "state_step": state.step,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def _worker(rank: int, world: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp}/store",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        t0 = time.perf_counter()
+        data = torch.load(Path(tmp, "data.pt"), weights_only=False)
+        _count_collectives()
+        layers = kf.register(make_model())
+        result: dict[str, Any] = {"rank": rank, "world": world, "configs": []}
+
+        # a plan for another world size is refused, naming both sizes
+        try:
+            kf.Communicator(kf.make_plan(layers, world + 1))
+        except ValueError as e:
+            result["wrong_world_error"] = str(e)
+
+        for method, outer in METHODS:
+            steps = [
+                (ddp_average(grads[rank], world), caps[rank], ref_out)
+                for grads, caps, ref_out in data[method, outer]
+            ]
+            for fraction in strategies(world):
+                for sym in (False, True):
+                    for cap in CAPS:
+                        result["configs"].append(
+                            _run_config(layers, steps, world, fraction, method, outer, sym, cap)
+                        )
+        result["seconds"] = time.perf_counter() - t0
+        Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
+    except Exception:
+        Path(tmp, f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=[f"world{w}" for w in WORLDS])
+def spawned(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    world: int = request.param
+    tmp = tmp_path_factory.mktemp(f"world{world}")
+    t0 = time.perf_counter()
+    data = {(m, o): trajectory(m, o, world) for m, o in METHODS}
+    torch.save(data, tmp / "data.pt")
+    t1 = time.perf_counter()
+    mp.spawn(_worker, args=(world, str(tmp)), nprocs=world, join=True)
+    t2 = time.perf_counter()
+    errors = sorted(tmp.glob("*.error"))
+    assert not errors, "\n".join(p.read_text() for p in errors)
+    results = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
+    print(
+        f"\nworld {world}: reference {t1 - t0:.1f} s, spawn {t2 - t1:.1f} s "
+        f"(rank 0 after start: {results[0]['seconds']:.1f} s)"
+    )
+    return world, results
+
+
+# --------------------------------------------------------------------------- assertions
+
+
+def _label(c: dict[str, Any]) -> str:
+    m = f"{c['method']}{'+outer' if c['outer'] else ''}"
+    return f"{c['fraction']}->{c['strategy']} {m} sym={c['sym']} cap={c['cap']:g}"
+
+
+def test_every_configuration_ran(spawned: Any) -> None:
+    world, results = spawned
+    expected = len(strategies(world)) * len(METHODS) * 2 * len(CAPS)
+    labels = [[_label(c) for c in r["configs"]] for r in results]
+    assert all(len(ls) == expected for ls in labels)
+    assert all(ls == labels[0] for ls in labels)  # same configurations, same order
+    for c in results[0]["configs"]:
+        assert c["state_step"] == STEPS
+        expected_strategy = resolve_grad_workers(
+            DistributedStrategy[c["fraction"]] if isinstance(c["fraction"], str) else c["fraction"],
+            world,
+        )[2]
+        assert c["strategy"] == expected_strategy.name
+    if world == 4:
+        assert {c["strategy"] for c in results[0]["configs"]} == {
+            "COMM_OPT",
+            "HYBRID_OPT",
+            "MEM_OPT",
+        }
+        assert {c["colocate"] for c in results[0]["configs"]} == {True, False}
+
+
+def test_matches_single_process_update(spawned: Any) -> None:
+    world, results = spawned
+    worst = max(
+        ((c["max_err"], r["rank"], _label(c)) for r in results for c in r["configs"]),
+        key=lambda t: t[0],
+    )
+    print(f"\nworld {world}: max |update_distributed - update| = {worst[0]:.2e} ({worst[2]})")
+    bad = [
+        f"rank {r['rank']} {_label(c)}: {c['max_err']:.3e}"
+        for r in results
+        for c in r["configs"]
+        if not c["max_err"] < TOL
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_ranks_return_bit_identical_gradients(spawned: Any) -> None:
+    _, results = spawned
+    bad = [
+        f"rank {r['rank']} {_label(c)}" for r in results for c in r["configs"] if not c["identical"]
+    ]
+    assert not bad, "ranks differ:\n" + "\n".join(bad)
+
+
+def test_communicator_in_group_rejects_plan_for_other_world(spawned: Any) -> None:
+    world, results = spawned
+    for r in results:
+        msg = r.get("wrong_world_error")
+        assert msg is not None, f"rank {r['rank']}: no ValueError"
+        assert f"world_size={world + 1}" in msg and f"{world} ranks" in msg, msg
+
+
+def _factor_elements(layers: kf.LayerTable, sym: bool) -> list[int]:
+    """Elements sent per factor, in the order of ``_reduce_factors`` (A, G per layer)."""
+    out = []
+    for name in sorted(layers):
+        spec = layers[name]
+        for n in (spec.a_dim, spec.g_dim):
+            out.append(spec.groups * (n * (n + 1) // 2 if sym else n * n))
+    return out
+
+
+def _expected_factor_bytes(world: int, c: dict[str, Any]) -> int:
+    """One bucket per destination (cap 25 MB), ring model of ``Communicator``."""
+    layers = kf.register(make_model())
+    elements = _factor_elements(layers, c["sym"])
+    if c["strategy"] != "MEM_OPT":
+        per_update = 2 * (world - 1) * 8 * sum(elements) // world
+    else:
+        fraction = c["fraction"]
+        fraction = DistributedStrategy[fraction] if isinstance(fraction, str) else fraction
+        plan = make_config_plan(layers, world, fraction, c["method"], c["outer"])
+        owners = [o for n in sorted(layers) for o in (plan.layers[n].a_owner,) * 2]
+        per_dst: dict[int, int] = {}
+        for owner, e in zip(owners, elements):
+            per_dst[owner] = per_dst.get(owner, 0) + 8 * e
+        per_update = sum((world - 1) * s // world for s in per_dst.values())
+    return FACTOR_UPDATES * per_update
+
+
+def test_traffic_kinds_per_strategy(spawned: Any) -> None:
+    world, results = spawned
+    for r in results:
+        for c in r["configs"]:
+            kinds = set(c["bytes"])
+            label = f"rank {r['rank']} {_label(c)}: {c['bytes']}"
+            if world == 1:
+                assert kinds == set(), label
+                continue
+            assert "weights (all-reduce)" in kinds, label
+            if c["strategy"] == "MEM_OPT":
+                assert "factors (reduce)" in kinds and "factors (all-reduce)" not in kinds, label
+                assert "decompositions (broadcast)" not in kinds, label
+                assert "gradients (broadcast)" in kinds, label
+            elif c["strategy"] == "COMM_OPT":
+                assert "factors (all-reduce)" in kinds and "factors (reduce)" not in kinds, label
+                assert "decompositions (broadcast)" in kinds, label
+                assert "gradients (broadcast)" not in kinds, label
+            else:
+                assert "factors (all-reduce)" in kinds and "factors (reduce)" not in kinds, label
+                assert "decompositions (broadcast)" in kinds, label
+                assert "gradients (broadcast)" in kinds, label
+
+
+def test_symmetry_aware_factor_bytes(spawned: Any) -> None:
+    world, results = spawned
+    if world == 1:
+        pytest.skip("one rank sends nothing")
+    layers = kf.register(make_model())
+    full, tri = sum(_factor_elements(layers, False)), sum(_factor_elements(layers, True))
+    for r in results:
+        by_key = {_label(c): c for c in r["configs"]}
+        for c in r["configs"]:
+            if c["cap"] != 25.0:
+                continue
+            kind = "factors (reduce)" if c["strategy"] == "MEM_OPT" else "factors (all-reduce)"
+            got = c["bytes"][kind]
+            assert got == _expected_factor_bytes(world, c), f"rank {r['rank']} {_label(c)}"
+            if c["sym"]:
+                plain = by_key[_label({**c, "sym": False})]["bytes"][kind]
+                # n(n+1)/2 instead of n² per factor; exact up to the integer division
+                assert got < plain
+                assert abs(got / plain - tri / full) < 1e-3
+                if c["strategy"] != "MEM_OPT":
+                    dec = "decompositions (broadcast)"
+                    plain_dec = by_key[_label({**c, "sym": False})]["bytes"][dec]
+                    if c["method"] == "inverse":  # inverses are symmetric, eigenvectors not
+                        assert c["bytes"][dec] < plain_dec
+                    else:
+                        assert c["bytes"][dec] == plain_dec
+            # the bucket cap changes how tensors are grouped, not what is sent (up to
+            # the integer rounding of the byte model)
+            for cap in CAPS[1:]:
+                other = by_key[_label({**c, "cap": cap})]["bytes"][kind]
+                assert abs(other - got) <= len(_factor_elements(layers, c["sym"])) * FACTOR_UPDATES
+
+
+def test_bucket_caps_change_the_number_of_collectives(spawned: Any) -> None:
+    """Cap 0: one reduction per tensor; the tiny cap: several buckets, some holding
+    several tensors; 25 MB: one bucket per destination."""
+    world, results = spawned
+    if world == 1:
+        pytest.skip("one rank launches no collective")
+    n_layers = len(kf.register(make_model()))
+    for r in results:
+        by_key = {_label(c): c for c in r["configs"]}
+        for c in r["configs"]:
+            if c["cap"] != 25.0:
+                continue
+            one = c["reductions"]
+            tiny = by_key[_label({**c, "cap": TINY_CAP_MB})]["reductions"]
+            each = by_key[_label({**c, "cap": 0.0})]["reductions"]
+            # per factor update: the weights, then 2 factors per layer
+            assert each == FACTOR_UPDATES * (1 + 2 * n_layers), _label(c)
+            assert one < tiny < each, f"{_label(c)}: {one}, {tiny}, {each}"
+            assert tiny > FACTOR_UPDATES * 2, _label(c)  # more than one bucket
+
+
+# --------------------------------------------------------------------------- no process group
+
+
+def test_communicator_rejects_plan_for_other_world_without_group() -> None:
+    assert not dist.is_initialized()
+    plan = kf.make_plan({"fc": (3, 2)}, world_size=2)
+    with pytest.raises(ValueError) as info:
+        kf.Communicator(plan)
+    assert "world_size=2" in str(info.value) and "1 ranks" in str(info.value)
+
+
+@pytest.mark.parametrize("batch", [4, 3])
+@pytest.mark.parametrize(("method", "outer"), METHODS)
+def test_update_distributed_without_group_is_update(method: str, outer: bool, batch: int) -> None:
+    """Without a process group every collective is local: the result is ``kf.update``'s,
+    bit for bit, whatever the batch size (3 is not a power of two)."""
+    assert not dist.is_initialized()
+    model = make_model()
+    layers = kf.register(model)
+    plan = kf.make_plan(
+        layers,
+        1,
+        compute_method=method,
+        compute_eigenvalue_outer_product=outer,
+        colocate_factors=outer,
+    )
+    comm = kf.Communicator(plan, bucket_cap_mb=0.0, symmetry_aware=True)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = init_state(layers, method, outer)
+    dstate = init_state(layers, method, outer)
+    for step in range(STEPS):
+        x, y = global_batch(step, batch)
+        _, grads, caps = kf.capture(model, params, x, xent(y), layers=layers)
+        out, state = kf.update(state, grads, captures=caps, **HYPER)
+        dout, dstate = kf.update_distributed(
+            dstate, grads, captures=caps, plan=plan, comm=comm, **HYPER
+        )
+        for name, ls in state.layers.items():
+            dls = dstate.layers[name]
+            for what, ref, got in (
+                ("A", ls.a_factor, dls.a_factor),
+                ("G", ls.g_factor, dls.g_factor),
+            ):
+                assert torch.equal(ref, got), (
+                    f"step {step} layer {name!r} {what} factor: "
+                    f"max diff {float((ref - got).abs().max()):.2e}"
+                )
+        assert sorted(out) == sorted(dout)
+        for k in out:
+            assert torch.equal(out[k], dout[k]), (
+                f"step {step} {k}: max diff {float((out[k] - dout[k]).abs().max()):.2e}"
+            )
+        params = {k: params[k] - LR * out[k] for k in params}
+    assert comm.sum_bytes() == 0
+    assert dstate.step == state.step == STEPS
