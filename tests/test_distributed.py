@@ -294,7 +294,12 @@ def spawned(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     data = {(m, o): trajectory(m, o, world) for m, o in METHODS}
     torch.save(data, tmp / "data.pt")
     t1 = time.perf_counter()
-    mp.spawn(_worker, args=(world, str(tmp)), nprocs=world, join=True)
+    # workers fork from a server that imported torch once (a fresh spawn costs seconds
+    # of imports per rank); each worker is still a fresh process for K-FAC purposes
+    mp.get_context("forkserver").set_forkserver_preload(["torch", "kfac_func", __name__])
+    mp.start_processes(
+        _worker, args=(world, str(tmp)), nprocs=world, join=True, start_method="forkserver"
+    )
     t2 = time.perf_counter()
     errors = sorted(tmp.glob("*.error"))
     assert not errors, "\n".join(p.read_text() for p in errors)
