@@ -254,7 +254,12 @@ class KFACPreconditioner:
             if not self._micro:
                 self._micro.append(_MicroBatch(int(x.shape[0]) if x.dim() > 1 else 1))
             micro = self._micro[-1]
-            item = a_gram(spec, x, self.factor_dtype) if self.update_factors_in_hook else x
+            item: Any = x
+            if self.update_factors_in_hook:
+                # the hook runs inside the user's autocast region: build the Gram in
+                # factor_dtype, not in the autocast dtype
+                with torch.autocast(x.device.type, enabled=False):
+                    item = a_gram(spec, x, self.factor_dtype)
             micro.a.setdefault(spec.name, []).append(item)
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 # a hook on this call's output sees its gradient even when later ops
@@ -268,7 +273,10 @@ class KFACPreconditioner:
             gy = grad.detach()
             if self.grad_scaler is not None:
                 gy = gy.to(self.factor_dtype) / self._grad_scale()
-            item = g_gram(spec, gy, self.factor_dtype) if self.update_factors_in_hook else gy
+            item: Any = gy
+            if self.update_factors_in_hook:
+                with torch.autocast(gy.device.type, enabled=False):
+                    item = g_gram(spec, gy, self.factor_dtype)
             micro.g.setdefault(spec.name, []).append(item)
 
         return hook
@@ -360,11 +368,19 @@ class KFACPreconditioner:
         if include_factors:
             layers = {}
             for name, ls in self._state.layers.items():
-                entry: dict[str, Any] = {
-                    "A": ls.a_factor,
-                    "G": ls.g_factor,
-                    "factor_updates": ls.factor_updates,
-                }
+                a, g, updates = ls.a_factor, ls.g_factor, ls.factor_updates
+                if self.plan.strategy is DistributedStrategy.MEM_OPT and self.comm.world_size > 1:
+                    # factors were reduced to their owner only: fetch the current ones
+                    # (a collective: every rank calls state_dict, as in kfac-pytorch)
+                    count = torch.tensor([float(updates)], dtype=a.dtype, device=a.device)
+                    a, g, count = self.comm.broadcast(
+                        [a, g, count],
+                        src=self.plan.layers[name].a_owner,
+                        ranks=tuple(range(self.comm.world_size)),
+                        kind="checkpoint",
+                    ).wait()
+                    updates = int(count.item())
+                entry: dict[str, Any] = {"A": a, "G": g, "factor_updates": updates}
                 if ls.decomposition is not None:
                     entry["decomposition"] = {
                         k: v
@@ -381,20 +397,26 @@ class KFACPreconditioner:
         sd = dict(state_dict)
         steps = int(sd.pop("steps"))
         layers_sd = sd.pop("layers", None)
+        old = {key: getattr(self, key) for key in self._HYPER}
         for key in self._HYPER:
             if key in sd and not callable(getattr(self, key)):
                 setattr(self, key, sd[key])
         layers = dict(self._state.layers)
-        if layers_sd is not None:
-            unknown = sorted(set(layers_sd) - set(layers))
-            missing = sorted(set(layers) - set(layers_sd))
-            if unknown or missing:
-                raise ValueError(
-                    f"state_dict layers do not match the model: missing {missing}, "
-                    f"unknown {unknown}"
-                )
-            for name, entry in layers_sd.items():
-                layers[name] = self._load_layer(layers[name], entry, compute_inverses)
+        try:
+            if layers_sd is not None:
+                unknown = sorted(set(layers_sd) - set(layers))
+                missing = sorted(set(layers) - set(layers_sd))
+                if unknown or missing:
+                    raise ValueError(
+                        f"state_dict layers do not match the model: missing {missing}, "
+                        f"unknown {unknown}"
+                    )
+                for name, entry in layers_sd.items():
+                    layers[name] = self._load_layer(layers[name], entry, compute_inverses)
+        except Exception:
+            for key, value in old.items():  # a refused state dict changes nothing
+                setattr(self, key, value)
+            raise
         self._state = self._state.replace(layers=layers, step=steps)
 
     def _load_layer(self, ls: LayerState, entry: dict[str, Any], compute: bool) -> LayerState:
