@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from kfac_func.decomposition import EigenDecomposition, InverseDecomposition
-from kfac_func.distributed import Communicator
+from kfac_func.distributed import Communicator, OrderedReducer
 from kfac_func.factors import Gram, a_gram, g_gram
-from kfac_func.kaisa import update_distributed
+from kfac_func.kaisa import offer_factors, start_factor_reduction, update_distributed
 from kfac_func.layers import LayerSpec, register
 from kfac_func.plan import AssignmentStrategy, DistributedStrategy, make_plan
 from kfac_func.state import KFACState, LayerState, init
@@ -197,6 +197,10 @@ class KFACPreconditioner:
         )
         self._micro: list[_MicroBatch] = []
         self._handles: list[Any] = []
+        # with several ranks and update_factors_in_hook, each layer's factor reduction
+        # starts in the backward pass, overlapping communication with computation
+        self._stream = update_factors_in_hook and self.comm.world_size > 1
+        self._reducer: OrderedReducer | None = None
         self._register_hooks()
         logger.log(loglevel, "K-FAC registered layers:\n%s", self.layers)
         logger.log(loglevel, "%s", self.plan)
@@ -221,6 +225,14 @@ class KFACPreconditioner:
                 f"{sorted(self.layers)}"
             )
         self._state = value
+
+    @property
+    def reductions_in_flight(self) -> list[str]:
+        """Layers whose factor reduction has started in the backward pass (cleared by
+        :meth:`step`); empty on one process or without ``update_factors_in_hook``."""
+        if self._reducer is None:
+            return []
+        return [name for name in self.layers if self._reducer.offered(name)]
 
     def _value(self, v: Any) -> Any:
         return v(self.steps) if callable(v) else v
@@ -278,8 +290,27 @@ class KFACPreconditioner:
                 with torch.autocast(gy.device.type, enabled=False):
                     item = g_gram(spec, gy, self.factor_dtype)
             micro.g.setdefault(spec.name, []).append(item)
+            if self._stream:
+                self._offer_if_complete(spec, micro)
 
         return hook
+
+    def _offer_if_complete(self, spec: LayerSpec, micro: _MicroBatch) -> None:
+        """Start the layer's factor reduction from the backward pass once its window is
+        complete: the last micro-batch, and as many output-gradients as forward calls."""
+        name = spec.name
+        if (
+            micro is not self._micro[-1]
+            or len(self._micro) < int(self.accumulation_steps)
+            or len(micro.g[name]) != len(micro.a.get(name, []))
+            or (self._reducer is not None and self._reducer.offered(name))
+        ):
+            return
+        if self._reducer is None:
+            self._reducer = start_factor_reduction(self._state, self.plan, self.comm)
+        with torch.autocast(micro.g[name][0].gram.device.type, enabled=False):
+            batch = self._layer_factors(name, spec)
+        offer_factors(self._reducer, self._state.layers[name], batch)
 
     def _grad_scale(self) -> float:
         scaler = self.grad_scaler
@@ -288,21 +319,28 @@ class KFACPreconditioner:
 
     # --- step --------------------------------------------------------------------
 
-    def _batch_factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    def _layer_factors(
+        self, name: str, spec: LayerSpec
+    ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
         cfg = self._state.config
-        c_mean = self.loss_reduction == "mean"
+        stats = []
+        for mb in self._micro:
+            a = mb.a.get(name, [])
+            g = mb.g.get(name, [])
+            if not self.update_factors_in_hook:
+                a = [a_gram(spec, x, cfg.factor_dtype) for x in a]
+                g = [g_gram(spec, r, cfg.factor_dtype) for r in g]
+            scale = 1.0 / mb.batch_size if self.loss_reduction == "mean" else 1.0
+            stats.append(MicroBatchStats(a, g, mb.batch_size, scale))
+        return factors_from_stats(name, stats, cfg)
+
+    def _batch_factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+        """Local factors of the layers whose reduction has not started in the hooks."""
         out = {}
         for name, spec in self.layers.items():
-            stats = []
-            for mb in self._micro:
-                a = mb.a.get(name, [])
-                g = mb.g.get(name, [])
-                if not self.update_factors_in_hook:
-                    a = [a_gram(spec, x, cfg.factor_dtype) for x in a]
-                    g = [g_gram(spec, r, cfg.factor_dtype) for r in g]
-                scale = 1.0 / mb.batch_size if c_mean else 1.0
-                stats.append(MicroBatchStats(a, g, mb.batch_size, scale))
-            factors = factors_from_stats(name, stats, cfg)
+            if self._reducer is not None and self._reducer.offered(name):
+                continue
+            factors = self._layer_factors(name, spec)
             if factors is not None:
                 out[name] = factors
         return out
@@ -315,6 +353,7 @@ class KFACPreconditioner:
         recomputes the decompositions every ``inv_update_steps``.
         """
         batch = self._batch_factors() if self._micro else {}
+        reducer, self._reducer = self._reducer, None
         self._micro = []
         grads: dict[str, torch.Tensor] = {}
         for name, spec in self.layers.items():
@@ -333,11 +372,12 @@ class KFACPreconditioner:
             plan=self.plan,
             comm=self.comm,
             batch_factors=batch if batch else None,
+            factor_reducer=reducer,
             damping=self.damping,
             factor_decay=self.factor_decay,
             kl_clip=self.kl_clip,
             lr=self.lr,
-            update_factors=bool(batch),
+            update_factors=bool(batch) or reducer is not None,
             update_inverses=self.steps % inv_every == 0,
         )
         with torch.no_grad():
@@ -468,11 +508,18 @@ class KFACPreconditioner:
         return usage
 
     def remove(self) -> None:
-        """Detach every hook and drop collected statistics."""
+        """Detach every hook and drop collected statistics (call it on every rank: a
+        factor reduction already started in the hooks is completed and discarded)."""
         for h in self._handles:
             h.remove()
         self._handles = []
         self._micro = []
+        if self._reducer is not None:
+            for name, ls in self._state.layers.items():
+                if not self._reducer.offered(name):
+                    offer_factors(self._reducer, ls, None)
+            self._reducer.finish(lambda name: [])
+            self._reducer = None
 
     def __repr__(self) -> str:
         hyper = ", ".join(f"{k}={getattr(self, k)!r}" for k in self._HYPER)

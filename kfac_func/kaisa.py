@@ -36,7 +36,7 @@ from kfac_func.decomposition import (
     eigh_factor,
     precondition,
 )
-from kfac_func.distributed import Communicator, Pending
+from kfac_func.distributed import Communicator, OrderedReducer, Pending
 from kfac_func.plan import DistributedStrategy, Plan
 from kfac_func.state import KFACState, LayerState
 from kfac_func.update import (
@@ -53,7 +53,12 @@ from kfac_func.update import (
     needs_decomposition,
 )
 
-__all__ = ["local_batch_factors", "update_distributed"]
+__all__ = [
+    "local_batch_factors",
+    "offer_factors",
+    "start_factor_reduction",
+    "update_distributed",
+]
 
 
 def _check_plan(state: KFACState, plan: Plan) -> list[str]:
@@ -85,6 +90,37 @@ def local_batch_factors(
     return out
 
 
+def start_factor_reduction(state: KFACState, plan: Plan, comm: Communicator) -> OrderedReducer:
+    """An in-order reduction of every layer's ``[w·A, w·G, w]`` (layers in state order).
+
+    Offer a layer with :func:`offer_factors` as soon as its window is complete (the
+    adapter does so from autograd hooks, overlapping communication with the backward
+    pass); :func:`update_distributed` offers the rest and folds the sums. Under
+    ``MEM_OPT`` each layer is reduced to its owner only.
+    """
+    dst = None
+    if plan.strategy is DistributedStrategy.MEM_OPT:
+        dst = {name: plan.layers[name].a_owner for name in state.layers}
+    return comm.ordered_reducer(list(state.layers), symmetric=[True, True, False], dst=dst)
+
+
+def offer_factors(
+    reducer: OrderedReducer,
+    ls: LayerState,
+    batch: tuple[torch.Tensor, torch.Tensor, float] | None,
+) -> None:
+    """Offer one layer's local batch factors (None: not called here, contributes nothing)."""
+    if batch is None:
+        zero = torch.zeros(1, dtype=ls.a_factor.dtype, device=ls.a_factor.device)
+        reducer.ready(
+            ls.spec.name, [torch.zeros_like(ls.a_factor), torch.zeros_like(ls.g_factor), zero]
+        )
+        return
+    a, g, w = batch
+    weight = torch.full((1,), w, dtype=a.dtype, device=a.device)
+    reducer.ready(ls.spec.name, [w * a, w * g, weight])
+
+
 def _reduce_factors(
     state: KFACState,
     names: list[str],
@@ -93,45 +129,27 @@ def _reduce_factors(
     comm: Communicator,
     decay: float,
     nonfinite: NonFinite,
+    reducer: OrderedReducer | None,
 ) -> dict[str, LayerState]:
     cfg = state.config
+    layers = dict(state.layers)
     if comm.world_size == 1:  # nothing to average: fold the local factors as update() does
-        layers = dict(state.layers)
         for name, (a, g, _) in local.items():
             layers[name] = fold_checked(state.layers[name], a, g, decay, cfg, nonfinite)
         return layers
+    reducer = reducer or start_factor_reduction(state, plan, comm)
+    for name in names:
+        if not reducer.offered(name):
+            offer_factors(reducer, state.layers[name], local.get(name))
+    sums = reducer.finish(lambda name: [])  # every layer was offered above
     to_owner = plan.strategy is DistributedStrategy.MEM_OPT
-    device = state.layers[names[0]].a_factor.device if names else torch.device("cpu")
-    weights = torch.zeros(len(names), dtype=torch.float64, device=device)
-    tensors: list[torch.Tensor] = []
-    dst: list[int] = []
-    for i, name in enumerate(names):
-        ls = state.layers[name]
-        batch = local.get(name)
-        if batch is None:  # not called here: contribute nothing, keep the collective shape
-            tensors += [torch.zeros_like(ls.a_factor), torch.zeros_like(ls.g_factor)]
-        else:
-            a, g, w = batch
-            weights[i] = w
-            tensors += [w * a, w * g]
-        dst += [plan.layers[name].a_owner, plan.layers[name].g_owner]
-    totals_pending = comm.reduce_mean([weights], symmetric=[False], divisor=1.0, kind="weights")
-    sums_pending = comm.reduce_mean(
-        tensors,
-        symmetric=[True] * len(tensors),
-        dst=dst if to_owner else None,
-        divisor=1.0,
-    )
-    totals = totals_pending.wait()[0]
-    sums = sums_pending.wait()
-    layers = dict(state.layers)
-    for i, name in enumerate(names):
-        total = float(totals[i])
-        ls = state.layers[name]
-        if total == 0.0 or (to_owner and comm.rank != plan.layers[name].a_owner):
-            continue
-        a, g = sums[2 * i] / total, sums[2 * i + 1] / total
-        layers[name] = fold_checked(ls, a, g, decay, cfg, nonfinite)
+    for name in names:
+        if to_owner and comm.rank != plan.layers[name].a_owner:
+            continue  # only the owner receives (and needs) the sums
+        wa, wg, total = sums[name]
+        w = float(total[0])
+        if w != 0.0:
+            layers[name] = fold_checked(state.layers[name], wa / w, wg / w, decay, cfg, nonfinite)
     return layers
 
 
@@ -203,6 +221,7 @@ def update_distributed(
     comm: Communicator,
     captures: Captures | Sequence[Captures] | None = None,
     batch_factors: BatchFactors | None = None,
+    factor_reducer: OrderedReducer | None = None,
     damping: Hyper = 1e-3,
     factor_decay: Hyper = 0.95,
     kl_clip: Hyper | None = 1e-3,
@@ -218,7 +237,8 @@ def update_distributed(
     :func:`kfac_func.update`, plus the plan and its :class:`Communicator`, and
     ``batch_factors`` (``{layer: (A, G, weight)}`` of this rank, as from
     :func:`local_batch_factors`) for callers that built the factors already (the hooks of
-    the stateful adapter) instead of ``captures``.
+    the stateful adapter) instead of ``captures``, and ``factor_reducer`` (from
+    :func:`start_factor_reduction`) holding layers whose reduction already started.
 
     Example:
         >>> import torch
@@ -243,13 +263,16 @@ def update_distributed(
     _check("damping", lam, lambda v: v >= 0, ">= 0")
     layers = dict(state.layers)
     if _resolve(update_factors, step):
-        if (captures is None) == (batch_factors is None):
-            raise ValueError("update_factors=True needs exactly one of captures= or batch_factors=")
+        if captures is not None and batch_factors is not None:
+            raise ValueError("give captures= or batch_factors=, not both")
+        if captures is None and batch_factors is None and factor_reducer is None:
+            raise ValueError("update_factors=True needs captures= (from kfac_func.capture)")
         decay = _resolve(factor_decay, step)
         _check("factor_decay", decay, lambda v: 0 < v <= 1, "in (0, 1]")
-        local = batch_factors if captures is None else local_batch_factors(state, captures)
-        assert local is not None
-        layers = _reduce_factors(state, names, local, plan, comm, decay, nonfinite)
+        local = batch_factors or {}
+        if captures is not None:
+            local = local_batch_factors(state, captures)
+        layers = _reduce_factors(state, names, local, plan, comm, decay, nonfinite, factor_reducer)
     layers = _decompose(
         state, layers, names, plan, comm, lam, bool(_resolve(update_inverses, step))
     )

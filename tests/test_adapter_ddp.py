@@ -122,6 +122,7 @@ def train(model: nn.Module, pre: KFACPreconditioner, rank: int | None) -> dict[s
     """STEPS steps of SGD on preconditioned gradients; ``rank`` None: the whole batch."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     grads = []
+    in_flight = []
     for step in range(STEPS):
         x, y = global_batch(step)
         if rank is not None:
@@ -129,12 +130,15 @@ def train(model: nn.Module, pre: KFACPreconditioner, rank: int | None) -> dict[s
             x, y = x[sl], y[sl]
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
+        in_flight.append(pre.reductions_in_flight)
         pre.step()
         grads.append({strip(n): p.grad.detach().clone() for n, p in model.named_parameters()})
         opt.step()
     sd = pre.state_dict()
     return {
         "grads": grads,
+        "in_flight": in_flight,
+        "in_hook": pre.update_factors_in_hook,
         "params": {strip(n): p.detach().clone() for n, p in model.named_parameters()},
         "factors": {strip(n): (e["A"].clone(), e["G"].clone()) for n, e in sd["layers"].items()},
         "steps": pre.steps,
@@ -271,3 +275,15 @@ def test_rank0_state_dict_holds_the_global_factors(
             if not err < TOL:
                 bad.append(f"{label(cfg)} [{res['strategy']}] layer {name!r}: {err:.3e}")
     assert not bad, "\n".join(bad)
+
+
+def test_factor_reductions_start_in_the_backward_pass(spawned: list[dict[str, Any]]) -> None:
+    """With update_factors_in_hook, every layer's reduction is launched from the hooks on
+    factor-update steps (overlapping the backward pass); otherwise none is."""
+    for r in spawned:
+        for c in r["configs"]:
+            for step, names in enumerate(c["in_flight"]):
+                if c["in_hook"] and step % 2 == 0:  # factor_update_steps=2
+                    assert [strip(n) for n in names] == c["layers"]
+                else:
+                    assert names == []

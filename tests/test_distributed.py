@@ -374,17 +374,20 @@ def test_communicator_in_group_rejects_plan_for_other_world(spawned: Any) -> Non
 
 
 def _factor_elements(layers: kf.LayerTable, sym: bool) -> list[int]:
-    """Elements sent per factor, in the order of ``_reduce_factors`` (A, G per layer)."""
+    """Elements sent per layer for one factor update, in the order of ``_reduce_factors``
+    (registration order): A, G (upper triangles with ``sym``) and the layer's weight."""
     out = []
-    for name in sorted(layers):
-        spec = layers[name]
-        for n in (spec.a_dim, spec.g_dim):
-            out.append(spec.groups * (n * (n + 1) // 2 if sym else n * n))
+    for spec in layers.values():
+        sides = [
+            spec.groups * (n * (n + 1) // 2 if sym else n * n) for n in (spec.a_dim, spec.g_dim)
+        ]
+        out.append(sum(sides) + 1)
     return out
 
 
 def _expected_factor_bytes(world: int, c: dict[str, Any]) -> int:
-    """One bucket per destination (cap 25 MB), ring model of ``Communicator``."""
+    """One bucket per run of layers with the same destination (cap 25 MB), ring model of
+    ``Communicator``."""
     layers = kf.register(make_model())
     elements = _factor_elements(layers, c["sym"])
     if c["strategy"] != "MEM_OPT":
@@ -393,11 +396,14 @@ def _expected_factor_bytes(world: int, c: dict[str, Any]) -> int:
         fraction = c["fraction"]
         fraction = DistributedStrategy[fraction] if isinstance(fraction, str) else fraction
         plan = make_config_plan(layers, world, fraction, c["method"], c["outer"])
-        owners = [o for n in sorted(layers) for o in (plan.layers[n].a_owner,) * 2]
-        per_dst: dict[int, int] = {}
-        for owner, e in zip(owners, elements):
-            per_dst[owner] = per_dst.get(owner, 0) + 8 * e
-        per_update = sum((world - 1) * s // world for s in per_dst.values())
+        buckets: list[tuple[int, int]] = []  # (owner, bytes) of consecutive same-owner runs
+        for name, e in zip(layers, elements):
+            owner = plan.layers[name].a_owner
+            if buckets and buckets[-1][0] == owner:
+                buckets[-1] = (owner, buckets[-1][1] + 8 * e)
+            else:
+                buckets.append((owner, 8 * e))
+        per_update = sum((world - 1) * b // world for _, b in buckets)
     return FACTOR_UPDATES * per_update
 
 
@@ -410,7 +416,8 @@ def test_traffic_kinds_per_strategy(spawned: Any) -> None:
             if world == 1:
                 assert kinds == set(), label
                 continue
-            assert "weights (all-reduce)" in kinds, label
+            # each layer's weight travels with its factors: no separate collective
+            assert "weights (all-reduce)" not in kinds, label
             if c["strategy"] == "MEM_OPT":
                 assert "factors (reduce)" in kinds and "factors (all-reduce)" not in kinds, label
                 assert "decompositions (broadcast)" not in kinds, label
@@ -473,8 +480,8 @@ def test_bucket_caps_change_the_number_of_collectives(spawned: Any) -> None:
             one = c["reductions"]
             tiny = by_key[_label({**c, "cap": TINY_CAP_MB})]["reductions"]
             each = by_key[_label({**c, "cap": 0.0})]["reductions"]
-            # per factor update: the weights, then 2 factors per layer
-            assert each == FACTOR_UPDATES * (1 + 2 * n_layers), _label(c)
+            # per factor update and layer: A, G and the layer's weight
+            assert each == FACTOR_UPDATES * 3 * n_layers, _label(c)
             assert one < tiny < each, f"{_label(c)}: {one}, {tiny}, {each}"
             assert tiny > FACTOR_UPDATES * 2, _label(c)  # more than one bucket
 
