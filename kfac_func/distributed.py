@@ -1,12 +1,13 @@
 """Collective communication for a plan over torch.distributed (NCCL, gloo). No K-FAC math.
 
-:class:`Communicator` creates the plan's process groups once and offers the three
-movements KAISA needs, all asynchronous:
+:class:`Communicator` creates the plan's process groups once and offers the two kinds of
+traffic KAISA needs, both asynchronous:
 
-- :meth:`Communicator.reduce_mean`: average tensors across ranks, bucketed up to
+- :class:`OrderedReducer` (from :meth:`Communicator.ordered_reducer`): sums of tensors
+  across ranks, issued in a fixed order of keys as they become ready, bucketed up to
   ``bucket_cap_mb`` (0: one collective per tensor), to every rank (all-reduce) or only to
-  a destination rank per tensor (reduce); symmetric matrices can travel as their upper
-  triangle (``symmetry_aware``);
+  a destination rank per key (reduce), on a process group of its own; symmetric matrices
+  can travel as their upper triangle (``symmetry_aware``);
 - :meth:`Communicator.broadcast`: from one rank to a group of ranks.
 
 Without an initialized process group (or with one rank) every operation is local.
@@ -83,9 +84,8 @@ class Communicator:
         >>> comm = Communicator(make_plan({"fc": (3, 2)}, world_size=1))
         >>> comm.rank, comm.world_size
         (0, 1)
-        >>> comm.reduce_mean([torch.ones(2, 2)], symmetric=[True]).wait()
-        [tensor([[1., 1.],
-                [1., 1.]])]
+        >>> comm.broadcast([torch.ones(2)], src=0, ranks=(0,), kind="demo").wait()
+        [tensor([1., 1.])]
     """
 
     def __init__(
@@ -135,63 +135,12 @@ class Communicator:
 
     # --- reductions ----------------------------------------------------------------
 
-    def reduce_mean(
-        self,
-        tensors: Sequence[torch.Tensor],
-        *,
-        symmetric: Sequence[bool],
-        dst: Sequence[int] | None = None,
-        divisor: float | None = None,
-        kind: str = "factors",
-    ) -> Pending:
-        """Sum ``tensors`` over all ranks and divide by ``divisor`` (default: world size).
-
-        With ``dst`` (one rank per tensor) each sum is only delivered to its rank; other
-        ranks get their input back unchanged. Inputs are never modified.
-        """
-        div = float(self.world_size if divisor is None else divisor)
-        sym = [s and self.symmetry_aware for s in symmetric]
-        if not self.active or self.world_size == 1:
-            return Pending(finish=[lambda: [t / div for t in tensors]])
-        targets: list[int | None] = list(dst) if dst is not None else [None] * len(tensors)
-        pending = Pending()
-        # Buckets hold tensors of one dtype and one destination.
-        order = sorted(
-            range(len(tensors)), key=lambda i: (str(tensors[i].dtype), targets[i] or -1, i)
-        )
-        results: dict[int, torch.Tensor] = {}
-        bucket: list[int] = []
-        size = 0
-
-        def flush() -> None:
-            nonlocal bucket, size
-            if bucket:
-                self._launch_reduce(bucket, tensors, sym, targets, div, kind, pending, results)
-            bucket, size = [], 0
-
-        for i in order:
-            t = tensors[i]
-            nbytes = t.numel() * t.element_size()
-            if bucket and (
-                self.bucket_cap_bytes == 0
-                or size + nbytes > self.bucket_cap_bytes
-                or tensors[bucket[0]].dtype != t.dtype
-                or targets[bucket[0]] != targets[i]
-            ):
-                flush()
-            bucket.append(i)
-            size += nbytes
-        flush()
-        pending.finish.append(lambda: [results[i] for i in range(len(tensors))])
-        return pending
-
     def _launch_reduce(
         self,
         idx: list[int],
         tensors: Sequence[torch.Tensor],
         sym: list[bool],
         targets: list[int | None],
-        div: float,
         kind: str,
         pending: Pending,
         results: dict[int, torch.Tensor],
@@ -220,7 +169,7 @@ class Communicator:
                 return []
             offset = 0
             for i, flat in zip(idx, flats):
-                part = buf[offset : offset + flat.numel()] / div
+                part = buf[offset : offset + flat.numel()]
                 offset += flat.numel()
                 results[i] = _unpack(part, tensors[i], sym[i])
             return []
@@ -376,7 +325,6 @@ class OrderedReducer:
                 self._flat,
                 sym,
                 self._targets,
-                1.0,
                 self.kind,
                 self._pending,
                 self._results,
