@@ -58,3 +58,27 @@ def test_distributed_quick() -> None:
         assert float(rows["4", "COMM_OPT", intervals][4]) == 0.0  # no gradient broadcast
         assert float(rows["4", "MEM_OPT", intervals][3]) == 0.0  # no decomposition broadcast
         assert float(rows["4", "MEM_OPT", intervals][2]) > 0.0
+
+
+@pytest.mark.slow
+def test_vs_reference_quick() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "vs_reference.py"), "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,  # a hang guard only; the script takes seconds
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    for model in ("mlp", "cnn"):
+        for intervals in ("1/1", "10/100"):
+            for method in ("eigen", "inverse"):
+                assert any(line.split()[:3] == [model, intervals, method] for line in lines), (
+                    proc.stdout
+                )
+        # the re-statement of kfac-pytorch agrees with the adapter
+        for method in ("eigen", "inverse"):
+            line = next(x for x in lines if x.startswith(f"correctness {model} {method}:"))
+            assert "OK" in line, line
+    assert "adapter/ref" in proc.stdout and "step peak MiB" in proc.stdout
