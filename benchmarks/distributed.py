@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import multiprocessing
 import os
 import platform
@@ -69,35 +68,19 @@ except ImportError:  # a checkout without `pip install -e .`: use the repository
 
 from kfac_func.plan import DistributedStrategy, resolve_grad_workers
 
-Kind = tuple[bool, bool]  # (update_factors, update_inverses)
-KIND_NAMES: dict[Kind, str] = {
-    (True, True): "factors+decomp",
-    (True, False): "factors",
-    (False, True): "decomp",
-    (False, False): "precondition",
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_time import (
+    KIND_NAMES,
+    Kind,
+    kind_weights,
+    parse_intervals,
+)
+
 TRAFFIC = ("factors", "decompositions", "gradients")
 HYPER: dict[str, Any] = dict(damping=1e-3, factor_decay=0.95, kl_clip=1e-3, lr=0.1)
 
 
 # --------------------------------------------------------------------------- setup
-
-
-def parse_intervals(text: str) -> tuple[int, int]:
-    try:
-        f, i = (int(v) for v in text.split("/"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"intervals must look like 10/100, got {text!r}") from None
-    if f < 1 or i < 1:
-        raise argparse.ArgumentTypeError(f"intervals must be positive, got {text!r}")
-    return f, i
-
-
-def kind_weights(intervals: tuple[int, int]) -> dict[Kind, float]:
-    """Share of each kind of step in one cycle of ``lcm(F, I)`` steps."""
-    f, i = intervals
-    cycle = [(s % f == 0, s % i == 0) for s in range(math.lcm(f, i))]
-    return {k: cycle.count(k) / len(cycle) for k in KIND_NAMES if k in cycle}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

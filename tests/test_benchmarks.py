@@ -11,16 +11,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-def test_step_time_quick() -> None:
+def _run_quick(script: str) -> subprocess.CompletedProcess[str]:
+    """Run ``benchmarks/<script> --quick``; it must exit 0."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--quick"],
+        [sys.executable, str(ROOT / "benchmarks" / script), "--quick"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,  # a hang guard only; the script takes seconds
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+@pytest.mark.slow
+def test_step_time_quick() -> None:
+    proc = _run_quick("step_time.py")
     assert "ratio" in proc.stdout
     for model in ("mlp", "cnn"):
         for intervals in ("1/1", "10/100"):
@@ -31,14 +37,7 @@ def test_step_time_quick() -> None:
 
 @pytest.mark.slow
 def test_distributed_quick() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "distributed.py"), "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,  # a hang guard only; the script takes seconds
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _run_quick("distributed.py")
     assert "ratio" in proc.stdout and "oversubscribed" in proc.stdout
     # world, strategy, F/I, step ms, ratio, factors, decomp, grads, total (KiB)
     rows = {tuple(line.split()[:3]): line.split()[3:] for line in proc.stdout.splitlines()}
@@ -62,14 +61,7 @@ def test_distributed_quick() -> None:
 
 @pytest.mark.slow
 def test_vs_reference_quick() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "vs_reference.py"), "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,  # a hang guard only; the script takes seconds
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _run_quick("vs_reference.py")
     lines = proc.stdout.splitlines()
     for model in ("mlp", "cnn"):
         for intervals in ("1/1", "10/100"):
