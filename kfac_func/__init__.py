@@ -18,6 +18,7 @@ from kfac_func.adapter import ComputeMethod, KFACPreconditioner
 from kfac_func.capture import Captures, LayerCapture, capture
 from kfac_func.conventions import CONVENTIONS, Convention
 from kfac_func.decomposition import (
+    DecompositionError,
     EigenDecomposition,
     InverseDecomposition,
     eigen_decompose,
@@ -25,7 +26,7 @@ from kfac_func.decomposition import (
     kl_clip_scale,
     precondition,
 )
-from kfac_func.distributed import Communicator
+from kfac_func.distributed import Communicator, RankMismatchError
 from kfac_func.factor_files import (
     layer_file_name,
     load_factor_dir,
@@ -33,8 +34,11 @@ from kfac_func.factor_files import (
     save_factor_dir,
 )
 from kfac_func.factors import a_factor, g_factor, grads_to_matrix, matrix_to_grads
+from kfac_func.gpt_neox import ExperimentalFeatureWarning, GPTNeoXKFACPreconditioner
 from kfac_func.kaisa import update_distributed
 from kfac_func.layers import LayerSpec, LayerTable, register
+from kfac_func.parallel_kfac import ParallelKFACPreconditioner
+from kfac_func.parallel_plan import ParallelPlan, make_parallel_plan, register_parallel
 from kfac_func.plan import (
     AssignmentStrategy,
     DistributedStrategy,
@@ -73,8 +77,11 @@ __all__ = [
     "Communicator",
     "ComputeMethod",
     "Convention",
+    "DecompositionError",
     "DistributedStrategy",
     "EigenDecomposition",
+    "ExperimentalFeatureWarning",
+    "GPTNeoXKFACPreconditioner",
     "InverseDecomposition",
     "KFACConfig",
     "KFACPreconditioner",
@@ -86,7 +93,10 @@ __all__ = [
     "LayerState",
     "LayerTable",
     "NonFiniteError",
+    "ParallelKFACPreconditioner",
+    "ParallelPlan",
     "Plan",
+    "RankMismatchError",
     "__version__",
     "a_factor",
     "accumulate_factors",
@@ -101,12 +111,14 @@ __all__ = [
     "layer_file_name",
     "load_factor_dir",
     "load_state",
+    "make_parallel_plan",
     "make_plan",
     "matrix_to_grads",
     "precondition",
     "precondition_grads",
     "read_factor_manifest",
     "register",
+    "register_parallel",
     "save_factor_dir",
     "save_state",
     "state_from_dict",

@@ -12,21 +12,23 @@ from __future__ import annotations
 
 import enum
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import nn
 
-from kfac_func.decomposition import EigenDecomposition, InverseDecomposition
+from kfac_func.decomposition import EigenDecomposition, InverseDecomposition, all_finite
 from kfac_func.distributed import Communicator, OrderedReducer
-from kfac_func.factors import Gram, a_gram, g_gram
+from kfac_func.factors import Gram, Rows, a_gram, g_gram, linear_rows
 from kfac_func.kaisa import offer_factors, start_factor_reduction, update_distributed
 from kfac_func.layers import LayerSpec, register
 from kfac_func.plan import AssignmentStrategy, DistributedStrategy, make_plan
 from kfac_func.state import KFACState, LayerState, init
-from kfac_func.update import MicroBatchStats, decompose_layer, factors_from_stats
+from kfac_func.update import MicroBatchStats, factors_from_stats, redecompose
 
 __all__ = ["ComputeMethod", "KFACPreconditioner"]
 
@@ -59,6 +61,43 @@ def _check_number(name: str, value: Any, ok: Callable[[float], bool], expected: 
         raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
+def check_arguments(
+    *,
+    factor_update_steps: Any,
+    inv_update_steps: Any,
+    accumulation_steps: Any,
+    damping: Any,
+    factor_decay: Any,
+    lr: Any,
+    kl_clip: Any,
+    allreduce_bucket_cap_mb: float,
+    loss_reduction: str,
+    compute_method: Any,
+    assignment_strategy: Any,
+) -> tuple[ComputeMethod, AssignmentStrategy]:
+    """kfac-pytorch's validation of the preconditioner arguments (numbers may also be
+    ``step -> value`` callables); returns the compute method and assignment strategy as
+    enums."""
+    if allreduce_bucket_cap_mb < 0:
+        raise ValueError("allreduce_bucket_cap_mb must be >= 0")
+    method = _enum(ComputeMethod, compute_method, "compute_method")
+    strategy = _enum(AssignmentStrategy, assignment_strategy, "assignment_strategy")
+    for name, value in (
+        ("factor_update_steps", factor_update_steps),
+        ("inv_update_steps", inv_update_steps),
+        ("accumulation_steps", accumulation_steps),
+    ):
+        _check_number(name, value, lambda v: int(v) == v and v > 0, "a positive int")
+    _check_number("damping", damping, lambda v: v >= 0, ">= 0")
+    _check_number("factor_decay", factor_decay, lambda v: 0 < v <= 1, "in (0, 1]")
+    _check_number("lr", lr, lambda v: v >= 0, ">= 0")
+    if kl_clip is not None:
+        _check_number("kl_clip", kl_clip, lambda v: v > 0, "> 0 (or None to disable)")
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    return method, strategy
+
+
 @dataclass
 class _MicroBatch:
     """Statistics of one forward/backward (a micro-batch), per layer."""
@@ -80,7 +119,13 @@ class KFACPreconditioner:
 
     Under DistributedDataParallel (gradients averaged across ranks) the work is spread
     over the ranks by a KAISA plan (``grad_worker_fraction``, ``colocate_factors``,
-    ``assignment_strategy``); without a process group it runs on one process.
+    ``assignment_strategy``); without a process group it runs on one process. At
+    construction the ranks verify that they built the same plan with the same
+    hyperparameters (:class:`kfac_func.distributed.RankMismatchError` on every rank
+    otherwise); ``collective_timeout`` bounds each of the preconditioner's collectives.
+    ``eigenbasis_refresh="qr"`` replaces the exact eigendecompositions after the first
+    by one warm-started QR iteration each (approximate, much cheaper; see
+    :func:`kfac_func.decomposition.refresh_eigh`).
 
     Example:
         >>> import torch
@@ -123,24 +168,22 @@ class KFACPreconditioner:
         loglevel: int = logging.DEBUG,
         scaling: str = "kfac-pytorch",
         loss_reduction: str = "mean",
+        collective_timeout: timedelta | None = None,
+        eigenbasis_refresh: str = "eigh",
     ) -> None:
-        if allreduce_bucket_cap_mb < 0:
-            raise ValueError("allreduce_bucket_cap_mb must be >= 0")
-        method = _enum(ComputeMethod, compute_method, "compute_method")
-        strategy = _enum(AssignmentStrategy, assignment_strategy, "assignment_strategy")
-        for name, value in (
-            ("factor_update_steps", factor_update_steps),
-            ("inv_update_steps", inv_update_steps),
-            ("accumulation_steps", accumulation_steps),
-        ):
-            _check_number(name, value, lambda v: int(v) == v and v > 0, "a positive int")
-        _check_number("damping", damping, lambda v: v >= 0, ">= 0")
-        _check_number("factor_decay", factor_decay, lambda v: 0 < v <= 1, "in (0, 1]")
-        _check_number("lr", lr, lambda v: v >= 0, ">= 0")
-        if kl_clip is not None:
-            _check_number("kl_clip", kl_clip, lambda v: v > 0, "> 0 (or None to disable)")
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        method, strategy = check_arguments(
+            factor_update_steps=factor_update_steps,
+            inv_update_steps=inv_update_steps,
+            accumulation_steps=accumulation_steps,
+            damping=damping,
+            factor_decay=factor_decay,
+            lr=lr,
+            kl_clip=kl_clip,
+            allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
+            loss_reduction=loss_reduction,
+            compute_method=compute_method,
+            assignment_strategy=assignment_strategy,
+        )
 
         self.model = model
         self.factor_update_steps = factor_update_steps
@@ -183,8 +226,20 @@ class KFACPreconditioner:
         self.colocate_factors = self.plan.colocate_factors
         self.grad_worker_fraction = self.plan.grad_worker_fraction
         self.distributed_strategy = self.plan.strategy
+        # every rank must agree on these, or its collectives would not match the others'
+        agreed = ("accumulation_steps", "scaling", "loss_reduction", "factor_dtype")
+        settings = {k: getattr(self, k) for k in (*self._HYPER, *agreed)}
+        settings.update(
+            inv_dtype=inv_dtype,
+            symmetry_aware=symmetry_aware,
+            eigenbasis_refresh=eigenbasis_refresh,
+        )
         self.comm = Communicator(
-            self.plan, bucket_cap_mb=allreduce_bucket_cap_mb, symmetry_aware=symmetry_aware
+            self.plan,
+            bucket_cap_mb=allreduce_bucket_cap_mb,
+            symmetry_aware=symmetry_aware,
+            settings=settings,
+            timeout=collective_timeout,
         )
         self._state = init(
             self.layers,
@@ -194,8 +249,10 @@ class KFACPreconditioner:
             factor_dtype=self.factor_dtype,
             inv_dtype=inv_dtype,
             device=weight.device,
+            eigenbasis_refresh=eigenbasis_refresh,
         )
         self._micro: list[_MicroBatch] = []
+        self._rows: dict[str, list[list[torch.Tensor | None]]] = {}
         self._handles: list[Any] = []
         # with several ranks and update_factors_in_hook, each layer's factor reduction
         # starts in the backward pass, overlapping communication with computation
@@ -247,10 +304,28 @@ class KFACPreconditioner:
     # --- hooks -------------------------------------------------------------------
 
     def _register_hooks(self) -> None:
-        self._handles.append(self.model.register_forward_pre_hook(self._start_micro_batch))
+        # the hooks hold the preconditioner weakly: a preconditioner that is dropped
+        # without remove() is still collected, and its hooks are detached then
+        ref = weakref.ref(self)
+
+        def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            pre = ref()
+            if pre is not None:
+                pre._start_micro_batch(module, args)
+
+        def forward_hook(spec: LayerSpec) -> Callable[..., None]:
+            def hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+                pre = ref()
+                if pre is not None:
+                    pre._on_forward(spec, args, out)
+
+            return hook
+
+        self._handles.append(self.model.register_forward_pre_hook(pre_hook))
         for name, spec in self.layers.items():
             module = self.model.get_submodule(name)
-            self._handles.append(module.register_forward_hook(self._forward_hook(spec)))
+            self._handles.append(module.register_forward_hook(forward_hook(spec)))
+        weakref.finalize(self, _remove_handles, self._handles)
 
     def _start_micro_batch(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if not self._collecting():
@@ -258,11 +333,24 @@ class KFACPreconditioner:
         first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
         self._micro.append(_MicroBatch(int(first.shape[0]) if first is not None else 1))
 
-    def _forward_hook(self, spec: LayerSpec) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-            if not self._collecting():
-                return
-            x = args[0].detach()
+    def _keeps_rows(self, spec: LayerSpec) -> bool:
+        """Linear layers on one rank keep each call's rows for :meth:`step`: their
+        gradient is the rows' product, which preconditions with fewer dense products
+        (see :func:`kfac_func.update.precondition_layer`)."""
+        return (
+            spec.kind == "linear"
+            and self.comm.world_size == 1
+            and self.model.training
+            and torch.is_grad_enabled()
+        )
+
+    def _on_forward(self, spec: LayerSpec, args: tuple[Any, ...], out: Any) -> None:
+        collect, keep = self._collecting(), self._keeps_rows(spec)
+        if not (collect or keep):
+            return
+        x = args[0].detach()
+        micro = None
+        if collect:
             if not self._micro:
                 self._micro.append(_MicroBatch(int(x.shape[0]) if x.dim() > 1 else 1))
             micro = self._micro[-1]
@@ -273,18 +361,30 @@ class KFACPreconditioner:
                 with torch.autocast(x.device.type, enabled=False):
                     item = a_gram(spec, x, self.factor_dtype)
             micro.a.setdefault(spec.name, []).append(item)
-            if isinstance(out, torch.Tensor) and out.requires_grad:
-                # a hook on this call's output sees its gradient even when later ops
-                # modify the output in place (and needs no input that requires grad)
-                out.register_hook(self._grad_hook(spec, micro))  # type: ignore[no-untyped-call]
+        pair: list[torch.Tensor | None] | None = None
+        if keep:
+            pair = [x, None]
+            self._rows.setdefault(spec.name, []).append(pair)
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            # a hook on this call's output sees its gradient even when later ops
+            # modify the output in place (and needs no input that requires grad)
+            out.register_hook(self._grad_hook(spec, micro, pair))  # type: ignore[no-untyped-call]
 
-        return hook
-
-    def _grad_hook(self, spec: LayerSpec, micro: _MicroBatch) -> Callable[[torch.Tensor], None]:
+    def _grad_hook(
+        self,
+        spec: LayerSpec,
+        micro: _MicroBatch | None,
+        pair: list[torch.Tensor | None] | None,
+    ) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             gy = grad.detach()
             if self.grad_scaler is not None:
+                # unscaled, as the gradients are when step() runs (after unscale_)
                 gy = gy.to(self.factor_dtype) / self._grad_scale()
+            if pair is not None:
+                pair[1] = gy
+            if micro is None:
+                return
             item: Any = gy
             if self.update_factors_in_hook:
                 with torch.autocast(gy.device.type, enabled=False):
@@ -294,6 +394,17 @@ class KFACPreconditioner:
                 self._offer_if_complete(spec, micro)
 
         return hook
+
+    def _take_rows(self) -> dict[str, Rows]:
+        """The kept rows of layers whose every call got its output-gradient."""
+        kept, self._rows = self._rows, {}
+        out: dict[str, Rows] = {}
+        for name, pairs in kept.items():
+            xs = [x for x, _ in pairs if x is not None]
+            gys = [gy for _, gy in pairs if gy is not None]
+            if pairs and len(gys) == len(xs) == len(pairs):
+                out[name] = linear_rows(self.layers[name], xs, gys)
+        return out
 
     def _offer_if_complete(self, spec: LayerSpec, micro: _MicroBatch) -> None:
         """Start the layer's factor reduction from the backward pass once its window is
@@ -355,6 +466,7 @@ class KFACPreconditioner:
         batch = self._batch_factors() if self._micro else {}
         reducer, self._reducer = self._reducer, None
         self._micro = []
+        rows = self._take_rows()
         grads: dict[str, torch.Tensor] = {}
         for name, spec in self.layers.items():
             for pname in spec.param_names():
@@ -379,6 +491,7 @@ class KFACPreconditioner:
             lr=self.lr,
             update_factors=bool(batch) or reducer is not None,
             update_inverses=self.steps % inv_every == 0,
+            rows=rows,
         )
         with torch.no_grad():
             for pname, g in grads.items():
@@ -467,6 +580,9 @@ class KFACPreconditioner:
                 f"layer {ls.spec.name!r}: state_dict factors have shapes {tuple(a.shape)} and "
                 f"{tuple(g.shape)}, expected {a_shape} and {g_shape}"
             )
+        for which, f in (("A", a), ("G", g)):
+            if not all_finite(f):
+                raise ValueError(f"layer {ls.spec.name!r}: state_dict factor {which} holds NaN/Inf")
         cfg = self._state.config
         new = ls.replace(
             a_factor=a.to(cfg.factor_dtype, copy=True).contiguous(),
@@ -482,7 +598,7 @@ class KFACPreconditioner:
             return new.replace(decomposition=cls(**fields))
         if compute and self.comm.rank in self.plan.layers[ls.spec.name].grad_workers:
             lam = self._value(self.damping)
-            return new.replace(decomposition=decompose_layer(new, lam, cfg))
+            return redecompose(new, lam, cfg)
         return new
 
     # --- housekeeping ------------------------------------------------------------
@@ -514,6 +630,7 @@ class KFACPreconditioner:
             h.remove()
         self._handles = []
         self._micro = []
+        self._rows = {}
         if self._reducer is not None:
             for name, ls in self._state.layers.items():
                 if not self._reducer.offered(name):
@@ -529,6 +646,11 @@ class KFACPreconditioner:
             f"compute_method={self.compute_method.name.lower()}, "
             f"distributed_strategy={self.distributed_strategy.name}, scaling={self.scaling!r})"
         )
+
+
+def _remove_handles(handles: list[Any]) -> None:
+    for h in handles:
+        h.remove()
 
 
 def _decomposition_class(method: str) -> Any:

@@ -13,7 +13,10 @@ With row-major flattening, ``vec(G M A) = (G ⊗ A) vec(M)`` for symmetric ``A``
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -21,18 +24,26 @@ from kfac_func._pytree import register_dataclass
 
 __all__ = [
     "COMPUTE_METHODS",
+    "EIGENBASIS_REFRESH",
+    "DecompositionError",
     "EigenDecomposition",
     "InverseDecomposition",
+    "all_finite",
+    "condition_estimate",
     "damped_inverse",
     "eigen_decompose",
     "eigenvalue_outer",
     "eigh_factor",
+    "eigh_or_refresh",
     "inverse_decompose",
     "kl_clip_scale",
     "precondition",
+    "precondition_rows",
+    "refresh_eigh",
 ]
 
 COMPUTE_METHODS = ("eigen", "inverse")
+EIGENBASIS_REFRESH = ("eigh", "qr")
 
 
 @dataclass(frozen=True)
@@ -60,26 +71,183 @@ register_dataclass(InverseDecomposition, data=("a_inv", "g_inv"))
 Decomposition = EigenDecomposition | InverseDecomposition
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every entry is finite: a finite sum proves it without the temporaries of
+    ``isfinite``; only a sum that overflowed is checked entry by entry.
+
+    Example:
+        >>> all_finite(torch.tensor([1.0, 2.0])), all_finite(torch.tensor([1.0, float("nan")]))
+        (True, False)
+    """
+    if t.numel() == 0:
+        return True
+    if bool(torch.isfinite(t.sum())):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
+class DecompositionError(ArithmeticError):
+    """A factor could not be decomposed, not even in float64 with added jitter.
+
+    The message says what was tried and gives the factor's condition estimate."""
+
+
+# relative jitters (times the mean |diagonal| of the factor) of the float64 retries
+_JITTERS = (0.0, 1e-10, 1e-6)
+
+
+def condition_estimate(factor: torch.Tensor) -> float:
+    """Largest ratio of extreme singular values over the batch (inf if singular, nan if
+    the factor is not finite); from the diagonal if the SVD itself fails.
+
+    Example:
+        >>> condition_estimate(torch.diag(torch.tensor([4.0, 0.5])))
+        8.0
+    """
+    f = factor.detach().to(torch.float64)
+    if not all_finite(f):
+        return math.nan
+    try:
+        s = torch.linalg.svdvals(f)
+        hi, lo = s[..., 0], s[..., -1]
+    except RuntimeError:
+        diag = f.diagonal(dim1=-2, dim2=-1).abs()
+        hi, lo = diag.amax(-1), diag.amin(-1)
+    with torch.no_grad():
+        ratio = torch.where(lo > 0, hi / lo.clamp(min=1e-300), torch.full_like(hi, math.inf))
+    return float(ratio.max())
+
+
+def _robust(
+    factor: torch.Tensor,
+    compute_dtype: torch.dtype,
+    attempt: Callable[[torch.Tensor, float], tuple[torch.Tensor, ...]],
+    what: str,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, ...]:
+    """``attempt(factor in some dtype, jitter)`` in ``compute_dtype``, then in float64,
+    then in float64 with growing jitter, until its results are finite in ``dtype`` (the
+    storage dtype: a float64 result may overflow float32). Returns them in ``dtype``."""
+    if not all_finite(factor):
+        raise DecompositionError(f"{what}: the factor holds NaN/Inf")
+    scale = float(factor.detach().diagonal(dim1=-2, dim2=-1).abs().double().mean())
+    scale = scale if scale > 0 else 1.0
+    plan = [(compute_dtype, 0.0)] if compute_dtype != torch.float64 else []
+    plan += [(torch.float64, rel * scale) for rel in _JITTERS]
+    tried = []
+    for dt, jitter in plan:
+        where = f"{str(dt).removeprefix('torch.')}" + (f" + {jitter:.2g}·I" if jitter else "")
+        try:
+            out = tuple(t.to(dtype) for t in attempt(factor.to(dt), jitter))
+        except RuntimeError as err:  # torch.linalg.LinAlgError and kin
+            tried.append(f"{where}: {str(err).splitlines()[0][:120]}")
+            continue
+        if all(all_finite(t) for t in out):
+            return out
+        tried.append(f"{where}: non-finite result in {str(dtype).removeprefix('torch.')}")
+    raise DecompositionError(
+        f"{what} failed ({'; '.join(tried)}); condition estimate {condition_estimate(factor):.3g}"
+    )
+
+
 def eigh_factor(
     factor: torch.Tensor, *, dtype: torch.dtype, compute_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(eigenvectors, eigenvalues clamped at 0)`` of one symmetric factor, in ``dtype``.
+
+    eigh runs in ``compute_dtype`` (default: ``dtype`` promoted to float32); if it fails
+    or returns NaN/Inf it is retried in float64, then in float64 on ``F + εI`` with ε
+    growing from 1e-10 to 1e-6 times the mean diagonal (ε is subtracted from the
+    eigenvalues again). Raises :class:`DecompositionError` if every attempt fails.
 
     Example:
         >>> q, d = eigh_factor(torch.diag(torch.tensor([2.0, -1e-9])), dtype=torch.float32)
         >>> d
         tensor([0., 2.])
     """
+
+    def attempt(f: torch.Tensor, jitter: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if jitter:
+            f = f + jitter * torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
+        d, q = torch.linalg.eigh(f)
+        return q, d - jitter if jitter else d
+
     cdt = compute_dtype or torch.promote_types(dtype, torch.float32)
-    d, q = torch.linalg.eigh(factor.to(cdt))
+    q, d = _robust(factor, cdt, attempt, "eigh", dtype)
     # eigh returns column-major eigenvectors; a row-major copy makes later products take
     # the same BLAS path on every rank, whether the tensor was computed or received
-    return q.to(dtype).contiguous(), d.clamp(min=0.0).to(dtype)
+    return q.contiguous(), d.clamp(min=0.0)
+
+
+def refresh_eigh(
+    factor: torch.Tensor,
+    q: torch.Tensor,
+    *,
+    dtype: torch.dtype,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An approximate :func:`eigh_factor` warm-started from the previous eigenvectors
+    ``q``: one power iteration ``F q = Q R`` (QR, columns by decreasing norm). ``Q`` is
+    the new basis (column signs chosen so that ``diag(R) ≥ 0``) and ``diag(R) = Qᵀ F q``
+    estimates the eigenvalues.
+
+    One product and one QR instead of an eigendecomposition; exact when ``q`` spans the
+    eigenvectors of ``F``, and converging towards them over successive refreshes of a
+    slowly changing factor (as the basis updates of SOAP and Shampoo). Falls back to
+    :func:`eigh_factor` if the iteration fails or is not finite.
+
+    Example:
+        >>> f = torch.diag(torch.tensor([3.0, 1.0]))
+        >>> q, d = refresh_eigh(f, torch.eye(2), dtype=torch.float32)
+        >>> d
+        tensor([3., 1.])
+    """
+    try:
+        p = factor.to(q.dtype) @ q
+        # largest columns first: QR then fits the (near-)null directions last, into the
+        # complement of the others, instead of orthogonalising against their noise
+        order = torch.linalg.vector_norm(p, dim=-2).argsort(dim=-1, descending=True)
+        p = p.gather(-1, order.unsqueeze(-2).expand_as(p))
+        qn, r = torch.linalg.qr(p)
+        diag = r.diagonal(dim1=-2, dim2=-1)
+        sign = torch.where(diag < 0, -1.0, 1.0).to(qn.dtype)
+        qn, d = (qn * sign.unsqueeze(-2)).to(dtype), (diag * sign).to(dtype)
+        if all_finite(qn) and all_finite(d):
+            return qn.contiguous(), d.clamp(min=0.0)
+    except RuntimeError:
+        pass
+    return eigh_factor(factor, dtype=dtype, compute_dtype=compute_dtype)
+
+
+def eigh_or_refresh(
+    factor: torch.Tensor,
+    previous: torch.Tensor | None,
+    *,
+    dtype: torch.dtype,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`refresh_eigh` from ``previous`` eigenvectors when given, else
+    :func:`eigh_factor`."""
+    if previous is not None:
+        return refresh_eigh(factor, previous, dtype=dtype, compute_dtype=compute_dtype)
+    return eigh_factor(factor, dtype=dtype, compute_dtype=compute_dtype)
 
 
 def eigenvalue_outer(dg: torch.Tensor, da: torch.Tensor, damping: float) -> torch.Tensor:
     """``1 / (outer(dg, da) + damping)`` (batched over leading dimensions)."""
-    return 1.0 / (dg.unsqueeze(-1) * da.unsqueeze(-2) + damping)
+    return _divide(torch.ones((), dtype=dg.dtype, device=dg.device), dg, da, damping)
+
+
+def _divide(v: torch.Tensor, dg: torch.Tensor, da: torch.Tensor, damping: float) -> torch.Tensor:
+    """``v / (outer(dg, da) + damping)``; with ``damping == 0``, the pseudo-inverse:
+    entries whose eigenvalue product is at most ``eps · max(shape) · max(product)`` (as
+    ``torch.linalg.pinv``'s default cut-off) are 0 instead of Inf/NaN."""
+    den = dg.unsqueeze(-1) * da.unsqueeze(-2) + damping
+    if damping > 0:
+        return v / den
+    cutoff = den.amax(dim=(-2, -1), keepdim=True) * torch.finfo(den.dtype).eps * max(den.shape[-2:])
+    zero = torch.zeros((), dtype=den.dtype, device=den.device)
+    return torch.where(den > cutoff, v / den, zero)
 
 
 def damped_inverse(
@@ -89,12 +257,24 @@ def damped_inverse(
     dtype: torch.dtype,
     compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``(F + damping·I)⁻¹`` of one factor, in ``dtype``."""
+    """``(F + damping·I)⁻¹`` of one factor, in ``dtype``.
+
+    Retried like :func:`eigh_factor` when the inversion fails or is not finite (here the
+    jitter adds to the damping). Raises :class:`DecompositionError` if every attempt fails.
+
+    Example:
+        >>> damped_inverse(torch.zeros(2, 2), 0.0, dtype=torch.float32)  # singular: jittered
+        tensor([[1.0000e+10, 0.0000e+00],
+                [0.0000e+00, 1.0000e+10]])
+    """
+
+    def attempt(f: torch.Tensor, jitter: float) -> tuple[torch.Tensor]:
+        eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
+        return (torch.linalg.inv(f + (damping + jitter) * eye),)
+
     cdt = compute_dtype or torch.promote_types(dtype, torch.float32)
-    f = factor.to(cdt)
-    eye = torch.eye(f.shape[-1], dtype=cdt, device=f.device)
-    inv: torch.Tensor = torch.linalg.inv(f + damping * eye)
-    return inv.to(dtype).contiguous()  # row-major, as in eigh_factor
+    (inv,) = _robust(factor, cdt, attempt, "inverse", dtype)
+    return inv.contiguous()  # row-major, as in eigh_factor
 
 
 def eigen_decompose(
@@ -105,6 +285,7 @@ def eigen_decompose(
     dtype: torch.dtype = torch.float32,
     compute_dtype: torch.dtype | None = None,
     outer_product: bool = False,
+    warm_start: EigenDecomposition | None = None,
 ) -> EigenDecomposition:
     """Eigendecompose both factors.
 
@@ -114,6 +295,8 @@ def eigen_decompose(
         dtype: storage dtype of the result (``inv_dtype``).
         compute_dtype: dtype eigh runs in (default: ``dtype`` promoted to float32).
         outer_product: precompute ``dgda = 1 / (outer(dg, da) + λ)``.
+        warm_start: a previous decomposition to refresh with :func:`refresh_eigh`
+            instead of decomposing from scratch.
 
     Example:
         >>> import torch
@@ -121,8 +304,10 @@ def eigen_decompose(
         >>> eig.da, eig.dg
         (tensor([1., 1., 1.]), tensor([2., 2.]))
     """
-    qa, da = eigh_factor(a, dtype=dtype, compute_dtype=compute_dtype)
-    qg, dg = eigh_factor(g, dtype=dtype, compute_dtype=compute_dtype)
+    w = warm_start
+    kw: dict[str, Any] = {"dtype": dtype, "compute_dtype": compute_dtype}
+    qa, da = _named("A", eigh_or_refresh, a, w.qa if w is not None else None, **kw)
+    qg, dg = _named("G", eigh_or_refresh, g, w.qg if w is not None else None, **kw)
     dgda = eigenvalue_outer(dg, da, damping) if outer_product else None
     return EigenDecomposition(qa, da, qg, dg, dgda)
 
@@ -145,9 +330,20 @@ def inverse_decompose(
                 [0.0000, 0.5000]])
     """
     return InverseDecomposition(
-        damped_inverse(a, damping, dtype=dtype, compute_dtype=compute_dtype),
-        damped_inverse(g, damping, dtype=dtype, compute_dtype=compute_dtype),
+        _named("A", damped_inverse, a, damping, dtype=dtype, compute_dtype=compute_dtype),
+        _named("G", damped_inverse, g, damping, dtype=dtype, compute_dtype=compute_dtype),
     )
+
+
+R = TypeVar("R")
+
+
+def _named(factor: str, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+    """``fn(*args, **kwargs)``, with ``factor`` ("A" or "G") named in its errors."""
+    try:
+        return fn(*args, **kwargs)
+    except DecompositionError as err:
+        raise DecompositionError(f"the {factor} factor: {err}") from None
 
 
 def precondition(
@@ -171,12 +367,56 @@ def precondition(
         m = matrix.to(d.a_inv.dtype)
         return (d.g_inv @ m @ d.a_inv).to(matrix.dtype)
     m = matrix.to(d.qa.dtype)
-    v = d.qg.mT @ m @ d.qa
-    if d.dgda is not None:
-        v = v * d.dgda
-    else:
-        v = v / (d.dg.unsqueeze(-1) * d.da.unsqueeze(-2) + damping)
-    return (d.qg @ v @ d.qa.mT).to(matrix.dtype)
+    return _back_project(d.qg.mT @ m @ d.qa, d, damping).to(matrix.dtype)
+
+
+def _back_project(v: torch.Tensor, d: EigenDecomposition, damping: float) -> torch.Tensor:
+    """``Qg [v / (dg daᵀ + λ)] Qaᵀ`` for ``v`` in the eigenbasis."""
+    v = v * d.dgda if d.dgda is not None else _divide(v, d.dg, d.da, damping)
+    return d.qg @ v @ d.qa.mT
+
+
+def _right(a: torch.Tensor, f: torch.Tensor, bias: bool) -> torch.Tensor:
+    """``[a, 1] @ f`` without building ``[a, 1]``."""
+    if not bias:
+        return a @ f
+    return torch.addmm(f[-1:], a, f[:-1])
+
+
+def precondition_rows(
+    rows: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    decomposition: Decomposition,
+    damping: float,
+    *,
+    bias: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """:func:`precondition` of ``M = Σ gᵀ[a, 1]`` given the rows ``(a, g)`` instead of ``M``.
+
+    For a Linear layer whose gradient is that sum (check with
+    :func:`kfac_func.factors.rows_reproduce`), the products with ``M`` become products
+    with the ``n``-row factors: the inverse method costs ``n(d_out² + d_in² + d_out·d_in)``
+    instead of ``2·d_out·d_in(d_out + d_in)``, the eigen method saves the projection into
+    the eigenbasis (the back-projection stays two dense products). ``bias``: ``A`` has a
+    trailing ones column. Returns ``dtype``.
+
+    Example:
+        >>> a, g = torch.randn(4, 3), torch.randn(4, 2)
+        >>> eig = eigen_decompose(torch.eye(3), torch.eye(2), 0.0)
+        >>> p = precondition_rows([(a, g)], eig, 1.0, bias=False, dtype=torch.float32)
+        >>> torch.allclose(p, precondition(g.T @ a, eig, 1.0))
+        True
+    """
+    d = decomposition
+    left, right = (d.g_inv, d.a_inv) if isinstance(d, InverseDecomposition) else (d.qg, d.qa)
+    fwd: torch.Tensor | None = None
+    for a, g in rows:
+        term = (g.to(left.dtype) @ left).mT @ _right(a.to(right.dtype), right, bias)
+        fwd = term if fwd is None else fwd + term
+    assert fwd is not None, "no rows"
+    if isinstance(d, InverseDecomposition):
+        return fwd.to(dtype)
+    return _back_project(fwd, d, damping).to(dtype)
 
 
 def kl_clip_scale(

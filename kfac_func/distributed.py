@@ -18,9 +18,11 @@ algorithms: of an all-reduce of ``S`` bytes over ``n`` ranks each rank sends
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -28,7 +30,7 @@ import torch.distributed as dist
 
 from kfac_func.plan import Plan
 
-__all__ = ["Communicator", "Pending"]
+__all__ = ["Communicator", "Pending", "RankMismatchError"]
 
 Group = Any  # dist.ProcessGroup | None (None: the default group)
 
@@ -57,6 +59,19 @@ def _unpack(flat: torch.Tensor, like: torch.Tensor, symmetric: bool) -> torch.Te
     return out
 
 
+class RankMismatchError(ValueError):
+    """Ranks disagree on the plan or the settings that must be equal everywhere; raised
+    on every rank, naming the first difference of each disagreeing rank."""
+
+
+def _describe(value: object) -> str:
+    """A rank-independent text for a setting (callables by name, not by address)."""
+    if callable(value):
+        name = getattr(value, "__qualname__", type(value).__qualname__)
+        return f"<callable {getattr(value, '__module__', '?')}.{name}>"
+    return repr(value)
+
+
 @dataclass
 class Pending:
     """Results of asynchronous collectives; :meth:`wait` returns them in order."""
@@ -79,6 +94,14 @@ class Communicator:
     All ranks must construct it at the same point with the same plan (``new_group`` is a
     collective). Groups are created here, once, never per step.
 
+    Before creating any group, the ranks compare a hash of the plan's table and of
+    ``settings`` (values that must agree, e.g. hyperparameters); if any rank differs,
+    every rank raises :class:`RankMismatchError` naming the first differing line of each
+    rank, instead of hanging later in mismatched collectives. ``timeout`` bounds every
+    collective the communicator issues (groups of its own carry it); without it they
+    inherit torch.distributed's default. A rank that dies makes the others' collectives
+    fail (gloo and NCCL report the closed connection, or the timeout expires).
+
     Example:
         >>> from kfac_func.plan import make_plan
         >>> comm = Communicator(make_plan({"fc": (3, 2)}, world_size=1))
@@ -95,6 +118,8 @@ class Communicator:
         bucket_cap_mb: float = 25.0,
         symmetry_aware: bool = False,
         group: Group = None,
+        settings: Mapping[str, object] | None = None,
+        timeout: timedelta | None = None,
     ) -> None:
         if bucket_cap_mb < 0:
             raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
@@ -112,15 +137,71 @@ class Communicator:
         self.bytes: Counter[str] = Counter()
         self._groups: dict[tuple[int, ...], Group] = {}
         self._factor_group: Group = None
+        self.timeout = timeout
         if self.active and self.world_size > 1:
+            lines = [str(plan).splitlines()[0]]
+            lines += [
+                f"layer {lp.name!r}: A {lp.groups}x{lp.a_size}, G {lp.groups}x{lp.g_size}, "
+                f"owners {lp.a_owner}/{lp.g_owner}, grad workers {lp.grad_workers}"
+                for lp in plan.layers.values()
+            ]
+            lines += [f"{k} = {_describe(v)}" for k, v in sorted((settings or {}).items())]
+            self._verify_agreement(lines)
             # factor reductions get a group of their own, so their order never interleaves
-            # with other users of the default group (DDP's gradient buckets)
-            self._factor_group = dist.new_group(list(range(self.world_size)))
+            # with other users of the default group (DDP's gradient buckets); with a
+            # timeout, whole-world broadcasts use it too (the default group has its own)
+            self._factor_group = dist.new_group(list(range(self.world_size)), timeout=timeout)
             for ranks in (*plan.worker_groups, *plan.receiver_groups):
                 if len(ranks) == self.world_size:
-                    self._groups[ranks] = None
+                    self._groups[ranks] = None if timeout is None else self._factor_group
                 elif len(ranks) > 1 and ranks not in self._groups:
-                    self._groups[ranks] = dist.new_group(list(ranks))
+                    self._groups[ranks] = dist.new_group(list(ranks), timeout=timeout)
+
+    def _device(self) -> torch.device:
+        if dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(out, t)
+        return out
+
+    def _verify_agreement(self, lines: list[str]) -> None:
+        """Raise :class:`RankMismatchError` on every rank unless all ranks hold ``lines``.
+
+        One all-gather of a 32-byte hash when ranks agree; otherwise the texts are
+        exchanged (as bytes, nothing is unpickled) to name the differences.
+        """
+        dev = self._device()
+        text = "\n".join(lines).encode()
+        digest = torch.tensor(list(hashlib.sha256(text).digest()), dtype=torch.int64, device=dev)
+        digests = self._all_gather(digest)
+        if all(torch.equal(d, digests[0]) for d in digests):
+            return
+        n = torch.tensor([len(text)], dtype=torch.int64, device=dev)
+        sizes = [int(s) for s in self._all_gather(n)]
+        buf = torch.zeros(max(sizes), dtype=torch.uint8, device=dev)
+        buf[: len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+        texts = [
+            bytes(b[:size].cpu().tolist()).decode(errors="replace").splitlines()
+            for b, size in zip(self._all_gather(buf), sizes)
+        ]
+        report = []
+        for r, other in enumerate(texts):
+            if other == texts[0]:
+                continue
+            i = next(
+                (i for i, (x, y) in enumerate(zip(texts[0], other)) if x != y),
+                min(len(texts[0]), len(other)),
+            )
+            mine = texts[0][i] if i < len(texts[0]) else "<nothing>"
+            theirs = other[i] if i < len(other) else "<nothing>"
+            report.append(f"  rank {r}: {theirs!r}\n  rank 0: {mine!r}")
+        raise RankMismatchError(
+            f"ranks disagree on the K-FAC plan or settings (seen from rank {self.rank}); "
+            "first difference per rank:\n" + "\n".join(report)
+        )
 
     @staticmethod
     def current_world_size() -> int:

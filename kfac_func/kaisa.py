@@ -29,14 +29,15 @@ from kfac_func.capture import Captures
 from kfac_func.conventions import decomposition_dtype
 from kfac_func.decomposition import (
     Decomposition,
+    DecompositionError,
     EigenDecomposition,
     InverseDecomposition,
     damped_inverse,
     eigenvalue_outer,
-    eigh_factor,
-    precondition,
+    eigh_or_refresh,
 )
 from kfac_func.distributed import Communicator, OrderedReducer, Pending
+from kfac_func.factors import Rows
 from kfac_func.plan import DistributedStrategy, Plan
 from kfac_func.state import KFACState, LayerState
 from kfac_func.update import (
@@ -46,11 +47,15 @@ from kfac_func.update import (
     _check,
     _resolve,
     apply_preconditioned,
+    captured_rows,
+    decomposition_failed,
     fold_checked,
     grads_finite,
     layer_batch_factors,
     layer_matrix,
     needs_decomposition,
+    precondition_layer,
+    warm_start,
 )
 
 __all__ = [
@@ -62,16 +67,15 @@ __all__ = [
 
 
 def _check_plan(state: KFACState, plan: Plan) -> list[str]:
-    # the state's (registration) order, as kf.update uses: the kl_clip sum over layers
-    # rounds differently in another order; it is the same on every rank
-    names = list(state.layers)
-    if set(names) != set(plan.layers):
-        missing = sorted(set(names) - set(plan.layers))
-        extra = sorted(set(plan.layers) - set(names))
+    """The layers in the plan's (name) order, which every rank shares whatever the order
+    of its state: reductions are issued and the kl_clip sum is taken in this order."""
+    if set(state.layers) != set(plan.layers):
+        missing = sorted(set(state.layers) - set(plan.layers))
+        extra = sorted(set(plan.layers) - set(state.layers))
         raise ValueError(
             f"plan and state disagree on layers: not in plan {missing}, not in state {extra}"
         )
-    return names
+    return list(plan.layers)
 
 
 BatchFactors = Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]
@@ -91,7 +95,7 @@ def local_batch_factors(
 
 
 def start_factor_reduction(state: KFACState, plan: Plan, comm: Communicator) -> OrderedReducer:
-    """An in-order reduction of every layer's ``[w·A, w·G, w]`` (layers in state order).
+    """An in-order reduction of every layer's ``[w·A, w·G, w]`` (layers in plan order).
 
     Offer a layer with :func:`offer_factors` as soon as its window is complete (the
     adapter does so from autograd hooks, overlapping communication with the backward
@@ -100,8 +104,9 @@ def start_factor_reduction(state: KFACState, plan: Plan, comm: Communicator) -> 
     """
     dst = None
     if plan.strategy is DistributedStrategy.MEM_OPT:
-        dst = {name: plan.layers[name].a_owner for name in state.layers}
-    return comm.ordered_reducer(list(state.layers), symmetric=[True, True, False], dst=dst)
+        dst = {name: plan.layers[name].a_owner for name in plan.layers}
+    order = _check_plan(state, plan)
+    return comm.ordered_reducer(order, symmetric=[True, True, False], dst=dst)
 
 
 def offer_factors(
@@ -167,41 +172,57 @@ def _decompose(
     eigen = cfg.compute_method == "eigen"
     outer = eigen and cfg.compute_eigenvalue_outer_product
     rank = comm.rank
-    todo: list[tuple[str, Pending, Pending]] = []
+    todo: list[tuple[str, Pending, Pending, str | None]] = []
     for name in names:
         lp, ls = plan.layers[name], layers[name]
         if rank not in lp.grad_workers or not needs_decomposition(
             ls, cfg, update_inverses=update_inverses
         ):
             continue
-        parts = []
-        for owner, factor in ((lp.a_owner, ls.a_factor), (lp.g_owner, ls.g_factor)):
-            n = factor.shape[-1]
-            batch = factor.shape[:-2]
-            if eigen:
-                if rank == owner:
-                    sent = list(eigh_factor(factor, dtype=cfg.inv_dtype, compute_dtype=cdt))
-                else:
-                    sent = [
-                        torch.empty((*batch, n, n), dtype=cfg.inv_dtype, device=factor.device),
-                        torch.empty((*batch, n), dtype=cfg.inv_dtype, device=factor.device),
-                    ]
-                sym = [False, False]
-            else:
-                if rank == owner:
-                    sent = [damped_inverse(factor, damping, dtype=cfg.inv_dtype, compute_dtype=cdt)]
-                else:
-                    sent = [torch.empty(factor.shape, dtype=cfg.inv_dtype, device=factor.device)]
-                sym = [True]
+        parts, failure = [], None
+        warm = warm_start(ls, cfg)
+        for which, owner, factor, previous in (
+            ("A", lp.a_owner, ls.a_factor, None if warm is None else warm.qa),
+            ("G", lp.g_owner, ls.g_factor, None if warm is None else warm.qg),
+        ):
+            n, batch, dev = factor.shape[-1], factor.shape[:-2], factor.device
+            shapes = [(*batch, n, n), (*batch, n)] if eigen else [factor.shape]
+            sent = [torch.empty(s, dtype=cfg.inv_dtype, device=dev) for s in shapes]
+            ok = torch.zeros(1, dtype=cfg.inv_dtype, device=dev)
+            if rank == owner:
+                try:
+                    if eigen:
+                        sent = list(
+                            eigh_or_refresh(
+                                factor, previous, dtype=cfg.inv_dtype, compute_dtype=cdt
+                            )
+                        )
+                    else:
+                        sent = [
+                            damped_inverse(factor, damping, dtype=cfg.inv_dtype, compute_dtype=cdt)
+                        ]
+                    ok.fill_(1.0)
+                except DecompositionError as err:  # workers keep their previous one
+                    failure = f"the {which} factor: {err}"
+                    sent = [t.zero_() for t in sent]
+            sym = [False] * len(sent) if eigen else [True]
             parts.append(
                 comm.broadcast(
-                    sent, src=owner, ranks=lp.grad_workers, kind="decompositions", symmetric=sym
+                    [*sent, ok],
+                    src=owner,
+                    ranks=lp.grad_workers,
+                    kind="decompositions",
+                    symmetric=[*sym, False],
                 )
             )
-        todo.append((name, parts[0], parts[1]))
+        todo.append((name, parts[0], parts[1], failure))
     new = dict(layers)
-    for name, a_part, g_part in todo:
-        a_res, g_res = a_part.wait(), g_part.wait()
+    for name, a_part, g_part, failure in todo:
+        *a_res, a_ok = a_part.wait()
+        *g_res, g_ok = g_part.wait()
+        if not (bool(a_ok.item()) and bool(g_ok.item())):
+            new[name] = decomposition_failed(new[name], failure)
+            continue
         dec: Decomposition
         if eigen:
             (qa, da), (qg, dg) = a_res, g_res
@@ -229,6 +250,7 @@ def update_distributed(
     update_factors: bool | Callable[[int], bool] = True,
     update_inverses: bool | Callable[[int], bool] = True,
     nonfinite: NonFinite = "skip",
+    rows: Mapping[str, Rows] | None = None,
 ) -> tuple[dict[str, torch.Tensor], KFACState]:
     """:func:`kfac_func.update` across ranks, with the communication of ``plan``.
 
@@ -237,8 +259,11 @@ def update_distributed(
     :func:`kfac_func.update`, plus the plan and its :class:`Communicator`, and
     ``batch_factors`` (``{layer: (A, G, weight)}`` of this rank, as from
     :func:`local_batch_factors`) for callers that built the factors already (the hooks of
-    the stateful adapter) instead of ``captures``, and ``factor_reducer`` (from
-    :func:`start_factor_reduction`) holding layers whose reduction already started.
+    the stateful adapter) instead of ``captures``, ``factor_reducer`` (from
+    :func:`start_factor_reduction`) holding layers whose reduction already started, and
+    ``rows`` (see :func:`kfac_func.update.precondition_layer`; on one rank they are taken
+    from ``captures``; with several ranks the gradients are averages, which local rows
+    never reproduce).
 
     Example:
         >>> import torch
@@ -278,6 +303,9 @@ def update_distributed(
     )
 
     rank = comm.rank
+    if rows is None and captures is not None and comm.world_size == 1:
+        rows = captured_rows(state, captures)
+    rows = rows or {}
     results: list[tuple[str, torch.Tensor, Pending | None]] = []
     for name in names:
         lp, ls = plan.layers[name], layers[name]
@@ -287,7 +315,7 @@ def update_distributed(
         worker = rank in lp.grad_workers and ls.decomposition is not None
         if worker and grads_finite(name, ls.spec, m, nonfinite):
             assert ls.decomposition is not None
-            p = precondition(m, ls.decomposition, lam)
+            p = precondition_layer(ls, m, lam, rows.get(name))
             flag = torch.ones(1, dtype=m.dtype, device=m.device)
         pending = None
         if plan.broadcast_gradients:

@@ -21,6 +21,7 @@ the explicit, ordered index of layers, from which every expected key is rebuilt:
                 "factor_dtype": "float32", "inv_dtype": "float32"},
      "decompositions": "eigen",          # type of the stored decompositions, or null
      "layers": [{"name": "encoder.0", "factor_updates": 6, "skipped_updates": 0,
+                 "decomposition_failures": 0,
                  "spec": {"name": "encoder.0", "kind": "conv2d", "weight": "...", ...},
                  "decomposition": {"type": "eigen",
                                    "tensors": ["qa", "da", "qg", "dg", "dgda"]}}, ...],
@@ -205,6 +206,7 @@ def _metadata(
                 "name": name,
                 "factor_updates": ls.factor_updates,
                 "skipped_updates": ls.skipped_updates,
+                "decomposition_failures": ls.decomposition_failures,
                 "spec": {k: _json_value(getattr(ls.spec, k)) for k in _SPEC_FIELDS},
                 "decomposition": dec,
             }
@@ -333,6 +335,7 @@ def _decode_meta(d: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         )
     _get(meta, "step", int, "")
     config = _get(meta, "config", dict, "")
+    config.setdefault("eigenbasis_refresh", "eigh")  # files written before it existed
     for k in _CONFIG_FIELDS:
         _get(config, k, (str, bool), "config ")
     strides = meta.get("strides", {})
@@ -351,6 +354,8 @@ def _decode_meta(d: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         seen.add(name)
         _get(entry, "factor_updates", int, f"layer {name!r} ")
         _get(entry, "skipped_updates", int, f"layer {name!r} ")
+        entry.setdefault("decomposition_failures", 0)  # files written before this counter
+        _get(entry, "decomposition_failures", int, f"layer {name!r} ")
         _get(entry, "spec", dict, f"layer {name!r} ")
         dec = entry.get("decomposition")
         if dec is not None:
@@ -474,6 +479,7 @@ def _build_layer(
         spec=ls.spec,
         factor_updates=entry["factor_updates"],
         skipped_updates=entry["skipped_updates"],
+        decomposition_failures=entry["decomposition_failures"],
     )
 
 

@@ -17,7 +17,7 @@ import torch
 
 from kfac_func._pytree import register_dataclass
 from kfac_func.conventions import Convention, check_convention, initial_factor
-from kfac_func.decomposition import COMPUTE_METHODS, Decomposition
+from kfac_func.decomposition import COMPUTE_METHODS, EIGENBASIS_REFRESH, Decomposition
 from kfac_func.layers import LayerSpec
 
 __all__ = ["KFACConfig", "KFACState", "LayerState", "init"]
@@ -34,6 +34,10 @@ class KFACConfig:
             decomposing (λ then stays fixed until the next decomposition).
         factor_dtype: dtype factors accumulate in (inputs of lower precision are cast up).
         inv_dtype: dtype decompositions are stored in.
+        eigenbasis_refresh: eigen only: ``"eigh"`` recomputes the eigendecompositions
+            exactly; ``"qr"`` refreshes the previous eigenbasis with one warm-started
+            power (QR) iteration (see :func:`kfac_func.decomposition.refresh_eigh`), far
+            cheaper than eigh, approximate, converging over successive refreshes.
     """
 
     convention: Convention = "fisher"
@@ -41,9 +45,15 @@ class KFACConfig:
     compute_eigenvalue_outer_product: bool = True
     factor_dtype: torch.dtype = torch.float32
     inv_dtype: torch.dtype = torch.float32
+    eigenbasis_refresh: str = "eigh"
 
     def __post_init__(self) -> None:
         check_convention(self.convention)
+        if self.eigenbasis_refresh not in EIGENBASIS_REFRESH:
+            raise ValueError(
+                f"eigenbasis_refresh must be one of {EIGENBASIS_REFRESH}, "
+                f"got {self.eigenbasis_refresh!r}"
+            )
         if self.compute_method not in COMPUTE_METHODS:
             raise ValueError(
                 f"compute_method must be one of {COMPUTE_METHODS}, got {self.compute_method!r}"
@@ -65,6 +75,9 @@ class LayerState:
         spec: the layer (static).
         factor_updates: number of batch factors averaged in so far (static).
         skipped_updates: factor updates skipped because of non-finite values (static).
+        decomposition_failures: decompositions that failed even after the retries of
+            :func:`kfac_func.decomposition.eigh_factor`, each time keeping the previous
+            decomposition (static).
     """
 
     a_factor: torch.Tensor
@@ -73,6 +86,7 @@ class LayerState:
     spec: LayerSpec
     factor_updates: int = 0
     skipped_updates: int = 0
+    decomposition_failures: int = 0
 
     def replace(self, **changes: object) -> LayerState:
         """A copy with ``changes`` applied."""
@@ -98,7 +112,7 @@ class KFACState:
 register_dataclass(
     LayerState,
     data=("a_factor", "g_factor", "decomposition"),
-    static=("spec", "factor_updates", "skipped_updates"),
+    static=("spec", "factor_updates", "skipped_updates", "decomposition_failures"),
 )
 register_dataclass(KFACState, data=("layers",), static=("step", "config"))
 
@@ -112,6 +126,7 @@ def init(
     factor_dtype: torch.dtype = torch.float32,
     inv_dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    eigenbasis_refresh: str = "eigh",
 ) -> KFACState:
     """A fresh state for ``layers`` (as returned by :func:`kfac_func.register`).
 
@@ -127,7 +142,12 @@ def init(
         (torch.Size([4, 4]), 0)
     """
     config = KFACConfig(
-        convention, compute_method, compute_eigenvalue_outer_product, factor_dtype, inv_dtype
+        convention,
+        compute_method,
+        compute_eigenvalue_outer_product,
+        factor_dtype,
+        inv_dtype,
+        eigenbasis_refresh,
     )
     dev = torch.device(device) if device is not None else None
     states = {}

@@ -22,18 +22,25 @@ from kfac_func.capture import Captures
 from kfac_func.conventions import decomposition_dtype, micro_batch_weights
 from kfac_func.decomposition import (
     Decomposition,
+    DecompositionError,
+    EigenDecomposition,
+    all_finite,
     eigen_decompose,
     inverse_decompose,
     kl_clip_scale,
     precondition,
+    precondition_rows,
 )
 from kfac_func.factors import (
     Gram,
+    Rows,
     a_gram,
     factor_from_grams,
     g_gram,
     grads_to_matrix,
+    linear_rows,
     matrix_to_grads,
+    rows_reproduce,
 )
 from kfac_func.layers import LayerSpec
 from kfac_func.state import KFACConfig, KFACState, LayerState
@@ -132,7 +139,7 @@ def layer_batch_factors(
 
 def factors_finite(name: str, a: torch.Tensor, g: torch.Tensor, mode: NonFinite) -> bool:
     """True if both batch factors are finite; else warn (``"skip"``) or raise."""
-    bad = [w for w, f in (("A", a), ("G", g)) if not bool(torch.isfinite(f).all())]
+    bad = [w for w, f in (("A", a), ("G", g)) if not all_finite(f)]
     if bad:
         _non_finite(name, f"the {' and '.join(bad)} factor of this batch", mode)
     return not bad
@@ -147,10 +154,25 @@ def fold_checked(
     nonfinite: NonFinite,
 ) -> LayerState:
     """:func:`fold_factors` when both batch factors are finite, else the layer unchanged
-    but for one more skipped update (or :class:`NonFiniteError`)."""
-    if factors_finite(ls.spec.name, a, g, nonfinite):
-        return fold_factors(ls, a, g, decay, config)
-    return ls.replace(skipped_updates=ls.skipped_updates + 1)
+    but for one more skipped update (or :class:`NonFiniteError`).
+
+    A running factor that holds NaN/Inf already (a state built or loaded that way) is
+    restarted from the batch factor, with a warning, so that it cannot stay poisoned.
+    """
+    name = ls.spec.name
+    if not factors_finite(name, a, g, nonfinite):
+        return ls.replace(skipped_updates=ls.skipped_updates + 1)
+    new = fold_factors(ls, a, g, decay, config)
+    bad = [w for w, f in (("A", new.a_factor), ("G", new.g_factor)) if not all_finite(f)]
+    if bad:
+        msg = f"layer {name!r}: the running {' and '.join(bad)} factor held NaN/Inf"
+        if nonfinite == "raise":
+            raise NonFiniteError(msg)
+        warnings.warn(f"{msg}; restarted from this batch", RuntimeWarning, stacklevel=2)
+        new = new.replace(
+            a_factor=a if "A" in bad else new.a_factor, g_factor=g if "G" in bad else new.g_factor
+        )
+    return new
 
 
 def fold_factors(
@@ -161,8 +183,9 @@ def fold_factors(
     if ls.factor_updates == 0 and config.convention == "fisher":
         new_a, new_g = a, g
     else:
-        new_a = decay * ls.a_factor + (1 - decay) * a
-        new_g = decay * ls.g_factor + (1 - decay) * g
+        # one new tensor per factor: decay·old, then + (1 − decay)·batch in place
+        new_a = ls.a_factor.mul(decay).add_(a, alpha=1 - decay)
+        new_g = ls.g_factor.mul(decay).add_(g, alpha=1 - decay)
     return ls.replace(a_factor=new_a, g_factor=new_g, factor_updates=ls.factor_updates + 1)
 
 
@@ -217,7 +240,9 @@ def decompose(state: KFACState, *, damping: Hyper = 1e-3, only_missing: bool = F
 
     With ``only_missing``, only layers without a decomposition are computed. Layers of a
     ``"fisher"`` state whose factors were never updated get none (their gradients pass
-    unchanged), as zero factors carry no curvature.
+    unchanged), as zero factors carry no curvature. A factor that cannot be decomposed
+    (see :func:`redecompose`) never stops training: its layer keeps its previous
+    decomposition.
 
     Example:
         >>> import torch
@@ -232,7 +257,7 @@ def decompose(state: KFACState, *, damping: Hyper = 1e-3, only_missing: bool = F
     layers = dict(state.layers)
     for name, ls in state.layers.items():
         if needs_decomposition(ls, state.config, update_inverses=not only_missing):
-            layers[name] = ls.replace(decomposition=decompose_layer(ls, lam, state.config))
+            layers[name] = redecompose(ls, lam, state.config)
     return state.replace(layers=layers)
 
 
@@ -245,7 +270,8 @@ def needs_decomposition(ls: LayerState, config: KFACConfig, *, update_inverses: 
 
 
 def decompose_layer(ls: LayerState, damping: float, config: KFACConfig) -> Decomposition:
-    """The configured decomposition of one layer's current factors."""
+    """The configured decomposition of one layer's current factors (may raise
+    :class:`~kfac_func.decomposition.DecompositionError`; see :func:`redecompose`)."""
     cdt = decomposition_dtype(config.convention, config.inv_dtype)
     if config.compute_method == "eigen":
         return eigen_decompose(
@@ -255,10 +281,43 @@ def decompose_layer(ls: LayerState, damping: float, config: KFACConfig) -> Decom
             dtype=config.inv_dtype,
             compute_dtype=cdt,
             outer_product=config.compute_eigenvalue_outer_product,
+            warm_start=warm_start(ls, config),
         )
     return inverse_decompose(
         ls.a_factor, ls.g_factor, damping, dtype=config.inv_dtype, compute_dtype=cdt
     )
+
+
+def warm_start(ls: LayerState, config: KFACConfig) -> EigenDecomposition | None:
+    """The decomposition to refresh under ``eigenbasis_refresh="qr"`` (None: decompose
+    from scratch)."""
+    dec = ls.decomposition
+    if config.eigenbasis_refresh == "qr" and isinstance(dec, EigenDecomposition):
+        return dec
+    return None
+
+
+def redecompose(ls: LayerState, damping: float, config: KFACConfig) -> LayerState:
+    """The layer with a new decomposition; if even the retries fail, the layer keeps its
+    previous one (none before the first: its gradient passes unchanged) and counts the
+    failure, with a warning the first time."""
+    try:
+        return ls.replace(decomposition=decompose_layer(ls, damping, config))
+    except DecompositionError as err:
+        return decomposition_failed(ls, str(err))
+
+
+def decomposition_failed(ls: LayerState, reason: str | None) -> LayerState:
+    """Count a failed decomposition; warn (once per layer) when ``reason`` is given."""
+    if reason is not None and ls.decomposition_failures == 0:
+        keep = "the previous decomposition" if ls.decomposition else "no preconditioning"
+        warnings.warn(
+            f"layer {ls.spec.name!r}: could not decompose {reason}; keeping {keep} "
+            "(warned once per layer; LayerState.decomposition_failures counts them)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return ls.replace(decomposition_failures=ls.decomposition_failures + 1)
 
 
 def layer_matrix(ls: LayerState, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -278,11 +337,14 @@ def precondition_grads(
     kl_clip: Hyper | None = 1e-3,
     lr: Hyper = 0.1,
     nonfinite: NonFinite = "skip",
+    rows: Mapping[str, Rows] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Precondition the gradients of every decomposed layer; others pass unchanged.
 
     The preconditioned gradients of all layers are scaled by
-    ``min(1, sqrt(kl_clip / |lr² Σ P ⊙ grad|))`` unless ``kl_clip`` is None.
+    ``min(1, sqrt(kl_clip / |lr² Σ P ⊙ grad|))`` unless ``kl_clip`` is None. ``rows``
+    (``{layer: [(input rows, output-gradient rows), ...]}``, see
+    :func:`precondition_layer`) lets Linear layers skip dense products.
 
     Returns:
         A new dict with the keys of ``grads``.
@@ -303,13 +365,54 @@ def precondition_grads(
     for name, ls in state.layers.items():
         m = layer_matrix(ls, grads)
         if ls.decomposition is not None and grads_finite(name, ls.spec, m, nonfinite):
-            done.append((ls.spec, precondition(m, ls.decomposition, lam), m))
+            done.append((ls.spec, precondition_layer(ls, m, lam, (rows or {}).get(name)), m))
     return apply_preconditioned(grads, done, kl_clip=kl_clip, lr=lr, step=state.step)
+
+
+def precondition_layer(
+    ls: LayerState, m: torch.Tensor, damping: float, rows: Rows | None = None
+) -> torch.Tensor:
+    """Precondition one layer's gradient matrix with its decomposition.
+
+    With the rows of a Linear layer's calls, when the gradient is exactly their product
+    (:func:`kfac_func.factors.rows_reproduce`) and that is cheaper
+    (``n(d_out² + d_in² + d_out·d_in) < d_out·d_in(d_out + d_in)`` for ``n`` rows), the
+    products with the gradient become products with the rows
+    (:func:`kfac_func.decomposition.precondition_rows`); the result is the same up to
+    rounding.
+    """
+    dec = ls.decomposition
+    assert dec is not None
+    spec = ls.spec
+    if rows and spec.kind == "linear":
+        n = sum(a.shape[0] for a, _ in rows)
+        o, i = spec.g_dim, spec.a_dim
+        if n * (o * o + i * i + o * i) < o * i * (o + i) and rows_reproduce(spec, m, rows):
+            return precondition_rows(rows, dec, damping, bias=spec.has_bias, dtype=m.dtype)
+    return precondition(m, dec, damping)
+
+
+def captured_rows(state: KFACState, captures: Captures | Sequence[Captures]) -> dict[str, Rows]:
+    """The rows of every Linear layer's calls in ``captures`` (all micro-batches)."""
+    out: dict[str, Rows] = {}
+    micro = _as_list(captures)
+    for name, ls in state.layers.items():
+        if ls.spec.kind != "linear":
+            continue
+        found = [
+            pair
+            for cap in micro
+            if name in cap.layers
+            for pair in linear_rows(ls.spec, cap.layers[name].inputs, cap.layers[name].output_grads)
+        ]
+        if found:
+            out[name] = found
+    return out
 
 
 def grads_finite(name: str, spec: LayerSpec, m: torch.Tensor, mode: NonFinite) -> bool:
     """True if the gradient matrix is finite; else warn (``"skip"``) or raise."""
-    if bool(torch.isfinite(m).all()):
+    if all_finite(m):
         return True
     _non_finite(name, f"the gradients of {list(spec.param_names())}", mode)
     return False
@@ -334,7 +437,10 @@ def apply_preconditioned(
     if clip is not None:
         _check("kl_clip", clip, lambda v: v > 0, "> 0 (or None to disable)")
     if clip is not None and done:
-        scale = kl_clip_scale([(p, m) for _, p, m in done], clip, rate)
+        # summed in name order, so that ranks whose states list layers in another order
+        # round it the same
+        ordered = sorted(done, key=lambda t: t[0].name)
+        scale = kl_clip_scale([(p, m) for _, p, m in ordered], clip, rate)
         done = [(spec, p * scale.to(p.dtype), m) for spec, p, m in done]
     out = dict(grads)
     for spec, p, _ in done:
@@ -400,7 +506,8 @@ def update(
             raise ValueError("update_factors=True needs captures= (from kfac_func.capture)")
         new = accumulate_factors(new, captures, factor_decay=factor_decay, nonfinite=nonfinite)
     new = decompose(new, damping=damping, only_missing=not _resolve(update_inverses, step))
+    rows = captured_rows(state, captures) if captures is not None else None
     out = precondition_grads(
-        new, grads, damping=damping, kl_clip=kl_clip, lr=lr, nonfinite=nonfinite
+        new, grads, damping=damping, kl_clip=kl_clip, lr=lr, nonfinite=nonfinite, rows=rows
     )
     return out, new.replace(step=step + 1)

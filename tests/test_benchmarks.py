@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -74,3 +76,33 @@ def test_vs_reference_quick() -> None:
             line = next(x for x in lines if x.startswith(f"correctness {model} {method}:"))
             assert "OK" in line, line
     assert "adapter/ref" in proc.stdout and "step peak MiB" in proc.stdout
+
+
+@pytest.mark.slow
+def test_convergence_quick() -> None:
+    proc = _run_quick("convergence.py")
+    lines = proc.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("result:"))
+    # optimizer, lr, epochs median [min-max], seconds median [min-max], s/epoch
+    result = {line.split()[0]: line.split() for line in lines[start + 2 : start + 5]}
+    assert sorted(result) == ["Adam", "K-FAC", "SGD"], proc.stdout
+    for row in result.values():
+        # reached within 4 epochs; seconds print with one decimal (a fast run shows 0.0)
+        assert 1 <= float(row[2]) <= 4 and float(row[4]) >= 0 and float(row[6]) > 0, row
+    for other in ("SGD", "Adam"):
+        assert any(line.startswith(f"K-FAC vs {other}: epochs ratio") for line in lines)
+    written = [Path(p) for line in lines if line.startswith("wrote ") for p in line.split()[1::2]]
+    assert sorted(p.name for p in written) == [
+        "convergence.csv",
+        "convergence.png",
+        "convergence_curves.csv",
+        "convergence_curves.png",
+    ], proc.stdout
+    try:
+        with open(written[0], newline="") as f:
+            runs = list(csv.DictReader(f))
+        assert len(runs) == 3 * 2  # optimizers x seeds at one learning rate each
+        assert all(r["epochs"] and float(r["best_accuracy"]) >= 0.4 for r in runs)
+        assert all(p.stat().st_size > 0 for p in written)
+    finally:
+        shutil.rmtree(written[0].parent)  # the quick mode's temporary folder

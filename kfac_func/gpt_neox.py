@@ -1,0 +1,172 @@
+"""`GPTNeoXKFACPreconditioner`: K-FAC for DeepSpeed pipeline models (GPT-NeoX, Megatron).
+
+:class:`~kfac_func.parallel_kfac.ParallelKFACPreconditioner` with kfac-pytorch's GPT-NeoX
+arguments and checks: the model must be a ``deepspeed.pipe.PipelineModule`` (each
+pipeline stage registers only its own layers), the compute method is eigen, and the
+feature is experimental. The process groups default to those of the module's DeepSpeed
+grid. DeepSpeed is imported only when the class is used; install it with
+``pip install "kfac_func[deepspeed]"`` (on a machine without CUDA:
+``DS_BUILD_OPS=0 pip install --no-build-isolation "kfac_func[deepspeed]"``).
+
+Usage with DeepSpeed's pipeline engine. ``engine.train_batch`` runs the forward and
+backward passes of every micro-batch, averages the gradients over the data-parallel
+group and then calls ``step()`` of the client optimizer; a step pre-hook on that
+optimizer runs the preconditioner at exactly that point, on every rank::
+
+    import deepspeed
+    import torch
+    from deepspeed.pipe import PipelineModule
+    from kfac_func import GPTNeoXKFACPreconditioner
+
+    pipe = PipelineModule(layers, topology=topology, loss_fn=loss_fn)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    engine, *_ = deepspeed.initialize(model=pipe, optimizer=optimizer, config=config)
+    preconditioner = GPTNeoXKFACPreconditioner(pipe, lr=0.1, damping=0.003)
+    optimizer.register_step_pre_hook(lambda *_: preconditioner.step())
+    for _ in range(steps):
+        loss = engine.train_batch(data_iter=batches)
+
+Each stage registers the layers it holds, under the module's names (the global layer
+index, then the path inside the layer: ``"3.mlp.dense_h_to_4h"``), so the names do not
+depend on how the layers are partitioned into stages. :meth:`~GPTNeoXKFACPreconditioner.
+state_dict` and :meth:`~GPTNeoXKFACPreconditioner.load_state_dict` are collectives of
+every rank; with ``factor_checkpoint_dir`` the factors go to one file per layer there,
+written by the layer's owner, and ``state_dict`` holds only the step and the
+hyperparameters.
+
+Limitations: training in float32 with the client optimizer stepping the model's own
+parameters (DeepSpeed's ZeRO and its fp16/bf16 optimizer wrappers step master copies of
+the gradients that the hook does not see); gradient clipping configured in DeepSpeed
+runs before the hook, so K-FAC preconditions the clipped gradients; activation
+checkpointing (which re-runs the forward pass of a stage inside its backward pass) and
+tied layers are untested.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from kfac_func.adapter import ComputeMethod, _enum
+from kfac_func.parallel_kfac import ParallelKFACPreconditioner
+from kfac_func.plan import AssignmentStrategy
+
+__all__ = ["ExperimentalFeatureWarning", "GPTNeoXKFACPreconditioner"]
+
+IntOrFn = int | Callable[[int], int]
+FloatOrFn = float | Callable[[int], float]
+
+
+class ExperimentalFeatureWarning(UserWarning):
+    """A feature whose interface or behaviour may still change."""
+
+
+def _pipeline_module() -> type:
+    try:
+        from deepspeed.pipe import PipelineModule  # type: ignore[import-untyped,unused-ignore]
+    except ImportError as e:
+        raise ImportError(
+            'GPTNeoXKFACPreconditioner needs DeepSpeed: pip install "kfac_func[deepspeed]" '
+            f"(import failed: {e})"
+        ) from e
+    return PipelineModule  # type: ignore[no-any-return]
+
+
+class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
+    """K-FAC for a ``deepspeed.pipe.PipelineModule`` under data × pipeline × model parallelism.
+
+    Arguments are those of :class:`~kfac_func.parallel_kfac.ParallelKFACPreconditioner`
+    (kfac-pytorch's, plus the three groups and ``factor_checkpoint_dir``). Groups left as
+    None are taken from the module's DeepSpeed grid when it has one. Call :meth:`step`
+    after DeepSpeed averaged the gradients and before the optimizer steps: from a step
+    pre-hook of the optimizer given to ``deepspeed.initialize`` (see the module
+    docstring).
+
+    Raises:
+        ImportError: DeepSpeed is not installed.
+        ValueError: ``model`` is not a ``PipelineModule``, or ``compute_method`` is not
+            eigen.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        factor_update_steps: IntOrFn = 1,
+        inv_update_steps: IntOrFn = 1,
+        damping: FloatOrFn = 0.001,
+        factor_decay: FloatOrFn = 0.95,
+        kl_clip: FloatOrFn | None = 0.001,
+        lr: FloatOrFn = 0.1,
+        accumulation_steps: int = 1,
+        allreduce_bucket_cap_mb: float = 25.0,
+        assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
+        compute_method: ComputeMethod | str = ComputeMethod.EIGEN,
+        compute_eigenvalue_outer_product: bool = False,
+        symmetry_aware: bool = False,
+        data_parallel_group: Any = None,
+        model_parallel_group: Any = None,
+        pipeline_parallel_group: Any = None,
+        grad_scaler: Any = None,
+        factor_dtype: torch.dtype | None = None,
+        inv_dtype: torch.dtype = torch.float32,
+        factor_checkpoint_dir: str | None = None,
+        skip_layers: list[str] | None = None,
+        update_factors_in_hook: bool = True,
+        loglevel: int = logging.DEBUG,
+        scaling: str = "kfac-pytorch",
+        loss_reduction: str = "mean",
+    ) -> None:
+        pipeline_module = _pipeline_module()
+        warnings.warn(
+            "K-FAC support for GPT-NeoX training is experimental.",
+            ExperimentalFeatureWarning,
+            stacklevel=2,
+        )
+        if not isinstance(model, pipeline_module):
+            raise ValueError(
+                "model must be an instance of deepspeed.pipe.PipelineModule, got an instance "
+                f"of {type(model).__name__}"
+            )
+        if _enum(ComputeMethod, compute_method, "compute_method") is not ComputeMethod.EIGEN:
+            raise ValueError("the inverse compute method is not supported with GPT-NeoX")
+        grid = getattr(model, "_grid", None)
+        if grid is not None:
+            if data_parallel_group is None:
+                data_parallel_group = grid.get_data_parallel_group()
+            if model_parallel_group is None:
+                model_parallel_group = grid.get_slice_parallel_group()
+            if pipeline_parallel_group is None:
+                pipeline_parallel_group = grid.get_pipe_parallel_group()
+        super().__init__(
+            model,
+            data_parallel_group=data_parallel_group,
+            model_parallel_group=model_parallel_group,
+            pipeline_parallel_group=pipeline_parallel_group,
+            factor_update_steps=factor_update_steps,
+            inv_update_steps=inv_update_steps,
+            damping=damping,
+            factor_decay=factor_decay,
+            kl_clip=kl_clip,
+            lr=lr,
+            accumulation_steps=accumulation_steps,
+            allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
+            assignment_strategy=assignment_strategy,
+            compute_method=ComputeMethod.EIGEN,
+            compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
+            symmetry_aware=symmetry_aware,
+            grad_scaler=grad_scaler,
+            factor_dtype=factor_dtype,
+            inv_dtype=inv_dtype,
+            factor_checkpoint_dir=factor_checkpoint_dir,
+            skip_layers=skip_layers,
+            update_factors_in_hook=update_factors_in_hook,
+            loglevel=loglevel,
+            scaling=scaling,
+            loss_reduction=loss_reduction,
+        )

@@ -1,0 +1,183 @@
+"""Collectives of model-parallel K-FAC over the data- and model-parallel groups. No K-FAC math.
+
+:class:`ParallelCommunicator` moves tensors for :mod:`kfac_func.parallel_kfac`:
+
+- within this rank's model-parallel group: :meth:`~ParallelCommunicator.gather_shards`
+  (shards of inputs, output-gradients or gradients, joined along a dimension on one rank)
+  and :meth:`~ParallelCommunicator.scatter_shards` (the reverse: one rank splits full
+  tensors and every rank receives its part; tensors that are not split are broadcast);
+- within this rank's data-parallel group: :meth:`~ParallelCommunicator.reduce_data`
+  (sums to one rank) and :meth:`~ParallelCommunicator.broadcast_data`;
+- over all ranks: :meth:`~ParallelCommunicator.all_reduce_world` and
+  :meth:`~ParallelCommunicator.all_gather_object`.
+
+Each call packs its tensors into one flat buffer (one collective per call). Group
+positions (``dst``, ``src``) are ranks *within* the group. Without a process group every
+group has one rank and every call is local.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ParallelCommunicator"]
+
+Group = Any  # dist.ProcessGroup | None
+
+
+def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        raise ValueError(f"one collective cannot carry mixed dtypes {sorted(map(str, dtypes))}")
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unflat(buf: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for shape in shapes:
+        n = 1
+        for s in shape:
+            n *= s
+        out.append(buf[offset : offset + n].reshape(shape).clone())
+        offset += n
+    return out
+
+
+class ParallelCommunicator:
+    """This rank's data-parallel and model-parallel groups, and a group of every rank.
+
+    All ranks must construct it at the same point (it creates the all-ranks group once).
+    A group given as None means no such parallelism (a group of this rank alone).
+
+    Example:
+        >>> comm = ParallelCommunicator()  # no process group: groups of one
+        >>> comm.gather_shards([torch.ones(2, 3)], dims=[0], dst=0)[0].shape
+        torch.Size([2, 3])
+    """
+
+    def __init__(self, data_parallel_group: Group = None, model_parallel_group: Group = None):
+        self.active = dist.is_available() and dist.is_initialized()
+        self.dp_group = data_parallel_group
+        self.mp_group = model_parallel_group
+        self.world_group: Group = None
+        if self.active:
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            if self.world_size > 1:
+                # K-FAC's world-wide collectives get a group of their own
+                self.world_group = dist.new_group(list(range(self.world_size)))
+        else:
+            self.rank, self.world_size = 0, 1
+        self.dp_ranks = self._ranks(data_parallel_group)
+        self.mp_ranks = self._ranks(model_parallel_group)
+        self.dp_size, self.mp_size = len(self.dp_ranks), len(self.mp_ranks)
+        self.dp_rank = self.dp_ranks.index(self.rank)
+        self.mp_rank = self.mp_ranks.index(self.rank)
+        for what, ranks in (("data", self.dp_ranks), ("model", self.mp_ranks)):
+            if self.rank not in ranks:  # pragma: no cover - get_process_group_ranks includes us
+                raise ValueError(f"rank {self.rank} is not in its {what}-parallel group {ranks}")
+
+    def _ranks(self, group: Group) -> tuple[int, ...]:
+        """Global ranks of ``group`` in group order; None: this rank alone."""
+        if group is None or not self.active:
+            return (self.rank,)
+        return tuple(dist.get_process_group_ranks(group))
+
+    # --- model-parallel group --------------------------------------------------
+
+    def gather_shards(
+        self, tensors: Sequence[torch.Tensor], *, dims: Sequence[int], dst: int
+    ) -> list[torch.Tensor] | None:
+        """Join each tensor's shards of the model-parallel ranks along ``dims[i]`` on ``dst``.
+
+        Every rank passes tensors of the same shapes; ``dst`` (a position in the group)
+        gets the joined tensors in group order, the others None.
+        """
+        if self.mp_size == 1:
+            return [t.clone() for t in tensors] if self.mp_rank == dst else None
+        buf = _flat(tensors)
+        parts = (
+            [torch.empty_like(buf) for _ in range(self.mp_size)] if self.mp_rank == dst else None
+        )
+        dist.gather(buf, parts, dst=self.mp_ranks[dst], group=self.mp_group)
+        if parts is None:
+            return None
+        shapes = [t.shape for t in tensors]
+        per_rank = [_unflat(p, shapes) for p in parts]
+        return [torch.cat([pieces[i] for pieces in per_rank], dim=d) for i, d in enumerate(dims)]
+
+    def scatter_shards(
+        self,
+        full: Sequence[torch.Tensor] | None,
+        like: Sequence[torch.Tensor],
+        *,
+        dims: Sequence[int | None],
+        src: int,
+    ) -> list[torch.Tensor]:
+        """Every model-parallel rank receives its part of ``src``'s ``full`` tensors.
+
+        ``dims[i]`` is the dimension tensor ``i`` is split along (equal parts, in group
+        order), or None for a tensor every rank receives whole. ``like`` are this rank's
+        tensors of the received shapes and dtype (on ``src``, ``full`` must be given).
+        """
+        if self.mp_rank == src:
+            if full is None:
+                raise ValueError("the source rank must give the full tensors")
+            parts_per_rank = [
+                [t if d is None else t.chunk(self.mp_size, dim=d)[r] for t, d in zip(full, dims)]
+                for r in range(self.mp_size)
+            ]
+            if self.mp_size == 1:
+                return [p.clone() for p in parts_per_rank[0]]
+            bufs = [_flat(parts) for parts in parts_per_rank]
+            out = torch.empty_like(bufs[0])
+            dist.scatter(out, bufs, src=self.mp_ranks[src], group=self.mp_group)
+        else:
+            out = torch.empty(
+                sum(t.numel() for t in like), dtype=like[0].dtype, device=like[0].device
+            )
+            dist.scatter(out, None, src=self.mp_ranks[src], group=self.mp_group)
+        return _unflat(out, [t.shape for t in like])
+
+    # --- data-parallel group ---------------------------------------------------
+
+    def reduce_data(self, tensors: Sequence[torch.Tensor], *, dst: int) -> list[torch.Tensor]:
+        """Sums over the data-parallel ranks on ``dst``; other ranks get their inputs back."""
+        if self.dp_size == 1:
+            return list(tensors)
+        buf = _flat(tensors)
+        dist.reduce(buf, dst=self.dp_ranks[dst], group=self.dp_group)
+        if self.dp_rank != dst:
+            return list(tensors)
+        return _unflat(buf, [t.shape for t in tensors])
+
+    def broadcast_data(self, tensors: Sequence[torch.Tensor], *, src: int) -> list[torch.Tensor]:
+        """``src``'s tensors on every data-parallel rank (others pass buffers of the shapes)."""
+        if self.dp_size == 1:
+            return list(tensors)
+        buf = _flat(tensors)
+        dist.broadcast(buf, src=self.dp_ranks[src], group=self.dp_group)
+        if self.dp_rank == src:
+            return list(tensors)
+        return _unflat(buf, [t.shape for t in tensors])
+
+    # --- every rank ------------------------------------------------------------
+
+    def all_reduce_world(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum of ``t`` over every rank."""
+        if self.world_size == 1:
+            return t
+        out = t.clone()
+        dist.all_reduce(out, group=self.world_group)
+        return out
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank, in rank order."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.world_group)
+        return out

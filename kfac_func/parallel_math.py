@@ -1,0 +1,66 @@
+"""Pure pieces of model-parallel K-FAC: which captured tensors are shards, and the
+kl_clip scale summed over ranks.
+
+No process group here: :mod:`kfac_func.parallel_kfac` moves the tensors and calls these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kfac_func.layers import LayerSpec
+
+__all__ = ["is_shard", "kl_clip_from_terms", "kl_clip_terms"]
+
+
+def is_shard(spec: LayerSpec, split: str | None, parts: int, size: int, which: str) -> bool:
+    """Whether a captured tensor whose last dimension is ``size`` is a model-parallel shard.
+
+    ``which`` is ``"a"`` (the layer input: a shard of a row-parallel layer's features) or
+    ``"g"`` (the output-gradient: a shard of a column-parallel layer's outputs). A tensor
+    with the full size is the whole, replicated tensor. Any other size is an error that
+    names the layer.
+
+    Example:
+        >>> from kfac_func.layers import LayerSpec
+        >>> spec = LayerSpec("fc", "linear", "fc.weight", None, 8, 6)
+        >>> is_shard(spec, "row", 2, 4, "a"), is_shard(spec, "row", 2, 8, "a")
+        (True, False)
+    """
+    full, sharded = (spec.in_dim, "row") if which == "a" else (spec.out_dim, "column")
+    if split != sharded or parts == 1 or spec.kind != "linear":
+        return False
+    if size == full:
+        return False
+    if size * parts == full:
+        return True
+    what = "input" if which == "a" else "output-gradient"
+    raise ValueError(
+        f"layer {spec.name!r} ({split}-parallel over {parts} ranks): captured {what} has "
+        f"last dimension {size}, expected {full} (whole) or {full // parts} (shard)"
+    )
+
+
+def kl_clip_terms(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``Σ P ⊙ grad`` over (preconditioned, raw) matrix pairs, as a float64 0-d tensor.
+
+    Summed over every layer of every rank, it gives :func:`kl_clip_from_terms`.
+    """
+    total = torch.zeros((), dtype=torch.float64)
+    for p, g in pairs:
+        total = total + torch.dot(p.reshape(-1), g.reshape(-1).to(p.dtype)).double().cpu()
+    return total
+
+
+def kl_clip_from_terms(total: torch.Tensor, kl_clip: float, lr: float) -> torch.Tensor:
+    """``min(1, sqrt(kl_clip / |lr² · total|))`` (1 when the total is zero), as
+    :func:`kfac_func.kl_clip_scale` computes it from the pairs of one process.
+
+    Example:
+        >>> kl_clip_from_terms(torch.tensor(4.0, dtype=torch.float64), kl_clip=1.0, lr=1.0)
+        tensor(0.5000, dtype=torch.float64)
+    """
+    vg = total.double() * (lr * lr)
+    return torch.clamp(torch.sqrt(kl_clip / vg.abs()), max=1.0)

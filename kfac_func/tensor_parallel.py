@@ -1,0 +1,344 @@
+"""Minimal Megatron-style tensor-parallel linear layers over ``torch.distributed``.
+
+Two layers split one ``nn.Linear`` over the ranks of a model-parallel process group:
+
+- :class:`ColumnParallelLinear` splits the weight on the output dimension: rank ``i``
+  holds rows ``i·out/p … (i+1)·out/p`` of the weight and the same slice of the bias. The
+  input is the full (replicated) tensor; the output is the local slice, or, with
+  ``gather_output=True``, the full output gathered from every rank.
+- :class:`RowParallelLinear` splits the weight on the input dimension: rank ``i`` holds
+  columns ``i·in/p … (i+1)·in/p``. The input is the local slice of the features
+  (``input_is_parallel=True``, typically the output of a column-parallel layer) or the
+  full input that the layer slices itself; the partial products are summed over the
+  ranks (an all-reduce) and the full bias, held by every rank, is added after the sum.
+
+The communication lives in four autograd functions, each the adjoint of another: copy
+(identity forward, all-reduce backward), reduce (all-reduce forward, identity backward),
+scatter (take the local slice of the last dimension forward, all-gather backward) and
+gather (all-gather forward, take the local slice backward). Without an initialised
+process group (or with ``group`` of one rank) the layers are plain linears.
+
+This module holds no K-FAC code; :mod:`kfac_func.parallel_kfac` recognises these layers
+(and Megatron's or GPT-NeoX's layers of the same class names) by class name.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "copy_to_model_parallel_region",
+    "gather_from_model_parallel_region",
+    "reduce_from_model_parallel_region",
+    "scatter_to_model_parallel_region",
+]
+
+Group = Any  # dist.ProcessGroup | None (None: the default group)
+
+
+def _size(group: Group) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def _rank(group: Group) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
+def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if _size(group) == 1:
+        return x
+    out = x.clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
+    n = _size(group)
+    if n == 1:
+        return x
+    if x.shape[-1] % n:
+        raise ValueError(f"last dimension {x.shape[-1]} does not split into {n} equal parts")
+    return x.chunk(n, dim=-1)[_rank(group)].contiguous()
+
+
+def _gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
+    n = _size(group)
+    if n == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.group), None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_last(grad, ctx.group), None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _split_last(grad, ctx.group), None
+
+
+def copy_to_model_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Identity forward; the backward all-reduces the gradient over ``group``."""
+    return _Copy.apply(x, group)  # type: ignore[no-any-return,no-untyped-call]
+
+
+def reduce_from_model_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """All-reduce (sum) over ``group`` forward; identity backward."""
+    return _Reduce.apply(x, group)  # type: ignore[no-any-return,no-untyped-call]
+
+
+def scatter_to_model_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """This rank's slice of the last dimension forward; all-gather backward."""
+    return _Scatter.apply(x, group)  # type: ignore[no-any-return,no-untyped-call]
+
+
+def gather_from_model_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """All-gather along the last dimension forward; this rank's slice backward."""
+    return _Gather.apply(x, group)  # type: ignore[no-any-return,no-untyped-call]
+
+
+def _parts(total: int, group: Group, what: str) -> tuple[int, int]:
+    n = _size(group)
+    if total % n:
+        raise ValueError(f"{what}={total} is not divisible by the model-parallel size {n}")
+    return total // n, _rank(group)
+
+
+def _full_init(
+    out_features: int, in_features: int, bias: bool, dtype: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``nn.Linear``'s default initialisation of the full weight and bias (the RNG must be
+    in the same state on every rank of the group, so that the shards fit together)."""
+    w = torch.empty(out_features, in_features, dtype=dtype)
+    nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+    b = None
+    if bias:
+        bound = 1 / math.sqrt(in_features) if in_features > 0 else 0.0
+        b = torch.empty(out_features, dtype=dtype).uniform_(-bound, bound)
+    return w, b
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x Wᵀ + b`` with ``W`` split on the output dimension over ``group``.
+
+    Args:
+        input_size, output_size: features of the full layer.
+        bias: whether the layer has a bias (split like the weight's rows).
+        gather_output: return the full output (all-gathered) instead of this rank's slice.
+        skip_bias_add: do not add the bias; return ``(output, bias)`` as Megatron does, for
+            a caller that fuses the addition.
+        group: the model-parallel process group (None: the default group).
+        dtype: parameter dtype.
+
+    Without ``skip_bias_add`` the layer returns the output tensor, so it composes in
+    ``nn.Sequential``. The full weight is drawn as ``nn.Linear`` draws it and sliced, so
+    every rank must be in the same RNG state; :meth:`from_dense` slices a given layer.
+
+    Example:
+        >>> import torch
+        >>> layer = ColumnParallelLinear(4, 6)  # no process group: one part
+        >>> layer(torch.randn(2, 4)).shape
+        torch.Size([2, 6])
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        *,
+        gather_output: bool = True,
+        skip_bias_add: bool = False,
+        group: Group = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
+        self.group = group
+        self.output_size_per_partition, rank = _parts(output_size, group, "output_size")
+        w, b = _full_init(output_size, input_size, bias, dtype)
+        rows = slice(
+            rank * self.output_size_per_partition, (rank + 1) * self.output_size_per_partition
+        )
+        self.weight = nn.Parameter(w[rows].clone())
+        self.bias = nn.Parameter(b[rows].clone()) if b is not None else None
+
+    @classmethod
+    def from_dense(
+        cls,
+        linear: nn.Linear,
+        *,
+        gather_output: bool = True,
+        skip_bias_add: bool = False,
+        group: Group = None,
+    ) -> ColumnParallelLinear:
+        """This rank's part of ``linear`` (same values, split on the output dimension)."""
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            gather_output=gather_output,
+            skip_bias_add=skip_bias_add,
+            group=group,
+            dtype=linear.weight.dtype,
+        )
+        n, rank = layer.output_size_per_partition, _rank(group)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[rank * n : (rank + 1) * n])
+            if layer.bias is not None and linear.bias is not None:
+                layer.bias.copy_(linear.bias[rank * n : (rank + 1) * n])
+        return layer
+
+    def forward(self, x: torch.Tensor) -> Any:
+        x = copy_to_model_parallel_region(x, self.group)
+        bias = None if self.skip_bias_add else self.bias
+        out = F.linear(x, self.weight, bias)
+        if self.gather_output:
+            if self.skip_bias_add and self.bias is not None:
+                raise ValueError("skip_bias_add with gather_output would return a split bias")
+            out = gather_from_model_parallel_region(out, self.group)
+        if self.skip_bias_add:
+            return out, self.bias
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"input_size={self.input_size}, output_size={self.output_size}, "
+            f"per_partition={self.output_size_per_partition}, bias={self.bias is not None}, "
+            f"gather_output={self.gather_output}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """``y = Σ_ranks x_i W_iᵀ + b`` with ``W`` split on the input dimension over ``group``.
+
+    Args:
+        input_size, output_size: features of the full layer.
+        bias: whether the layer has a bias (full size on every rank, added after the sum).
+        input_is_parallel: the input is already this rank's slice of the features;
+            otherwise the layer takes its slice of the full input.
+        skip_bias_add: do not add the bias; return ``(output, bias)`` as Megatron does.
+        group: the model-parallel process group (None: the default group).
+        dtype: parameter dtype.
+
+    Example:
+        >>> import torch
+        >>> layer = RowParallelLinear(6, 3)
+        >>> layer(torch.randn(2, 6)).shape
+        torch.Size([2, 3])
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        *,
+        input_is_parallel: bool = False,
+        skip_bias_add: bool = False,
+        group: Group = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        self.group = group
+        self.input_size_per_partition, rank = _parts(input_size, group, "input_size")
+        w, b = _full_init(output_size, input_size, bias, dtype)
+        n = self.input_size_per_partition
+        self.weight = nn.Parameter(w[:, rank * n : (rank + 1) * n].clone())
+        self.bias = nn.Parameter(b) if b is not None else None
+
+    @classmethod
+    def from_dense(
+        cls,
+        linear: nn.Linear,
+        *,
+        input_is_parallel: bool = False,
+        skip_bias_add: bool = False,
+        group: Group = None,
+    ) -> RowParallelLinear:
+        """This rank's part of ``linear`` (same values, split on the input dimension)."""
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            input_is_parallel=input_is_parallel,
+            skip_bias_add=skip_bias_add,
+            group=group,
+            dtype=linear.weight.dtype,
+        )
+        n, rank = layer.input_size_per_partition, _rank(group)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[:, rank * n : (rank + 1) * n])
+            if layer.bias is not None and linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> Any:
+        if not self.input_is_parallel:
+            x = scatter_to_model_parallel_region(x, self.group)
+        out = reduce_from_model_parallel_region(F.linear(x, self.weight), self.group)
+        if self.skip_bias_add:
+            return out, self.bias
+        return out + self.bias if self.bias is not None else out
+
+    def extra_repr(self) -> str:
+        return (
+            f"input_size={self.input_size}, output_size={self.output_size}, "
+            f"per_partition={self.input_size_per_partition}, bias={self.bias is not None}, "
+            f"input_is_parallel={self.input_is_parallel}"
+        )
