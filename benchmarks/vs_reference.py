@@ -26,6 +26,9 @@ The variants
   factor_update_steps=F, inv_update_steps=I, ...).step()`` (scaling ``"kfac-pytorch"``).
 - ``functional``: ``kf.capture`` + ``kf.update`` (state from ``kf.init(convention=
   "kfac-pytorch")``, eigen) + writing ``p.grad`` + the same ``SGD.step()``.
+- ``adapter-qr``: ``adapter`` with ``eigenbasis_refresh="qr"`` (after the first exact
+  eigendecomposition, one warm-started QR iteration per refresh); its accuracy is measured
+  against ``adapter`` on the same weights (relative error of the preconditioned gradients).
 All K-FAC variants get the same damping, factor_decay, kl_clip and lr.
 
 How the time is measured (as ``benchmarks/step_time.py``)
@@ -73,6 +76,7 @@ import math
 import os
 import platform
 import pstats
+import statistics
 import subprocess
 import sys
 import time
@@ -105,7 +109,15 @@ from step_time import (  # noqa: E402  (the sibling benchmark's plain helpers)
     print_table,
 )
 
-VARIANTS = ["sgd", "reference", "adapter", "functional", "reference-inv", "adapter-inv"]
+VARIANTS = [
+    "sgd",
+    "reference",
+    "adapter",
+    "functional",
+    "reference-inv",
+    "adapter-inv",
+    "adapter-qr",
+]
 
 
 # --------------------------------------------------------------------------- the reference
@@ -347,6 +359,7 @@ class Runner:
                 inv_update_steps=self.i,
                 compute_method=method,
                 scaling="kfac-pytorch",
+                eigenbasis_refresh="qr" if variant == "adapter-qr" else "eigh",
                 **hyper,
             )
         elif variant == "functional":
@@ -540,6 +553,37 @@ def check_correctness(args: Any, steps: int = 4) -> dict[str, float]:
     return result
 
 
+def check_qr_accuracy(args: Any, steps: int = 12) -> dict[str, tuple[float, float]]:
+    """Median and max over ``steps`` steps of 1/1 of ``‖P_qr − P_eigh‖ / ‖P_eigh‖`` for
+    the preconditioned gradients of all layers; both preconditioners see the same
+    weights and batches (the exact one's update is applied to both models)."""
+    result = {}
+    for model in args.models:
+        torch.manual_seed(args.seed)
+        base, shape, classes = make_model(model, args)
+        models = [copy.deepcopy(base), copy.deepcopy(base)]
+        hyper = dict(damping=args.damping, factor_decay=0.95, kl_clip=1e-3, lr=args.lr)
+        pres = [
+            kf.KFACPreconditioner(m, scaling="kfac-pytorch", eigenbasis_refresh=r, **hyper)
+            for m, r in zip(models, ("eigh", "qr"))
+        ]
+        opt = torch.optim.SGD(models[0].parameters(), lr=args.lr, momentum=0.9)
+        errors = []
+        for _ in range(steps):
+            x, y = torch.randn(shape), torch.randint(0, classes, (shape[0],))
+            for m, pre in zip(models, pres):
+                m.zero_grad(set_to_none=True)
+                F.cross_entropy(m(x), y).backward()
+                pre.step()
+            exact = torch.cat([p.grad.reshape(-1) for p in models[0].parameters()])
+            approx = torch.cat([p.grad.reshape(-1) for p in models[1].parameters()])
+            errors.append(float((approx - exact).norm() / exact.norm()))
+            opt.step()
+            models[1].load_state_dict(models[0].state_dict())
+        result[model] = (statistics.median(errors[1:]), max(errors[1:]))
+    return result
+
+
 def profile_adapter(args: Any, steps: int, top: int) -> None:
     """cProfile the adapter on the MLP over one lcm(F, I)-weighted set of steps."""
     torch.manual_seed(args.seed)
@@ -643,10 +687,12 @@ def main(argv: list[str] | None = None) -> int:
 
     corr = check_correctness(args)
     rows, losses = [], {}
+    samples_by_model = {}
     for model in args.models:
         res = measure(model, variants, kinds, args)
         losses[model] = res["losses"]
         s = res["samples"]
+        samples_by_model[model] = s
         for iv in args.intervals:
             ms = {v: amortized(s[v], iv, v == "sgd") for v in variants}
             for method, suffix in (("eigen", ""), ("inverse", "-inv")):
@@ -686,6 +732,35 @@ def main(argv: list[str] | None = None) -> int:
         ],
         rows,
     )
+    qr_rows = []
+    for model in args.models:
+        s = samples_by_model[model]
+        for iv in args.intervals:
+            ms = {v: amortized(s[v], iv, v == "sgd") for v in variants}
+            if "adapter-qr" in ms:
+                qr_rows.append(
+                    [
+                        model,
+                        f"{iv[0]}/{iv[1]}",
+                        f"{ms['reference']:.1f}",
+                        f"{ms['adapter']:.1f}",
+                        f"{ms['adapter-qr']:.1f}",
+                        f"{ms['adapter-qr'] / ms['reference']:.2f}",
+                        f"{ms['adapter-qr'] / ms['adapter']:.2f}",
+                    ]
+                )
+    if qr_rows:
+        print()
+        print("approximate eigenbasis refresh (eigenbasis_refresh='qr', eigen, ms per step):")
+        print_table(
+            ["model", "F/I", "reference", "adapter", "adapter-qr", "qr/ref", "qr/adapter"],
+            qr_rows,
+        )
+        for model, (med, worst) in check_qr_accuracy(args).items():
+            print(
+                f"accuracy {model} adapter-qr vs adapter (same weights, 1/1): relative error "
+                f"of the preconditioned gradients median {med:.2e}, max {worst:.2e}"
+            )
     print()
     for name, d in corr.items():
         print(
