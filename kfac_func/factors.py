@@ -141,8 +141,12 @@ def factor_from_grams(
         scales = a_scales(convention, rows, spatial)
     else:
         scales = g_scales(convention, rows, spatial, batch_size, loss_scale)
-    total = sum(k * g.gram for g, k in zip(grams, scales))
-    return symmetrize(total)  # type: ignore[arg-type]
+    # one temporary, accumulated in place (``sum`` would allocate a tensor per term)
+    total = grams[0].gram * scales[0]
+    for g, k in zip(grams[1:], scales[1:]):
+        total.add_(g.gram, alpha=k)
+    sym = total + total.mT
+    return sym.mul_(0.5)  # (M + Mᵀ) / 2, exactly as symmetrize
 
 
 def a_factor(

@@ -110,8 +110,11 @@ def factors_from_stats(
         g = factor_from_grams(
             m.g, config.convention, batch_size=m.batch_size, loss_scale=m.loss_scale
         )
-        a_sum = w * a if a_sum is None else a_sum + w * a
-        g_sum = w * g if g_sum is None else g_sum + w * g
+        if a_sum is None or g_sum is None:  # the first: no copy when its weight is 1
+            a_sum, g_sum = (a, g) if w == 1 else (w * a, w * g)
+        else:
+            a_sum.add_(a, alpha=w)  # our own temporaries: accumulate in place
+            g_sum.add_(g, alpha=w)
     assert a_sum is not None and g_sum is not None
     return a_sum, g_sum, float(sum(sizes)) if config.convention == "fisher" else 1.0
 
