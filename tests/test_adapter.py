@@ -985,6 +985,16 @@ def test_failed_load_state_dict_changes_nothing() -> None:
     with pytest.raises(ValueError, match="layer '6'"):
         pre.load_state_dict(sd)
     assert (pre.damping, pre.steps) == (0.1, 0)
+    # a factor holding NaN is refused too: a NaN never enters the factors
+    before = {n: ls.a_factor.clone() for n, ls in pre.state.layers.items()}
+    sd = pre.state_dict()
+    sd.update(damping=0.7)
+    sd["layers"]["6"]["A"] = sd["layers"]["6"]["A"].clone()
+    sd["layers"]["6"]["A"][0, 0] = float("nan")
+    with pytest.raises(ValueError, match="layer '6': state_dict factor A holds NaN/Inf"):
+        pre.load_state_dict(sd)
+    assert pre.damping == 0.1
+    assert all(torch.equal(ls.a_factor, before[n]) for n, ls in pre.state.layers.items())
 
 
 def test_state_pytree_save_load_and_assign(tmp_path: Any) -> None:
