@@ -22,6 +22,7 @@ few float32 roundings).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -41,7 +42,7 @@ from common import (
     progress,
     save_curves,
 )
-from image_classification import DEFAULT_LR, Settings, batch_seed, make_model
+from image_classification import DEFAULT_LR, Settings, batch_seed, make_model, make_optimizer
 
 import kfac_func as kf
 
@@ -143,20 +144,9 @@ def compare_with_adapter(
     s = settings
     functional = FunctionalTrainer(make_model(data, seed), lr, s)
     model = make_model(data, seed)
-    opt = torch.optim.SGD(
-        model.parameters(), lr=lr, momentum=s.momentum, weight_decay=s.weight_decay
-    )
-    pre = kf.KFACPreconditioner(
-        model,
-        factor_update_steps=s.factor_every,
-        inv_update_steps=s.inverse_every,
-        damping=s.damping,
-        factor_decay=s.factor_decay,
-        kl_clip=s.kl_clip,
-        lr=lr,
-        scaling="fisher",
-        factor_dtype=torch.float32,
-    )
+    # the adapter as example 1 builds it, with the functional path's convention
+    opt, pre = make_optimizer("kfac", model, lr, dataclasses.replace(s, scaling="fisher"))
+    assert pre is not None
     n, done, epoch = len(data.y_train), 0, 0
     while done < steps:
         epoch += 1
