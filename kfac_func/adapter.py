@@ -61,41 +61,93 @@ def _check_number(name: str, value: Any, ok: Callable[[float], bool], expected: 
         raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
-def check_arguments(
-    *,
-    factor_update_steps: Any,
-    inv_update_steps: Any,
-    accumulation_steps: Any,
-    damping: Any,
-    factor_decay: Any,
-    lr: Any,
-    kl_clip: Any,
-    allreduce_bucket_cap_mb: float,
-    loss_reduction: str,
-    compute_method: Any,
-    assignment_strategy: Any,
-) -> tuple[ComputeMethod, AssignmentStrategy]:
-    """kfac-pytorch's validation of the preconditioner arguments (numbers may also be
-    ``step -> value`` callables); returns the compute method and assignment strategy as
-    enums."""
-    if allreduce_bucket_cap_mb < 0:
-        raise ValueError("allreduce_bucket_cap_mb must be >= 0")
-    method = _enum(ComputeMethod, compute_method, "compute_method")
-    strategy = _enum(AssignmentStrategy, assignment_strategy, "assignment_strategy")
-    for name, value in (
-        ("factor_update_steps", factor_update_steps),
-        ("inv_update_steps", inv_update_steps),
-        ("accumulation_steps", accumulation_steps),
-    ):
-        _check_number(name, value, lambda v: int(v) == v and v > 0, "a positive int")
-    _check_number("damping", damping, lambda v: v >= 0, ">= 0")
-    _check_number("factor_decay", factor_decay, lambda v: 0 < v <= 1, "in (0, 1]")
-    _check_number("lr", lr, lambda v: v >= 0, ">= 0")
-    if kl_clip is not None:
-        _check_number("kl_clip", kl_clip, lambda v: v > 0, "> 0 (or None to disable)")
-    if loss_reduction not in ("mean", "sum"):
-        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-    return method, strategy
+class KFACArguments:
+    """kfac-pytorch's preconditioner arguments, validated and stored as attributes (numbers
+    may also be ``step -> value`` callables); shared by the preconditioner classes."""
+
+    model: nn.Module
+    factor_update_steps: IntOrFn
+    inv_update_steps: IntOrFn
+    damping: FloatOrFn
+    factor_decay: FloatOrFn
+    kl_clip: FloatOrFn | None
+    lr: FloatOrFn
+    accumulation_steps: int
+    allreduce_bucket_cap_mb: float
+    assignment_strategy: AssignmentStrategy
+    compute_method: ComputeMethod
+    compute_eigenvalue_outer_product: bool
+    symmetry_aware: bool
+    grad_scaler: Any
+    inv_dtype: torch.dtype
+    skip_layers: list[str]
+    update_factors_in_hook: bool
+    loglevel: int
+    scaling: str
+    loss_reduction: str
+
+    def _set_arguments(
+        self,
+        model: nn.Module,
+        *,
+        factor_update_steps: IntOrFn,
+        inv_update_steps: IntOrFn,
+        damping: FloatOrFn,
+        factor_decay: FloatOrFn,
+        kl_clip: FloatOrFn | None,
+        lr: FloatOrFn,
+        accumulation_steps: int,
+        allreduce_bucket_cap_mb: float,
+        assignment_strategy: AssignmentStrategy | str,
+        compute_method: ComputeMethod | str,
+        compute_eigenvalue_outer_product: bool,
+        symmetry_aware: bool,
+        grad_scaler: Any,
+        inv_dtype: torch.dtype,
+        skip_layers: list[str] | None,
+        update_factors_in_hook: bool,
+        loglevel: int,
+        scaling: str,
+        loss_reduction: str,
+    ) -> None:
+        if allreduce_bucket_cap_mb < 0:
+            raise ValueError("allreduce_bucket_cap_mb must be >= 0")
+        method = _enum(ComputeMethod, compute_method, "compute_method")
+        strategy = _enum(AssignmentStrategy, assignment_strategy, "assignment_strategy")
+        for name, value in (
+            ("factor_update_steps", factor_update_steps),
+            ("inv_update_steps", inv_update_steps),
+            ("accumulation_steps", accumulation_steps),
+        ):
+            _check_number(name, value, lambda v: int(v) == v and v > 0, "a positive int")
+        _check_number("damping", damping, lambda v: v >= 0, ">= 0")
+        _check_number("factor_decay", factor_decay, lambda v: 0 < v <= 1, "in (0, 1]")
+        _check_number("lr", lr, lambda v: v >= 0, ">= 0")
+        if kl_clip is not None:
+            _check_number("kl_clip", kl_clip, lambda v: v > 0, "> 0 (or None to disable)")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+
+        self.model = model
+        self.factor_update_steps = factor_update_steps
+        self.inv_update_steps = inv_update_steps
+        self.damping = damping
+        self.factor_decay = factor_decay
+        self.kl_clip = kl_clip
+        self.lr = lr
+        self.accumulation_steps = accumulation_steps
+        self.allreduce_bucket_cap_mb = allreduce_bucket_cap_mb
+        self.assignment_strategy = strategy
+        self.compute_method = method
+        self.compute_eigenvalue_outer_product = compute_eigenvalue_outer_product
+        self.symmetry_aware = symmetry_aware
+        self.grad_scaler = grad_scaler
+        self.inv_dtype = inv_dtype
+        self.skip_layers = [] if skip_layers is None else list(skip_layers)
+        self.update_factors_in_hook = update_factors_in_hook
+        self.loglevel = loglevel
+        self.scaling = scaling
+        self.loss_reduction = loss_reduction
 
 
 @dataclass
@@ -107,7 +159,7 @@ class _MicroBatch:
     g: dict[str, list[Any]] = field(default_factory=dict)
 
 
-class KFACPreconditioner:
+class KFACPreconditioner(KFACArguments):
     """K-FAC preconditioner for an ``nn.Module``, with kfac-pytorch's arguments and defaults.
 
     Call :meth:`step` after ``loss.backward()`` and before ``optimizer.step()``: it
@@ -171,40 +223,28 @@ class KFACPreconditioner:
         collective_timeout: timedelta | None = None,
         eigenbasis_refresh: str = "eigh",
     ) -> None:
-        method, strategy = check_arguments(
+        self._set_arguments(
+            model,
             factor_update_steps=factor_update_steps,
             inv_update_steps=inv_update_steps,
-            accumulation_steps=accumulation_steps,
             damping=damping,
             factor_decay=factor_decay,
-            lr=lr,
             kl_clip=kl_clip,
+            lr=lr,
+            accumulation_steps=accumulation_steps,
             allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
-            loss_reduction=loss_reduction,
-            compute_method=compute_method,
             assignment_strategy=assignment_strategy,
+            compute_method=compute_method,
+            compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
+            symmetry_aware=symmetry_aware,
+            grad_scaler=grad_scaler,
+            inv_dtype=inv_dtype,
+            skip_layers=skip_layers,
+            update_factors_in_hook=update_factors_in_hook,
+            loglevel=loglevel,
+            scaling=scaling,
+            loss_reduction=loss_reduction,
         )
-
-        self.model = model
-        self.factor_update_steps = factor_update_steps
-        self.inv_update_steps = inv_update_steps
-        self.damping = damping
-        self.factor_decay = factor_decay
-        self.kl_clip = kl_clip
-        self.lr = lr
-        self.accumulation_steps = accumulation_steps
-        self.allreduce_bucket_cap_mb = allreduce_bucket_cap_mb
-        self.assignment_strategy = strategy
-        self.compute_method = method
-        self.compute_eigenvalue_outer_product = compute_eigenvalue_outer_product
-        self.symmetry_aware = symmetry_aware
-        self.grad_scaler = grad_scaler
-        self.inv_dtype = inv_dtype
-        self.skip_layers = [] if skip_layers is None else list(skip_layers)
-        self.update_factors_in_hook = update_factors_in_hook
-        self.loglevel = loglevel
-        self.scaling = scaling
-        self.loss_reduction = loss_reduction
 
         self.layers = register(model, self.skip_layers)
         if not self.layers:
@@ -218,9 +258,9 @@ class KFACPreconditioner:
             self.layers,
             comm_world,
             grad_worker_fraction=grad_worker_fraction,
-            assignment_strategy=strategy,
+            assignment_strategy=self.assignment_strategy,
             colocate_factors=colocate_factors,
-            compute_method=method.name.lower(),
+            compute_method=self.compute_method.name.lower(),
             compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
         )
         self.colocate_factors = self.plan.colocate_factors
@@ -244,7 +284,7 @@ class KFACPreconditioner:
         self._state = init(
             self.layers,
             convention=scaling,  # type: ignore[arg-type]
-            compute_method=method.name.lower(),
+            compute_method=self.compute_method.name.lower(),
             compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
             factor_dtype=self.factor_dtype,
             inv_dtype=inv_dtype,

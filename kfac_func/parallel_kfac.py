@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kfac_func.adapter import ComputeMethod, check_arguments
+from kfac_func.adapter import ComputeMethod, KFACArguments
 from kfac_func.decomposition import EigenDecomposition, InverseDecomposition, precondition
 from kfac_func.factor_files import load_factor_dir, save_factor_dir
 from kfac_func.factors import Gram, a_gram, g_gram, grads_to_matrix, matrix_to_grads
@@ -84,7 +84,7 @@ class _Micro:
     g_shard: dict[str, bool] = field(default_factory=dict)
 
 
-class ParallelKFACPreconditioner:
+class ParallelKFACPreconditioner(KFACArguments):
     """K-FAC preconditioner for one pipeline stage of a data × model-parallel model.
 
     Arguments are kfac-pytorch's (see :class:`kfac_func.KFACPreconditioner`) plus:
@@ -145,41 +145,29 @@ class ParallelKFACPreconditioner:
         scaling: str = "kfac-pytorch",
         loss_reduction: str = "mean",
     ) -> None:
-        method, strategy = check_arguments(
+        self._set_arguments(
+            model,
             factor_update_steps=factor_update_steps,
             inv_update_steps=inv_update_steps,
-            accumulation_steps=accumulation_steps,
             damping=damping,
             factor_decay=factor_decay,
-            lr=lr,
             kl_clip=kl_clip,
+            lr=lr,
+            accumulation_steps=accumulation_steps,
             allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
-            loss_reduction=loss_reduction,
-            compute_method=compute_method,
             assignment_strategy=assignment_strategy,
+            compute_method=compute_method,
+            compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
+            symmetry_aware=symmetry_aware,
+            grad_scaler=grad_scaler,
+            inv_dtype=inv_dtype,
+            skip_layers=skip_layers,
+            update_factors_in_hook=update_factors_in_hook,
+            loglevel=loglevel,
+            scaling=scaling,
+            loss_reduction=loss_reduction,
         )
-
-        self.model = model
-        self.factor_update_steps = factor_update_steps
-        self.inv_update_steps = inv_update_steps
-        self.damping = damping
-        self.factor_decay = factor_decay
-        self.kl_clip = kl_clip
-        self.lr = lr
-        self.accumulation_steps = accumulation_steps
-        self.allreduce_bucket_cap_mb = allreduce_bucket_cap_mb
-        self.assignment_strategy = strategy
-        self.compute_method = method
-        self.compute_eigenvalue_outer_product = compute_eigenvalue_outer_product
-        self.symmetry_aware = symmetry_aware
-        self.grad_scaler = grad_scaler
-        self.inv_dtype = inv_dtype
         self.factor_checkpoint_dir = factor_checkpoint_dir
-        self.skip_layers = [] if skip_layers is None else list(skip_layers)
-        self.update_factors_in_hook = update_factors_in_hook
-        self.loglevel = loglevel
-        self.scaling = scaling
-        self.loss_reduction = loss_reduction
         self.data_parallel_group = data_parallel_group
         self.model_parallel_group = model_parallel_group
         self.pipeline_parallel_group = pipeline_parallel_group
@@ -194,7 +182,7 @@ class ParallelKFACPreconditioner:
             data_parallel_size=self.comm.dp_size,
             model_parallel_size=self.comm.mp_size,
             stage=self.stage,
-            assignment_strategy=strategy,
+            assignment_strategy=self.assignment_strategy,
         )
         params = [model.get_parameter(s.weight) for s in self.layers.values()]
         weight = params[0] if params else next(model.parameters(), torch.empty(0))
@@ -202,7 +190,7 @@ class ParallelKFACPreconditioner:
         self._state = init(
             self.layers,
             convention=scaling,  # type: ignore[arg-type]
-            compute_method=method.name.lower(),
+            compute_method=self.compute_method.name.lower(),
             compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
             factor_dtype=self.factor_dtype,
             inv_dtype=inv_dtype,
