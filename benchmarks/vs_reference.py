@@ -687,14 +687,14 @@ def main(argv: list[str] | None = None) -> int:
 
     corr = check_correctness(args)
     rows, losses = [], {}
-    samples_by_model = {}
+    amortized_ms = {}  # (model, intervals) -> {variant: ms per step}
     for model in args.models:
         res = measure(model, variants, kinds, args)
         losses[model] = res["losses"]
         s = res["samples"]
-        samples_by_model[model] = s
         for iv in args.intervals:
             ms = {v: amortized(s[v], iv, v == "sgd") for v in variants}
+            amortized_ms[model, iv] = ms
             for method, suffix in (("eigen", ""), ("inverse", "-inv")):
                 if suffix and not args.inverse:
                     continue
@@ -734,9 +734,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     qr_rows = []
     for model in args.models:
-        s = samples_by_model[model]
         for iv in args.intervals:
-            ms = {v: amortized(s[v], iv, v == "sgd") for v in variants}
+            ms = amortized_ms[model, iv]
             if "adapter-qr" in ms:
                 qr_rows.append(
                     [
