@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kfac_func.conv_gram import patch_gram, supports_row_gram
 from kfac_func.conventions import Convention, a_scales, g_scales
 from kfac_func.layers import LayerSpec
 
@@ -41,8 +42,8 @@ def _bad(
     )
 
 
-def _conv_patches(spec: LayerSpec, x: torch.Tensor) -> torch.Tensor:
-    """Patches ``(*batch_shape, N·L, Cg·kh·kw)`` exactly as the convolution sees them."""
+def _conv_padded(spec: LayerSpec, x: torch.Tensor) -> torch.Tensor:
+    """The input ``(N, C, H, W)`` padded exactly as the convolution pads it."""
     if x.dim() not in (3, 4) or x.shape[-3] != spec.in_dim:
         raise _bad(spec, "input", f"shape (N, {spec.in_dim}, H, W)", x.shape)
     if x.dim() == 3:
@@ -50,6 +51,12 @@ def _conv_patches(spec: LayerSpec, x: torch.Tensor) -> torch.Tensor:
     if any(spec.padding):
         mode = "constant" if spec.padding_mode == "zeros" else spec.padding_mode
         x = F.pad(x, spec.padding, mode=mode)
+    return x
+
+
+def _conv_patches(spec: LayerSpec, x: torch.Tensor) -> torch.Tensor:
+    """Patches ``(*batch_shape, N·L, Cg·kh·kw)`` exactly as the convolution sees them."""
+    x = _conv_padded(spec, x)
     cols = F.unfold(x, spec.kernel_size, dilation=spec.dilation, stride=spec.stride)
     n, _, length = cols.shape
     g = spec.groups
@@ -79,14 +86,28 @@ def g_rows(spec: LayerSpec, r: torch.Tensor) -> tuple[torch.Tensor, int]:
         if r.dim() == 0 or r.shape[-1] != spec.out_dim:
             raise _bad(spec, "output-gradient", f"last dimension {spec.out_dim}", r.shape)
         return r.reshape(-1, spec.out_dim), 1
-    if r.dim() not in (3, 4) or r.shape[-3] != spec.out_dim:
-        raise _bad(spec, "output-gradient", f"shape (N, {spec.out_dim}, h, w)", r.shape)
-    if r.dim() == 3:
-        r = r.unsqueeze(0)
+    r = _conv_grad(spec, r)
     n, _, h, w = r.shape
     g = spec.groups
     rows = r.reshape(n, g, -1, h * w).permute(1, 0, 3, 2).reshape(g, n * h * w, -1)
     return (rows[0] if g == 1 else rows), h * w
+
+
+def _conv_grad(spec: LayerSpec, r: torch.Tensor) -> torch.Tensor:
+    """A Conv2d output-gradient as ``(N, C, h, w)``, its shape checked."""
+    if r.dim() not in (3, 4) or r.shape[-3] != spec.out_dim:
+        raise _bad(spec, "output-gradient", f"shape (N, {spec.out_dim}, h, w)", r.shape)
+    return r.unsqueeze(0) if r.dim() == 3 else r
+
+
+def _conv_grad_columns(spec: LayerSpec, r: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Conv2d output-gradient as columns ``(*batch_shape, Cg, N·h·w)``: the transpose of
+    :func:`g_rows`, cheaper to build from ``(N, C, h, w)`` (whole ``h·w`` runs are copied)."""
+    r = _conv_grad(spec, r)
+    n, _, h, w = r.shape
+    g = spec.groups
+    cols = r.reshape(n, g, -1, h * w).permute(1, 2, 0, 3).reshape(g, -1, n * h * w)
+    return (cols[0] if g == 1 else cols), h * w
 
 
 def symmetrize(m: torch.Tensor) -> torch.Tensor:
@@ -116,13 +137,27 @@ class Gram(NamedTuple):
 
 
 def a_gram(spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> Gram:
-    """Gram statistics of one call's input (bias column of ones included)."""
+    """Gram statistics of one call's input (bias column of ones included).
+
+    Conv2d inputs with a unit vertical stride go through :func:`patch_gram` (the same
+    matrix without materialising the patches); other layers through their rows.
+    """
+    if spec.kind == "conv2d" and supports_row_gram(spec.kernel_size, spec.stride):
+        y = _conv_padded(spec, x.to(dtype))
+        kh, kw = spec.kernel_size
+        dil_h, dil_w = spec.dilation
+        return Gram(
+            *patch_gram(y, (kh, kw), (dil_h, dil_w), spec.stride[1], spec.groups, spec.has_bias)
+        )
     rows, spatial = a_rows(spec, x.to(dtype))
     return Gram(_gram(rows, spec.has_bias), rows.shape[-2], spatial)
 
 
 def g_gram(spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype = torch.float32) -> Gram:
     """Gram statistics of one call's raw output-gradient."""
+    if spec.kind == "conv2d":
+        cols, spatial = _conv_grad_columns(spec, r.to(dtype))
+        return Gram(cols @ cols.mT, cols.shape[-1], spatial)
     rows, spatial = g_rows(spec, r.to(dtype))
     return Gram(_gram(rows, False), rows.shape[-2], spatial)
 

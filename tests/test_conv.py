@@ -98,6 +98,8 @@ CASES = [
     Case(3, padding="valid"),
     Case((2, 3), stride=2, padding="valid", dilation=2, groups=2, bias=False),
     Case(3, padding=1, groups=2),
+    Case(3, stride=(1, 2), padding=1),  # unit vertical stride: the row-unfolded Gram
+    Case((3, 2), stride=(1, 3), padding=(2, 0), dilation=(2, 1), groups=2),
     Case(3, stride=2, padding=(1, 2), groups="dw", cout=8),
     Case(1, stride=2, groups="dw", bias=False, cout=4),
     Case(3, padding="same", dilation=(2, 1), groups="dw", cout=8),
