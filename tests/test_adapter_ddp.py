@@ -10,22 +10,20 @@ with the adapter on one process on the whole global batch; the preconditioned gr
 and parameters must agree to 1e-6 (float64) and be bit-identical on the two ranks.
 
 Workers write one ``torch.save`` file per rank; the parent asserts on them. An exception in
-a worker makes ``mp.spawn`` raise with the worker's traceback, which fails the tests.
+a worker makes ``spawn`` raise with the worker's traceback, which fails the tests.
 """
 
 from __future__ import annotations
 
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo import gloo_group, one_thread, record_errors, spawn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -153,16 +151,11 @@ def strip(name: str) -> str:
     return name.removeprefix("module.")
 
 
-def _worker(rank: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/store",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=60),
-    )
-    try:
+def _worker(rank: int, world: int, tmp: str) -> None:
+    with (
+        gloo_group(rank, world, tmp, timeout=timedelta(seconds=60)),
+        record_errors(Path(tmp, f"rank{rank}.error")),
+    ):
         t0 = time.perf_counter()
         results = []
         for cfg in CONFIGS:
@@ -174,25 +167,13 @@ def _worker(rank: int, tmp: str) -> None:
             {"rank": rank, "configs": results, "seconds": time.perf_counter() - t0},
             Path(tmp, f"rank{rank}.pt"),
         )
-    except Exception:
-        Path(tmp, f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("adapter_ddp")
     t0 = time.perf_counter()
-    # ranks fork from a server that imported torch once (a fresh spawn costs seconds of
-    # imports per rank); each rank is still a fresh process with its own process group
-    mp.get_context("forkserver").set_forkserver_preload(["torch", "kfac_func", __name__])
-    mp.start_processes(
-        _worker, args=(str(tmp),), nprocs=WORLD, join=True, start_method="forkserver"
-    )
-    errors = sorted(tmp.glob("*.error"))
-    assert not errors, "\n".join(p.read_text() for p in errors)
+    spawn(_worker, WORLD, tmp)
     results = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     print(
         f"\nadapter DDP world {WORLD}: spawn {time.perf_counter() - t0:.1f} s "
@@ -204,16 +185,12 @@ def spawned(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def reference() -> list[dict[str, Any]]:
     """The adapter on one process (no process group) on the whole global batch."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         out = []
         for cfg in CONFIGS:
             model = make_model()
             out.append(train(model, make_preconditioner(model, cfg), None))
         return out
-    finally:
-        torch.set_num_threads(n)
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

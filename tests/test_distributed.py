@@ -15,7 +15,7 @@ rank must keep the layer's previous decomposition and still match ``kf.update`` 
 same failure.
 
 Workers write one JSON file per rank; the parent asserts on them. An exception in a
-worker makes ``mp.spawn`` raise with the worker's traceback, which fails the tests.
+worker makes ``spawn`` raise with the worker's traceback, which fails the tests.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-import traceback
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -34,8 +33,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo import gloo_group, record_errors, spawn
 from torch import nn
 
 import kfac_func as kf
@@ -288,15 +287,10 @@ def _run_config(
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/store",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
-    try:
+    with (
+        gloo_group(rank, world, tmp, timeout=timedelta(seconds=60)),
+        record_errors(Path(tmp, f"rank{rank}.error")),
+    ):
         t0 = time.perf_counter()
         data = torch.load(Path(tmp, "data.pt"), weights_only=False)
         _count_collectives()
@@ -330,11 +324,6 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         ]
         result["seconds"] = time.perf_counter() - t0
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
-    except Exception:
-        Path(tmp, f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=[f"world{w}" for w in WORLDS])
@@ -346,15 +335,8 @@ def spawned(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     data["fail"] = trajectory("eigen", True, world, fail=True)
     torch.save(data, tmp / "data.pt")
     t1 = time.perf_counter()
-    # workers fork from a server that imported torch once (a fresh spawn costs seconds
-    # of imports per rank); each worker is still a fresh process for K-FAC purposes
-    mp.get_context("forkserver").set_forkserver_preload(["torch", "kfac_func", __name__])
-    mp.start_processes(
-        _worker, args=(world, str(tmp)), nprocs=world, join=True, start_method="forkserver"
-    )
+    spawn(_worker, world, tmp)
     t2 = time.perf_counter()
-    errors = sorted(tmp.glob("*.error"))
-    assert not errors, "\n".join(p.read_text() for p in errors)
     results = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
     print(
         f"\nworld {world}: reference {t1 - t0:.1f} s, spawn {t2 - t1:.1f} s "

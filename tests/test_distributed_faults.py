@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo import assert_no_errors, gloo_group, record_errors, spawn
 from torch import nn
 
 import kfac_func as kf
@@ -64,87 +63,79 @@ def _step(pre: kf.KFACPreconditioner, model: nn.Module) -> None:
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/store",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=30),
-    )
-    last = rank == world - 1
-    out: dict[str, Any] = {}
-    try:
-        model = make_model()
-        pre = kf.KFACPreconditioner(model, damping=damping_schedule)
-        _step(pre, model)
-        out["agree"] = {"steps": pre.steps}
+    with gloo_group(rank, world, tmp, timeout=timedelta(seconds=30)):
+        last = rank == world - 1
+        out: dict[str, Any] = {}
+        # a failure is recorded, never raised: every rank must leave through os._exit
+        with record_errors(Path(tmp, f"rank{rank}.error"), reraise=False):
+            model = make_model()
+            pre = kf.KFACPreconditioner(model, damping=damping_schedule)
+            _step(pre, model)
+            out["agree"] = {"steps": pre.steps}
 
-        out["model"] = _expect_mismatch(lambda: kf.KFACPreconditioner(make_model(9 if last else 8)))
+            out["model"] = _expect_mismatch(
+                lambda: kf.KFACPreconditioner(make_model(9 if last else 8))
+            )
 
-        model = make_model()
-        layers = kf.register(model)
-        if last:
-            layers = kf.LayerTable(reversed(list(layers.values())))
-        plan = kf.make_plan(layers, world)
-        comm = kf.Communicator(plan)
-        state = kf.init(layers)
-        x, y = torch.randn(5, 4), torch.randn(5, 3)
-        params = dict(model.named_parameters())
-        for _ in range(2):
-            _, grads, caps = kf.capture(model, params, x, lambda o: (o - y).pow(2).mean())
-            grads, state = kf.update_distributed(state, grads, captures=caps, plan=plan, comm=comm)
-        flat = torch.cat([grads[k].reshape(-1) for k in sorted(grads)])
-        gathered = [torch.empty_like(flat) for _ in range(world)]
-        dist.all_gather(gathered, flat)
-        out["order"] = {
-            "state_order": list(state.layers),
-            "identical": all(torch.equal(g, gathered[0]) for g in gathered),
-        }
-
-        out["hyper"] = _expect_mismatch(
-            lambda: kf.KFACPreconditioner(make_model(), lr=0.2 if last else 0.1)
-        )
-
-        model = make_model()
-        pre = kf.KFACPreconditioner(model, collective_timeout=timedelta(seconds=TIMEOUT_S))
-        Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
-        if last:
-            if world == 4:  # stalls: only the timeout can tell
-                time.sleep(TIMEOUT_S + 2)
-            os._exit(0)  # dies without a word to its peers
-        t0 = time.perf_counter()
-        try:
-            for _ in range(3):
-                _step(pre, model)
-            out["dead"] = {"error": None}
-        except Exception as e:  # gloo: closed connection or timeout
-            out["dead"] = {
-                "error": f"{type(e).__name__}: {e}"[:300],
-                "seconds": time.perf_counter() - t0,
+            model = make_model()
+            layers = kf.register(model)
+            if last:
+                layers = kf.LayerTable(reversed(list(layers.values())))
+            plan = kf.make_plan(layers, world)
+            comm = kf.Communicator(plan)
+            state = kf.init(layers)
+            x, y = torch.randn(5, 4), torch.randn(5, 3)
+            params = dict(model.named_parameters())
+            for _ in range(2):
+                _, grads, caps = kf.capture(model, params, x, lambda o: (o - y).pow(2).mean())
+                grads, state = kf.update_distributed(
+                    state, grads, captures=caps, plan=plan, comm=comm
+                )
+            flat = torch.cat([grads[k].reshape(-1) for k in sorted(grads)])
+            gathered = [torch.empty_like(flat) for _ in range(world)]
+            dist.all_gather(gathered, flat)
+            out["order"] = {
+                "state_order": list(state.layers),
+                "identical": all(torch.equal(g, gathered[0]) for g in gathered),
             }
-        Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
-    except Exception:
-        Path(tmp, f"rank{rank}.error").write_text(traceback.format_exc())
-    os._exit(0)  # the group is broken: skip its teardown
+
+            out["hyper"] = _expect_mismatch(
+                lambda: kf.KFACPreconditioner(make_model(), lr=0.2 if last else 0.1)
+            )
+
+            model = make_model()
+            pre = kf.KFACPreconditioner(model, collective_timeout=timedelta(seconds=TIMEOUT_S))
+            Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
+            if last:
+                if world == 4:  # stalls: only the timeout can tell
+                    time.sleep(TIMEOUT_S + 2)
+                os._exit(0)  # dies without a word to its peers
+            t0 = time.perf_counter()
+            try:
+                for _ in range(3):
+                    _step(pre, model)
+                out["dead"] = {"error": None}
+            except Exception as e:  # gloo: closed connection or timeout
+                out["dead"] = {
+                    "error": f"{type(e).__name__}: {e}"[:300],
+                    "seconds": time.perf_counter() - t0,
+                }
+            Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
+        os._exit(0)  # the group is broken: skip its teardown
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
 def spawned(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     world: int = request.param
     tmp = tmp_path_factory.mktemp(f"faults{world}")
-    mp.get_context("forkserver").set_forkserver_preload(["torch", "kfac_func", __name__])
-    ctx = mp.start_processes(
-        _worker, args=(world, str(tmp)), nprocs=world, join=False, start_method="forkserver"
-    )
+    ctx = spawn(_worker, world, tmp, join=False)
     deadline = time.monotonic() + 120
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
             pytest.fail(f"world {world}: ranks still running after 120 s (a hang)")
-    errors = sorted(tmp.glob("*.error"))
-    assert not errors, "\n".join(p.read_text() for p in errors)
+    assert_no_errors(tmp)
     return world, [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import time
-import traceback
 from collections import OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
@@ -26,9 +25,8 @@ from typing import Any
 import optree
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo import gloo_group, record_errors, spawn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -483,15 +481,10 @@ def _plan(layers: kf.LayerTable, world: int, strategy: str) -> kf.Plan:
 def _worker(rank: int, world: int, tmp: str) -> None:
     """4 ranks: train N steps and save each configuration. 2 ranks: load and train M."""
     started = time.perf_counter()
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/store{world}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
-    try:
+    with (
+        gloo_group(rank, world, tmp, store=f"store{world}", timeout=timedelta(seconds=60)),
+        record_errors(Path(tmp, f"world{world}.rank{rank}.error")),
+    ):
         joined = time.perf_counter()
         data = torch.load(Path(tmp, "data.pt"), weights_only=False)
         layers = kf.register(make_model())
@@ -564,22 +557,11 @@ def _worker(rank: int, world: int, tmp: str) -> None:
                 result["wrong_world"] = str(e)
         result["work"] = time.perf_counter() - joined
         Path(tmp, f"world{world}.rank{rank}.json").write_text(json.dumps(result))
-    except Exception:
-        Path(tmp, f"world{world}.rank{rank}.error").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def _spawn(world: int, tmp: Path) -> list[dict[str, Any]]:
-    """Fresh worker processes forked from a fork server that imported torch and this
-    module once (a spawn imports them in every process: seconds each on a busy machine)."""
-    mp.get_context("forkserver").set_forkserver_preload(["torch", "kfac_func", __name__])
-    mp.start_processes(
-        _worker, args=(world, str(tmp)), nprocs=world, join=True, start_method="forkserver"
-    )
-    errors = sorted(tmp.glob(f"world{world}.*.error"))
-    assert not errors, "\n".join(p.read_text() for p in errors)
+    """Train (world 4) or resume (world 2) on fresh gloo ranks; their results."""
+    spawn(_worker, world, tmp, errors=f"world{world}.*.error")
     return [json.loads((tmp / f"world{world}.rank{r}.json").read_text()) for r in range(world)]
 
 

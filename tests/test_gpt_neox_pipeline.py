@@ -26,16 +26,14 @@ import itertools
 import os
 import sys
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo import gloo_group, one_thread, record_errors, spawn
 from torch import nn
 
 import kfac_func as kf
@@ -118,7 +116,8 @@ def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
 # --- workers -------------------------------------------------------------------
 
 
-def _start_deepspeed(rank: int, world: int, tmp: str) -> Any:
+def _deepspeed_environment(rank: int, world: int, tmp: str) -> None:
+    """What DeepSpeed reads from a launcher's environment; a build directory per rank."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -126,10 +125,10 @@ def _start_deepspeed(rank: int, world: int, tmp: str) -> Any:
         LOCAL_WORLD_SIZE=str(world),
         TORCH_EXTENSIONS_DIR=os.path.join(tmp, f"extensions{rank}"),
     )
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world,
-        timeout=timedelta(seconds=120),
-    )  # fmt: skip
+
+
+def _start_deepspeed() -> Any:
+    """DeepSpeed's communication backend on the default (gloo) process group."""
     import deepspeed
 
     # On CPU, DeepSpeed's communication backend compiles a shared-memory all-reduce op when
@@ -224,26 +223,22 @@ def _scenario(deepspeed: Any, scenario: tuple[int, int, int], tmp: str) -> dict[
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    try:
+    # the error file also covers the environment and the group's start
+    with record_errors(Path(tmp, f"rank{rank}.error")):
         t0 = time.perf_counter()
-        deepspeed = _start_deepspeed(rank, world, tmp)
-        started = time.perf_counter() - t0
-        results = {label(s): _scenario(deepspeed, s, tmp) for s in SCENARIOS[world]}
-        torch.save(
-            {
-                "results": results,
-                "start_seconds": started,
-                "seconds": time.perf_counter() - t0,
-            },
-            Path(tmp, f"rank{rank}.pt"),
-        )
-    except Exception:
-        Path(tmp, f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _deepspeed_environment(rank, world, tmp)
+        with gloo_group(rank, world, tmp, timeout=timedelta(seconds=120)):
+            deepspeed = _start_deepspeed()
+            started = time.perf_counter() - t0
+            results = {label(s): _scenario(deepspeed, s, tmp) for s in SCENARIOS[world]}
+            torch.save(
+                {
+                    "results": results,
+                    "start_seconds": started,
+                    "seconds": time.perf_counter() - t0,
+                },
+                Path(tmp, f"rank{rank}.pt"),
+            )
 
 
 # --- fixtures ------------------------------------------------------------------
@@ -257,12 +252,7 @@ def spawned(
     world: int = request.param
     tmp = tmp_path_factory.mktemp(f"gpt_neox{world}")
     t0 = time.perf_counter()
-    mp.get_context("forkserver").set_forkserver_preload(["torch", "kfac_func", __name__])
-    mp.start_processes(
-        _worker, args=(world, str(tmp)), nprocs=world, join=True, start_method="forkserver"
-    )
-    errors = sorted(tmp.glob("*.error"))
-    assert not errors, "\n".join(p.read_text() for p in errors)
+    spawn(_worker, world, tmp)
     results = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
     print(
         f"\nDeepSpeed pipeline world {world}: spawn {time.perf_counter() - t0:.1f} s "
@@ -277,9 +267,7 @@ def reference() -> dict[int, dict[str, Any]]:
     """The dense model with :class:`kfac_func.KFACPreconditioner` in one process: every
     replica's micro-batches, each loss divided by the micro-batches per replica (as
     DeepSpeed does), the summed gradients averaged over the replicas."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         out = {}
         for data in sorted({dp for runs in SCENARIOS.values() for _, dp, _ in runs}):
             model = nn.Sequential(*make_layers())
@@ -306,8 +294,6 @@ def reference() -> dict[int, dict[str, Any]]:
                     state = pre.state
             out[data] = {"losses": losses, "grads": grads, "state": state}
         return out
-    finally:
-        torch.set_num_threads(n)
 
 
 def _runs(results: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:

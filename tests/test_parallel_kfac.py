@@ -19,7 +19,6 @@ factors, read back by a fresh preconditioner that resumes exactly).
 from __future__ import annotations
 
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -27,8 +26,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo import gloo_group, one_thread, record_errors, spawn
 from torch import nn
 
 import kfac_func as kf
@@ -161,12 +160,10 @@ def _groups(world: int) -> tuple[int, int, int, int, Any, Any]:
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world,
-        timeout=timedelta(seconds=60),
-    )  # fmt: skip
-    try:
+    with (
+        gloo_group(rank, world, tmp, timeout=timedelta(seconds=60)),
+        record_errors(Path(tmp, f"rank{rank}.error")),
+    ):
         t0 = time.perf_counter()
         data, _, d, m, dp_group, mp_group = _groups(world)
         results = []
@@ -231,11 +228,6 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             {"rank": rank, "d": d, "m": m, "configs": results, "seconds": time.perf_counter() - t0},
             Path(tmp, f"rank{rank}.pt"),
         )
-    except Exception:
-        Path(tmp, f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(
@@ -249,12 +241,7 @@ def spawned(
     world: int = request.param
     tmp = tmp_path_factory.mktemp(f"parallel_kfac{world}")
     t0 = time.perf_counter()
-    mp.get_context("forkserver").set_forkserver_preload(["torch", "kfac_func", __name__])
-    mp.start_processes(
-        _worker, args=(world, str(tmp)), nprocs=world, join=True, start_method="forkserver"
-    )
-    errors = sorted(tmp.glob("*.error"))
-    assert not errors, "\n".join(p.read_text() for p in errors)
+    spawn(_worker, world, tmp)
     results = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
     print(
         f"\nparallel K-FAC world {world}: spawn {time.perf_counter() - t0:.1f} s "
@@ -266,9 +253,7 @@ def spawned(
 @pytest.fixture(scope="module")
 def reference() -> dict[int, list[dict[str, Any]]]:
     """The stateful adapter on the dense model, one process, whole global batches."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         out: dict[int, list[dict[str, Any]]] = {}
         for data in sorted({t[0] for t in TOPOLOGIES.values()}):
             runs = []
@@ -287,8 +272,6 @@ def reference() -> dict[int, list[dict[str, Any]]]:
                 )
             out[data] = runs
         return out
-    finally:
-        torch.set_num_threads(n)
 
 
 def join(

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import itertools
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo import gloo_group, record_errors, spawn
 from torch import nn
 
 from kfac_func.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -49,13 +47,11 @@ def run(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
     return {"out": out.detach(), "x_grad": x.grad.clone(), "grads": grads}
 
 
-def _worker(rank: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD,
-        timeout=timedelta(seconds=60),
-    )  # fmt: skip
-    try:
+def _worker(rank: int, world: int, tmp: str) -> None:
+    with (
+        gloo_group(rank, world, tmp, timeout=timedelta(seconds=60)),
+        record_errors(Path(tmp, f"rank{rank}.error")),
+    ):
         results = []
         for gather, bias in CONFIGS:
             dense = dense_block(bias)
@@ -74,23 +70,13 @@ def _worker(rank: int, tmp: str) -> None:
             {"configs": results, "fresh": fresh.weight.detach(), "uneven": uneven},
             Path(tmp, f"rank{rank}.pt"),
         )
-    except Exception:
-        Path(tmp, f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("tensor_parallel")
     t0 = time.perf_counter()
-    mp.get_context("forkserver").set_forkserver_preload(["torch", "kfac_func", __name__])
-    mp.start_processes(
-        _worker, args=(str(tmp),), nprocs=WORLD, join=True, start_method="forkserver"
-    )
-    errors = sorted(tmp.glob("*.error"))
-    assert not errors, "\n".join(p.read_text() for p in errors)
+    spawn(_worker, WORLD, tmp)
     print(f"\ntensor-parallel layers world {WORLD}: {time.perf_counter() - t0:.1f} s")
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
