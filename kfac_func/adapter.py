@@ -3,8 +3,9 @@
 Forward hooks (and gradient hooks on each call's output) collect each registered layer's
 statistics during the forward and backward passes: Gram matrices at once with
 ``update_factors_in_hook``, else the raw tensors until ``step()``. ``step()`` hands them
-to :func:`kfac_func.update_distributed` (which runs on one process too) and rewrites
-``.grad`` in place. The adapter owns no math and keeps one immutable
+to :func:`kfac_func.update` on one process (donating its state to it, see
+:meth:`KFACPreconditioner.step`) or to :func:`kfac_func.update_distributed` across
+ranks, and rewrites ``.grad`` in place. The adapter owns no math and keeps one immutable
 :class:`KFACState`, exposed as :attr:`KFACPreconditioner.state`.
 """
 
@@ -28,7 +29,7 @@ from kfac_func.kaisa import offer_factors, start_factor_reduction, update_distri
 from kfac_func.layers import LayerSpec, register
 from kfac_func.plan import AssignmentStrategy, DistributedStrategy, make_plan
 from kfac_func.state import KFACState, LayerState, init
-from kfac_func.update import MicroBatchStats, factors_from_stats, redecompose
+from kfac_func.update import MicroBatchStats, factors_from_stats, redecompose, update
 
 __all__ = ["ComputeMethod", "KFACPreconditioner"]
 
@@ -436,7 +437,11 @@ class KFACPreconditioner(KFACArguments):
         return hook
 
     def _take_rows(self) -> dict[str, Rows]:
-        """The kept rows of layers whose every call got its output-gradient."""
+        """The kept rows of layers whose every call got its output-gradient.
+
+        The pairs are emptied: the gradient hooks of the graph (alive as long as the
+        caller's loss) hold them, and must not keep the rows alive after the step.
+        """
         kept, self._rows = self._rows, {}
         out: dict[str, Rows] = {}
         for name, pairs in kept.items():
@@ -444,6 +449,8 @@ class KFACPreconditioner(KFACArguments):
             gys = [gy for _, gy in pairs if gy is not None]
             if pairs and len(gys) == len(xs) == len(pairs):
                 out[name] = linear_rows(self.layers[name], xs, gys)
+            for pair in pairs:
+                pair[0] = pair[1] = None
         return out
 
     def _offer_if_complete(self, spec: LayerSpec, micro: _MicroBatch) -> None:
@@ -486,14 +493,21 @@ class KFACPreconditioner(KFACArguments):
         return factors_from_stats(name, stats, cfg)
 
     def _batch_factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
-        """Local factors of the layers whose reduction has not started in the hooks."""
+        """Local factors of the layers whose reduction has not started in the hooks.
+
+        Takes the statistics out of the micro-batches: each layer's are dropped once its
+        factors exist (the gradient hooks of the graph, alive as long as the caller's
+        loss, hold the micro-batches and must not keep them alive after the step).
+        """
         out = {}
         for name, spec in self.layers.items():
-            if self._reducer is not None and self._reducer.offered(name):
-                continue
-            factors = self._layer_factors(name, spec)
-            if factors is not None:
-                out[name] = factors
+            if self._reducer is None or not self._reducer.offered(name):
+                factors = self._layer_factors(name, spec)
+                if factors is not None:
+                    out[name] = factors
+            for mb in self._micro:
+                mb.a.pop(name, None)
+                mb.g.pop(name, None)
         return out
 
     def step(self) -> None:
@@ -502,6 +516,13 @@ class KFACPreconditioner(KFACArguments):
         Updates the factors from the statistics collected since the last step (every
         ``factor_update_steps``; all micro-batches of the window form one update) and
         recomputes the decompositions every ``inv_update_steps``.
+
+        On one process the state is donated to :func:`kfac_func.update` (``donate=True``),
+        so each layer's old factors and decomposition are freed as soon as their
+        replacements exist: the step's peak memory holds one state, not two. A state
+        obtained from :attr:`state` before the step is not affected (the donated state is
+        a copy with its own ``layers`` dict, and layer states are immutable); it keeps the
+        old tensors alive for as long as it is held.
         """
         batch = self._batch_factors() if self._micro else {}
         reducer, self._reducer = self._reducer, None
@@ -517,22 +538,43 @@ class KFACPreconditioner(KFACArguments):
                         "loss.backward() before step()"
                     )
                 grads[pname] = p.grad
-        inv_every = int(self._value(self.inv_update_steps))
-        new_grads, self._state = update_distributed(
-            self._state,
-            grads,
-            plan=self.plan,
-            comm=self.comm,
-            batch_factors=batch if batch else None,
-            factor_reducer=reducer,
-            damping=self.damping,
-            factor_decay=self.factor_decay,
-            kl_clip=self.kl_clip,
-            lr=self.lr,
-            update_factors=bool(batch) or reducer is not None,
-            update_inverses=self.steps % inv_every == 0,
-            rows=rows,
-        )
+        update_inverses = self.steps % int(self._value(self.inv_update_steps)) == 0
+        if self.comm.world_size == 1 and reducer is None:
+            # a copy with a dict of its own, so that a state read from .state earlier
+            # keeps its layers; once self._state points at the copy nothing else holds
+            # the old layer states. If the step raises, each layer of self._state is as
+            # it was or as the step left it.
+            donated = self._state.replace(layers=dict(self._state.layers))
+            self._state = donated
+            new_grads, self._state = update(
+                donated,
+                grads,
+                batch_factors=batch if batch else None,
+                rows=rows,
+                damping=self.damping,
+                factor_decay=self.factor_decay,
+                kl_clip=self.kl_clip,
+                lr=self.lr,
+                update_factors=bool(batch),
+                update_inverses=update_inverses,
+                donate=True,
+            )
+        else:
+            new_grads, self._state = update_distributed(
+                self._state,
+                grads,
+                plan=self.plan,
+                comm=self.comm,
+                batch_factors=batch if batch else None,
+                factor_reducer=reducer,
+                damping=self.damping,
+                factor_decay=self.factor_decay,
+                kl_clip=self.kl_clip,
+                lr=self.lr,
+                update_factors=bool(batch) or reducer is not None,
+                update_inverses=update_inverses,
+                rows=rows,
+            )
         with torch.no_grad():
             for pname, g in grads.items():
                 if new_grads[pname] is not g:

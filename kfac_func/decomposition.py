@@ -37,6 +37,8 @@ __all__ = [
     "eigh_or_refresh",
     "inverse_decompose",
     "kl_clip_scale",
+    "kl_clip_scale_of_terms",
+    "kl_clip_term",
     "precondition",
     "precondition_rows",
     "refresh_eigh",
@@ -419,6 +421,35 @@ def precondition_rows(
     return _back_project(fwd, d, damping).to(dtype)
 
 
+def kl_clip_term(preconditioned: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """One layer's term ``Σ P ⊙ grad`` of the kl_clip sum: the dot product in ``P``'s
+    dtype, returned as a 0-d float64 tensor (:func:`kl_clip_scale_of_terms` turns the
+    terms of all layers into the scale).
+
+    Example:
+        >>> kl_clip_term(torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]))
+        tensor(11., dtype=torch.float64)
+    """
+    p = preconditioned.reshape(-1)
+    return torch.dot(p, grad.reshape(-1).to(p.dtype)).double()
+
+
+def kl_clip_scale_of_terms(
+    terms: Sequence[torch.Tensor], kl_clip: float, lr: float, *, dtype: torch.dtype
+) -> torch.Tensor:
+    """``min(1, sqrt(kl_clip / |lr² · Σ terms|))`` in ``dtype`` (1 without terms), the
+    terms summed in the order given.
+
+    Example:
+        >>> kl_clip_scale_of_terms([torch.tensor(4.0)], kl_clip=1.0, lr=1.0, dtype=torch.float32)
+        tensor(0.5000)
+    """
+    if not terms:
+        return torch.tensor(1.0)
+    vg = torch.stack(list(terms)).sum() * (lr * lr)
+    return torch.clamp(torch.sqrt(kl_clip / vg.abs()), max=1.0).to(dtype)
+
+
 def kl_clip_scale(
     pairs: list[tuple[torch.Tensor, torch.Tensor]], kl_clip: float, lr: float
 ) -> torch.Tensor:
@@ -433,9 +464,5 @@ def kl_clip_scale(
     """
     if not pairs:
         return torch.tensor(1.0)
-    dtype = pairs[0][0].dtype
-    vg = torch.stack(
-        [torch.dot(p.reshape(-1), g.reshape(-1).to(p.dtype)).double() for p, g in pairs]
-    )
-    vg = vg.sum() * (lr * lr)
-    return torch.clamp(torch.sqrt(kl_clip / vg.abs()), max=1.0).to(dtype)
+    terms = [kl_clip_term(p, g) for p, g in pairs]
+    return kl_clip_scale_of_terms(terms, kl_clip, lr, dtype=pairs[0][0].dtype)

@@ -4,7 +4,10 @@
 with optree and with torch's pytree registry. Tensors (factors, decompositions) are the
 children; counters, layer specs and the configuration are static metadata, so
 ``optree.tree_map(lambda t: t.to(device), state)`` touches tensors only. Nothing in the
-library mutates a state: every transition builds a new one.
+library mutates a state: every transition builds a new one. The one exception is asked
+for by name: a state donated to :func:`kfac_func.update` (``donate=True``) has its
+``layers`` dict updated in place, so that the step frees each layer's old tensors as soon
+as their replacements exist (the donated state must not be used afterwards).
 """
 
 from __future__ import annotations

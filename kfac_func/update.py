@@ -5,15 +5,16 @@
 2. :func:`decompose` recomputes the eigendecompositions or damped inverses;
 3. :func:`precondition_grads` applies them to the gradients and scales by ``kl_clip``.
 
-Every function returns new objects and leaves its inputs untouched. Hyperparameters are
-numbers or ``step -> value`` callables, evaluated at ``state.step``.
+Every function returns new objects and leaves its inputs untouched, except that
+``update(..., donate=True)`` may reuse the state it is handed (see :func:`update`).
+Hyperparameters are numbers or ``step -> value`` callables, evaluated at ``state.step``.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Literal, NamedTuple, TypeVar
 
 import torch
@@ -27,7 +28,8 @@ from kfac_func.decomposition import (
     all_finite,
     eigen_decompose,
     inverse_decompose,
-    kl_clip_scale,
+    kl_clip_scale_of_terms,
+    kl_clip_term,
     precondition,
     precondition_rows,
 )
@@ -56,6 +58,8 @@ __all__ = [
 T = TypeVar("T")
 Hyper = float | Callable[[int], float]
 NonFinite = Literal["skip", "raise"]
+LayerFactors = tuple[torch.Tensor, torch.Tensor, float]
+"""One layer's batch factors ``(A, G, weight)`` (see :func:`factors_from_stats`)."""
 
 
 class NonFiniteError(ValueError):
@@ -75,6 +79,17 @@ def _check(name: str, value: float | None, ok: Callable[[float], bool], expected
 
 def _as_list(captures: Captures | Sequence[Captures]) -> list[Captures]:
     return [captures] if isinstance(captures, Captures) else list(captures)
+
+
+def _take(mapping: Mapping[str, T] | None, key: str, consume: bool) -> T | None:
+    """``mapping[key]`` or None; with ``consume``, removed from a mutable ``mapping`` so that
+    the caller's mapping no longer keeps it alive."""
+    if mapping is None:
+        return None
+    if consume and isinstance(mapping, MutableMapping):
+        taken: T | None = mapping.pop(key, None)
+        return taken
+    return mapping.get(key)
 
 
 class MicroBatchStats(NamedTuple):
@@ -229,13 +244,36 @@ def accumulate_factors(
     _check("factor_decay", decay, lambda v: 0 < v <= 1, "in (0, 1]")
     micro = _as_list(captures)
     layers = dict(state.layers)
-    for name, ls in state.layers.items():
-        batch = layer_batch_factors(ls.spec, micro, state.config)
-        if batch is None:
-            continue
-        a, g, _ = batch
-        layers[name] = fold_checked(ls, a, g, decay, state.config, nonfinite)
+    fold_layers(
+        layers,
+        lambda _, ls: layer_batch_factors(ls.spec, micro, state.config),
+        decay,
+        state.config,
+        nonfinite,
+    )
     return state.replace(layers=layers)
+
+
+def fold_layers(
+    layers: MutableMapping[str, LayerState],
+    batch_of: Callable[[str, LayerState], LayerFactors | None],
+    decay: float,
+    config: KFACConfig,
+    nonfinite: NonFinite,
+) -> None:
+    """:func:`fold_checked` every layer of ``layers`` (in place) with the batch factors
+    ``batch_of(name, layer)``; layers for which it returns None are left as they are.
+
+    Layer by layer: each entry is replaced as soon as its new factors exist and its batch
+    factors are dropped before the next layer's are made, so when ``layers`` is the only
+    holder of the old layer states (a donated state) the old factors are freed one layer
+    at a time instead of after the whole step.
+    """
+    for name in list(layers):
+        batch = batch_of(name, layers[name])
+        if batch is not None:
+            layers[name] = fold_checked(layers[name], batch[0], batch[1], decay, config, nonfinite)
+        del batch
 
 
 def decompose(state: KFACState, *, damping: Hyper = 1e-3, only_missing: bool = False) -> KFACState:
@@ -258,10 +296,24 @@ def decompose(state: KFACState, *, damping: Hyper = 1e-3, only_missing: bool = F
     lam = _resolve(damping, state.step)
     _check("damping", lam, lambda v: v >= 0, ">= 0")
     layers = dict(state.layers)
-    for name, ls in state.layers.items():
-        if needs_decomposition(ls, state.config, update_inverses=not only_missing):
-            layers[name] = redecompose(ls, lam, state.config)
+    decompose_layers(layers, lam, state.config, update_inverses=not only_missing)
     return state.replace(layers=layers)
+
+
+def decompose_layers(
+    layers: MutableMapping[str, LayerState],
+    damping: float,
+    config: KFACConfig,
+    *,
+    update_inverses: bool,
+) -> None:
+    """:func:`redecompose` (in place) every layer of ``layers`` that
+    :func:`needs_decomposition`, one layer at a time: a layer's previous decomposition
+    (kept for a warm start and in case the new one fails) is dropped as soon as its
+    replacement exists, not after the last layer (see :func:`fold_layers`)."""
+    for name in list(layers):
+        if needs_decomposition(layers[name], config, update_inverses=update_inverses):
+            layers[name] = redecompose(layers[name], damping, config)
 
 
 def needs_decomposition(ls: LayerState, config: KFACConfig, *, update_inverses: bool) -> bool:
@@ -364,12 +416,47 @@ def precondition_grads(
     """
     lam = _resolve(damping, state.step)
     _check("damping", lam, lambda v: v >= 0, ">= 0")
-    done: list[tuple[LayerSpec, torch.Tensor, torch.Tensor]] = []
-    for name, ls in state.layers.items():
+    return precondition_layers(
+        state.layers,
+        grads,
+        lam,
+        kl_clip=kl_clip,
+        lr=lr,
+        step=state.step,
+        nonfinite=nonfinite,
+        rows=rows,
+    )
+
+
+def precondition_layers(
+    layers: Mapping[str, LayerState],
+    grads: Mapping[str, torch.Tensor],
+    damping: float,
+    *,
+    kl_clip: Hyper | None,
+    lr: Hyper,
+    step: int,
+    nonfinite: NonFinite,
+    rows: Mapping[str, Rows] | None = None,
+    consume_rows: bool = False,
+) -> dict[str, torch.Tensor]:
+    """:func:`precondition_grads` of ``layers`` with a resolved ``damping``.
+
+    Holds one layer's gradient matrix at a time: its term of the kl_clip sum is taken as
+    soon as the layer is preconditioned. With ``consume_rows``, each layer's entry is
+    removed from a mutable ``rows`` once used.
+    """
+    done: list[tuple[LayerSpec, torch.Tensor]] = []
+    terms: dict[str, torch.Tensor] = {}
+    for name, ls in layers.items():
         m = layer_matrix(ls, grads)
         if ls.decomposition is not None and grads_finite(name, ls.spec, m, nonfinite):
-            done.append((ls.spec, precondition_layer(ls, m, lam, (rows or {}).get(name)), m))
-    return apply_preconditioned(grads, done, kl_clip=kl_clip, lr=lr, step=state.step)
+            p = precondition_layer(ls, m, damping, _take(rows, name, consume_rows))
+            if kl_clip is not None:
+                terms[ls.spec.name] = kl_clip_term(p, m)
+            done.append((ls.spec, p))
+        del m
+    return write_preconditioned(grads, done, terms, kl_clip=kl_clip, lr=lr, step=step)
 
 
 def precondition_layer(
@@ -433,6 +520,31 @@ def apply_preconditioned(
 
     ``done`` holds ``(spec, preconditioned matrix, raw matrix)`` of the layers that were
     preconditioned; every other entry of ``grads`` passes unchanged into the new dict.
+    The preconditioned matrices are scaled in place (see :func:`write_preconditioned`).
+    """
+    terms: dict[str, torch.Tensor] = {}
+    if kl_clip is not None:
+        terms = {spec.name: kl_clip_term(p, m) for spec, p, m in done}
+    pairs = [(spec, p) for spec, p, _ in done]
+    return write_preconditioned(grads, pairs, terms, kl_clip=kl_clip, lr=lr, step=step)
+
+
+def write_preconditioned(
+    grads: Mapping[str, torch.Tensor],
+    done: Sequence[tuple[LayerSpec, torch.Tensor]],
+    terms: Mapping[str, torch.Tensor],
+    *,
+    kl_clip: Hyper | None,
+    lr: Hyper,
+    step: int,
+) -> dict[str, torch.Tensor]:
+    """Scale the preconditioned matrices by the kl_clip factor and write them back.
+
+    ``done`` holds ``(spec, preconditioned matrix)`` of the layers that were
+    preconditioned, ``terms`` their :func:`~kfac_func.decomposition.kl_clip_term` by layer
+    name (needed unless ``kl_clip`` is None). The matrices must be the caller's own
+    temporaries: they are scaled in place. Every other entry of ``grads`` passes unchanged
+    into the new dict.
     """
     clip = _resolve(kl_clip, step) if kl_clip is not None else None
     rate = _resolve(lr, step)
@@ -442,11 +554,13 @@ def apply_preconditioned(
     if clip is not None and done:
         # summed in name order, so that ranks whose states list layers in another order
         # round it the same
-        ordered = sorted(done, key=lambda t: t[0].name)
-        scale = kl_clip_scale([(p, m) for _, p, m in ordered], clip, rate)
-        done = [(spec, p * scale.to(p.dtype), m) for spec, p, m in done]
+        first = min(done, key=lambda t: t[0].name)[1]
+        names = sorted(spec.name for spec, _ in done)
+        scale = kl_clip_scale_of_terms([terms[n] for n in names], clip, rate, dtype=first.dtype)
+        for _, p in done:
+            p.mul_(scale.to(p.dtype))
     out = dict(grads)
-    for spec, p, _ in done:
+    for spec, p in done:
         w, b = matrix_to_grads(spec, p)
         out[spec.weight] = w.to(grads[spec.weight].dtype)
         if spec.bias is not None and b is not None:
@@ -459,6 +573,8 @@ def update(
     grads: Mapping[str, torch.Tensor],
     *,
     captures: Captures | Sequence[Captures] | None = None,
+    batch_factors: Mapping[str, LayerFactors] | None = None,
+    rows: Mapping[str, Rows] | None = None,
     damping: Hyper = 1e-3,
     factor_decay: Hyper = 0.95,
     kl_clip: Hyper | None = 1e-3,
@@ -466,14 +582,22 @@ def update(
     update_factors: bool | Callable[[int], bool] = True,
     update_inverses: bool | Callable[[int], bool] = True,
     nonfinite: NonFinite = "skip",
+    donate: bool = False,
 ) -> tuple[dict[str, torch.Tensor], KFACState]:
-    """One K-FAC step: returns ``(preconditioned_grads, new_state)``; inputs are untouched.
+    """One K-FAC step: returns ``(preconditioned_grads, new_state)``; inputs are untouched
+    (unless donated).
 
     Args:
         state: from :func:`kfac_func.init` or a previous ``update``.
         grads: ``{param_name: grad}``; parameters of unregistered layers pass unchanged.
         captures: from :func:`kfac_func.capture` (or a list of them, one per micro-batch
-            of an accumulation window); needed when factors are updated.
+            of an accumulation window); needed when factors are updated, unless
+            ``batch_factors`` are given instead.
+        batch_factors: ``{layer: (A, G, weight)}`` already built from this step's
+            statistics (as :func:`factors_from_stats` returns them; the weight is not
+            used on one process), instead of ``captures``.
+        rows: ``{layer: [(input rows, output-gradient rows), ...]}`` of Linear layers (see
+            :func:`precondition_layer`); taken from ``captures`` when not given.
         damping: Tikhonov damping λ.
         factor_decay: running-average coefficient in (0, 1].
         kl_clip: gradient-scale clipping; None disables it.
@@ -483,6 +607,18 @@ def update(
             always decomposed once their factors hold data).
         nonfinite: ``"skip"`` (warn, keep that layer's state, pass its gradient
             unchanged) or ``"raise"`` (:class:`NonFiniteError`) on NaN/Inf.
+        donate: hand ``state`` over to the step (as JAX's buffer donation): its
+            ``layers`` dict is updated in place, each layer's entry replaced as soon as
+            its new factors or decomposition exist, so that the old ones are freed one
+            layer at a time instead of being held, with the whole new state, until the
+            step returns. The entries of ``batch_factors`` and ``rows`` (when they are
+            mutable) are removed as they are used, for the same reason. Use only the
+            returned state afterwards: the donated one, and every state sharing its
+            ``layers`` dict (``state.replace(step=...)`` copies share it), holds the new
+            layers under the old step. The memory is saved only when nothing else holds
+            the old state (``grads, state = update(state, ..., donate=True)``). Results
+            are the same as without donation. If the step raises, each layer of the
+            donated state is either as it was or as the step left it.
 
     All hyperparameters may be ``step -> value`` callables, evaluated at ``state.step``.
 
@@ -499,18 +635,43 @@ def update(
         >>> new_grads, state = kf.update(state, grads, captures=caps, damping=1e-2)
         >>> state.step, sorted(new_grads) == sorted(params)
         (1, True)
+        >>> new_grads, state = kf.update(state, grads, captures=caps, donate=True)
+        >>> state.step
+        2
     """
     if nonfinite not in ("skip", "raise"):
         raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
-    step = state.step
-    new = state
+    step, config = state.step, state.config
+    layers = state.layers if donate else dict(state.layers)
     if _resolve(update_factors, step):
-        if captures is None:
+        if captures is not None and batch_factors is not None:
+            raise ValueError("give captures= or batch_factors=, not both")
+        if captures is None and batch_factors is None:
             raise ValueError("update_factors=True needs captures= (from kfac_func.capture)")
-        new = accumulate_factors(new, captures, factor_decay=factor_decay, nonfinite=nonfinite)
-    new = decompose(new, damping=damping, only_missing=not _resolve(update_inverses, step))
-    rows = captured_rows(state, captures) if captures is not None else None
-    out = precondition_grads(
-        new, grads, damping=damping, kl_clip=kl_clip, lr=lr, nonfinite=nonfinite, rows=rows
+        decay = _resolve(factor_decay, step)
+        _check("factor_decay", decay, lambda v: 0 < v <= 1, "in (0, 1]")
+        micro = _as_list(captures) if captures is not None else None
+
+        def batch_of(name: str, ls: LayerState) -> LayerFactors | None:
+            if micro is not None:
+                return layer_batch_factors(ls.spec, micro, config)
+            return _take(batch_factors, name, donate)
+
+        fold_layers(layers, batch_of, decay, config, nonfinite)
+    lam = _resolve(damping, step)
+    _check("damping", lam, lambda v: v >= 0, ">= 0")
+    decompose_layers(layers, lam, config, update_inverses=bool(_resolve(update_inverses, step)))
+    if rows is None and captures is not None:
+        rows = captured_rows(state, captures)
+    out = precondition_layers(
+        layers,
+        grads,
+        lam,
+        kl_clip=kl_clip,
+        lr=lr,
+        step=step,
+        nonfinite=nonfinite,
+        rows=rows,
+        consume_rows=donate,
     )
-    return out, new.replace(step=step + 1)
+    return out, state.replace(layers=layers, step=step + 1)
