@@ -24,12 +24,15 @@ __all__ = [
     "a_factor",
     "a_gram",
     "a_rows",
+    "check_grads",
     "factor_from_grams",
     "g_factor",
     "g_gram",
     "g_rows",
     "grads_to_matrix",
     "matrix_to_grads",
+    "rows_match",
+    "rows_reproduce",
     "symmetrize",
 ]
 
@@ -292,23 +295,50 @@ def rows_reproduce(spec: LayerSpec, matrix: torch.Tensor, rows: Rows) -> bool:
     """
     if spec.kind != "linear" or not rows:
         return False
-    u = _probe(spec.a_dim, matrix.dtype, matrix.device)
+    w, b = (matrix[..., :-1], matrix[..., -1]) if spec.has_bias else (matrix, None)
+    return bool(rows_match(spec, w, b, rows))
+
+
+def rows_match(
+    spec: LayerSpec, weight_grad: torch.Tensor, bias_grad: torch.Tensor | None, rows: Rows
+) -> torch.Tensor:
+    """:func:`rows_reproduce` of ``[weight_grad | bias_grad]`` as a 0-d bool tensor on the
+    gradient's device: no host synchronisation, so that many layers' checks can be read
+    at once."""
+    dtype, device = weight_grad.dtype, weight_grad.device
+    u = _probe(spec.a_dim, dtype, device)
     uw, ub = (u[:-1], u[-1]) if spec.has_bias else (u, None)
-    rhs = torch.zeros(spec.g_dim, dtype=matrix.dtype, device=matrix.device)
+    rhs = torch.zeros(spec.g_dim, dtype=dtype, device=device)
     bound = torch.zeros_like(rhs)
     for a, g in rows:
-        au = a.to(matrix.dtype) @ uw
+        au = a.to(dtype) @ uw
         if ub is not None:
             au = au + ub
-        g = g.to(matrix.dtype)
+        g = g.to(dtype)
         rhs = rhs + g.mT @ au
         bound = bound + g.abs().mT @ au.abs()
     # measured: the rounding of M (n-term sums) and of M u stays near 0.2·eps times the
     # same products of absolute values, for n up to 4096 and widths up to 1024
-    mu = matrix @ u
-    bound = bound + matrix.abs() @ u.abs()
-    tol = 4 * torch.finfo(matrix.dtype).eps * torch.linalg.vector_norm(bound)
-    return bool(torch.linalg.vector_norm(mu - rhs) <= tol)
+    mu = weight_grad @ uw
+    bound = bound + weight_grad.abs() @ uw.abs()
+    if bias_grad is not None and ub is not None:
+        b = bias_grad.to(dtype)
+        mu = mu + b * ub
+        bound = bound + b.abs() * ub.abs()
+    tol = 4 * torch.finfo(dtype).eps * torch.linalg.vector_norm(bound)
+    close: torch.Tensor = torch.linalg.vector_norm(mu - rhs) <= tol
+    return close
+
+
+def check_grads(spec: LayerSpec, weight_grad: torch.Tensor, bias_grad: torch.Tensor | None) -> None:
+    """Raise a ValueError naming the layer unless the gradients have the layer's shapes."""
+    if tuple(weight_grad.shape) != spec.weight_shape:
+        raise _bad(spec, "weight gradient", f"shape {spec.weight_shape}", weight_grad.shape)
+    if spec.has_bias:
+        if bias_grad is None:
+            raise ValueError(f"layer {spec.name!r}: missing gradient for {spec.bias!r}")
+        if tuple(bias_grad.shape) != (spec.out_dim,):
+            raise _bad(spec, "bias gradient", f"shape ({spec.out_dim},)", bias_grad.shape)
 
 
 def grads_to_matrix(
@@ -324,15 +354,10 @@ def grads_to_matrix(
         >>> grads_to_matrix(spec, torch.tensor([[1.0, 2.0]]), torch.tensor([3.0]))
         tensor([[1., 2., 3.]])
     """
-    if tuple(weight_grad.shape) != spec.weight_shape:
-        raise _bad(spec, "weight gradient", f"shape {spec.weight_shape}", weight_grad.shape)
+    check_grads(spec, weight_grad, bias_grad)
     g = spec.groups
     m = weight_grad.reshape(*spec.batch_shape, spec.g_dim, -1)
-    if spec.has_bias:
-        if bias_grad is None:
-            raise ValueError(f"layer {spec.name!r}: missing gradient for {spec.bias!r}")
-        if tuple(bias_grad.shape) != (spec.out_dim,):
-            raise _bad(spec, "bias gradient", f"shape ({spec.out_dim},)", bias_grad.shape)
+    if bias_grad is not None and spec.has_bias:
         b = bias_grad.reshape(*spec.batch_shape, spec.g_dim, 1) if g > 1 else bias_grad[:, None]
         m = torch.cat([m, b.to(m.dtype)], dim=-1)
     return m

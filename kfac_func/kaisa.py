@@ -48,9 +48,9 @@ from kfac_func.update import (
     _resolve,
     apply_preconditioned,
     captured_rows,
+    check_layers,
     decomposition_failed,
     fold_checked,
-    grads_finite,
     layer_batch_factors,
     layer_matrix,
     needs_decomposition,
@@ -306,32 +306,39 @@ def update_distributed(
     if rows is None and captures is not None and comm.world_size == 1:
         rows = captured_rows(state, captures)
     rows = rows or {}
-    results: list[tuple[str, torch.Tensor, Pending | None]] = []
+    mine = [
+        name
+        for name in names
+        if rank in plan.layers[name].grad_workers and layers[name].decomposition is not None
+    ]
+    checks = check_layers(layers, grads, mine, nonfinite, rows)
+    results: list[tuple[str, torch.Tensor, Pending]] = []
     for name in names:
-        lp, ls = plan.layers[name], layers[name]
+        ls = layers[name]
         m = layer_matrix(ls, grads)
-        flag = torch.zeros(1, dtype=m.dtype, device=m.device)
-        p = m
-        worker = rank in lp.grad_workers and ls.decomposition is not None
-        if worker and grads_finite(name, ls.spec, m, nonfinite):
-            assert ls.decomposition is not None
-            p = precondition_layer(ls, m, lam, rows.get(name))
-            flag = torch.ones(1, dtype=m.dtype, device=m.device)
-        pending = None
+        check = checks.get(name)
+        if check is not None and check.finite:
+            layer_rows = rows.get(name) if check.rows else None
+            p = precondition_layer(ls, m, lam, layer_rows, checked=True)
+        else:
+            p = m
         if plan.broadcast_gradients:
+            # the sender's flag says whether it preconditioned the layer
+            flag = torch.full((1,), float(p is not m), dtype=m.dtype, device=m.device)
             src = plan.src_of(name, rank)
             sent = [p, flag] if rank == src else [torch.empty_like(m), flag]
             pending = comm.broadcast(
                 sent, src=src, ranks=plan.receiver_group_of(rank), kind="gradients"
             )
         else:
-            pending = Pending(finish=[lambda p=p, flag=flag: [p, flag]])
+            pending = Pending(finish=[lambda p=p: [p]])
         results.append((name, m, pending))
-    done = []
-    for name, m, pending in results:
-        assert pending is not None
-        p, flag = pending.wait()
-        if bool(flag.item()):
-            done.append((layers[name].spec, p, m))
+    received = [(name, m, pending.wait()) for name, m, pending in results]
+    if plan.broadcast_gradients:  # the senders' flags, read in one host synchronisation
+        flags = [got[1] for *_, got in received]
+        ok = torch.cat([f.to(flags[0].device) for f in flags]).tolist() if flags else []
+    else:
+        ok = [got[0] is not m for _, m, got in received]
+    done = [(layers[n].spec, got[0], m) for (n, m, got), k in zip(received, ok) if k]
     out = apply_preconditioned(grads, done, kl_clip=kl_clip, lr=lr, step=step)
     return out, state.replace(layers=layers, step=step + 1)

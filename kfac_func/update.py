@@ -37,11 +37,13 @@ from kfac_func.factors import (
     Gram,
     Rows,
     a_gram,
+    check_grads,
     factor_from_grams,
     g_gram,
     grads_to_matrix,
     linear_rows,
     matrix_to_grads,
+    rows_match,
     rows_reproduce,
 )
 from kfac_func.layers import LayerSpec
@@ -448,19 +450,92 @@ def precondition_layers(
     """
     done: list[tuple[LayerSpec, torch.Tensor]] = []
     terms: dict[str, torch.Tensor] = {}
+    decomposed = [name for name, ls in layers.items() if ls.decomposition is not None]
+    checks = check_layers(layers, grads, decomposed, nonfinite, rows)
     for name, ls in layers.items():
+        taken = _take(rows, name, consume_rows)
+        check = checks.get(name)
+        if check is None or not check.finite:
+            continue
         m = layer_matrix(ls, grads)
-        if ls.decomposition is not None and grads_finite(name, ls.spec, m, nonfinite):
-            p = precondition_layer(ls, m, damping, _take(rows, name, consume_rows))
-            if kl_clip is not None:
-                terms[ls.spec.name] = kl_clip_term(p, m)
-            done.append((ls.spec, p))
+        p = precondition_layer(ls, m, damping, taken if check.rows else None, checked=True)
+        if kl_clip is not None:
+            terms[ls.spec.name] = kl_clip_term(p, m)
+        done.append((ls.spec, p))
         del m
     return write_preconditioned(grads, done, terms, kl_clip=kl_clip, lr=lr, step=step)
 
 
+class LayerCheck(NamedTuple):
+    """What :func:`check_layers` found for one layer: its gradients are finite, and its
+    rows may replace its gradient matrix (:func:`precondition_layer`)."""
+
+    finite: bool
+    rows: bool
+
+
+def rows_cheaper(spec: LayerSpec, rows: Rows | None) -> bool:
+    """Whether a Linear layer's rows make preconditioning cheaper than its matrix:
+    ``n(d_out² + d_in² + d_out·d_in) < d_out·d_in(d_out + d_in)`` for ``n`` rows."""
+    if not rows or spec.kind != "linear":
+        return False
+    n = sum(a.shape[0] for a, _ in rows)
+    o, i = spec.g_dim, spec.a_dim
+    return n * (o * o + i * i + o * i) < o * i * (o + i)
+
+
+def check_layers(
+    layers: Mapping[str, LayerState],
+    grads: Mapping[str, torch.Tensor],
+    names: Sequence[str],
+    nonfinite: NonFinite,
+    rows: Mapping[str, Rows] | None = None,
+) -> dict[str, LayerCheck]:
+    """Check the gradients of the layers ``names`` before preconditioning them.
+
+    Every layer of ``layers`` must have its gradients in ``grads`` with its shapes
+    (ValueError naming the layer otherwise). For each of ``names``: are the gradients
+    finite (else warned or raised as :func:`grads_finite` does), and do the layer's
+    ``rows`` reproduce its gradient (:func:`kfac_func.factors.rows_match`, when
+    :func:`rows_cheaper`)? The answers of all layers are computed on the gradients' device
+    and read in one host synchronisation (a second only for a sum that overflowed).
+    """
+    for ls in layers.values():
+        spec = ls.spec
+        missing = [p for p in spec.param_names() if p not in grads]
+        if missing:
+            raise ValueError(f"layer {spec.name!r}: no gradient for {missing} in grads")
+        check_grads(spec, grads[spec.weight], grads[spec.bias] if spec.bias else None)
+    flags: list[torch.Tensor] = []
+    for name in names:
+        spec = layers[name].spec
+        w, b = grads[spec.weight], grads[spec.bias] if spec.bias else None
+        flags.append(torch.isfinite(w.sum() if b is None else w.sum() + b.sum()))
+        layer_rows = (rows or {}).get(name)
+        if layer_rows and rows_cheaper(spec, layer_rows):
+            flags.append(rows_match(spec, w, b, layer_rows))
+        else:
+            flags.append(torch.zeros((), dtype=torch.bool, device=w.device))
+    read = torch.stack([f.to(flags[0].device) for f in flags]).tolist() if flags else []
+    out: dict[str, LayerCheck] = {}
+    for k, name in enumerate(names):
+        finite, use_rows = read[2 * k], read[2 * k + 1]
+        if not finite:  # a NaN/Inf entry, or a sum that overflowed
+            params = layers[name].spec.param_names()
+            finite = all(all_finite(grads[p]) for p in params)
+            if not finite:
+                _non_finite(name, f"the gradients of {list(params)}", nonfinite)
+        out[name] = LayerCheck(finite, finite and use_rows)
+    return out
+
+
 def precondition_layer(
-    ls: LayerState, m: torch.Tensor, damping: float, rows: Rows | None = None
+    ls: LayerState,
+    m: torch.Tensor,
+    damping: float,
+    rows: Rows | None = None,
+    *,
+    checked: bool = False,
 ) -> torch.Tensor:
     """Precondition one layer's gradient matrix with its decomposition.
 
@@ -474,11 +549,8 @@ def precondition_layer(
     dec = ls.decomposition
     assert dec is not None
     spec = ls.spec
-    if rows and spec.kind == "linear":
-        n = sum(a.shape[0] for a, _ in rows)
-        o, i = spec.g_dim, spec.a_dim
-        if n * (o * o + i * i + o * i) < o * i * (o + i) and rows_reproduce(spec, m, rows):
-            return precondition_rows(rows, dec, damping, bias=spec.has_bias, dtype=m.dtype)
+    if rows and rows_cheaper(spec, rows) and (checked or rows_reproduce(spec, m, rows)):
+        return precondition_rows(rows, dec, damping, bias=spec.has_bias, dtype=m.dtype)
     return precondition(m, dec, damping)
 
 

@@ -1,0 +1,145 @@
+"""Host synchronisations of a step, counted where they happen.
+
+On a GPU every read of a device value on the host (``.item()``, ``bool(t)``,
+``.tolist()``) waits for the queued kernels. These all dispatch to
+``aten::_local_scalar_dense`` (or ``aten::is_nonzero``), which :class:`SyncCount`
+counts. A step that only preconditions reads its layers' checks (finite gradients,
+whether the kept Linear rows reproduce the gradient) in one synchronisation, whatever
+the number of layers; so does a distributed step on one rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kfac_func as kf
+
+SYNC_OPS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
+
+
+class SyncCount(TorchDispatchMode):
+    """Counts the reads of tensor values on the host: the operators behind ``.item()`` and
+    ``bool(t)``, and ``Tensor.tolist`` (which reads a CPU tensor without an operator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self._tolist = torch.Tensor.tolist
+
+    def __enter__(self) -> SyncCount:
+        original = self._tolist
+
+        def counted(t: torch.Tensor) -> Any:
+            self.count += 1
+            return original(t)
+
+        torch.Tensor.tolist = counted  # type: ignore[method-assign]
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in SYNC_OPS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _mlp(layers: int) -> nn.Module:
+    torch.manual_seed(0)
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        mods += [nn.Linear(48, 48), nn.Tanh()]
+    return nn.Sequential(*mods, nn.Linear(48, 3))
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1),
+        nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 3),
+    )
+
+
+def _batch(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    shape = (8, 2, 6, 6) if isinstance(model[0], nn.Conv2d) else (8, 48)
+    return torch.randn(shape, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: _mlp(2), lambda: _mlp(5), _cnn], ids=["mlp2", "mlp5", "cnn"]
+)
+def test_adapter_precondition_step_reads_the_device_once(make: Any) -> None:
+    model = make()
+    pre = kf.KFACPreconditioner(model, factor_update_steps=4, inv_update_steps=4, lr=0.1)
+    x, y = _batch(model)
+    counts = []
+    for _ in range(4):  # step 0 updates factors and decomposes; steps 1-3 only precondition
+        F.cross_entropy(model(x), y).backward()
+        with SyncCount() as sc:
+            pre.step()
+        counts.append(sc.count)
+        model.zero_grad()
+    assert counts[1:] == [1, 1, 1], counts
+    # the factor step reads more (finite factors, decompositions), but it did precondition
+    assert counts[0] > 1
+
+
+def test_rows_are_still_used_and_checked() -> None:
+    """The batched check keeps deciding per layer: rows that do not reproduce the gradient
+    (weight decay added to it) make that layer take its dense path, with the same result
+    up to rounding as without rows."""
+    model = _mlp(2).double()
+    layers = kf.register(model)
+    state = kf.init(layers, factor_dtype=torch.float64, inv_dtype=torch.float64)
+    x, y = _batch(model)
+    x = x.double()
+    params = dict(model.named_parameters())
+    _, grads, caps = kf.capture(model, params, x, lambda out: F.cross_entropy(out, y))
+    _, state = kf.update(state, grads, captures=caps, damping=1e-2)
+    bent = dict(grads)
+    bent["0.weight"] = grads["0.weight"] + 1e-3 * params["0.weight"].detach()
+    with SyncCount() as sc:
+        with_rows, _ = kf.update(
+            state, bent, captures=caps, damping=1e-2, update_factors=False, update_inverses=False
+        )
+    assert sc.count == 1
+    dense, _ = kf.update(state, bent, damping=1e-2, update_factors=False, update_inverses=False)
+    for name in grads:
+        torch.testing.assert_close(with_rows[name], dense[name], rtol=1e-10, atol=1e-12)
+    assert not torch.equal(with_rows["0.weight"], grads["0.weight"])
+
+
+def test_update_distributed_one_rank_reads_the_device_once() -> None:
+    model = _mlp(3)
+    layers = kf.register(model)
+    state = kf.init(layers)
+    params = dict(model.named_parameters())
+    x, y = _batch(model)
+    _, grads, caps = kf.capture(model, params, x, lambda out: F.cross_entropy(out, y))
+    plan = kf.make_plan(layers, world_size=1)
+    comm = kf.Communicator(plan)
+    _, state = kf.update_distributed(state, grads, plan=plan, comm=comm, captures=caps)
+    with SyncCount() as sc:
+        kf.update_distributed(
+            state,
+            grads,
+            plan=plan,
+            comm=comm,
+            captures=caps,
+            update_factors=False,
+            update_inverses=False,
+        )
+    assert sc.count == 1
