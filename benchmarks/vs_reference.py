@@ -24,8 +24,9 @@ The variants
 - ``reference`` / ``reference-inv``: the same plus ``ReferenceKFAC.step()`` (eigen / inverse).
 - ``adapter`` / ``adapter-inv``: the same plus ``kfac_func.KFACPreconditioner(model,
   factor_update_steps=F, inv_update_steps=I, ...).step()`` (scaling ``"kfac-pytorch"``).
-- ``functional``: ``kf.capture`` + ``kf.update`` (state from ``kf.init(convention=
-  "kfac-pytorch")``, eigen) + writing ``p.grad`` + the same ``SGD.step()``.
+- ``functional``: ``kf.capture`` + ``kf.update(..., donate=True)`` (state from
+  ``kf.init(convention="kfac-pytorch")``, eigen) + writing ``p.grad`` + the same
+  ``SGD.step()``.
 - ``adapter-qr``: ``adapter`` with ``eigenbasis_refresh="qr"`` (after the first exact
   eigendecomposition, one warm-started QR iteration per refresh); its accuracy is measured
   against ``adapter`` on the same weights (relative error of the preconditioned gradients).
@@ -400,6 +401,7 @@ class Runner:
                 captures=caps,
                 update_factors=kind[0],
                 update_inverses=kind[1],
+                donate=True,  # the state is replaced at once: each layer's old tensors go early
                 **self.hyper,
             )
             for name, p in params.items():
