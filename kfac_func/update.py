@@ -484,6 +484,17 @@ def rows_cheaper(spec: LayerSpec, rows: Rows | None) -> bool:
     return n * (o * o + i * i + o * i) < o * i * (o + i)
 
 
+def validate_grads(layers: Mapping[str, LayerState], grads: Mapping[str, torch.Tensor]) -> None:
+    """Raise a ValueError naming the layer unless ``grads`` holds every layer's gradients
+    with the layer's shapes (no computation, no host synchronisation)."""
+    for ls in layers.values():
+        spec = ls.spec
+        missing = [p for p in spec.param_names() if p not in grads]
+        if missing:
+            raise ValueError(f"layer {spec.name!r}: no gradient for {missing} in grads")
+        check_grads(spec, grads[spec.weight], grads[spec.bias] if spec.bias else None)
+
+
 def check_layers(
     layers: Mapping[str, LayerState],
     grads: Mapping[str, torch.Tensor],
@@ -500,12 +511,7 @@ def check_layers(
     :func:`rows_cheaper`)? The answers of all layers are computed on the gradients' device
     and read in one host synchronisation (a second only for a sum that overflowed).
     """
-    for ls in layers.values():
-        spec = ls.spec
-        missing = [p for p in spec.param_names() if p not in grads]
-        if missing:
-            raise ValueError(f"layer {spec.name!r}: no gradient for {missing} in grads")
-        check_grads(spec, grads[spec.weight], grads[spec.bias] if spec.bias else None)
+    validate_grads(layers, grads)
     flags: list[torch.Tensor] = []
     for name in names:
         spec = layers[name].spec
@@ -689,8 +695,9 @@ def update(
             ``layers`` dict (``state.replace(step=...)`` copies share it), holds the new
             layers under the old step. The memory is saved only when nothing else holds
             the old state (``grads, state = update(state, ..., donate=True)``). Results
-            are the same as without donation. If the step raises, each layer of the
-            donated state is either as it was or as the step left it.
+            are the same as without donation. Missing or misshapen gradients are refused
+            before anything changes; an error after that (``nonfinite="raise"``) leaves
+            each layer of the donated state either as it was or as the step left it.
 
     All hyperparameters may be ``step -> value`` callables, evaluated at ``state.step``.
 
@@ -714,6 +721,7 @@ def update(
     if nonfinite not in ("skip", "raise"):
         raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
     step, config = state.step, state.config
+    validate_grads(state.layers, grads)  # before anything changes, donated or not
     layers = state.layers if donate else dict(state.layers)
     if _resolve(update_factors, step):
         if captures is not None and batch_factors is not None:

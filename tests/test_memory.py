@@ -191,6 +191,26 @@ def test_donated_update_gives_the_same_results(init: dict[str, Any]) -> None:
         assert handed.layers is donated.layers and donated.step == handed.step + 1
 
 
+@pytest.mark.parametrize("fault", ["shape", "missing"])
+def test_donated_update_refuses_bad_gradients_before_changing_anything(fault: str) -> None:
+    model = _model()
+    grads, caps = _captured(model)
+    state = kf.init(kf.register(model), convention="kfac-pytorch", **F64)
+    _, state = kf.update(state, grads, captures=caps)
+    before = dict(state.layers)
+    bad = dict(grads)
+    if fault == "shape":
+        bad["4.weight"] = grads["4.weight"][:, :-1]
+        match = r"layer '4' \(linear\): weight gradient must have shape \(48, 48\)"
+    else:
+        del bad["6.bias"]
+        match = r"layer '6': no gradient for \['6.bias'\]"
+    with pytest.raises(ValueError, match=match):
+        kf.update(state, bad, captures=caps, donate=True)
+    assert state.layers == before  # every layer state is the same object as before
+    assert all(state.layers[k] is v for k, v in before.items())
+
+
 def test_donated_batch_factors_and_rows_are_consumed() -> None:
     model = _model()
     grads, caps = _captured(model)
