@@ -377,13 +377,22 @@ def decomposition_failed(ls: LayerState, reason: str | None) -> LayerState:
     return ls.replace(decomposition_failures=ls.decomposition_failures + 1)
 
 
-def layer_matrix(ls: LayerState, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The layer's gradient matrix; errors name the layer, missing keys and shapes."""
-    spec = ls.spec
+def _layer_grads(
+    spec: LayerSpec, grads: Mapping[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layer's ``(weight, bias)`` gradients; errors name the layer, missing keys and
+    shapes."""
     missing = [p for p in spec.param_names() if p not in grads]
     if missing:
         raise ValueError(f"layer {spec.name!r}: no gradient for {missing} in grads")
-    return grads_to_matrix(spec, grads[spec.weight], grads[spec.bias] if spec.bias else None)
+    w, b = grads[spec.weight], grads[spec.bias] if spec.bias else None
+    check_grads(spec, w, b)
+    return w, b
+
+
+def layer_matrix(ls: LayerState, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The layer's gradient matrix; errors name the layer, missing keys and shapes."""
+    return grads_to_matrix(ls.spec, *_layer_grads(ls.spec, grads))
 
 
 def precondition_grads(
@@ -488,11 +497,7 @@ def validate_grads(layers: Mapping[str, LayerState], grads: Mapping[str, torch.T
     """Raise a ValueError naming the layer unless ``grads`` holds every layer's gradients
     with the layer's shapes (no computation, no host synchronisation)."""
     for ls in layers.values():
-        spec = ls.spec
-        missing = [p for p in spec.param_names() if p not in grads]
-        if missing:
-            raise ValueError(f"layer {spec.name!r}: no gradient for {missing} in grads")
-        check_grads(spec, grads[spec.weight], grads[spec.bias] if spec.bias else None)
+        _layer_grads(ls.spec, grads)
 
 
 def check_layers(
@@ -515,7 +520,7 @@ def check_layers(
     flags: list[torch.Tensor] = []
     for name in names:
         spec = layers[name].spec
-        w, b = grads[spec.weight], grads[spec.bias] if spec.bias else None
+        w, b = _layer_grads(spec, grads)
         flags.append(torch.isfinite(w.sum() if b is None else w.sum() + b.sum()))
         layer_rows = (rows or {}).get(name)
         if layer_rows and rows_cheaper(spec, layer_rows):
