@@ -531,11 +531,9 @@ def check_layers(
     out: dict[str, LayerCheck] = {}
     for k, name in enumerate(names):
         finite, use_rows = read[2 * k], read[2 * k + 1]
-        if not finite:  # a NaN/Inf entry, or a sum that overflowed
-            params = layers[name].spec.param_names()
-            finite = all(all_finite(grads[p]) for p in params)
-            if not finite:
-                _non_finite(name, f"the gradients of {list(params)}", nonfinite)
+        if not finite:  # a NaN/Inf entry, or a sum that overflowed: the exact check
+            ls = layers[name]
+            finite = grads_finite(name, ls.spec, layer_matrix(ls, grads), nonfinite)
         out[name] = LayerCheck(finite, finite and use_rows)
     return out
 
