@@ -66,7 +66,7 @@ except ImportError:  # a checkout without `pip install -e .`: use the repository
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import kfac_func as kf
 
-from kfac_func.plan import DistributedStrategy, resolve_grad_workers
+from kfac_func.distributed.plan import DistributedStrategy, resolve_grad_workers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_time import (

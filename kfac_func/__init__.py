@@ -14,40 +14,17 @@ Example:
     >>> grads, state = kf.update(state, grads, captures=caps, damping=1e-2, lr=0.1)
 """
 
-from kfac_func.adapter import ComputeMethod, KFACPreconditioner
-from kfac_func.capture import Captures, LayerCapture, capture
-from kfac_func.conventions import CONVENTIONS, Convention
-from kfac_func.decomposition import (
-    DecompositionError,
-    EigenDecomposition,
-    InverseDecomposition,
-    eigen_decompose,
-    inverse_decompose,
-    kl_clip_scale,
-    precondition,
-)
-from kfac_func.distributed import Communicator, RankMismatchError
-from kfac_func.factor_files import (
+from kfac_func.adapter.preconditioner import ComputeMethod, KFACPreconditioner
+from kfac_func.adapter.scheduler import LambdaParamScheduler
+from kfac_func.blocks import LayerSpec, LayerTable, grads_to_matrix, matrix_to_grads, register
+from kfac_func.captures import Captures, LayerCapture, capture
+from kfac_func.checkpoint.factor_dir import (
     layer_file_name,
     load_factor_dir,
     read_factor_manifest,
     save_factor_dir,
 )
-from kfac_func.factors import a_factor, g_factor, grads_to_matrix, matrix_to_grads
-from kfac_func.gpt_neox import ExperimentalFeatureWarning, GPTNeoXKFACPreconditioner
-from kfac_func.kaisa import update_distributed
-from kfac_func.layers import LayerSpec, LayerTable, register
-from kfac_func.parallel_kfac import ParallelKFACPreconditioner
-from kfac_func.parallel_plan import ParallelPlan, make_parallel_plan, register_parallel
-from kfac_func.plan import (
-    AssignmentStrategy,
-    DistributedStrategy,
-    LayerPlan,
-    Plan,
-    make_plan,
-)
-from kfac_func.scheduler import LambdaParamScheduler
-from kfac_func.serialization import (
+from kfac_func.checkpoint.state_files import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointMismatchError,
@@ -56,14 +33,34 @@ from kfac_func.serialization import (
     state_from_dict,
     state_to_dict,
 )
-from kfac_func.state import KFACConfig, KFACState, LayerState, init
-from kfac_func.update import (
-    NonFiniteError,
-    accumulate_factors,
-    decompose,
-    precondition_grads,
-    update,
+from kfac_func.core.conventions import CONVENTIONS, Convention
+from kfac_func.core.decomposition import (
+    DecompositionError,
+    EigenDecomposition,
+    InverseDecomposition,
+    eigen_decompose,
+    inverse_decompose,
 )
+from kfac_func.core.factors import a_factor, g_factor
+from kfac_func.core.preconditioning import kl_clip_scale, precondition
+from kfac_func.distributed.communicator import Communicator, RankMismatchError
+from kfac_func.distributed.kaisa import update_distributed
+from kfac_func.distributed.plan import (
+    AssignmentStrategy,
+    DistributedStrategy,
+    LayerPlan,
+    Plan,
+    make_plan,
+)
+from kfac_func.parallel.gpt_neox import ExperimentalFeatureWarning, GPTNeoXKFACPreconditioner
+from kfac_func.parallel.plan import ParallelPlan, make_parallel_plan, register_parallel
+from kfac_func.parallel.preconditioner import ParallelKFACPreconditioner
+from kfac_func.state import KFACConfig, KFACState, LayerState, init
+from kfac_func.step.accumulate import accumulate_factors
+from kfac_func.step.decompose import decompose
+from kfac_func.step.hyper import NonFiniteError
+from kfac_func.step.precondition import precondition_grads
+from kfac_func.step.update import update
 
 __version__ = "0.1.0"
 

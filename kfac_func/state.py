@@ -5,7 +5,7 @@ with optree and with torch's pytree registry. Tensors (factors, decompositions) 
 children; counters, layer specs and the configuration are static metadata, so
 ``optree.tree_map(lambda t: t.to(device), state)`` touches tensors only. Nothing in the
 library mutates a state: every transition builds a new one. The one exception is asked
-for by name: a state donated to :func:`kfac_func.update` (``donate=True``) has its
+for by name: a state donated to :func:`kfac_func.step.update` (``donate=True``) has its
 ``layers`` dict updated in place, so that the step frees each layer's old tensors as soon
 as their replacements exist (the donated state must not be used afterwards).
 """
@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kfac_func._pytree import register_dataclass
-from kfac_func.conventions import Convention, check_convention, initial_factor
-from kfac_func.decomposition import COMPUTE_METHODS, EIGENBASIS_REFRESH, Decomposition
-from kfac_func.layers import LayerSpec
+from kfac_func.blocks import LayerSpec
+from kfac_func.core.conventions import Convention, check_convention, initial_factor
+from kfac_func.core.decomposition import COMPUTE_METHODS, EIGENBASIS_REFRESH, Decomposition
+from kfac_func.core.pytree import register_dataclass
 
 __all__ = ["KFACConfig", "KFACState", "LayerState", "init"]
 
@@ -31,7 +31,7 @@ class KFACConfig:
     """Choices fixed for the life of a state (they decide its structure and meaning).
 
     Attributes:
-        convention: ``"fisher"`` or ``"kfac-pytorch"`` (see :mod:`kfac_func.conventions`).
+        convention: ``"fisher"`` or ``"kfac-pytorch"`` (see :mod:`kfac_func.core.conventions`).
         compute_method: ``"eigen"`` or ``"inverse"``.
         compute_eigenvalue_outer_product: eigen only: precompute ``1/(dg daᵀ + λ)`` when
             decomposing (λ then stays fixed until the next decomposition).
@@ -39,7 +39,7 @@ class KFACConfig:
         inv_dtype: dtype decompositions are stored in.
         eigenbasis_refresh: eigen only: ``"eigh"`` recomputes the eigendecompositions
             exactly; ``"qr"`` refreshes the previous eigenbasis with one warm-started
-            power (QR) iteration (see :func:`kfac_func.decomposition.refresh_eigh`), far
+            power (QR) iteration (see :func:`kfac_func.core.decomposition.refresh_eigh`), far
             cheaper than eigh, approximate, converging over successive refreshes.
     """
 
@@ -79,7 +79,7 @@ class LayerState:
         factor_updates: number of batch factors averaged in so far (static).
         skipped_updates: factor updates skipped because of non-finite values (static).
         decomposition_failures: decompositions that failed even after the retries of
-            :func:`kfac_func.decomposition.eigh_factor`, each time keeping the previous
+            :func:`kfac_func.core.decomposition.eigh_factor`, each time keeping the previous
             decomposition (static).
     """
 
@@ -100,7 +100,7 @@ class LayerState:
 class KFACState:
     """The whole K-FAC state: a step counter, per-layer states and the configuration.
 
-    ``step`` counts calls of :func:`kfac_func.update`; hyperparameter callables receive it.
+    ``step`` counts calls of :func:`kfac_func.step.update`; hyperparameter callables receive it.
     """
 
     layers: dict[str, LayerState]

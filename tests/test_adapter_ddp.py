@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from kfac_func import DistributedStrategy, KFACPreconditioner
-from kfac_func.plan import resolve_grad_workers
+from kfac_func.distributed.plan import resolve_grad_workers
 
 WORLD = 2
 STEPS = 5

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import kfac_func as kf
-from kfac_func.conv_gram import patch_gram, supports_row_gram
-from kfac_func.factors import a_gram, a_rows
+from kfac_func.blocks import a_gram, block_of
+from kfac_func.blocks.patch_gram import patch_gram, supports_row_gram
 
 DT = torch.float64
 
@@ -104,7 +104,7 @@ def test_a_gram_matches_patch_rows(conv: nn.Conv2d, unbatched: bool) -> None:
     if unbatched:
         x = x[0]
     got = a_gram(spec, x, DT)
-    rows, spatial = a_rows(spec, x)
+    rows, spatial = block_of("conv2d").a_rows(spec, x)  # type: ignore[attr-defined]
     if spec.has_bias:
         rows = torch.cat([rows, rows.new_ones(*rows.shape[:-1], 1)], dim=-1)
     torch.testing.assert_close(got.gram, rows.mT @ rows, rtol=1e-12, atol=1e-12)

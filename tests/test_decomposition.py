@@ -14,15 +14,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import kfac_func as kf
-from kfac_func.decomposition import (
+from kfac_func.core.decomposition import (
     DecompositionError,
     condition_estimate,
     damped_inverse,
     eigen_decompose,
     eigh_factor,
-    precondition,
     refresh_eigh,
 )
+from kfac_func.core.preconditioning import precondition
 
 _EIGH = torch.linalg.eigh
 _INV = torch.linalg.inv

@@ -38,7 +38,7 @@ from gloo import gloo_group, record_errors, spawn
 from torch import nn
 
 import kfac_func as kf
-from kfac_func.plan import DistributedStrategy, resolve_grad_workers
+from kfac_func.distributed.plan import DistributedStrategy, resolve_grad_workers
 
 WORLDS = (1, 2, 4)
 STEPS = 5

@@ -32,8 +32,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import kfac_func as kf
-import kfac_func.factor_files as ff
-from kfac_func.plan import DistributedStrategy
+import kfac_func.checkpoint.factor_dir as ff
+from kfac_func.distributed.plan import DistributedStrategy
 
 N, M = 3, 3  # steps before the save, steps after the load
 GLOBAL_BATCH = 12  # split over 4 ranks (3 each) and over 2 ranks (6 each)

@@ -8,7 +8,7 @@ import sys
 import pytest
 from torch import nn
 
-from kfac_func.gpt_neox import ExperimentalFeatureWarning, GPTNeoXKFACPreconditioner
+from kfac_func.parallel.gpt_neox import ExperimentalFeatureWarning, GPTNeoXKFACPreconditioner
 
 
 def test_without_deepspeed_a_clear_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -30,7 +30,7 @@ def test_model_must_be_a_pipeline_module() -> None:
 
 
 def test_inverse_method_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kfac_func.gpt_neox as gn
+    import kfac_func.parallel.gpt_neox as gn
 
     # stand in for PipelineModule: building a real one needs a DeepSpeed process group
     monkeypatch.setattr(gn, "_pipeline_module", lambda: nn.Linear)

@@ -3,7 +3,7 @@
 Topologies: pipeline 2 (world 2); pipeline 2 × data 2 and pipeline 2 × model 2 (world
 4, both in one spawn). The model is a tiny transformer-like stack as a
 ``deepspeed.pipe.PipelineModule``: a feature projection, two MLP blocks with residuals
-whose halves are :mod:`kfac_func.tensor_parallel`'s column- and row-parallel linears (one
+whose halves are :mod:`kfac_func.parallel.layers`'s column- and row-parallel linears (one
 block in Megatron's wiring, one with whole activations in between) and a head; each
 stage holds two of the four pipeline layers. DeepSpeed trains it with ``train_batch``
 (two micro-batches per step, gradients averaged over the data-parallel group) and the
@@ -37,7 +37,7 @@ from gloo import gloo_group, one_thread, record_errors, spawn
 from torch import nn
 
 import kfac_func as kf
-from kfac_func.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from kfac_func.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 pytestmark = pytest.mark.slow  # DeepSpeed and gloo process groups: one spawn per world size
 
@@ -146,7 +146,7 @@ def _scenario(deepspeed: Any, scenario: tuple[int, int, int], tmp: str) -> dict[
         PipeModelDataParallelTopology,
     )
 
-    from kfac_func.gpt_neox import ExperimentalFeatureWarning, GPTNeoXKFACPreconditioner
+    from kfac_func.parallel.gpt_neox import ExperimentalFeatureWarning, GPTNeoXKFACPreconditioner
 
     pp, dp, mp_ = scenario
     topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=mp_, num_dp=dp)

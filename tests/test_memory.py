@@ -27,8 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import kfac_func as kf
-from kfac_func.kaisa import local_batch_factors
-from kfac_func.update import captured_rows
+from kfac_func.distributed.kaisa import local_batch_factors
+from kfac_func.step.precondition import captured_rows
 
 F64 = {"factor_dtype": torch.float64, "inv_dtype": torch.float64}
 

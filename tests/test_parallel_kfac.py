@@ -31,8 +31,8 @@ from gloo import gloo_group, one_thread, record_errors, spawn
 from torch import nn
 
 import kfac_func as kf
-from kfac_func.parallel_kfac import ParallelKFACPreconditioner
-from kfac_func.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from kfac_func.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from kfac_func.parallel.preconditioner import ParallelKFACPreconditioner
 
 F64 = torch.float64
 D, HIDDEN, T, CLASSES = 4, 8, 3, 3

@@ -1,4 +1,4 @@
-"""The KAISA plan (:mod:`kfac_func.plan`): pure data, no process group.
+"""The KAISA plan (:mod:`kfac_func.distributed.plan`): pure data, no process group.
 
 Property tests draw random layer tables and world sizes and check the invariants of the
 sharding; example tests pin down validation, warnings and the cost functions.
@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kfac_func as kf
-from kfac_func.layers import LayerSpec
-from kfac_func.plan import DistributedStrategy, Plan, make_plan, resolve_grad_workers
+from kfac_func.blocks import LayerSpec
+from kfac_func.distributed.plan import DistributedStrategy, Plan, make_plan, resolve_grad_workers
 
 Layers = dict[str, LayerSpec | tuple[int, int]]
 

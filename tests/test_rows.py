@@ -14,11 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import kfac_func as kf
-from kfac_func.factors import linear_rows, rows_reproduce
+from kfac_func.blocks import layer_rows
+from kfac_func.core.factors import rows_reproduce
 
 DT = torch.float64
-# the module (``kfac_func.update`` as an attribute is the function of that name)
-kf_update = importlib.import_module("kfac_func.update")
+# the module that calls precondition_rows
+kf_precondition = importlib.import_module("kfac_func.step.precondition")
 
 
 def _wide(bias: bool = True, calls: int = 1) -> tuple[nn.Module, Any, Any, kf.Captures]:
@@ -57,13 +58,13 @@ def _dense(ls: kf.LayerState, m: torch.Tensor, damping: float, method: str) -> t
 
 def _count_rows_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     seen: list[str] = []
-    real = kf_update.precondition_rows
+    real = kf_precondition.precondition_rows
 
     def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
         seen.append("rows")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(kf_update, "precondition_rows", counting)
+    monkeypatch.setattr(kf_precondition, "precondition_rows", counting)
     return seen
 
 
@@ -118,14 +119,14 @@ def test_rows_reproduce_tolerates_rounding_only(dtype: torch.dtype) -> None:
     spec = kf.register(nn.Linear(300, 200))[""]
     a, g = torch.randn(64, 300, dtype=dtype), torch.randn(64, 200, dtype=dtype)
     m = torch.cat([g.T @ a, g.sum(0)[:, None]], dim=1)
-    rows = linear_rows(spec, [a], [g])
+    rows = layer_rows(spec, [a], [g])
     assert rows_reproduce(spec, m, rows)
     # the same sum in two halves rounds differently and is still accepted
-    assert rows_reproduce(spec, m, linear_rows(spec, [a[:32], a[32:]], [g[:32], g[32:]]))
+    assert rows_reproduce(spec, m, layer_rows(spec, [a[:32], a[32:]], [g[:32], g[32:]]))
     bumped = m.clone()
     bumped[5, 7] += 1e-3 * float(m.abs().max())
     assert not rows_reproduce(spec, bumped, rows)
-    assert not rows_reproduce(spec, m, linear_rows(spec, [a[:63]], [g[:63]]))
+    assert not rows_reproduce(spec, m, layer_rows(spec, [a[:63]], [g[:63]]))
 
 
 def test_adapter_uses_rows_on_one_rank_and_matches_the_dense_path(

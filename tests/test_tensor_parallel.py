@@ -20,7 +20,7 @@ import torch
 from gloo import gloo_group, record_errors, spawn
 from torch import nn
 
-from kfac_func.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from kfac_func.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 WORLD = 2
 pytestmark = pytest.mark.slow  # gloo process groups: one spawn per world size

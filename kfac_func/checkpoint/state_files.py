@@ -43,7 +43,7 @@ Loading (:func:`state_from_dict`, :func:`load_state`) checks the file against a 
 same model (``like=kf.init(kf.register(model), ...)``) and either returns a complete new state
 or raises one :class:`CheckpointMismatchError` listing every problem; malformed, truncated or
 future-version files raise :class:`CheckpointFormatError`. Decompositions that the file
-does not hold come back as ``None``: :func:`kfac_func.update` computes them on its next call
+does not hold come back as ``None``: :func:`kfac_func.step.update` computes them on its next call
 (from the factors of that step), or call ``kf.decompose(state, damping=...,
 only_missing=True)`` to compute them right away from the loaded factors.
 """
@@ -65,8 +65,8 @@ import safetensors
 import safetensors.torch
 import torch
 
-from kfac_func.decomposition import EigenDecomposition, InverseDecomposition
-from kfac_func.layers import LayerSpec
+from kfac_func.blocks import LayerSpec
+from kfac_func.core.decomposition import EigenDecomposition, InverseDecomposition
 from kfac_func.state import KFACConfig, KFACState, LayerState
 
 __all__ = [
@@ -254,7 +254,7 @@ def state_to_dict(
     Args:
         state: the state to flatten.
         include_decompositions: also store the decompositions. Without them the loaded
-            state has none, and the next :func:`kfac_func.update` recomputes them from the
+            state has none, and the next :func:`kfac_func.step.update` recomputes them from the
             factors of that step (``kf.decompose(state, damping=..., only_missing=True)``
             computes them eagerly from the loaded factors instead).
 
@@ -491,7 +491,7 @@ def state_from_dict(d: Mapping[str, torch.Tensor], *, like: KFACState) -> KFACSt
     and the device (its tensors' values are not used). The step, counters, factors and
     stored decompositions come from ``d``, copied onto ``like``'s device in the memory
     layout they had when saved (so the new state shares no memory with ``d``).
-    Decompositions not stored come back as ``None``: the next :func:`kfac_func.update`
+    Decompositions not stored come back as ``None``: the next :func:`kfac_func.step.update`
     computes them from that step's factors, or ``kf.decompose(state, damping=...,
     only_missing=True)`` computes them now from the loaded factors.
 
@@ -518,7 +518,7 @@ def state_from_dict(d: Mapping[str, torch.Tensor], *, like: KFACState) -> KFACSt
         ...                                    convention="kfac-pytorch"))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        kfac_func.serialization.CheckpointMismatchError: checkpoint does not match the `like` state:
+        kfac_func.checkpoint.state_files.CheckpointMismatchError: checkpoint does not match the `like` state:
           layer '': spec differs (checkpoint vs like): out_dim 2 vs 5; ...
     """
     if not isinstance(like, KFACState):

@@ -3,7 +3,7 @@
 Forward hooks (and gradient hooks on each call's output) collect each registered layer's
 statistics during the forward and backward passes: Gram matrices at once with
 ``update_factors_in_hook``, else the raw tensors until ``step()``. ``step()`` hands them
-to :func:`kfac_func.update` on one process (donating its state to it, see
+to :func:`kfac_func.step.update` on one process (donating its state to it, see
 :meth:`KFACPreconditioner.step`) or to :func:`kfac_func.update_distributed` across
 ranks, and rewrites ``.grad`` in place. The adapter owns no math and keeps one immutable
 :class:`KFACState`, exposed as :attr:`KFACPreconditioner.state`.
@@ -22,14 +22,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from kfac_func.decomposition import EigenDecomposition, InverseDecomposition, all_finite
-from kfac_func.distributed import Communicator, OrderedReducer
-from kfac_func.factors import Gram, Rows, a_gram, g_gram, linear_rows
-from kfac_func.kaisa import offer_factors, start_factor_reduction, update_distributed
-from kfac_func.layers import LayerSpec, register
-from kfac_func.plan import AssignmentStrategy, DistributedStrategy, make_plan
+from kfac_func.blocks import Gram, LayerSpec, Rows, a_gram, g_gram, register
+from kfac_func.core.decomposition import EigenDecomposition, InverseDecomposition, all_finite
+from kfac_func.distributed.communicator import Communicator, OrderedReducer
+from kfac_func.distributed.kaisa import offer_factors, start_factor_reduction, update_distributed
+from kfac_func.distributed.plan import AssignmentStrategy, DistributedStrategy, make_plan
 from kfac_func.state import KFACState, LayerState, init
-from kfac_func.update import MicroBatchStats, factors_from_stats, redecompose, update
+from kfac_func.step.accumulate import MicroBatchStats, factors_from_stats
+from kfac_func.step.decompose import redecompose
+from kfac_func.step.update import update
 
 __all__ = ["ComputeMethod", "KFACPreconditioner"]
 
@@ -174,11 +175,11 @@ class KFACPreconditioner(KFACArguments):
     over the ranks by a KAISA plan (``grad_worker_fraction``, ``colocate_factors``,
     ``assignment_strategy``); without a process group it runs on one process. At
     construction the ranks verify that they built the same plan with the same
-    hyperparameters (:class:`kfac_func.distributed.RankMismatchError` on every rank
+    hyperparameters (:class:`kfac_func.distributed.communicator.RankMismatchError` on every rank
     otherwise); ``collective_timeout`` bounds each of the preconditioner's collectives.
     ``eigenbasis_refresh="qr"`` replaces the exact eigendecompositions after the first
     by one warm-started QR iteration each (approximate, much cheaper; see
-    :func:`kfac_func.decomposition.refresh_eigh`).
+    :func:`kfac_func.core.decomposition.refresh_eigh`).
 
     Example:
         >>> import torch
@@ -377,9 +378,9 @@ class KFACPreconditioner(KFACArguments):
     def _keeps_rows(self, spec: LayerSpec) -> bool:
         """Linear layers on one rank keep each call's rows for :meth:`step`: their
         gradient is the rows' product, which preconditions with fewer dense products
-        (see :func:`kfac_func.update.precondition_layer`)."""
+        (see :func:`kfac_func.step.update.precondition_layer`)."""
         return (
-            spec.kind == "linear"
+            spec.block.has_rows
             and self.comm.world_size == 1
             and self.model.training
             and torch.is_grad_enabled()
@@ -448,7 +449,8 @@ class KFACPreconditioner(KFACArguments):
             xs = [x for x, _ in pairs if x is not None]
             gys = [gy for _, gy in pairs if gy is not None]
             if pairs and len(gys) == len(xs) == len(pairs):
-                out[name] = linear_rows(self.layers[name], xs, gys)
+                spec = self.layers[name]
+                out[name] = spec.block.rows(spec, xs, gys)
             for pair in pairs:
                 pair[0] = pair[1] = None
         return out
@@ -517,7 +519,7 @@ class KFACPreconditioner(KFACArguments):
         ``factor_update_steps``; all micro-batches of the window form one update) and
         recomputes the decompositions every ``inv_update_steps``.
 
-        On one process the state is donated to :func:`kfac_func.update` (``donate=True``),
+        On one process the state is donated to :func:`kfac_func.step.update` (``donate=True``),
         so each layer's old factors and decomposition are freed as soon as their
         replacements exist: the step's peak memory holds one state, not two. A state
         obtained from :attr:`state` before the step is not affected (the donated state is

@@ -1,7 +1,7 @@
 """Pure pieces of model-parallel K-FAC: which captured tensors are shards, and the
 kl_clip scale summed over ranks.
 
-No process group here: :mod:`kfac_func.parallel_kfac` moves the tensors and calls these.
+No process group here: :mod:`kfac_func.parallel.preconditioner` moves the tensors and calls these.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kfac_func.layers import LayerSpec
+from kfac_func.blocks import LayerSpec
 
 __all__ = ["is_shard", "kl_clip_from_terms", "kl_clip_terms"]
 
@@ -24,13 +24,13 @@ def is_shard(spec: LayerSpec, split: str | None, parts: int, size: int, which: s
     names the layer.
 
     Example:
-        >>> from kfac_func.layers import LayerSpec
+        >>> from kfac_func.blocks import LayerSpec
         >>> spec = LayerSpec("fc", "linear", "fc.weight", None, 8, 6)
         >>> is_shard(spec, "row", 2, 4, "a"), is_shard(spec, "row", 2, 8, "a")
         (True, False)
     """
     full, sharded = (spec.in_dim, "row") if which == "a" else (spec.out_dim, "column")
-    if split != sharded or parts == 1 or spec.kind != "linear":
+    if split != sharded or parts == 1 or not spec.block.tensor_parallel:
         return False
     if size == full:
         return False

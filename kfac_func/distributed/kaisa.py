@@ -1,11 +1,11 @@
-"""`update_distributed`: the K-FAC step of :func:`kfac_func.update`, executed under a plan.
+"""`update_distributed`: the K-FAC step of :func:`kfac_func.step.update`, executed under a plan.
 
-Composition only: the stages of :mod:`kfac_func.update` and the factor decompositions do
-the math, :class:`kfac_func.distributed.Communicator` moves tensors, the
-:class:`kfac_func.plan.Plan` says who does what. Per step:
+Composition only: the stages of :mod:`kfac_func.step.update` and the factor decompositions do
+the math, :class:`kfac_func.distributed.communicator.Communicator` moves tensors, the
+:class:`kfac_func.distributed.plan.Plan` says who does what. Per step:
 
 1. every rank computes its local batch factors; they are averaged over ranks (weighted
-   like micro-batches, see :func:`kfac_func.conventions.micro_batch_weights`) by a
+   like micro-batches, see :func:`kfac_func.core.conventions.micro_batch_weights`) by a
    bucketed asynchronous all-reduce, or, under ``MEM_OPT`` where only the owner needs
    them, by a reduce to the owner (half the bytes);
 2. the owners decompose their factors and broadcast the results to the layer's grad
@@ -25,9 +25,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from kfac_func.capture import Captures
-from kfac_func.conventions import decomposition_dtype
-from kfac_func.decomposition import (
+from kfac_func.blocks import Rows
+from kfac_func.captures import Captures
+from kfac_func.core.conventions import decomposition_dtype
+from kfac_func.core.decomposition import (
     Decomposition,
     DecompositionError,
     EigenDecomposition,
@@ -36,27 +37,14 @@ from kfac_func.decomposition import (
     eigenvalue_outer,
     eigh_or_refresh,
 )
-from kfac_func.distributed import Communicator, OrderedReducer, Pending
-from kfac_func.factors import Rows
-from kfac_func.plan import DistributedStrategy, Plan
+from kfac_func.distributed.communicator import Communicator, OrderedReducer, Pending
+from kfac_func.distributed.plan import DistributedStrategy, Plan
 from kfac_func.state import KFACState, LayerState
-from kfac_func.update import (
-    Hyper,
-    NonFinite,
-    _as_list,
-    _check,
-    _resolve,
-    apply_preconditioned,
-    captured_rows,
-    check_layers,
-    decomposition_failed,
-    fold_checked,
-    layer_batch_factors,
-    layer_matrix,
-    needs_decomposition,
-    precondition_layer,
-    warm_start,
-)
+from kfac_func.step.accumulate import fold_checked, layer_batch_factors
+from kfac_func.step.checks import check_layers, layer_matrix
+from kfac_func.step.decompose import decomposition_failed, needs_decomposition, warm_start
+from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, resolve
+from kfac_func.step.precondition import apply_preconditioned, captured_rows, precondition_layer
 
 __all__ = [
     "local_batch_factors",
@@ -85,7 +73,7 @@ def local_batch_factors(
     state: KFACState, captures: Captures | Sequence[Captures]
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
     """``{layer: (A, G, weight)}`` of this rank's captures (layers not called are absent)."""
-    micro = _as_list(captures)
+    micro = as_list(captures)
     out = {}
     for name, ls in state.layers.items():
         batch = layer_batch_factors(ls.spec, micro, state.config)
@@ -252,16 +240,16 @@ def update_distributed(
     nonfinite: NonFinite = "skip",
     rows: Mapping[str, Rows] | None = None,
 ) -> tuple[dict[str, torch.Tensor], KFACState]:
-    """:func:`kfac_func.update` across ranks, with the communication of ``plan``.
+    """:func:`kfac_func.step.update` across ranks, with the communication of ``plan``.
 
     Every rank calls it with its local captures and the rank-averaged gradients; every
     rank returns the same preconditioned gradients. Arguments are those of
-    :func:`kfac_func.update`, plus the plan and its :class:`Communicator`, and
+    :func:`kfac_func.step.update`, plus the plan and its :class:`Communicator`, and
     ``batch_factors`` (``{layer: (A, G, weight)}`` of this rank, as from
     :func:`local_batch_factors`) for callers that built the factors already (the hooks of
     the stateful adapter) instead of ``captures``, ``factor_reducer`` (from
     :func:`start_factor_reduction`) holding layers whose reduction already started, and
-    ``rows`` (see :func:`kfac_func.update.precondition_layer`; on one rank they are taken
+    ``rows`` (see :func:`kfac_func.step.update.precondition_layer`; on one rank they are taken
     from ``captures``; with several ranks the gradients are averages, which local rows
     never reproduce).
 
@@ -284,23 +272,21 @@ def update_distributed(
         raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
     names = _check_plan(state, plan)
     step = state.step
-    lam = _resolve(damping, step)
-    _check("damping", lam, lambda v: v >= 0, ">= 0")
+    lam = resolve(damping, step)
+    check_hyper("damping", lam, lambda v: v >= 0, ">= 0")
     layers = dict(state.layers)
-    if _resolve(update_factors, step):
+    if resolve(update_factors, step):
         if captures is not None and batch_factors is not None:
             raise ValueError("give captures= or batch_factors=, not both")
         if captures is None and batch_factors is None and factor_reducer is None:
-            raise ValueError("update_factors=True needs captures= (from kfac_func.capture)")
-        decay = _resolve(factor_decay, step)
-        _check("factor_decay", decay, lambda v: 0 < v <= 1, "in (0, 1]")
+            raise ValueError("update_factors=True needs captures= (from kfac_func.captures)")
+        decay = resolve(factor_decay, step)
+        check_hyper("factor_decay", decay, lambda v: 0 < v <= 1, "in (0, 1]")
         local = batch_factors or {}
         if captures is not None:
             local = local_batch_factors(state, captures)
         layers = _reduce_factors(state, names, local, plan, comm, decay, nonfinite, factor_reducer)
-    layers = _decompose(
-        state, layers, names, plan, comm, lam, bool(_resolve(update_inverses, step))
-    )
+    layers = _decompose(state, layers, names, plan, comm, lam, bool(resolve(update_inverses, step)))
 
     rank = comm.rank
     if rows is None and captures is not None and comm.world_size == 1:

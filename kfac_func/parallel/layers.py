@@ -18,7 +18,7 @@ scatter (take the local slice of the last dimension forward, all-gather backward
 gather (all-gather forward, take the local slice backward). Without an initialised
 process group (or with ``group`` of one rank) the layers are plain linears.
 
-This module holds no K-FAC code; :mod:`kfac_func.parallel_kfac` recognises these layers
+This module holds no K-FAC code; :mod:`kfac_func.parallel.preconditioner` recognises these layers
 (and Megatron's or GPT-NeoX's layers of the same class names) by class name.
 """
 

@@ -4,7 +4,7 @@ The stateful preconditioner of one pipeline stage (or of a whole model without
 pipelining), with kfac-pytorch's arguments plus the three process groups. Forward hooks
 and gradient hooks collect each registered layer's inputs and output-gradients;
 ``step()`` (after the gradients were averaged over the data-parallel ranks, before
-``optimizer.step()``) runs, under a :class:`~kfac_func.parallel_plan.ParallelPlan`:
+``optimizer.step()``) runs, under a :class:`~kfac_func.parallel.plan.ParallelPlan`:
 
 1. in each data-parallel replica, the model-parallel ranks send the *primary* of each
    tensor-parallel layer their shards of its inputs (row-parallel) or output-gradients
@@ -21,7 +21,7 @@ and gradient hooks collect each registered layer's inputs and output-gradients;
    row-parallel bias and of replicated layers); each part is then broadcast over the
    data-parallel group, so every replica ends with identical gradients.
 
-The math is that of :mod:`kfac_func.update` and :mod:`kfac_func.factors` on the full
+The math is that of :mod:`kfac_func.step.update` and :mod:`kfac_func.core.factors` on the full
 layer, so the result equals K-FAC on the unsharded model. Megatron's layers do not work
 inside ``torch.func``; this path uses autograd hooks only.
 """
@@ -38,30 +38,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from kfac_func.adapter import ComputeMethod, KFACArguments
-from kfac_func.decomposition import EigenDecomposition, InverseDecomposition, precondition
-from kfac_func.factor_files import load_factor_dir, save_factor_dir
-from kfac_func.factors import Gram, a_gram, g_gram, grads_to_matrix, matrix_to_grads
-from kfac_func.layers import LayerSpec
-from kfac_func.parallel_comm import ParallelCommunicator
-from kfac_func.parallel_math import is_shard, kl_clip_from_terms, kl_clip_terms
-from kfac_func.parallel_plan import (
+from kfac_func.adapter.preconditioner import ComputeMethod, KFACArguments
+from kfac_func.blocks import Gram, LayerSpec, a_gram, g_gram, grads_to_matrix, matrix_to_grads
+from kfac_func.checkpoint.factor_dir import load_factor_dir, save_factor_dir
+from kfac_func.core.decomposition import EigenDecomposition, InverseDecomposition
+from kfac_func.core.preconditioning import precondition
+from kfac_func.distributed.plan import AssignmentStrategy, Plan
+from kfac_func.parallel.comm import ParallelCommunicator
+from kfac_func.parallel.plan import (
     ParallelPlan,
     Split,
     global_plan,
     make_parallel_plan,
     register_parallel,
 )
-from kfac_func.plan import AssignmentStrategy, Plan
+from kfac_func.parallel.shards import is_shard, kl_clip_from_terms, kl_clip_terms
 from kfac_func.state import KFACState, LayerState, init
-from kfac_func.update import (
-    MicroBatchStats,
-    decompose_layer,
-    factors_from_stats,
-    fold_checked,
-    grads_finite,
-    needs_decomposition,
-)
+from kfac_func.step.accumulate import MicroBatchStats, factors_from_stats, fold_checked
+from kfac_func.step.checks import grads_finite
+from kfac_func.step.decompose import decompose_layer, needs_decomposition
 
 __all__ = ["ParallelKFACPreconditioner"]
 
@@ -106,7 +101,7 @@ class ParallelKFACPreconditioner(KFACArguments):
     Example:
         >>> import torch
         >>> from torch import nn
-        >>> from kfac_func.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+        >>> from kfac_func.parallel.layers import ColumnParallelLinear, RowParallelLinear
         >>> model = nn.Sequential(ColumnParallelLinear(4, 8, gather_output=False), nn.Tanh(),
         ...                       RowParallelLinear(8, 2, input_is_parallel=True))
         >>> pre = ParallelKFACPreconditioner(model, damping=0.01)  # one process
@@ -617,7 +612,7 @@ class ParallelKFACPreconditioner(KFACArguments):
         As in kfac-pytorch, a ``factor_checkpoint_dir`` that is not a directory (no
         checkpoint was saved yet) only warns and keeps the current factors; a directory
         without a complete checkpoint raises
-        :class:`~kfac_func.serialization.CheckpointFormatError`.
+        :class:`~kfac_func.checkpoint.state_files.CheckpointFormatError`.
         """
         if self.factor_checkpoint_dir is None:
             raise ValueError("factor_checkpoint_dir is None")

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kfac_func.plan import Plan
+from kfac_func.distributed.plan import Plan
 
 __all__ = ["Communicator", "Pending", "RankMismatchError"]
 
@@ -103,7 +103,7 @@ class Communicator:
     fail (gloo and NCCL report the closed connection, or the timeout expires).
 
     Example:
-        >>> from kfac_func.plan import make_plan
+        >>> from kfac_func.distributed.plan import make_plan
         >>> comm = Communicator(make_plan({"fc": (3, 2)}, world_size=1))
         >>> comm.rank, comm.world_size
         (0, 1)
@@ -330,7 +330,7 @@ class OrderedReducer:
     input back). :meth:`finish` fills keys never offered, flushes and waits.
 
     Example:
-        >>> from kfac_func.plan import make_plan
+        >>> from kfac_func.distributed.plan import make_plan
         >>> comm = Communicator(make_plan({"fc": (2, 2)}, world_size=1))
         >>> red = comm.ordered_reducer(["fc"], symmetric=[False])
         >>> red.ready("fc", [torch.ones(2)])

@@ -1,6 +1,6 @@
 """`GPTNeoXKFACPreconditioner`: K-FAC for DeepSpeed pipeline models (GPT-NeoX, Megatron).
 
-:class:`~kfac_func.parallel_kfac.ParallelKFACPreconditioner` with kfac-pytorch's GPT-NeoX
+:class:`~kfac_func.parallel.preconditioner.ParallelKFACPreconditioner` with kfac-pytorch's GPT-NeoX
 arguments and checks: the model must be a ``deepspeed.pipe.PipelineModule`` (each
 pipeline stage registers only its own layers), the compute method is eigen, and the
 feature is experimental. The process groups default to those of the module's DeepSpeed
@@ -52,9 +52,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from kfac_func.adapter import ComputeMethod, _enum
-from kfac_func.parallel_kfac import ParallelKFACPreconditioner
-from kfac_func.plan import AssignmentStrategy
+from kfac_func.adapter.preconditioner import ComputeMethod, _enum
+from kfac_func.distributed.plan import AssignmentStrategy
+from kfac_func.parallel.preconditioner import ParallelKFACPreconditioner
 
 __all__ = ["ExperimentalFeatureWarning", "GPTNeoXKFACPreconditioner"]
 
@@ -80,7 +80,7 @@ def _pipeline_module() -> type:
 class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
     """K-FAC for a ``deepspeed.pipe.PipelineModule`` under data × pipeline × model parallelism.
 
-    Arguments are those of :class:`~kfac_func.parallel_kfac.ParallelKFACPreconditioner`
+    Arguments are those of :class:`~kfac_func.parallel.preconditioner.ParallelKFACPreconditioner`
     (kfac-pytorch's, plus the three groups and ``factor_checkpoint_dir``). Groups left as
     None are taken from the module's DeepSpeed grid when it has one. Call :meth:`step`
     after DeepSpeed averaged the gradients and before the optimizer steps: from a step

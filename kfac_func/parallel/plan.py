@@ -1,6 +1,6 @@
 """Plans for model-parallel K-FAC: data × pipeline × tensor (model) parallel training.
 
-Pure data, like :mod:`kfac_func.plan`: no process group is needed to build or print one.
+Pure data, like :mod:`kfac_func.distributed.plan`: no process group is needed to build or print one.
 
 Vocabulary. A rank has three coordinates: its pipeline *stage*, its position ``d`` in
 the data-parallel group and its position ``m`` in the model-parallel group. The *stage
@@ -12,8 +12,8 @@ its own layers, so every stage builds its own plan from its own layers.
 :func:`kfac_func.register` does (replicated over the model-parallel ranks), and the
 Megatron-style ``ColumnParallelLinear`` (weight split on the output dimension) and
 ``RowParallelLinear`` (split on the input dimension), recognised by class name so that
-Megatron's, GPT-NeoX's and :mod:`kfac_func.tensor_parallel`'s layers all qualify. Every
-layer is described by the :class:`~kfac_func.layers.LayerSpec` of the *full* (unsharded)
+Megatron's, GPT-NeoX's and :mod:`kfac_func.parallel.layers`'s layers all qualify. Every
+layer is described by the :class:`~kfac_func.blocks.LayerSpec` of the *full* (unsharded)
 layer: its factors have the full sizes.
 
 :func:`make_parallel_plan` gives each layer one *owner* among the stage peers,
@@ -35,8 +35,9 @@ from typing import Literal
 
 from torch import nn
 
-from kfac_func.layers import LayerSpec, LayerTable, register
-from kfac_func.plan import (
+from kfac_func.blocks import LayerSpec, LayerTable, register
+from kfac_func.blocks.linear import LinearBlock
+from kfac_func.distributed.plan import (
     AssignmentStrategy,
     CostFn,
     DistributedStrategy,
@@ -92,7 +93,7 @@ def _tp_spec(name: str, module: nn.Module, split: Split, parts: int) -> LayerSpe
             )
     bias = getattr(module, "bias", None)
     bias_name = f"{prefix}bias" if isinstance(bias, nn.Parameter) else None
-    return LayerSpec(name, "linear", f"{prefix}weight", bias_name, in_dim, out_dim)
+    return LayerSpec(name, LinearBlock.kind, f"{prefix}weight", bias_name, in_dim, out_dim)
 
 
 def register_parallel(
@@ -108,7 +109,7 @@ def register_parallel(
 
     Example:
         >>> from torch import nn
-        >>> from kfac_func.tensor_parallel import ColumnParallelLinear
+        >>> from kfac_func.parallel.layers import ColumnParallelLinear
         >>> table, splits = register_parallel(nn.Sequential(ColumnParallelLinear(3, 4),
         ...                                                 nn.Linear(4, 2)))
         >>> [(n, s.in_dim, s.out_dim, splits[n]) for n, s in table.items()]
@@ -162,7 +163,7 @@ class ParallelPlan:
     """Owners of the layers of one pipeline stage; see the module docstring.
 
     Example:
-        >>> from kfac_func.layers import LayerSpec
+        >>> from kfac_func.blocks import LayerSpec
         >>> specs = {n: LayerSpec(n, "linear", f"{n}.weight", None, 8, 8) for n in "abc"}
         >>> plan = make_parallel_plan(specs, {"a": "column", "b": "row", "c": None},
         ...                           data_parallel_size=2, model_parallel_size=2)
@@ -275,7 +276,7 @@ def global_plan(
     :func:`kfac_func.load_factor_dir` (``only_owned=True``) reads it back.
 
     Example:
-        >>> from kfac_func.layers import LayerSpec
+        >>> from kfac_func.blocks import LayerSpec
         >>> spec = LayerSpec("fc", "linear", "fc.weight", None, 3, 2)
         >>> global_plan({"fc": spec}, {"fc": 1}, 2).layers["fc"].grad_workers
         (1,)

@@ -2,7 +2,7 @@
 
 K-FAC approximates the curvature block of a layer by ``G ⊗ A``. How ``A`` and ``G`` are
 normalised decides what ``damping`` means, so the two conventions below are explicit and
-every factor computed by :mod:`kfac_func.factors` takes its scale from here.
+every factor computed by :mod:`kfac_func.core.factors` takes its scale from here.
 
 Notation, per forward call of the layer: ``rows`` is the number of rows the call
 contributes (batch × sequence positions for Linear, batch × output pixels for Conv2d),

@@ -6,7 +6,7 @@
         layer.<encoded layer name>.safetensors   one per layer
         manifest.json                            written last: the commit point
 
-Each layer file is an ordinary single-layer checkpoint of :mod:`kfac_func.serialization`
+Each layer file is an ordinary single-layer checkpoint of :mod:`kfac_func.checkpoint.state_files`
 (``save_state`` of ``state.replace(layers={name: layer_state})``: same format, same
 metadata, same atomic write), so every check of that module applies to it. Under a
 :class:`~kfac_func.Plan` the file of a layer is written by the layer's A owner, the one
@@ -70,8 +70,7 @@ from typing import Any
 import safetensors.torch
 import torch.distributed as dist
 
-from kfac_func.plan import DistributedStrategy, Plan
-from kfac_func.serialization import (
+from kfac_func.checkpoint.state_files import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointMismatchError,
@@ -80,6 +79,7 @@ from kfac_func.serialization import (
     save_state,
     state_from_dict,
 )
+from kfac_func.distributed.plan import DistributedStrategy, Plan
 from kfac_func.state import KFACState, LayerState
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Collectives of model-parallel K-FAC over the data- and model-parallel groups. No K-FAC math.
 
-:class:`ParallelCommunicator` moves tensors for :mod:`kfac_func.parallel_kfac`:
+:class:`ParallelCommunicator` moves tensors for :mod:`kfac_func.parallel.preconditioner`:
 
 - within this rank's model-parallel group: :meth:`~ParallelCommunicator.gather_shards`
   (shards of inputs, output-gradients or gradients, joined along a dimension on one rank)

@@ -19,8 +19,8 @@ import torch.utils._pytree as torch_pytree
 from torch import nn
 from torch.func import functional_call
 
-from kfac_func._pytree import register_dataclass
-from kfac_func.layers import LayerSpec, register
+from kfac_func.blocks import LayerSpec, register
+from kfac_func.core.pytree import register_dataclass
 
 __all__ = ["Captures", "LayerCapture", "capture"]
 

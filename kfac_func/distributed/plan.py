@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from kfac_func.layers import LayerSpec
+from kfac_func.blocks import LayerSpec
 
 __all__ = [
     "AssignmentStrategy",

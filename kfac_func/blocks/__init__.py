@@ -1,0 +1,106 @@
+"""Layer kinds: one module per kind behind the protocol of :mod:`kfac_func.blocks.base`.
+
+Importing this package imports every module in it, so each kind's module registers its
+block (:func:`~kfac_func.blocks.base.register_block`) and adding a kind is one new module.
+The functions below dispatch on ``spec.kind``.
+
+Example:
+    >>> import torch
+    >>> from kfac_func.blocks import a_gram, register
+    >>> spec = register(torch.nn.Conv2d(1, 2, 3))[""]
+    >>> a_gram(spec, torch.ones(1, 1, 4, 4)).gram.shape
+    torch.Size([10, 10])
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Sequence
+
+import torch
+
+from kfac_func.blocks.base import (
+    Gram,
+    LayerBlock,
+    LayerSpec,
+    Rows,
+    block_of,
+    blocks,
+    register_block,
+)
+from kfac_func.blocks.table import LayerTable, register
+
+__all__ = [
+    "Gram",
+    "LayerBlock",
+    "LayerSpec",
+    "LayerTable",
+    "Rows",
+    "a_gram",
+    "block_of",
+    "blocks",
+    "check_grads",
+    "g_gram",
+    "grads_to_matrix",
+    "layer_rows",
+    "matrix_to_grads",
+    "register",
+    "register_block",
+]
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+
+def a_gram(spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> Gram:
+    """Gram statistics of one call's input (bias column of ones included)."""
+    return spec.block.a_gram(spec, x, dtype)
+
+
+def g_gram(spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype = torch.float32) -> Gram:
+    """Gram statistics of one call's raw output-gradient."""
+    return spec.block.g_gram(spec, r, dtype)
+
+
+def layer_rows(
+    spec: LayerSpec, inputs: Sequence[torch.Tensor], output_grads: Sequence[torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The rows of every call for the low-rank path, or None if the kind has none."""
+    if not spec.block.has_rows:
+        return None
+    return spec.block.rows(spec, inputs, output_grads)
+
+
+def check_grads(spec: LayerSpec, weight_grad: torch.Tensor, bias_grad: torch.Tensor | None) -> None:
+    """Raise a ValueError naming the layer unless the gradients have the layer's shapes."""
+    spec.block.check_grads(spec, weight_grad, bias_grad)
+
+
+def grads_to_matrix(
+    spec: LayerSpec, weight_grad: torch.Tensor, bias_grad: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Gradient matrix ``(*batch_shape, g_dim, a_dim)``; the bias is the last column.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> spec = register(nn.Linear(2, 1))[""]
+        >>> grads_to_matrix(spec, torch.tensor([[1.0, 2.0]]), torch.tensor([3.0]))
+        tensor([[1., 2., 3.]])
+    """
+    spec.block.check_grads(spec, weight_grad, bias_grad)
+    return spec.block.to_matrix(spec, weight_grad, bias_grad)
+
+
+def matrix_to_grads(spec: LayerSpec, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Inverse of :func:`grads_to_matrix`: ``(weight_grad, bias_grad or None)``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> spec = register(nn.Linear(2, 1))[""]
+        >>> matrix_to_grads(spec, torch.tensor([[1.0, 2.0, 3.0]]))
+        (tensor([[1., 2.]]), tensor([3.]))
+    """
+    return spec.block.from_matrix(spec, m)

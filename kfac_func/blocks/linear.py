@@ -1,0 +1,80 @@
+"""``nn.Linear``: inputs of any rank, leading dimensions become rows.
+
+``A`` is the Gram of the input rows ``a`` (a column of ones appended for the bias), ``G``
+that of the output-gradient rows; every position of a sequence is a row of its own (the
+"expand" convention). The gradient ``[W | b]`` is ``Σ gᵀ[a, 1]`` over the rows, which the
+low-rank preconditioning path uses (:attr:`LinearBlock.has_rows`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from kfac_func.blocks.base import Gram, LayerBlock, LayerSpec, register_block, row_gram, shape_error
+
+__all__ = ["LinearBlock"]
+
+# Subclasses of nn.Linear whose forward is never called (MultiheadAttention reads
+# `out_proj.weight` directly), so hooks would capture nothing.
+_NEVER_CALLED = ("NonDynamicallyQuantizableLinear",)
+
+
+@register_block
+class LinearBlock(LayerBlock):
+    """``y = x Wᵀ + b`` with ``W`` of shape ``(out, in)``.
+
+    Example:
+        >>> import torch
+        >>> from kfac_func.blocks import register
+        >>> spec = register(torch.nn.Linear(3, 2))[""]
+        >>> spec.block.a_gram(spec, torch.ones(5, 3), torch.float32).gram[-1]
+        tensor([5., 5., 5., 5.])
+    """
+
+    kind = "linear"
+    module_types = (nn.Linear,)
+    has_rows = True
+    tensor_parallel = True
+
+    def spec(self, name: str, module: nn.Module) -> LayerSpec | str:
+        if type(module).__name__ in _NEVER_CALLED:
+            return f"{type(module).__name__} is used without calling its forward"
+        assert isinstance(module, nn.Linear)
+        prefix = f"{name}." if name else ""
+        bias = f"{prefix}bias" if isinstance(module.bias, torch.Tensor) else None
+        return LayerSpec(
+            name, self.kind, f"{prefix}weight", bias, module.in_features, module.out_features
+        )
+
+    def weight_shape(self, spec: LayerSpec) -> tuple[int, ...]:
+        return (spec.out_dim, spec.in_dim)
+
+    def a_rows(self, spec: LayerSpec, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Input rows ``(prod(...), in)`` of ``x`` of shape ``(..., in)``; spatial 1."""
+        if x.dim() == 0 or x.shape[-1] != spec.in_dim:
+            raise shape_error(spec, "input", f"last dimension {spec.in_dim}", x.shape)
+        return x.reshape(-1, spec.in_dim), 1
+
+    def g_rows(self, spec: LayerSpec, r: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Output-gradient rows ``(prod(...), out)``; spatial 1."""
+        if r.dim() == 0 or r.shape[-1] != spec.out_dim:
+            raise shape_error(spec, "output-gradient", f"last dimension {spec.out_dim}", r.shape)
+        return r.reshape(-1, spec.out_dim), 1
+
+    def a_gram(self, spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype) -> Gram:
+        rows, spatial = self.a_rows(spec, x.to(dtype))
+        return Gram(row_gram(rows, spec.has_bias), rows.shape[-2], spatial)
+
+    def g_gram(self, spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype) -> Gram:
+        rows, spatial = self.g_rows(spec, r.to(dtype))
+        return Gram(row_gram(rows, False), rows.shape[-2], spatial)
+
+    def rows(
+        self, spec: LayerSpec, inputs: Sequence[torch.Tensor], output_grads: Sequence[torch.Tensor]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [
+            (self.a_rows(spec, x)[0], self.g_rows(spec, r)[0]) for x, r in zip(inputs, output_grads)
+        ]

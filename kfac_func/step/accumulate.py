@@ -1,0 +1,222 @@
+"""Stage 1 of the step: fold batch factors into the running averages.
+
+:func:`accumulate_factors` is the public, pure stage; :func:`fold_layers` and the functions
+around it are the pieces the distributed step and the adapters reuse.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, MutableMapping, Sequence
+from typing import NamedTuple
+
+import torch
+
+from kfac_func.blocks import Gram, LayerSpec, a_gram, g_gram
+from kfac_func.captures import Captures
+from kfac_func.core.conventions import micro_batch_weights
+from kfac_func.core.decomposition import all_finite
+from kfac_func.core.factors import factor_from_grams
+from kfac_func.state import KFACConfig, KFACState, LayerState
+from kfac_func.step.hyper import (
+    Hyper,
+    NonFinite,
+    NonFiniteError,
+    as_list,
+    check_hyper,
+    non_finite,
+    resolve,
+)
+
+__all__ = [
+    "LayerFactors",
+    "MicroBatchStats",
+    "accumulate_factors",
+    "factors_finite",
+    "factors_from_stats",
+    "fold_checked",
+    "fold_factors",
+    "fold_layers",
+    "layer_batch_factors",
+]
+
+
+LayerFactors = tuple[torch.Tensor, torch.Tensor, float]
+"""One layer's batch factors ``(A, G, weight)`` (see :func:`factors_from_stats`)."""
+
+
+class MicroBatchStats(NamedTuple):
+    """One layer's statistics from one micro-batch: per-call Grams of inputs and
+    output-gradients, the micro-batch's example count and its loss scale."""
+
+    a: list[Gram]
+    g: list[Gram]
+    batch_size: int
+    loss_scale: float
+
+
+def factors_from_stats(
+    name: str, micro_batches: Sequence[MicroBatchStats], config: KFACConfig
+) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """A, G and weight of one accumulation window for one layer; None if it saw nothing.
+
+    The weight is what the window counts for when windows of several ranks are averaged
+    (see :func:`kfac_func.core.conventions.micro_batch_weights`).
+    """
+    seen = [m for m in micro_batches if m.a]
+    if not seen:
+        return None
+    sizes = [m.batch_size for m in seen]
+    a_sum: torch.Tensor | None = None
+    g_sum: torch.Tensor | None = None
+    for w, m in zip(micro_batch_weights(config.convention, sizes), seen):
+        if len(m.a) != len(m.g):
+            raise ValueError(
+                f"layer {name!r}: {len(m.a)} captured inputs but {len(m.g)} output-gradients"
+            )
+        a = factor_from_grams(m.a, config.convention)
+        g = factor_from_grams(
+            m.g, config.convention, batch_size=m.batch_size, loss_scale=m.loss_scale
+        )
+        if a_sum is None or g_sum is None:  # the first: no copy when its weight is 1
+            a_sum, g_sum = (a, g) if w == 1 else (w * a, w * g)
+        else:
+            a_sum.add_(a, alpha=w)  # our own temporaries: accumulate in place
+            g_sum.add_(g, alpha=w)
+    assert a_sum is not None and g_sum is not None
+    return a_sum, g_sum, float(sum(sizes)) if config.convention == "fisher" else 1.0
+
+
+def layer_batch_factors(
+    spec: LayerSpec, micro_batches: Sequence[Captures], config: KFACConfig
+) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """:func:`factors_from_stats` of captures (one per micro-batch)."""
+    stats = []
+    for cap in micro_batches:
+        lc = cap.layers.get(spec.name)
+        if lc is None or not lc.inputs:
+            continue
+        dt = config.factor_dtype
+        stats.append(
+            MicroBatchStats(
+                [a_gram(spec, x, dt) for x in lc.inputs],
+                [g_gram(spec, r, dt) for r in lc.output_grads],
+                cap.batch_size,
+                cap.loss_scale,
+            )
+        )
+    return factors_from_stats(spec.name, stats, config)
+
+
+def factors_finite(name: str, a: torch.Tensor, g: torch.Tensor, mode: NonFinite) -> bool:
+    """True if both batch factors are finite; else warn (``"skip"``) or raise."""
+    bad = [w for w, f in (("A", a), ("G", g)) if not all_finite(f)]
+    if bad:
+        non_finite(name, f"the {' and '.join(bad)} factor of this batch", mode)
+    return not bad
+
+
+def fold_checked(
+    ls: LayerState,
+    a: torch.Tensor,
+    g: torch.Tensor,
+    decay: float,
+    config: KFACConfig,
+    nonfinite: NonFinite,
+) -> LayerState:
+    """:func:`fold_factors` when both batch factors are finite, else the layer unchanged
+    but for one more skipped update (or :class:`NonFiniteError`).
+
+    A running factor that holds NaN/Inf already (a state built or loaded that way) is
+    restarted from the batch factor, with a warning, so that it cannot stay poisoned.
+    """
+    name = ls.spec.name
+    if not factors_finite(name, a, g, nonfinite):
+        return ls.replace(skipped_updates=ls.skipped_updates + 1)
+    new = fold_factors(ls, a, g, decay, config)
+    bad = [w for w, f in (("A", new.a_factor), ("G", new.g_factor)) if not all_finite(f)]
+    if bad:
+        msg = f"layer {name!r}: the running {' and '.join(bad)} factor held NaN/Inf"
+        if nonfinite == "raise":
+            raise NonFiniteError(msg)
+        warnings.warn(f"{msg}; restarted from this batch", RuntimeWarning, stacklevel=2)
+        new = new.replace(
+            a_factor=a if "A" in bad else new.a_factor, g_factor=g if "G" in bad else new.g_factor
+        )
+    return new
+
+
+def fold_factors(
+    ls: LayerState, a: torch.Tensor, g: torch.Tensor, decay: float, config: KFACConfig
+) -> LayerState:
+    """Running average ``decay·old + (1−decay)·batch`` (the first ``"fisher"`` update
+    takes the batch factors as they are)."""
+    if ls.factor_updates == 0 and config.convention == "fisher":
+        new_a, new_g = a, g
+    else:
+        # one new tensor per factor: decay·old, then + (1 − decay)·batch in place
+        new_a = ls.a_factor.mul(decay).add_(a, alpha=1 - decay)
+        new_g = ls.g_factor.mul(decay).add_(g, alpha=1 - decay)
+    return ls.replace(a_factor=new_a, g_factor=new_g, factor_updates=ls.factor_updates + 1)
+
+
+def accumulate_factors(
+    state: KFACState,
+    captures: Captures | Sequence[Captures],
+    *,
+    factor_decay: Hyper = 0.95,
+    nonfinite: NonFinite = "skip",
+) -> KFACState:
+    """Fold one accumulation window of captures into the running-average factors.
+
+    ``new = decay · old + (1 − decay) · batch``; the first update of a ``"fisher"`` state
+    takes the batch factor as is (see :mod:`kfac_func.core.conventions`). Several captures
+    (micro-batches) form one update. Layers absent from the captures keep their factors.
+    A layer whose batch factors hold NaN/Inf keeps its factors and counts a skipped update
+    (``nonfinite="skip"``, with a warning) or raises :class:`NonFiniteError`.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> model = nn.Linear(3, 2)
+        >>> state = kf.init(kf.register(model))
+        >>> _, _, caps = kf.capture(model, dict(model.named_parameters()),
+        ...                         torch.randn(4, 3), lambda out: out.sum())
+        >>> kf.accumulate_factors(state, caps).layers[""].factor_updates
+        1
+    """
+    decay = resolve(factor_decay, state.step)
+    check_hyper("factor_decay", decay, lambda v: 0 < v <= 1, "in (0, 1]")
+    micro = as_list(captures)
+    layers = dict(state.layers)
+    fold_layers(
+        layers,
+        lambda _, ls: layer_batch_factors(ls.spec, micro, state.config),
+        decay,
+        state.config,
+        nonfinite,
+    )
+    return state.replace(layers=layers)
+
+
+def fold_layers(
+    layers: MutableMapping[str, LayerState],
+    batch_of: Callable[[str, LayerState], LayerFactors | None],
+    decay: float,
+    config: KFACConfig,
+    nonfinite: NonFinite,
+) -> None:
+    """:func:`fold_checked` every layer of ``layers`` (in place) with the batch factors
+    ``batch_of(name, layer)``; layers for which it returns None are left as they are.
+
+    Layer by layer: each entry is replaced as soon as its new factors exist and its batch
+    factors are dropped before the next layer's are made, so when ``layers`` is the only
+    holder of the old layer states (a donated state) the old factors are freed one layer
+    at a time instead of after the whole step.
+    """
+    for name in list(layers):
+        batch = batch_of(name, layers[name])
+        if batch is not None:
+            layers[name] = fold_checked(layers[name], batch[0], batch[1], decay, config, nonfinite)
+        del batch

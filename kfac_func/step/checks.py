@@ -1,0 +1,118 @@
+"""Checks of the gradients before they are preconditioned.
+
+Every layer's gradients must be present with the layer's shapes (an error names the layer
+otherwise); each layer's finiteness, and whether its rows reproduce its gradient, are
+computed on the device and read with one host synchronisation (:func:`check_layers`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+
+from kfac_func.blocks import LayerSpec, Rows, check_grads, grads_to_matrix
+from kfac_func.core.decomposition import all_finite
+from kfac_func.core.factors import rows_match
+from kfac_func.state import LayerState
+from kfac_func.step.hyper import NonFinite, non_finite
+
+__all__ = [
+    "LayerCheck",
+    "check_layers",
+    "grads_finite",
+    "layer_grads",
+    "layer_matrix",
+    "rows_cheaper",
+    "validate_grads",
+]
+
+
+def layer_grads(
+    spec: LayerSpec, grads: Mapping[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layer's ``(weight, bias)`` gradients; errors name the layer, missing keys and
+    shapes."""
+    missing = [p for p in spec.param_names() if p not in grads]
+    if missing:
+        raise ValueError(f"layer {spec.name!r}: no gradient for {missing} in grads")
+    w, b = grads[spec.weight], grads[spec.bias] if spec.bias else None
+    check_grads(spec, w, b)
+    return w, b
+
+
+def layer_matrix(ls: LayerState, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The layer's gradient matrix; errors name the layer, missing keys and shapes."""
+    return grads_to_matrix(ls.spec, *layer_grads(ls.spec, grads))
+
+
+class LayerCheck(NamedTuple):
+    """What :func:`check_layers` found for one layer: its gradients are finite, and its
+    rows may replace its gradient matrix (:func:`precondition_layer`)."""
+
+    finite: bool
+    rows: bool
+
+
+def rows_cheaper(spec: LayerSpec, rows: Rows | None) -> bool:
+    """Whether a layer's rows make preconditioning cheaper than its matrix:
+    ``n(d_out² + d_in² + d_out·d_in) < d_out·d_in(d_out + d_in)`` for ``n`` rows."""
+    if not rows or not spec.block.has_rows:
+        return False
+    n = sum(a.shape[0] for a, _ in rows)
+    o, i = spec.g_dim, spec.a_dim
+    return n * (o * o + i * i + o * i) < o * i * (o + i)
+
+
+def validate_grads(layers: Mapping[str, LayerState], grads: Mapping[str, torch.Tensor]) -> None:
+    """Raise a ValueError naming the layer unless ``grads`` holds every layer's gradients
+    with the layer's shapes (no computation, no host synchronisation)."""
+    for ls in layers.values():
+        layer_grads(ls.spec, grads)
+
+
+def check_layers(
+    layers: Mapping[str, LayerState],
+    grads: Mapping[str, torch.Tensor],
+    names: Sequence[str],
+    nonfinite: NonFinite,
+    rows: Mapping[str, Rows] | None = None,
+) -> dict[str, LayerCheck]:
+    """Check the gradients of the layers ``names`` before preconditioning them.
+
+    Every layer of ``layers`` must have its gradients in ``grads`` with its shapes
+    (ValueError naming the layer otherwise). For each of ``names``: are the gradients
+    finite (else warned or raised as :func:`grads_finite` does), and do the layer's
+    ``rows`` reproduce its gradient (:func:`kfac_func.core.factors.rows_match`, when
+    :func:`rows_cheaper`)? The answers of all layers are computed on the gradients' device
+    and read in one host synchronisation (a second only for a sum that overflowed).
+    """
+    validate_grads(layers, grads)
+    flags: list[torch.Tensor] = []
+    for name in names:
+        spec = layers[name].spec
+        w, b = layer_grads(spec, grads)
+        flags.append(torch.isfinite(w.sum() if b is None else w.sum() + b.sum()))
+        layer_rows = (rows or {}).get(name)
+        if layer_rows and rows_cheaper(spec, layer_rows):
+            flags.append(rows_match(spec, w, b, layer_rows))
+        else:
+            flags.append(torch.zeros((), dtype=torch.bool, device=w.device))
+    read = torch.stack([f.to(flags[0].device) for f in flags]).tolist() if flags else []
+    out: dict[str, LayerCheck] = {}
+    for k, name in enumerate(names):
+        finite, use_rows = read[2 * k], read[2 * k + 1]
+        if not finite:  # a NaN/Inf entry, or a sum that overflowed: the exact check
+            ls = layers[name]
+            finite = grads_finite(name, ls.spec, layer_matrix(ls, grads), nonfinite)
+        out[name] = LayerCheck(finite, finite and use_rows)
+    return out
+
+
+def grads_finite(name: str, spec: LayerSpec, m: torch.Tensor, mode: NonFinite) -> bool:
+    """True if the gradient matrix is finite; else warn (``"skip"``) or raise."""
+    if all_finite(m):
+        return True
+    non_finite(name, f"the gradients of {list(spec.param_names())}", mode)
+    return False

@@ -1,0 +1,219 @@
+"""Stage 3 of the step: precondition the gradients and scale them by kl_clip.
+
+:func:`precondition_grads` is the public, pure stage; :func:`precondition_layer` and
+:func:`write_preconditioned` are the pieces the distributed step and the adapters reuse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from kfac_func.blocks import LayerSpec, Rows, matrix_to_grads
+from kfac_func.captures import Captures
+from kfac_func.core.factors import rows_reproduce
+from kfac_func.core.preconditioning import (
+    kl_clip_scale_of_terms,
+    kl_clip_term,
+    precondition,
+    precondition_rows,
+)
+from kfac_func.state import KFACState, LayerState
+from kfac_func.step.checks import check_layers, layer_matrix, rows_cheaper
+from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, resolve, take
+
+__all__ = [
+    "apply_preconditioned",
+    "captured_rows",
+    "precondition_grads",
+    "precondition_layer",
+    "precondition_layers",
+    "write_preconditioned",
+]
+
+
+def precondition_grads(
+    state: KFACState,
+    grads: Mapping[str, torch.Tensor],
+    *,
+    damping: Hyper = 1e-3,
+    kl_clip: Hyper | None = 1e-3,
+    lr: Hyper = 0.1,
+    nonfinite: NonFinite = "skip",
+    rows: Mapping[str, Rows] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Precondition the gradients of every decomposed layer; others pass unchanged.
+
+    The preconditioned gradients of all layers are scaled by
+    ``min(1, sqrt(kl_clip / |lr² Σ P ⊙ grad|))`` unless ``kl_clip`` is None. ``rows``
+    (``{layer: [(input rows, output-gradient rows), ...]}``, see
+    :func:`precondition_layer`) lets Linear layers skip dense products.
+
+    Returns:
+        A new dict with the keys of ``grads``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> layers = kf.register(nn.Linear(1, 1))
+        >>> state = kf.decompose(kf.init(layers, convention="kfac-pytorch"), damping=1.0)
+        >>> g = {"weight": torch.ones(1, 1), "bias": torch.ones(1)}
+        >>> kf.precondition_grads(state, g, damping=1.0, kl_clip=None)["weight"]
+        tensor([[0.5000]])
+    """
+    lam = resolve(damping, state.step)
+    check_hyper("damping", lam, lambda v: v >= 0, ">= 0")
+    return precondition_layers(
+        state.layers,
+        grads,
+        lam,
+        kl_clip=kl_clip,
+        lr=lr,
+        step=state.step,
+        nonfinite=nonfinite,
+        rows=rows,
+    )
+
+
+def precondition_layers(
+    layers: Mapping[str, LayerState],
+    grads: Mapping[str, torch.Tensor],
+    damping: float,
+    *,
+    kl_clip: Hyper | None,
+    lr: Hyper,
+    step: int,
+    nonfinite: NonFinite,
+    rows: Mapping[str, Rows] | None = None,
+    consume_rows: bool = False,
+) -> dict[str, torch.Tensor]:
+    """:func:`precondition_grads` of ``layers`` with a resolved ``damping``.
+
+    Holds one layer's gradient matrix at a time: its term of the kl_clip sum is taken as
+    soon as the layer is preconditioned. With ``consume_rows``, each layer's entry is
+    removed from a mutable ``rows`` once used.
+    """
+    done: list[tuple[LayerSpec, torch.Tensor]] = []
+    terms: dict[str, torch.Tensor] = {}
+    decomposed = [name for name, ls in layers.items() if ls.decomposition is not None]
+    checks = check_layers(layers, grads, decomposed, nonfinite, rows)
+    for name, ls in layers.items():
+        taken = take(rows, name, consume_rows)
+        check = checks.get(name)
+        if check is None or not check.finite:
+            continue
+        m = layer_matrix(ls, grads)
+        p = precondition_layer(ls, m, damping, taken if check.rows else None, checked=True)
+        if kl_clip is not None:
+            terms[ls.spec.name] = kl_clip_term(p, m)
+        done.append((ls.spec, p))
+        del m
+    return write_preconditioned(grads, done, terms, kl_clip=kl_clip, lr=lr, step=step)
+
+
+def precondition_layer(
+    ls: LayerState,
+    m: torch.Tensor,
+    damping: float,
+    rows: Rows | None = None,
+    *,
+    checked: bool = False,
+) -> torch.Tensor:
+    """Precondition one layer's gradient matrix with its decomposition.
+
+    With the rows of a Linear layer's calls, when the gradient is exactly their product
+    (:func:`kfac_func.core.factors.rows_reproduce`) and that is cheaper
+    (``n(d_out² + d_in² + d_out·d_in) < d_out·d_in(d_out + d_in)`` for ``n`` rows), the
+    products with the gradient become products with the rows
+    (:func:`kfac_func.core.decomposition.precondition_rows`); the result is the same up to
+    rounding.
+    """
+    dec = ls.decomposition
+    assert dec is not None
+    spec = ls.spec
+    if rows and rows_cheaper(spec, rows) and (checked or rows_reproduce(spec, m, rows)):
+        return precondition_rows(rows, dec, damping, bias=spec.has_bias, dtype=m.dtype)
+    return precondition(m, dec, damping)
+
+
+def captured_rows(state: KFACState, captures: Captures | Sequence[Captures]) -> dict[str, Rows]:
+    """The rows of the calls in ``captures`` (all micro-batches) of every layer whose kind
+    has rows (:attr:`kfac_func.blocks.LayerBlock.has_rows`)."""
+    out: dict[str, Rows] = {}
+    micro = as_list(captures)
+    for name, ls in state.layers.items():
+        if not ls.spec.block.has_rows:
+            continue
+        found = [
+            pair
+            for cap in micro
+            if name in cap.layers
+            for pair in ls.spec.block.rows(
+                ls.spec, cap.layers[name].inputs, cap.layers[name].output_grads
+            )
+        ]
+        if found:
+            out[name] = found
+    return out
+
+
+def apply_preconditioned(
+    grads: Mapping[str, torch.Tensor],
+    done: Sequence[tuple[LayerSpec, torch.Tensor, torch.Tensor]],
+    *,
+    kl_clip: Hyper | None,
+    lr: Hyper,
+    step: int,
+) -> dict[str, torch.Tensor]:
+    """Scale the preconditioned matrices by the kl_clip factor and write them back.
+
+    ``done`` holds ``(spec, preconditioned matrix, raw matrix)`` of the layers that were
+    preconditioned; every other entry of ``grads`` passes unchanged into the new dict.
+    The preconditioned matrices are scaled in place (see :func:`write_preconditioned`).
+    """
+    terms: dict[str, torch.Tensor] = {}
+    if kl_clip is not None:
+        terms = {spec.name: kl_clip_term(p, m) for spec, p, m in done}
+    pairs = [(spec, p) for spec, p, _ in done]
+    return write_preconditioned(grads, pairs, terms, kl_clip=kl_clip, lr=lr, step=step)
+
+
+def write_preconditioned(
+    grads: Mapping[str, torch.Tensor],
+    done: Sequence[tuple[LayerSpec, torch.Tensor]],
+    terms: Mapping[str, torch.Tensor],
+    *,
+    kl_clip: Hyper | None,
+    lr: Hyper,
+    step: int,
+) -> dict[str, torch.Tensor]:
+    """Scale the preconditioned matrices by the kl_clip factor and write them back.
+
+    ``done`` holds ``(spec, preconditioned matrix)`` of the layers that were
+    preconditioned, ``terms`` their :func:`~kfac_func.core.decomposition.kl_clip_term` by layer
+    name (needed unless ``kl_clip`` is None). The matrices must be the caller's own
+    temporaries: they are scaled in place. Every other entry of ``grads`` passes unchanged
+    into the new dict.
+    """
+    clip = resolve(kl_clip, step) if kl_clip is not None else None
+    rate = resolve(lr, step)
+    check_hyper("lr", rate, lambda v: v >= 0, ">= 0")
+    if clip is not None:
+        check_hyper("kl_clip", clip, lambda v: v > 0, "> 0 (or None to disable)")
+    if clip is not None and done:
+        # summed in name order, so that ranks whose states list layers in another order
+        # round it the same
+        first = min(done, key=lambda t: t[0].name)[1]
+        names = sorted(spec.name for spec, _ in done)
+        scale = kl_clip_scale_of_terms([terms[n] for n in names], clip, rate, dtype=first.dtype)
+        for _, p in done:
+            p.mul_(scale.to(p.dtype))
+    out = dict(grads)
+    for spec, p in done:
+        w, b = matrix_to_grads(spec, p)
+        out[spec.weight] = w.to(grads[spec.weight].dtype)
+        if spec.bias is not None and b is not None:
+            out[spec.bias] = b.to(grads[spec.bias].dtype)
+    return out

@@ -1,0 +1,141 @@
+"""`update`: one pure K-FAC step, composed of the three stages.
+
+1. :func:`~kfac_func.step.accumulate.accumulate_factors` folds the batch factors of the
+   captures into the running averages (``factor_decay``);
+2. :func:`~kfac_func.step.decompose.decompose` recomputes the eigendecompositions or
+   damped inverses;
+3. :func:`~kfac_func.step.precondition.precondition_grads` applies them to the gradients
+   and scales by ``kl_clip``.
+
+Every function returns new objects and leaves its inputs untouched, except that
+``update(..., donate=True)`` may reuse the state it is handed (see :func:`update`).
+Hyperparameters are numbers or ``step -> value`` callables, evaluated at ``state.step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from kfac_func.blocks import Rows
+from kfac_func.captures import Captures
+from kfac_func.state import KFACState, LayerState
+from kfac_func.step.accumulate import LayerFactors, fold_layers, layer_batch_factors
+from kfac_func.step.checks import validate_grads
+from kfac_func.step.decompose import decompose_layers
+from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, resolve, take
+from kfac_func.step.precondition import captured_rows, precondition_layers
+
+__all__ = ["update"]
+
+
+def update(
+    state: KFACState,
+    grads: Mapping[str, torch.Tensor],
+    *,
+    captures: Captures | Sequence[Captures] | None = None,
+    batch_factors: Mapping[str, LayerFactors] | None = None,
+    rows: Mapping[str, Rows] | None = None,
+    damping: Hyper = 1e-3,
+    factor_decay: Hyper = 0.95,
+    kl_clip: Hyper | None = 1e-3,
+    lr: Hyper = 0.1,
+    update_factors: bool | Callable[[int], bool] = True,
+    update_inverses: bool | Callable[[int], bool] = True,
+    nonfinite: NonFinite = "skip",
+    donate: bool = False,
+) -> tuple[dict[str, torch.Tensor], KFACState]:
+    """One K-FAC step: returns ``(preconditioned_grads, new_state)``; inputs are untouched
+    (unless donated).
+
+    Args:
+        state: from :func:`kfac_func.init` or a previous ``update``.
+        grads: ``{param_name: grad}``; parameters of unregistered layers pass unchanged.
+        captures: from :func:`kfac_func.captures` (or a list of them, one per micro-batch
+            of an accumulation window); needed when factors are updated, unless
+            ``batch_factors`` are given instead.
+        batch_factors: ``{layer: (A, G, weight)}`` already built from this step's
+            statistics (as :func:`factors_from_stats` returns them; the weight is not
+            used on one process), instead of ``captures``.
+        rows: ``{layer: [(input rows, output-gradient rows), ...]}`` of Linear layers (see
+            :func:`precondition_layer`); taken from ``captures`` when not given.
+        damping: Tikhonov damping λ.
+        factor_decay: running-average coefficient in (0, 1].
+        kl_clip: gradient-scale clipping; None disables it.
+        lr: learning rate used by the kl_clip scale.
+        update_factors: fold the captures into the factors this step.
+        update_inverses: recompute decompositions this step (layers without one are
+            always decomposed once their factors hold data).
+        nonfinite: ``"skip"`` (warn, keep that layer's state, pass its gradient
+            unchanged) or ``"raise"`` (:class:`NonFiniteError`) on NaN/Inf.
+        donate: hand ``state`` over to the step (as JAX's buffer donation): its
+            ``layers`` dict is updated in place, each layer's entry replaced as soon as
+            its new factors or decomposition exist, so that the old ones are freed one
+            layer at a time instead of being held, with the whole new state, until the
+            step returns. The entries of ``batch_factors`` and ``rows`` (when they are
+            mutable) are removed as they are used, for the same reason. Use only the
+            returned state afterwards: the donated one, and every state sharing its
+            ``layers`` dict (``state.replace(step=...)`` copies share it), holds the new
+            layers under the old step. The memory is saved only when nothing else holds
+            the old state (``grads, state = update(state, ..., donate=True)``). Results
+            are the same as without donation. Missing or misshapen gradients are refused
+            before anything changes; an error after that (``nonfinite="raise"``) leaves
+            each layer of the donated state either as it was or as the step left it.
+
+    All hyperparameters may be ``step -> value`` callables, evaluated at ``state.step``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        >>> params = dict(model.named_parameters())
+        >>> state = kf.init(kf.register(model))
+        >>> x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+        >>> loss, grads, caps = kf.capture(model, params, x,
+        ...                                lambda out: nn.functional.cross_entropy(out, y))
+        >>> new_grads, state = kf.update(state, grads, captures=caps, damping=1e-2)
+        >>> state.step, sorted(new_grads) == sorted(params)
+        (1, True)
+        >>> new_grads, state = kf.update(state, grads, captures=caps, donate=True)
+        >>> state.step
+        2
+    """
+    if nonfinite not in ("skip", "raise"):
+        raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
+    step, config = state.step, state.config
+    validate_grads(state.layers, grads)  # before anything changes, donated or not
+    layers = state.layers if donate else dict(state.layers)
+    if resolve(update_factors, step):
+        if captures is not None and batch_factors is not None:
+            raise ValueError("give captures= or batch_factors=, not both")
+        if captures is None and batch_factors is None:
+            raise ValueError("update_factors=True needs captures= (from kfac_func.captures)")
+        decay = resolve(factor_decay, step)
+        check_hyper("factor_decay", decay, lambda v: 0 < v <= 1, "in (0, 1]")
+        micro = as_list(captures) if captures is not None else None
+
+        def batch_of(name: str, ls: LayerState) -> LayerFactors | None:
+            if micro is not None:
+                return layer_batch_factors(ls.spec, micro, config)
+            return take(batch_factors, name, donate)
+
+        fold_layers(layers, batch_of, decay, config, nonfinite)
+    lam = resolve(damping, step)
+    check_hyper("damping", lam, lambda v: v >= 0, ">= 0")
+    decompose_layers(layers, lam, config, update_inverses=bool(resolve(update_inverses, step)))
+    if rows is None and captures is not None:
+        rows = captured_rows(state, captures)
+    out = precondition_layers(
+        layers,
+        grads,
+        lam,
+        kl_clip=kl_clip,
+        lr=lr,
+        step=step,
+        nonfinite=nonfinite,
+        rows=rows,
+        consume_rows=donate,
+    )
+    return out, state.replace(layers=layers, step=step + 1)
