@@ -18,21 +18,15 @@ from kfac_func.adapter.preconditioner import ComputeMethod, KFACPreconditioner
 from kfac_func.adapter.scheduler import LambdaParamScheduler
 from kfac_func.blocks import LayerSpec, LayerTable, grads_to_matrix, matrix_to_grads, register
 from kfac_func.captures import Captures, LayerCapture, capture
-from kfac_func.checkpoint.factor_dir import (
-    layer_file_name,
-    load_factor_dir,
-    read_factor_manifest,
-    save_factor_dir,
-)
-from kfac_func.checkpoint.state_files import (
+from kfac_func.checkpoint.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointMismatchError,
-    load_state,
-    save_state,
-    state_from_dict,
-    state_to_dict,
 )
+from kfac_func.checkpoint.factor_dir import load_factor_dir, save_factor_dir
+from kfac_func.checkpoint.factor_manifest import layer_file_name, read_factor_manifest
+from kfac_func.checkpoint.state_dict import state_from_dict, state_to_dict
+from kfac_func.checkpoint.state_files import load_state, save_state
 from kfac_func.core.conventions import CONVENTIONS, Convention
 from kfac_func.core.decomposition import (
     DecompositionError,

@@ -5,7 +5,7 @@ with optree and with torch's pytree registry. Tensors (factors, decompositions) 
 children; counters, layer specs and the configuration are static metadata, so
 ``optree.tree_map(lambda t: t.to(device), state)`` touches tensors only. Nothing in the
 library mutates a state: every transition builds a new one. The one exception is asked
-for by name: a state donated to :func:`kfac_func.step.update` (``donate=True``) has its
+for by name: a state donated to :func:`kfac_func.update` (``donate=True``) has its
 ``layers`` dict updated in place, so that the step frees each layer's old tensors as soon
 as their replacements exist (the donated state must not be used afterwards).
 """
@@ -100,7 +100,7 @@ class LayerState:
 class KFACState:
     """The whole K-FAC state: a step counter, per-layer states and the configuration.
 
-    ``step`` counts calls of :func:`kfac_func.step.update`; hyperparameter callables receive it.
+    ``step`` counts calls of :func:`kfac_func.update`; hyperparameter callables receive it.
     """
 
     layers: dict[str, LayerState]

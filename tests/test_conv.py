@@ -22,6 +22,7 @@ from torch import nn
 from torch.func import functional_call
 
 import kfac_func as kf
+from kfac_func.blocks.conv2d import conv_padding
 
 DT = torch.float64
 TOL = {"rtol": 1e-12, "atol": 1e-12}
@@ -568,7 +569,7 @@ def test_same_padding_matches_pytorch(kernel, dilation, mode) -> None:
     assert len(matches) == 1, matches  # random input: exactly one split reproduces PyTorch
     spec = kf.register(nn.Sequential(OrderedDict([("conv", conv)])))["conv"]
     assert spec.padding == matches[0]
-    assert kf.layers.conv_padding(conv) == matches[0]
+    assert conv_padding(conv) == matches[0]
 
 
 # ---------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from torch import nn
 
 import kfac_func as kf
 import kfac_func.checkpoint.factor_dir as ff
+import kfac_func.checkpoint.factor_manifest as fm
 from kfac_func.distributed.plan import DistributedStrategy
 
 N, M = 3, 3  # steps before the save, steps after the load
@@ -191,7 +192,7 @@ def test_round_trip_equals_state_dict_round_trip(
         single = kf.load_state(tmp_path / e["file"], like=_only(fresh(), e["name"]))
         assert torch.equal(single.layers[e["name"]].a_factor, state.layers[e["name"]].a_factor)
     assert sorted(os.listdir(tmp_path)) == sorted(
-        [kf.layer_file_name(n) for n in state.layers] + [ff.MANIFEST_NAME]
+        [kf.layer_file_name(n) for n in state.layers] + [fm.MANIFEST_NAME]
     )
 
 
@@ -230,7 +231,7 @@ def _assert_plain(file: str) -> None:
     assert file == os.path.basename(file) and not os.path.isabs(file)
     assert not any(c in file for c in '/\\\0:*?"<>| ')
     assert file.startswith("layer.") and file.endswith(".safetensors")
-    assert file not in (".", "..", ff.MANIFEST_NAME)
+    assert file not in (".", "..", fm.MANIFEST_NAME)
     assert len(file.encode()) <= 210
     # the temporary file of the atomic writer fits NAME_MAX too
     assert len(f".{file}.{'0' * 12}.tmp") <= 255
@@ -259,7 +260,7 @@ def test_odd_layer_names_round_trip_inside_the_directory(tmp_path: Path) -> None
     assert files["x" * 500] != files["x" * 499]  # both cut, told apart by the hash
     # nothing was written outside the directory; the manifest maps names to the files
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
-    assert sorted(os.listdir(ckpt)) == sorted([*files.values(), ff.MANIFEST_NAME])
+    assert sorted(os.listdir(ckpt)) == sorted([*files.values(), fm.MANIFEST_NAME])
     manifest = kf.read_factor_manifest(ckpt)
     assert {e["name"]: e["file"] for e in manifest["layers"]} == files
     loaded = kf.load_factor_dir(ckpt, like=kf.init(specs, factor_dtype=torch.float64))
@@ -302,7 +303,7 @@ def test_text_names_round_trip_through_files(tmp_path: Path, names: set[str]) ->
     ckpt = tmp_path / hashlib.sha256(repr(sorted(names)).encode()).hexdigest()[:12]
     kf.save_factor_dir(state, ckpt)
     assert sorted(os.listdir(ckpt)) == sorted(
-        [kf.layer_file_name(n) for n in names] + [ff.MANIFEST_NAME]
+        [kf.layer_file_name(n) for n in names] + [fm.MANIFEST_NAME]
     )
     m = kf.read_factor_manifest(ckpt)
     assert sorted(e["name"] for e in m["layers"]) == sorted(names)
@@ -319,7 +320,7 @@ def saved(tmp_path: Path) -> Path:
 
 
 def _manifest(path: Path) -> dict[str, Any]:
-    result: dict[str, Any] = json.loads((path / ff.MANIFEST_NAME).read_text())
+    result: dict[str, Any] = json.loads((path / fm.MANIFEST_NAME).read_text())
     return result
 
 
@@ -328,7 +329,7 @@ def _entry(path: Path, name: str) -> dict[str, Any]:
 
 
 def test_missing_manifest_is_refused(saved: Path) -> None:
-    (saved / ff.MANIFEST_NAME).unlink()
+    (saved / fm.MANIFEST_NAME).unlink()
     with pytest.raises(kf.CheckpointFormatError) as info:
         kf.load_factor_dir(saved, like=fresh())
     msg = str(info.value)
@@ -376,7 +377,7 @@ def test_file_of_another_step_is_refused(saved: Path, tmp_path: Path) -> None:
     for entry in manifest["layers"]:
         if entry["name"] == "body.0":
             entry.update(bytes=e["bytes"], sha256=e["sha256"])
-    (saved / ff.MANIFEST_NAME).write_text(json.dumps(manifest))
+    (saved / fm.MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(kf.CheckpointFormatError, match=r"holds step 5, the manifest step 3"):
         kf.load_factor_dir(saved, like=fresh())
 
@@ -384,7 +385,7 @@ def test_file_of_another_step_is_refused(saved: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"format_version": ff.MANIFEST_FORMAT_VERSION + 1}, "upgrade kfac_func"),
+        ({"format_version": fm.MANIFEST_FORMAT_VERSION + 1}, "upgrade kfac_func"),
         ({"format": "something else"}, "does not describe"),
         ({"step": "3"}, "'step' is missing or of the wrong type"),
         (
@@ -402,13 +403,13 @@ def test_file_of_another_step_is_refused(saved: Path, tmp_path: Path) -> None:
     ],
 )
 def test_malformed_or_future_manifest(saved: Path, change: dict[str, Any], match: str) -> None:
-    (saved / ff.MANIFEST_NAME).write_text(json.dumps({**_manifest(saved), **change}))
+    (saved / fm.MANIFEST_NAME).write_text(json.dumps({**_manifest(saved), **change}))
     with pytest.raises(kf.CheckpointFormatError, match=match):
         kf.load_factor_dir(saved, like=fresh())
 
 
 def test_not_json_manifest(saved: Path) -> None:
-    (saved / ff.MANIFEST_NAME).write_bytes(b"{\xff")
+    (saved / fm.MANIFEST_NAME).write_bytes(b"{\xff")
     with pytest.raises(kf.CheckpointFormatError, match="not valid UTF-8 JSON"):
         kf.load_factor_dir(saved, like=fresh())
 
@@ -444,7 +445,7 @@ def test_interrupted_save_leaves_no_manifest(saved: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(ff, "save_state", failing)
     with pytest.raises(OSError, match="disk full"):
         kf.save_factor_dir(trained().replace(step=9), saved)
-    assert not (saved / ff.MANIFEST_NAME).exists()
+    assert not (saved / fm.MANIFEST_NAME).exists()
     with pytest.raises(kf.CheckpointFormatError, match=r"no manifest\.json"):
         kf.load_factor_dir(saved, like=fresh())
     assert not [f for f in os.listdir(saved) if f.endswith(".tmp")]
@@ -459,7 +460,7 @@ def test_plans_ranks_and_only_owned_are_checked(saved: Path) -> None:
         kf.save_factor_dir(state, saved, rank=1)
     with pytest.raises(ValueError, match=r"not in plan \['Head', 'body\.0', 'body\.2'\]"):
         kf.save_factor_dir(state, saved, plan=kf.make_plan({"stem.0": (3, 2)}, 1))
-    assert (saved / ff.MANIFEST_NAME).exists()  # refused before anything was touched
+    assert (saved / fm.MANIFEST_NAME).exists()  # refused before anything was touched
     comm4 = kf.make_plan(layers, 4)
     with pytest.raises(ValueError, match="only_owned=True is for MEM_OPT plans"):
         kf.load_factor_dir(saved, like=fresh(), plan=comm4, rank=1, only_owned=True)
@@ -663,6 +664,6 @@ def test_failure_on_one_rank_fails_every_rank(resharded: dict[str, Any]) -> None
             assert msg == "OSError: rank 2: disk full"
         else:
             assert msg.startswith("CheckpointError") and "rank 2: OSError" in msg, msg
-    assert not (resharded["tmp"] / "failed" / ff.MANIFEST_NAME).exists()
+    assert not (resharded["tmp"] / "failed" / fm.MANIFEST_NAME).exists()
     for r in resharded["saved"]:
         assert "world_size=2" in r["wrong_world"] and "4 ranks" in r["wrong_world"]

@@ -36,6 +36,7 @@ NARROW: dict[str, set[str]] = {
     "distributed.plan": {"blocks"},
     # the communicator moves tensors as the plan says; it knows no K-FAC
     "distributed.communicator": {"distributed.plan"},
+    "distributed.reducer": {"distributed.communicator"},
     # checkpoints of states read the plan, never the communicator or the KAISA step
     "checkpoint": {"blocks", "checkpoint", "core", "distributed.plan", "state"},
     # the Megatron-style layers and the model-parallel collectives know no K-FAC
@@ -50,7 +51,11 @@ NO_RANKS = [
     "captures",
     "step",
     "distributed.plan",
+    "checkpoint.errors",
+    "checkpoint.factor_manifest",
+    "checkpoint.state_dict",
     "checkpoint.state_files",
+    "checkpoint.state_format",
     "parallel.plan",
     "parallel.shards",
 ]
@@ -165,3 +170,23 @@ def test_package_attributes_do_not_shadow_modules() -> None:
 
     top = {m.split(".")[0] for m in MODULES}
     assert not top & set(kfac_func.__all__)
+
+
+def _kind_comparisons(tree: ast.AST) -> list[int]:
+    """Lines that compare a ``.kind`` attribute with a string literal."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            kinds = any(isinstance(s, ast.Attribute) and s.attr == "kind" for s in sides)
+            literal = any(isinstance(s, ast.Constant) and isinstance(s.value, str) for s in sides)
+            if kinds and literal:
+                lines.append(node.lineno)
+    return lines
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _unit(m) != "blocks"))
+def test_only_blocks_know_layer_kinds(module: str) -> None:
+    """Kind-specific behaviour lives in the kind's block: nothing else branches on it."""
+    found = _kind_comparisons(ast.parse(MODULES[module].read_text()))
+    assert not found, f"{module} compares a layer kind with a string on lines {found}"

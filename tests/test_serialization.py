@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kfac_func as kf
-from kfac_func.checkpoint.state_files import FORMAT_VERSION, META_KEY
+from kfac_func.checkpoint.state_format import FORMAT_VERSION, META_KEY
 
 TESTS = Path(__file__).resolve().parent
 HYPER: dict[str, Any] = {"damping": 1e-2, "factor_decay": 0.9, "kl_clip": 1e-2, "lr": 0.1}

@@ -1,6 +1,6 @@
-"""`update_distributed`: the K-FAC step of :func:`kfac_func.step.update`, executed under a plan.
+"""`update_distributed`: the K-FAC step of :func:`kfac_func.update`, executed under a plan.
 
-Composition only: the stages of :mod:`kfac_func.step.update` and the factor decompositions do
+Composition only: the stages of :mod:`kfac_func.step` and the factor decompositions do
 the math, :class:`kfac_func.distributed.communicator.Communicator` moves tensors, the
 :class:`kfac_func.distributed.plan.Plan` says who does what. Per step:
 
@@ -37,8 +37,9 @@ from kfac_func.core.decomposition import (
     eigenvalue_outer,
     eigh_or_refresh,
 )
-from kfac_func.distributed.communicator import Communicator, OrderedReducer, Pending
+from kfac_func.distributed.communicator import Communicator, Pending
 from kfac_func.distributed.plan import DistributedStrategy, Plan
+from kfac_func.distributed.reducer import OrderedReducer
 from kfac_func.state import KFACState, LayerState
 from kfac_func.step.accumulate import fold_checked, layer_batch_factors
 from kfac_func.step.checks import check_layers, layer_matrix
@@ -94,7 +95,7 @@ def start_factor_reduction(state: KFACState, plan: Plan, comm: Communicator) -> 
     if plan.strategy is DistributedStrategy.MEM_OPT:
         dst = {name: plan.layers[name].a_owner for name in plan.layers}
     order = _check_plan(state, plan)
-    return comm.ordered_reducer(order, symmetric=[True, True, False], dst=dst)
+    return OrderedReducer(comm, order, symmetric=[True, True, False], dst=dst)
 
 
 def offer_factors(
@@ -240,16 +241,16 @@ def update_distributed(
     nonfinite: NonFinite = "skip",
     rows: Mapping[str, Rows] | None = None,
 ) -> tuple[dict[str, torch.Tensor], KFACState]:
-    """:func:`kfac_func.step.update` across ranks, with the communication of ``plan``.
+    """:func:`kfac_func.update` across ranks, with the communication of ``plan``.
 
     Every rank calls it with its local captures and the rank-averaged gradients; every
     rank returns the same preconditioned gradients. Arguments are those of
-    :func:`kfac_func.step.update`, plus the plan and its :class:`Communicator`, and
+    :func:`kfac_func.update`, plus the plan and its :class:`Communicator`, and
     ``batch_factors`` (``{layer: (A, G, weight)}`` of this rank, as from
     :func:`local_batch_factors`) for callers that built the factors already (the hooks of
     the stateful adapter) instead of ``captures``, ``factor_reducer`` (from
     :func:`start_factor_reduction`) holding layers whose reduction already started, and
-    ``rows`` (see :func:`kfac_func.step.update.precondition_layer`; on one rank they are taken
+    ``rows`` (see :func:`kfac_func.step.precondition.precondition_layer`; on one rank they are taken
     from ``captures``; with several ranks the gradients are averages, which local rows
     never reproduce).
 
@@ -279,7 +280,7 @@ def update_distributed(
         if captures is not None and batch_factors is not None:
             raise ValueError("give captures= or batch_factors=, not both")
         if captures is None and batch_factors is None and factor_reducer is None:
-            raise ValueError("update_factors=True needs captures= (from kfac_func.captures)")
+            raise ValueError("update_factors=True needs captures= (from kfac_func.capture)")
         decay = resolve(factor_decay, step)
         check_hyper("factor_decay", decay, lambda v: 0 < v <= 1, "in (0, 1]")
         local = batch_factors or {}

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kfac_func.adapter.preconditioner import ComputeMethod, _enum
+from kfac_func.adapter.arguments import ComputeMethod, parse_enum
 from kfac_func.distributed.plan import AssignmentStrategy
 from kfac_func.parallel.preconditioner import ParallelKFACPreconditioner
 
@@ -133,7 +133,7 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
                 "model must be an instance of deepspeed.pipe.PipelineModule, got an instance "
                 f"of {type(model).__name__}"
             )
-        if _enum(ComputeMethod, compute_method, "compute_method") is not ComputeMethod.EIGEN:
+        if parse_enum(ComputeMethod, compute_method, "compute_method") is not ComputeMethod.EIGEN:
             raise ValueError("the inverse compute method is not supported with GPT-NeoX")
         grid = getattr(model, "_grid", None)
         if grid is not None:

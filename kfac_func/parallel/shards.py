@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from kfac_func.blocks import LayerSpec
+from kfac_func.core.preconditioning import kl_clip_scale_of_terms, kl_clip_term
 
 __all__ = ["is_shard", "kl_clip_from_terms", "kl_clip_terms"]
 
@@ -44,23 +45,24 @@ def is_shard(spec: LayerSpec, split: str | None, parts: int, size: int, which: s
 
 
 def kl_clip_terms(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """``Σ P ⊙ grad`` over (preconditioned, raw) matrix pairs, as a float64 0-d tensor.
+    """``Σ P ⊙ grad`` over (preconditioned, raw) matrix pairs, as a float64 0-d tensor on
+    the CPU: the pairs' :func:`~kfac_func.core.preconditioning.kl_clip_term`, added in order.
 
     Summed over every layer of every rank, it gives :func:`kl_clip_from_terms`.
     """
     total = torch.zeros((), dtype=torch.float64)
     for p, g in pairs:
-        total = total + torch.dot(p.reshape(-1), g.reshape(-1).to(p.dtype)).double().cpu()
+        total = total + kl_clip_term(p, g).cpu()
     return total
 
 
 def kl_clip_from_terms(total: torch.Tensor, kl_clip: float, lr: float) -> torch.Tensor:
-    """``min(1, sqrt(kl_clip / |lr² · total|))`` (1 when the total is zero), as
-    :func:`kfac_func.kl_clip_scale` computes it from the pairs of one process.
+    """``min(1, sqrt(kl_clip / |lr² · total|))`` in float64 (1 when the total is zero), as
+    :func:`kfac_func.kl_clip_scale` computes it from the pairs of one process
+    (:func:`~kfac_func.core.preconditioning.kl_clip_scale_of_terms` of the one total).
 
     Example:
         >>> kl_clip_from_terms(torch.tensor(4.0, dtype=torch.float64), kl_clip=1.0, lr=1.0)
         tensor(0.5000, dtype=torch.float64)
     """
-    vg = total.double() * (lr * lr)
-    return torch.clamp(torch.sqrt(kl_clip / vg.abs()), max=1.0)
+    return kl_clip_scale_of_terms([total.double()], kl_clip, lr, dtype=torch.float64)

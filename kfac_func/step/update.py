@@ -52,7 +52,7 @@ def update(
     Args:
         state: from :func:`kfac_func.init` or a previous ``update``.
         grads: ``{param_name: grad}``; parameters of unregistered layers pass unchanged.
-        captures: from :func:`kfac_func.captures` (or a list of them, one per micro-batch
+        captures: from :func:`kfac_func.capture` (or a list of them, one per micro-batch
             of an accumulation window); needed when factors are updated, unless
             ``batch_factors`` are given instead.
         batch_factors: ``{layer: (A, G, weight)}`` already built from this step's
@@ -111,7 +111,7 @@ def update(
         if captures is not None and batch_factors is not None:
             raise ValueError("give captures= or batch_factors=, not both")
         if captures is None and batch_factors is None:
-            raise ValueError("update_factors=True needs captures= (from kfac_func.captures)")
+            raise ValueError("update_factors=True needs captures= (from kfac_func.capture)")
         decay = resolve(factor_decay, step)
         check_hyper("factor_decay", decay, lambda v: 0 < v <= 1, "in (0, 1]")
         micro = as_list(captures) if captures is not None else None

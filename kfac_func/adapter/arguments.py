@@ -1,0 +1,177 @@
+"""kfac-pytorch's preconditioner arguments, validated once for every preconditioner class.
+
+:class:`KFACArguments` checks and stores the keyword arguments that
+:class:`~kfac_func.adapter.preconditioner.KFACPreconditioner` and the model-parallel
+preconditioners share (numbers may also be ``step -> value`` callables); ``HYPER`` names
+the hyperparameters that are saved in state dicts and printed.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from kfac_func.distributed.plan import AssignmentStrategy
+from kfac_func.state import KFACState
+
+__all__ = [
+    "HYPER",
+    "ComputeMethod",
+    "FloatOrFn",
+    "IntOrFn",
+    "KFACArguments",
+    "PreconditionerBase",
+    "parse_enum",
+]
+
+IntOrFn = int | Callable[[int], int]
+FloatOrFn = float | Callable[[int], float]
+
+HYPER = (
+    "factor_update_steps",
+    "inv_update_steps",
+    "damping",
+    "factor_decay",
+    "kl_clip",
+    "lr",
+)
+"""The hyperparameters a state dict saves (when not callables) and ``repr`` shows."""
+
+
+class ComputeMethod(enum.Enum):
+    """How the curvature is inverted: eigendecomposition or damped inverses."""
+
+    EIGEN = 1
+    INVERSE = 2
+
+
+def parse_enum(cls: type[enum.Enum], value: Any, arg: str) -> Any:
+    """``value`` as a member of ``cls``: a member, or its name in any case."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str) and value.upper() in cls.__members__:
+        return cls[value.upper()]
+    names = ", ".join(m.lower() for m in cls.__members__)
+    raise ValueError(f"{arg} must be one of {names} (or {cls.__name__}), got {value!r}")
+
+
+def _check_number(name: str, value: Any, ok: Callable[[float], bool], expected: str) -> None:
+    if callable(value):
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+class KFACArguments:
+    """kfac-pytorch's preconditioner arguments, validated and stored as attributes (numbers
+    may also be ``step -> value`` callables); shared by the preconditioner classes."""
+
+    model: nn.Module
+    factor_update_steps: IntOrFn
+    inv_update_steps: IntOrFn
+    damping: FloatOrFn
+    factor_decay: FloatOrFn
+    kl_clip: FloatOrFn | None
+    lr: FloatOrFn
+    accumulation_steps: int
+    allreduce_bucket_cap_mb: float
+    assignment_strategy: AssignmentStrategy
+    compute_method: ComputeMethod
+    compute_eigenvalue_outer_product: bool
+    symmetry_aware: bool
+    grad_scaler: Any
+    inv_dtype: torch.dtype
+    skip_layers: list[str]
+    update_factors_in_hook: bool
+    loglevel: int
+    scaling: str
+    loss_reduction: str
+
+    def _set_arguments(
+        self,
+        model: nn.Module,
+        *,
+        factor_update_steps: IntOrFn,
+        inv_update_steps: IntOrFn,
+        damping: FloatOrFn,
+        factor_decay: FloatOrFn,
+        kl_clip: FloatOrFn | None,
+        lr: FloatOrFn,
+        accumulation_steps: int,
+        allreduce_bucket_cap_mb: float,
+        assignment_strategy: AssignmentStrategy | str,
+        compute_method: ComputeMethod | str,
+        compute_eigenvalue_outer_product: bool,
+        symmetry_aware: bool,
+        grad_scaler: Any,
+        inv_dtype: torch.dtype,
+        skip_layers: list[str] | None,
+        update_factors_in_hook: bool,
+        loglevel: int,
+        scaling: str,
+        loss_reduction: str,
+    ) -> None:
+        if allreduce_bucket_cap_mb < 0:
+            raise ValueError("allreduce_bucket_cap_mb must be >= 0")
+        method = parse_enum(ComputeMethod, compute_method, "compute_method")
+        strategy = parse_enum(AssignmentStrategy, assignment_strategy, "assignment_strategy")
+        for name, value in (
+            ("factor_update_steps", factor_update_steps),
+            ("inv_update_steps", inv_update_steps),
+            ("accumulation_steps", accumulation_steps),
+        ):
+            _check_number(name, value, lambda v: int(v) == v and v > 0, "a positive int")
+        _check_number("damping", damping, lambda v: v >= 0, ">= 0")
+        _check_number("factor_decay", factor_decay, lambda v: 0 < v <= 1, "in (0, 1]")
+        _check_number("lr", lr, lambda v: v >= 0, ">= 0")
+        if kl_clip is not None:
+            _check_number("kl_clip", kl_clip, lambda v: v > 0, "> 0 (or None to disable)")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+
+        self.model = model
+        self.factor_update_steps = factor_update_steps
+        self.inv_update_steps = inv_update_steps
+        self.damping = damping
+        self.factor_decay = factor_decay
+        self.kl_clip = kl_clip
+        self.lr = lr
+        self.accumulation_steps = accumulation_steps
+        self.allreduce_bucket_cap_mb = allreduce_bucket_cap_mb
+        self.assignment_strategy = strategy
+        self.compute_method = method
+        self.compute_eigenvalue_outer_product = compute_eigenvalue_outer_product
+        self.symmetry_aware = symmetry_aware
+        self.grad_scaler = grad_scaler
+        self.inv_dtype = inv_dtype
+        self.skip_layers = [] if skip_layers is None else list(skip_layers)
+        self.update_factors_in_hook = update_factors_in_hook
+        self.loglevel = loglevel
+        self.scaling = scaling
+        self.loss_reduction = loss_reduction
+
+
+class PreconditionerBase(KFACArguments):
+    """What every preconditioner class asks of its arguments and state: the step count, a
+    hyperparameter's current value, and whether this step collects statistics."""
+
+    _state: KFACState
+
+    @property
+    def steps(self) -> int:
+        """Number of :meth:`step` calls so far."""
+        return self._state.step
+
+    def _value(self, v: Any) -> Any:
+        return v(self.steps) if callable(v) else v
+
+    def _collecting(self) -> bool:
+        return (
+            self.model.training
+            and torch.is_grad_enabled()
+            and (self.steps % int(self._value(self.factor_update_steps)) == 0)
+        )

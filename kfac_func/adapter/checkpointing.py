@@ -1,0 +1,87 @@
+"""kfac-pytorch-shaped state dicts of :class:`KFACPreconditioner`.
+
+``{"steps", <hyperparameters>, "layers": {name: {"A", "G", "factor_updates",
+"decomposition"}}}``: what :meth:`KFACPreconditioner.state_dict` returns and
+:meth:`KFACPreconditioner.load_state_dict` restores. Under ``MEM_OPT`` on several ranks
+the current factors live on their owners and are fetched with a broadcast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kfac_func.core.decomposition import EigenDecomposition, InverseDecomposition, all_finite
+from kfac_func.distributed.communicator import Communicator
+from kfac_func.distributed.plan import DistributedStrategy, Plan
+from kfac_func.state import KFACConfig, KFACState, LayerState
+from kfac_func.step.decompose import redecompose
+
+__all__ = ["layer_entries", "load_layer"]
+
+
+def layer_entries(state: KFACState, plan: Plan, comm: Communicator) -> dict[str, dict[str, Any]]:
+    """``{name: {"A", "G", "factor_updates"[, "decomposition"]}}`` of every layer (this
+    rank's decomposition). Under ``MEM_OPT`` on several ranks the factors are reduced to
+    their owner only, so the current ones are broadcast from it: a collective, every rank
+    calls it (as every rank calls ``state_dict`` in kfac-pytorch)."""
+    layers = {}
+    for name, ls in state.layers.items():
+        a, g, updates = ls.a_factor, ls.g_factor, ls.factor_updates
+        if plan.strategy is DistributedStrategy.MEM_OPT and comm.world_size > 1:
+            count = torch.tensor([float(updates)], dtype=a.dtype, device=a.device)
+            a, g, count = comm.broadcast(
+                [a, g, count],
+                src=plan.layers[name].a_owner,
+                ranks=tuple(range(comm.world_size)),
+                kind="checkpoint",
+            ).wait()
+            updates = int(count.item())
+        entry: dict[str, Any] = {"A": a, "G": g, "factor_updates": updates}
+        if ls.decomposition is not None:
+            entry["decomposition"] = {
+                k: v for k, v in vars(ls.decomposition).items() if isinstance(v, torch.Tensor)
+            }
+        layers[name] = entry
+    return layers
+
+
+def load_layer(
+    ls: LayerState, entry: dict[str, Any], config: KFACConfig, damping: float | None
+) -> LayerState:
+    """``ls`` with the factors (and decomposition) of one state-dict entry.
+
+    Shapes and finiteness are checked first (a ValueError names the layer and the factor).
+    Without a decomposition in the entry, one is computed with ``damping`` unless it is
+    None (the layer then gets one at its next step).
+    """
+    a_shape, g_shape = ls.spec.factor_shapes
+    a, g = entry["A"], entry["G"]
+    if tuple(a.shape) != a_shape or tuple(g.shape) != g_shape:
+        raise ValueError(
+            f"layer {ls.spec.name!r}: state_dict factors have shapes {tuple(a.shape)} and "
+            f"{tuple(g.shape)}, expected {a_shape} and {g_shape}"
+        )
+    for which, f in (("A", a), ("G", g)):
+        if not all_finite(f):
+            raise ValueError(f"layer {ls.spec.name!r}: state_dict factor {which} holds NaN/Inf")
+    new = ls.replace(
+        a_factor=a.to(config.factor_dtype, copy=True).contiguous(),
+        g_factor=g.to(config.factor_dtype, copy=True).contiguous(),
+        factor_updates=int(entry.get("factor_updates", max(1, ls.factor_updates))),
+        decomposition=None,
+    )
+    dec = entry.get("decomposition")
+    if dec is not None:
+        kind = type(ls.decomposition) if ls.decomposition is not None else None
+        cls = kind or _decomposition_class(config.compute_method)
+        fields = {k: v.clone() for k, v in dec.items()}
+        return new.replace(decomposition=cls(**fields))
+    if damping is not None:
+        return redecompose(new, damping, config)
+    return new
+
+
+def _decomposition_class(method: str) -> Any:
+    return EigenDecomposition if method == "eigen" else InverseDecomposition

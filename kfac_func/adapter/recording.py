@@ -1,0 +1,247 @@
+"""Recording of layer statistics in module hooks, for :class:`KFACPreconditioner`.
+
+Forward hooks (and gradient hooks on each call's output) collect each registered layer's
+statistics during the forward and backward passes: Gram matrices at once with
+``update_factors_in_hook``, else the raw tensors until ``step()``. Each forward of the
+model starts a micro-batch; the micro-batches of an accumulation window become one batch
+factor per layer (:meth:`HookRecorder._batch_factors`). On one rank, layers whose kind has
+rows also keep each call's rows for the low-rank preconditioning path. With several ranks,
+a layer's factor reduction may start in the backward pass, once its window is complete.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from kfac_func.adapter.arguments import PreconditionerBase
+from kfac_func.blocks import LayerSpec, LayerTable, Rows, a_gram, g_gram
+from kfac_func.distributed.communicator import Communicator
+from kfac_func.distributed.kaisa import offer_factors, start_factor_reduction
+from kfac_func.distributed.plan import Plan
+from kfac_func.distributed.reducer import OrderedReducer
+from kfac_func.step.accumulate import MicroBatchStats, factors_from_stats
+
+__all__ = ["HookRecorder", "remove_handles"]
+
+
+@dataclass
+class _MicroBatch:
+    """Statistics of one forward/backward (a micro-batch), per layer."""
+
+    batch_size: int
+    a: dict[str, list[Any]] = field(default_factory=dict)
+    g: dict[str, list[Any]] = field(default_factory=dict)
+
+
+class HookRecorder(PreconditionerBase):
+    """The hooks of a preconditioner and the statistics they collect (a base class: the
+    preconditioner sets the attributes below and calls :meth:`_register_hooks`)."""
+
+    layers: LayerTable
+    plan: Plan
+    comm: Communicator
+    factor_dtype: torch.dtype
+    _micro: list[_MicroBatch]
+    _rows: dict[str, list[list[torch.Tensor | None]]]
+    _handles: list[Any]
+    _stream: bool
+    _reducer: OrderedReducer | None
+
+    @property
+    def reductions_in_flight(self) -> list[str]:
+        """Layers whose factor reduction has started in the backward pass (cleared by
+        :meth:`step`); empty on one process or without ``update_factors_in_hook``."""
+        if self._reducer is None:
+            return []
+        return [name for name in self.layers if self._reducer.offered(name)]
+
+    def _register_hooks(self) -> None:
+        # the hooks hold the preconditioner weakly: a preconditioner that is dropped
+        # without remove() is still collected, and its hooks are detached then
+        ref = weakref.ref(self)
+
+        def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            pre = ref()
+            if pre is not None:
+                pre._start_micro_batch(module, args)
+
+        def forward_hook(spec: LayerSpec) -> Callable[..., None]:
+            def hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+                pre = ref()
+                if pre is not None:
+                    pre._on_forward(spec, args, out)
+
+            return hook
+
+        self._handles.append(self.model.register_forward_pre_hook(pre_hook))
+        for name, spec in self.layers.items():
+            module = self.model.get_submodule(name)
+            self._handles.append(module.register_forward_hook(forward_hook(spec)))
+        weakref.finalize(self, remove_handles, self._handles)
+
+    def _start_micro_batch(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if not self._collecting():
+            return
+        first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+        self._micro.append(_MicroBatch(int(first.shape[0]) if first is not None else 1))
+
+    def _keeps_rows(self, spec: LayerSpec) -> bool:
+        """Linear layers on one rank keep each call's rows for :meth:`step`: their
+        gradient is the rows' product, which preconditions with fewer dense products
+        (see :func:`kfac_func.step.precondition.precondition_layer`)."""
+        return (
+            spec.block.has_rows
+            and self.comm.world_size == 1
+            and self.model.training
+            and torch.is_grad_enabled()
+        )
+
+    def _on_forward(self, spec: LayerSpec, args: tuple[Any, ...], out: Any) -> None:
+        collect, keep = self._collecting(), self._keeps_rows(spec)
+        if not (collect or keep):
+            return
+        x = args[0].detach()
+        micro = None
+        if collect:
+            if not self._micro:
+                self._micro.append(_MicroBatch(int(x.shape[0]) if x.dim() > 1 else 1))
+            micro = self._micro[-1]
+            item: Any = x
+            if self.update_factors_in_hook:
+                # the hook runs inside the user's autocast region: build the Gram in
+                # factor_dtype, not in the autocast dtype
+                with torch.autocast(x.device.type, enabled=False):
+                    item = a_gram(spec, x, self.factor_dtype)
+            micro.a.setdefault(spec.name, []).append(item)
+        pair: list[torch.Tensor | None] | None = None
+        if keep:
+            pair = [x, None]
+            self._rows.setdefault(spec.name, []).append(pair)
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            # a hook on this call's output sees its gradient even when later ops
+            # modify the output in place (and needs no input that requires grad)
+            out.register_hook(self._grad_hook(spec, micro, pair))  # type: ignore[no-untyped-call]
+
+    def _grad_hook(
+        self,
+        spec: LayerSpec,
+        micro: _MicroBatch | None,
+        pair: list[torch.Tensor | None] | None,
+    ) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            gy = grad.detach()
+            if self.grad_scaler is not None:
+                # unscaled, as the gradients are when step() runs (after unscale_)
+                gy = gy.to(self.factor_dtype) / self._grad_scale()
+            if pair is not None:
+                pair[1] = gy
+            if micro is None:
+                return
+            item: Any = gy
+            if self.update_factors_in_hook:
+                with torch.autocast(gy.device.type, enabled=False):
+                    item = g_gram(spec, gy, self.factor_dtype)
+            micro.g.setdefault(spec.name, []).append(item)
+            if self._stream:
+                self._offer_if_complete(spec, micro)
+
+        return hook
+
+    def _take_rows(self) -> dict[str, Rows]:
+        """The kept rows of layers whose every call got its output-gradient.
+
+        The pairs are emptied: the gradient hooks of the graph (alive as long as the
+        caller's loss) hold them, and must not keep the rows alive after the step.
+        """
+        kept, self._rows = self._rows, {}
+        out: dict[str, Rows] = {}
+        for name, pairs in kept.items():
+            xs = [x for x, _ in pairs if x is not None]
+            gys = [gy for _, gy in pairs if gy is not None]
+            if pairs and len(gys) == len(xs) == len(pairs):
+                spec = self.layers[name]
+                out[name] = spec.block.rows(spec, xs, gys)
+            for pair in pairs:
+                pair[0] = pair[1] = None
+        return out
+
+    def _offer_if_complete(self, spec: LayerSpec, micro: _MicroBatch) -> None:
+        """Start the layer's factor reduction from the backward pass once its window is
+        complete: the last micro-batch, and as many output-gradients as forward calls."""
+        name = spec.name
+        if (
+            micro is not self._micro[-1]
+            or len(self._micro) < int(self.accumulation_steps)
+            or len(micro.g[name]) != len(micro.a.get(name, []))
+            or (self._reducer is not None and self._reducer.offered(name))
+        ):
+            return
+        if self._reducer is None:
+            self._reducer = start_factor_reduction(self._state, self.plan, self.comm)
+        with torch.autocast(micro.g[name][0].gram.device.type, enabled=False):
+            batch = self._layer_factors(name, spec)
+        offer_factors(self._reducer, self._state.layers[name], batch)
+
+    def _grad_scale(self) -> float:
+        scaler = self.grad_scaler
+        scale = scaler.get_scale() if hasattr(scaler, "get_scale") else scaler()
+        return float(scale)
+
+    def remove(self) -> None:
+        """Detach every hook and drop collected statistics (call it on every rank: a
+        factor reduction already started in the hooks is completed and discarded)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._micro = []
+        self._rows = {}
+        if self._reducer is not None:
+            for name, ls in self._state.layers.items():
+                if not self._reducer.offered(name):
+                    offer_factors(self._reducer, ls, None)
+            self._reducer.finish(lambda name: [])
+            self._reducer = None
+
+    def _layer_factors(
+        self, name: str, spec: LayerSpec
+    ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        cfg = self._state.config
+        stats = []
+        for mb in self._micro:
+            a = mb.a.get(name, [])
+            g = mb.g.get(name, [])
+            if not self.update_factors_in_hook:
+                a = [a_gram(spec, x, cfg.factor_dtype) for x in a]
+                g = [g_gram(spec, r, cfg.factor_dtype) for r in g]
+            scale = 1.0 / mb.batch_size if self.loss_reduction == "mean" else 1.0
+            stats.append(MicroBatchStats(a, g, mb.batch_size, scale))
+        return factors_from_stats(name, stats, cfg)
+
+    def _batch_factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+        """Local factors of the layers whose reduction has not started in the hooks.
+
+        Takes the statistics out of the micro-batches: each layer's are dropped once its
+        factors exist (the gradient hooks of the graph, alive as long as the caller's
+        loss, hold the micro-batches and must not keep them alive after the step).
+        """
+        out = {}
+        for name, spec in self.layers.items():
+            if self._reducer is None or not self._reducer.offered(name):
+                factors = self._layer_factors(name, spec)
+                if factors is not None:
+                    out[name] = factors
+            for mb in self._micro:
+                mb.a.pop(name, None)
+                mb.g.pop(name, None)
+        return out
+
+
+def remove_handles(handles: list[Any]) -> None:
+    for h in handles:
+        h.remove()

@@ -1,0 +1,102 @@
+"""Recording of layer statistics in module hooks, for the parallel preconditioner.
+
+A forward pre-hook on the model starts a micro-batch; a forward hook on each registered
+layer keeps the call's input and hangs a hook on its output for the output-gradient. A
+model-parallel shard is kept raw on every rank (the layer's primary gathers the shards
+in ``step()``); a whole tensor is kept by the primary only: its Gram with
+``update_factors_in_hook``, else the raw tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from kfac_func.blocks import LayerSpec, a_gram, g_gram
+from kfac_func.parallel.base import MicroBatchRecord, ParallelBase
+from kfac_func.parallel.plan import Split
+from kfac_func.parallel.shards import is_shard
+
+__all__ = ["ParallelHookRecorder"]
+
+
+class ParallelHookRecorder(ParallelBase):
+    """The hooks of the parallel preconditioner and the micro-batches they record (a base
+    class: the preconditioner sets ``_micro`` and ``_handles`` and calls
+    :meth:`_register_hooks`)."""
+
+    def _register_hooks(self) -> None:
+        self._handles.append(self.model.register_forward_pre_hook(self._start_micro_batch))
+        for name, spec in self.layers.items():
+            module = self.model.get_submodule(name)
+            hook = self._forward_hook(spec, self.splits[name])
+            self._handles.append(module.register_forward_hook(hook))
+
+    def _start_micro_batch(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if not self._collecting():
+            return
+        flat = list(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
+        first = next((a for a in flat if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+        self._micro.append(MicroBatchRecord(int(first.shape[0]) if first is not None else 1))
+
+    def _keep(self, spec: LayerSpec, t: torch.Tensor, shard: bool, kind: str) -> Any:
+        """What to store of a captured tensor on this rank (None: nothing)."""
+        if shard:
+            return t  # every model-parallel rank sends its shard to the primary
+        if not self._primary(spec.name):
+            return None
+        if not self.update_factors_in_hook:
+            return t
+        with torch.autocast(t.device.type, enabled=False):
+            gram = a_gram if kind == "a" else g_gram
+            return gram(spec, t, self.factor_dtype)
+
+    def _forward_hook(self, spec: LayerSpec, split: Split | None) -> Callable[..., None]:
+        parts = self.comm.mp_size
+
+        def hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+            if not self._collecting() or not args or not isinstance(args[0], torch.Tensor):
+                return
+            x = args[0].detach()
+            if not self._micro:
+                self._micro.append(MicroBatchRecord(int(x.shape[0]) if x.dim() > 1 else 1))
+            micro = self._micro[-1]
+            shard = is_shard(spec, split, parts, x.shape[-1], "a")
+            micro.a_shard[spec.name] = shard
+            micro.a.setdefault(spec.name, [])
+            item = self._keep(spec, x, shard, "a")
+            if item is not None:
+                micro.a[spec.name].append(item)
+            y = out[0] if isinstance(out, (tuple, list)) else out
+            if isinstance(y, torch.Tensor) and y.requires_grad:
+                y.register_hook(self._grad_hook(spec, split, micro))  # type: ignore[no-untyped-call]
+
+        return hook
+
+    def _grad_hook(
+        self, spec: LayerSpec, split: Split | None, micro: MicroBatchRecord
+    ) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            gy = grad.detach()
+            if self.grad_scaler is not None:
+                scaler = self.grad_scaler
+                scale = scaler.get_scale() if hasattr(scaler, "get_scale") else scaler()
+                gy = gy.to(self.factor_dtype) / float(scale)
+            shard = is_shard(spec, split, self.comm.mp_size, gy.shape[-1], "g")
+            micro.g_shard[spec.name] = shard
+            item = self._keep(spec, gy, shard, "g")
+            lst = micro.g.setdefault(spec.name, [])
+            if item is not None:
+                lst.append(item)
+
+        return hook
+
+    def remove(self) -> None:
+        """Detach every hook and drop collected statistics."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._micro = []

@@ -1,0 +1,150 @@
+"""The layer-kind protocol (:mod:`kfac_func.blocks.base`): the registry, and a new kind
+added as one block, with nothing else changed, going through registration, ``capture`` +
+``update``, the adapter and checkpoints exactly like the built-in Linear kind."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kfac_func as kf
+from kfac_func.blocks import base
+from kfac_func.blocks.base import Gram, LayerBlock, LayerSpec, block_of, register_block, row_gram
+
+DT = torch.float64
+
+
+class Dense(nn.Module):
+    """A user's own fully connected layer (not an ``nn.Linear``)."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d_out, d_in, dtype=DT) / d_in**0.5)
+        self.bias = nn.Parameter(torch.zeros(d_out, dtype=DT))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T + self.bias
+
+
+class DenseBlock(LayerBlock):
+    """The whole of what the new kind needs: which modules, the spec, the weight shape and
+    the Gram statistics of one call."""
+
+    kind = "dense"
+    module_types = (Dense,)
+
+    def spec(self, name: str, module: nn.Module) -> LayerSpec | str:
+        assert isinstance(module, Dense)
+        prefix = f"{name}." if name else ""
+        d_out, d_in = module.weight.shape
+        return LayerSpec(name, self.kind, f"{prefix}weight", f"{prefix}bias", d_in, d_out)
+
+    def weight_shape(self, spec: LayerSpec) -> tuple[int, ...]:
+        return (spec.out_dim, spec.in_dim)
+
+    def a_gram(self, spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype) -> Gram:
+        rows = x.to(dtype).reshape(-1, spec.in_dim)
+        return Gram(row_gram(rows, True), rows.shape[0], 1)
+
+    def g_gram(self, spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype) -> Gram:
+        rows = r.to(dtype).reshape(-1, spec.out_dim)
+        return Gram(rows.T @ rows, rows.shape[0], 1)
+
+
+@pytest.fixture
+def dense_kind(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setitem(base._BLOCKS, DenseBlock.kind, DenseBlock())
+    yield
+
+
+def _models() -> tuple[nn.Module, nn.Module]:
+    """The same network twice: with the new kind, and with nn.Linear."""
+    torch.manual_seed(0)
+    ours = nn.Sequential(Dense(5, 7), nn.Tanh(), Dense(7, 3))
+    ref = nn.Sequential(nn.Linear(5, 7, dtype=DT), nn.Tanh(), nn.Linear(7, 3, dtype=DT))
+    with torch.no_grad():
+        for i in (0, 2):
+            ref[i].weight.copy_(ours[i].weight)
+            ref[i].bias.copy_(ours[i].bias)
+    return ours, ref
+
+
+def _batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(k)
+    return torch.randn(8, 5, generator=g, dtype=DT), torch.randint(0, 3, (8,), generator=g)
+
+
+def test_builtin_kinds_are_registered() -> None:
+    assert {b.kind for b in base.blocks()} >= {"linear", "conv2d"}
+    assert block_of("linear").has_rows and block_of("linear").tensor_parallel
+    assert not block_of("conv2d").has_rows
+
+
+def test_unknown_kind_is_named() -> None:
+    spec = LayerSpec("fc", "no-such-kind", "fc.weight", None, 2, 3)
+    with pytest.raises(ValueError, match=r"unknown layer kind 'no-such-kind'.*'linear'"):
+        _ = spec.a_dim
+
+
+def test_a_kind_cannot_be_registered_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(base, "_BLOCKS", dict(base._BLOCKS))
+
+    class Other(DenseBlock):
+        kind = "linear"
+
+    with pytest.raises(ValueError, match="'linear' is registered already"):
+        register_block(Other)
+
+
+def test_unregistered_module_is_skipped_with_its_reason() -> None:
+    table = kf.register(nn.Sequential(Dense(2, 2)))
+    assert list(table) == []
+    assert table.skipped == {"0": "unsupported kind Dense"}
+
+
+def test_new_kind_matches_linear_through_capture_and_update(dense_kind: None) -> None:
+    ours, ref = _models()
+    table = kf.register(ours)
+    assert [s.kind for s in table.values()] == ["dense", "dense"]
+    assert table["0"].factor_shapes == kf.register(ref)["0"].factor_shapes
+    states = [kf.init(kf.register(m), factor_dtype=DT, inv_dtype=DT) for m in (ours, ref)]
+    for step in range(3):
+        x, y = _batch(step)
+        results = []
+
+        def loss_fn(out: torch.Tensor, y: torch.Tensor = y) -> torch.Tensor:
+            return F.cross_entropy(out, y)
+
+        for i, model in enumerate((ours, ref)):
+            params = dict(model.named_parameters())
+            _, grads, caps = kf.capture(model, params, x, loss_fn)
+            new, states[i] = kf.update(states[i], grads, captures=caps, damping=0.1, lr=0.1)
+            results.append(new)
+        for name in results[1]:
+            torch.testing.assert_close(results[0][name], results[1][name], rtol=1e-12, atol=0)
+    for name in ("0", "2"):
+        torch.testing.assert_close(
+            states[0].layers[name].a_factor, states[1].layers[name].a_factor, rtol=0, atol=0
+        )
+
+
+def test_new_kind_in_the_adapter_and_checkpoints(dense_kind: None) -> None:
+    ours, ref = _models()
+    pres = [kf.KFACPreconditioner(m, damping=0.1, lr=0.1) for m in (ours, ref)]
+    for step in range(2):
+        x, y = _batch(10 + step)
+        for model, pre in zip((ours, ref), pres):
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            pre.step()
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            assert p.grad is not None and q.grad is not None
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=0)
+    state = pres[0].state
+    back = kf.state_from_dict(kf.state_to_dict(state), like=state)
+    assert back.layers["0"].spec.kind == "dense"
+    assert torch.equal(back.layers["0"].g_factor, state.layers["0"].g_factor)
