@@ -34,7 +34,8 @@ class KFACConfig:
         convention: ``"fisher"`` or ``"kfac-pytorch"`` (see :mod:`kfac_func.core.conventions`).
         compute_method: ``"eigen"`` or ``"inverse"``.
         compute_eigenvalue_outer_product: eigen only: precompute ``1/(dg daᵀ + λ)`` when
-            decomposing (λ then stays fixed until the next decomposition).
+            decomposing (λ then stays fixed until the next decomposition); never for
+            layers with a diagonal factor.
         factor_dtype: dtype factors accumulate in (inputs of lower precision are cast up).
         inv_dtype: dtype decompositions are stored in.
         eigenbasis_refresh: eigen only: ``"eigh"`` recomputes the eigendecompositions
@@ -157,8 +158,8 @@ def init(
     for name, spec in layers.items():
         a_shape, g_shape = spec.factor_shapes
         states[name] = LayerState(
-            a_factor=initial_factor(convention, a_shape, factor_dtype, dev),
-            g_factor=initial_factor(convention, g_shape, factor_dtype, dev),
+            a_factor=initial_factor(convention, a_shape, factor_dtype, dev, spec.a_diagonal),
+            g_factor=initial_factor(convention, g_shape, factor_dtype, dev, spec.g_diagonal),
             decomposition=None,
             spec=spec,
         )

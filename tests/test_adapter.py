@@ -119,6 +119,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], str, list[str] | None]] = {
     "mlp": (mlp, "mlp", None),
     "mlp_nobias": (lambda: mlp(bias=False), "mlp", None),
     "cnn": (cnn, "cnn", None),
+    "seq": (seq, "seq", None),
     "seq_skip_class": (seq, "seq", ["Embedding"]),
     "seq_skip_name": (seq, "seq", ["embed"]),
 }
@@ -298,7 +299,7 @@ def test_skip_layers_by_name_and_class() -> None:
         "head",
     ]
     pre = KFACPreconditioner(seq(), skip_layers=["mix", "head"])
-    assert list(pre.layers) == ["proj"]
+    assert list(pre.layers) == ["embed", "proj"]
 
 
 def test_adapter_equals_functional_with_defaults_in_float32() -> None:

@@ -12,7 +12,7 @@ import kfac_func as kf
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(10, 8)
+        self.bil = nn.Bilinear(8, 8, 4)
         self.norm = nn.LayerNorm(8)
         self.proj = nn.Linear(8, 16, bias=False)
         self.conv = nn.Conv2d(4, 6, 3, padding="same", groups=2)
@@ -35,7 +35,7 @@ def test_kinds_and_shapes() -> None:
 
 def test_unsupported_modules_are_listed_not_fatal() -> None:
     table = kf.register(Block())
-    assert "unsupported kind Embedding" in table.skipped["embed"]
+    assert "unsupported kind Bilinear" in table.skipped["bil"]
     assert "unsupported kind LayerNorm" in table.skipped["norm"]
     # MultiheadAttention reads out_proj.weight directly: its hooks would see nothing
     assert "attn.out_proj" not in table
@@ -64,15 +64,13 @@ def test_frozen_layers_are_skipped() -> None:
 
 
 def test_table_prints_every_row() -> None:
-    text = str(kf.register(Block(), skip_layers=["embed"]))
+    text = str(kf.register(Block(), skip_layers=["bil"]))
     lines = text.splitlines()
     assert lines[0].split() == ["name", "kind", "A", "G", "note"]
     assert any(
         line.startswith("conv ") and "2x19x19" in line and "2 groups" in line for line in lines
     )
-    assert any(
-        line.startswith("embed ") and "skipped: matched skip_layers" in line for line in lines
-    )
+    assert any(line.startswith("bil ") and "skipped: matched skip_layers" in line for line in lines)
     assert any(line.startswith("norm ") and "unsupported kind LayerNorm" in line for line in lines)
 
 
@@ -109,3 +107,35 @@ def test_root_module_can_be_a_layer() -> None:
     model = nn.Linear(2, 3)
     _, grads, caps = kf.capture(model, dict(model.named_parameters()), x, lambda o: o.sum())
     assert set(grads) == {"weight", "bias"} and caps.layers[""].inputs[0] is not None
+
+
+class _TiedLM(nn.Module):
+    """A token embedding whose weight the output head reuses (as GPT-2 ties them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(x))))
+
+
+def test_tied_parameters_are_skipped_with_a_warning_naming_both_layers() -> None:
+    model = _TiedLM()
+    with pytest.warns(UserWarning, match=r"'emb.weight' is shared by layers \['emb', 'head'\]"):
+        table = kf.register(model)
+    assert list(table) == ["mid"]
+    assert table.skipped["emb"] == "shares parameter 'emb.weight' with ['head']"
+    assert table.skipped["head"] == "shares parameter 'emb.weight' with ['emb']"
+    # the preconditioner leaves the shared gradient as the loss made it
+    with pytest.warns(UserWarning, match="shared by layers"):
+        pre = kf.KFACPreconditioner(model)
+    loss = model(torch.randint(0, 10, (3, 5))).sum()
+    loss.backward()
+    assert model.emb.weight.grad is not None
+    before = model.emb.weight.grad.clone()
+    pre.step()
+    assert torch.equal(model.emb.weight.grad, before)

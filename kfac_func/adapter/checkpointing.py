@@ -12,7 +12,12 @@ from typing import Any
 
 import torch
 
-from kfac_func.core.decomposition import EigenDecomposition, InverseDecomposition, all_finite
+from kfac_func.core.decomposition import (
+    EigenDecomposition,
+    InverseDecomposition,
+    all_finite,
+    decomposition_from_fields,
+)
 from kfac_func.distributed.communicator import Communicator
 from kfac_func.distributed.plan import DistributedStrategy, Plan
 from kfac_func.state import KFACConfig, KFACState, LayerState
@@ -77,7 +82,7 @@ def load_layer(
         kind = type(ls.decomposition) if ls.decomposition is not None else None
         cls = kind or _decomposition_class(config.compute_method)
         fields = {k: v.clone() for k, v in dec.items()}
-        return new.replace(decomposition=cls(**fields))
+        return new.replace(decomposition=decomposition_from_fields(cls, fields))
     if damping is not None:
         return redecompose(new, damping, config)
     return new

@@ -53,9 +53,10 @@ class KFACPreconditioner(HookRecorder):
     construction the ranks verify that they built the same plan with the same
     hyperparameters (:class:`kfac_func.distributed.communicator.RankMismatchError` on every rank
     otherwise); ``collective_timeout`` bounds each of the preconditioner's collectives.
-    ``eigenbasis_refresh="qr"`` replaces the exact eigendecompositions after the first
-    by one warm-started QR iteration each (approximate, much cheaper; see
-    :func:`kfac_func.core.decomposition.refresh_eigh`).
+    ``max_factor_dim`` keeps every factor side wider than it diagonal (see
+    :func:`kfac_func.register`). ``eigenbasis_refresh="qr"`` replaces the exact
+    eigendecompositions after the first by one warm-started QR iteration each
+    (approximate, much cheaper; see :func:`kfac_func.core.decomposition.refresh_eigh`).
 
     Example:
         >>> import torch
@@ -100,6 +101,7 @@ class KFACPreconditioner(HookRecorder):
         loss_reduction: str = "mean",
         collective_timeout: timedelta | None = None,
         eigenbasis_refresh: str = "eigh",
+        max_factor_dim: int | None = None,
     ) -> None:
         self._set_arguments(
             model,
@@ -124,7 +126,8 @@ class KFACPreconditioner(HookRecorder):
             loss_reduction=loss_reduction,
         )
 
-        self.layers = register(model, self.skip_layers)
+        self.layers = register(model, self.skip_layers, max_factor_dim=max_factor_dim)
+        self.max_factor_dim = max_factor_dim
         if not self.layers:
             raise ValueError(
                 f"no layer of {type(model).__name__} can be preconditioned:\n{self.layers}"
@@ -151,6 +154,7 @@ class KFACPreconditioner(HookRecorder):
             inv_dtype=inv_dtype,
             symmetry_aware=symmetry_aware,
             eigenbasis_refresh=eigenbasis_refresh,
+            max_factor_dim=max_factor_dim,
         )
         self.comm = Communicator(
             self.plan,

@@ -97,6 +97,7 @@ class HookRecorder(PreconditionerBase):
         (see :func:`kfac_func.step.precondition.precondition_layer`)."""
         return (
             spec.block.has_rows
+            and not any(spec.diagonal)
             and self.comm.world_size == 1
             and self.model.training
             and torch.is_grad_enabled()

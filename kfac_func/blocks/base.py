@@ -67,6 +67,10 @@ class LayerSpec:
         padding: explicit ``(left, right, top, bottom)`` padding, with ``'same'`` and
             ``'valid'`` resolved exactly as PyTorch resolves them.
         padding_mode: convolution ``padding_mode`` (``"zeros"``, ``"reflect"``, ...).
+        diagonal: whether the A and the G factor keep only their diagonal (a vector of
+            ``a_dim`` / ``g_dim`` entries instead of a square matrix): inputs that are
+            one-hot (Embedding) have a diagonal A, and a side wider than
+            ``register(..., max_factor_dim=...)`` is kept diagonal to bound memory.
 
     Example:
         >>> from torch import nn
@@ -88,6 +92,7 @@ class LayerSpec:
     dilation: tuple[int, ...] = ()
     padding: tuple[int, ...] = ()
     padding_mode: str = "zeros"
+    diagonal: tuple[bool, bool] = (False, False)
 
     @property
     def block(self) -> LayerBlock:
@@ -97,6 +102,16 @@ class LayerSpec:
     @property
     def has_bias(self) -> bool:
         return self.bias is not None
+
+    @property
+    def a_diagonal(self) -> bool:
+        """Whether the A factor is stored as its diagonal."""
+        return self.diagonal[0]
+
+    @property
+    def g_diagonal(self) -> bool:
+        """Whether the G factor is stored as its diagonal."""
+        return self.diagonal[1]
 
     @property
     def a_dim(self) -> int:
@@ -115,9 +130,11 @@ class LayerSpec:
 
     @property
     def factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Shapes of the A and G factors."""
-        b = self.batch_shape
-        return (*b, self.a_dim, self.a_dim), (*b, self.g_dim, self.g_dim)
+        """Shapes of the A and G factors (one dimension less for a diagonal one)."""
+        b, a, g = self.batch_shape, self.a_dim, self.g_dim
+        a_shape = (*b, a) if self.a_diagonal else (*b, a, a)
+        g_shape = (*b, g) if self.g_diagonal else (*b, g, g)
+        return a_shape, g_shape
 
     @property
     def matrix_shape(self) -> tuple[int, ...]:
@@ -134,13 +151,14 @@ class LayerSpec:
 
 
 class Gram(NamedTuple):
-    """Unscaled statistics of one call: ``Σ rowsᵀrows``, its row count, rows per example
-    that stem from space. Factors are scaled sums of these (see
-    :mod:`kfac_func.core.conventions`)."""
+    """Unscaled statistics of one call: ``Σ rowsᵀrows`` (only its diagonal ``Σ rows²`` when
+    ``diagonal``), its row count, rows per example that stem from space. Factors are scaled
+    sums of these (see :mod:`kfac_func.core.conventions`)."""
 
     gram: torch.Tensor
     rows: int
     spatial: int
+    diagonal: bool = False
 
 
 def shape_error(
@@ -152,8 +170,20 @@ def shape_error(
     )
 
 
-def row_gram(rows: torch.Tensor, with_ones: bool) -> torch.Tensor:
-    """``rowsᵀ rows``; with ``with_ones`` as if a column of ones were appended (no copy)."""
+def row_gram(rows: torch.Tensor, with_ones: bool, diagonal: bool = False) -> torch.Tensor:
+    """``rowsᵀ rows``; with ``with_ones`` as if a column of ones were appended (no copy);
+    with ``diagonal`` only its diagonal ``Σ rows²``.
+
+    Example:
+        >>> row_gram(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), True, diagonal=True)
+        tensor([10., 20.,  2.])
+    """
+    if diagonal:
+        sq = (rows * rows).sum(dim=-2)
+        if not with_ones:
+            return sq
+        n = torch.full((*sq.shape[:-1], 1), rows.shape[-2], dtype=rows.dtype, device=rows.device)
+        return torch.cat([sq, n], dim=-1)
     xx = rows.mT @ rows
     if not with_ones:
         return xx
@@ -176,7 +206,7 @@ class LayerBlock(ABC):
     kind: ClassVar[str]
     """The name stored in :attr:`LayerSpec.kind` (and in checkpoints)."""
 
-    module_types: ClassVar[tuple[type[nn.Module], ...]] = ()
+    module_types: tuple[type[nn.Module], ...] = ()
     """Module classes (and their subclasses) this kind handles."""
 
     has_rows: ClassVar[bool] = False
@@ -281,8 +311,8 @@ def register_block(cls: B) -> B:
     """Class decorator: register one instance of ``cls`` under ``cls.kind``.
 
     Example:
-        >>> sorted(b.kind for b in blocks())
-        ['conv2d', 'linear']
+        >>> {"linear", "conv2d", "embedding"} <= {b.kind for b in blocks()}
+        True
     """
     kind = cls.kind
     if kind in _BLOCKS and type(_BLOCKS[kind]) is not cls:

@@ -129,7 +129,7 @@ class Conv2dBlock(LayerBlock):
         return (rows[0] if g == 1 else rows), h * w
 
     def a_gram(self, spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype) -> Gram:
-        if supports_row_gram(spec.kernel_size, spec.stride):
+        if not spec.a_diagonal and supports_row_gram(spec.kernel_size, spec.stride):
             y = self.padded(spec, x.to(dtype))
             kh, kw = spec.kernel_size
             dil_h, dil_w = spec.dilation
@@ -137,7 +137,8 @@ class Conv2dBlock(LayerBlock):
                 *patch_gram(y, (kh, kw), (dil_h, dil_w), spec.stride[1], spec.groups, spec.has_bias)
             )
         rows, spatial = self.a_rows(spec, x.to(dtype))
-        return Gram(row_gram(rows, spec.has_bias), rows.shape[-2], spatial)
+        d = spec.a_diagonal
+        return Gram(row_gram(rows, spec.has_bias, d), rows.shape[-2], spatial, d)
 
     def g_gram(self, spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype) -> Gram:
         # columns (*batch_shape, C/groups, N·h·w), the transpose of g_rows: cheaper to build
@@ -147,4 +148,6 @@ class Conv2dBlock(LayerBlock):
         g = spec.groups
         cols = r.reshape(n, g, -1, h * w).permute(1, 2, 0, 3).reshape(g, -1, n * h * w)
         cols = cols[0] if g == 1 else cols
+        if spec.g_diagonal:
+            return Gram((cols * cols).sum(dim=-1), cols.shape[-1], h * w, True)
         return Gram(cols @ cols.mT, cols.shape[-1], h * w)

@@ -35,7 +35,7 @@ class LinearBlock(LayerBlock):
     """
 
     kind = "linear"
-    module_types = (nn.Linear,)
+    module_types: tuple[type[nn.Module], ...] = (nn.Linear,)
     has_rows = True
     tensor_parallel = True
 
@@ -66,11 +66,13 @@ class LinearBlock(LayerBlock):
 
     def a_gram(self, spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype) -> Gram:
         rows, spatial = self.a_rows(spec, x.to(dtype))
-        return Gram(row_gram(rows, spec.has_bias), rows.shape[-2], spatial)
+        d = spec.a_diagonal
+        return Gram(row_gram(rows, spec.has_bias, d), rows.shape[-2], spatial, d)
 
     def g_gram(self, spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype) -> Gram:
         rows, spatial = self.g_rows(spec, r.to(dtype))
-        return Gram(row_gram(rows, False), rows.shape[-2], spatial)
+        d = spec.g_diagonal
+        return Gram(row_gram(rows, False, d), rows.shape[-2], spatial, d)
 
     def rows(
         self, spec: LayerSpec, inputs: Sequence[torch.Tensor], output_grads: Sequence[torch.Tensor]

@@ -8,7 +8,9 @@ parameters is listed with the reason it was skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import warnings
 from collections.abc import Iterable
 
 from torch import nn
@@ -33,7 +35,9 @@ class LayerTable(dict[str, LayerSpec]):
         rows = [("name", "kind", "A", "G", "note")]
         for spec in self.values():
             a, g = spec.factor_shapes
-            note = f"{spec.groups} groups" if spec.groups > 1 else ""
+            notes = [f"{spec.groups} groups"] if spec.groups > 1 else []
+            notes += [f"diagonal {w}" for w, d in zip("AG", spec.diagonal) if d]
+            note = ", ".join(notes)
             rows.append((spec.name, spec.kind, _fmt_shape(a), _fmt_shape(g), note))
         for name, why in self.skipped.items():
             rows.append((name, "-", "-", "-", f"skipped: {why}"))
@@ -59,7 +63,21 @@ def _spec_for(name: str, module: nn.Module) -> LayerSpec | str:
     return f"unsupported kind {type(module).__name__}"
 
 
-def register(model: nn.Module, skip_layers: Iterable[str] | str | None = None) -> LayerTable:
+def _bounded(spec: LayerSpec, max_factor_dim: int | None) -> LayerSpec:
+    """``spec`` with every side wider than ``max_factor_dim`` made diagonal."""
+    if max_factor_dim is None:
+        return spec
+    a, g = spec.a_dim > max_factor_dim, spec.g_dim > max_factor_dim
+    diagonal = (spec.a_diagonal or a, spec.g_diagonal or g)
+    return spec if diagonal == spec.diagonal else dataclasses.replace(spec, diagonal=diagonal)
+
+
+def register(
+    model: nn.Module,
+    skip_layers: Iterable[str] | str | None = None,
+    *,
+    max_factor_dim: int | None = None,
+) -> LayerTable:
     """Find the layers of ``model`` that K-FAC preconditions.
 
     Each module with parameters goes to the first registered layer kind that handles it
@@ -72,6 +90,9 @@ def register(model: nn.Module, skip_layers: Iterable[str] | str | None = None) -
         skip_layers: regular expressions searched (``re.search``) in each module's
             qualified name and its class name. A matching module is skipped together with
             all of its children.
+        max_factor_dim: a factor side wider than this keeps only its diagonal (as SOAP's
+            ``max_precond_dim``): a language-model head with a 50k vocabulary gets a
+            vector of 50k entries, not a 50k × 50k matrix. None: no limit.
 
     Returns:
         A :class:`LayerTable` mapping module names to :class:`LayerSpec`.
@@ -89,6 +110,12 @@ def register(model: nn.Module, skip_layers: Iterable[str] | str | None = None) -
         3     linear  5x5  2x2
         0     -       -    -    skipped: matched skip_layers 'Embedding'
     """
+    if max_factor_dim is not None and (
+        isinstance(max_factor_dim, bool)
+        or not isinstance(max_factor_dim, int)
+        or max_factor_dim < 1
+    ):
+        raise ValueError(f"max_factor_dim must be a positive int or None, got {max_factor_dim!r}")
     if isinstance(skip_layers, str):
         skip_layers = [skip_layers]
     patterns = [(p, re.compile(p)) for p in (skip_layers or [])]
@@ -115,5 +142,36 @@ def register(model: nn.Module, skip_layers: Iterable[str] | str | None = None) -
         elif not module.get_parameter("weight").requires_grad:
             skipped[name] = "weight does not require grad"
         else:
-            specs.append(result)
-    return LayerTable(specs, skipped)
+            specs.append(_bounded(result, max_factor_dim))
+    tied = _tied(model, specs)
+    for name, why in tied.items():
+        skipped[name] = why
+    return LayerTable([s for s in specs if s.name not in tied], skipped)
+
+
+def _tied(model: nn.Module, specs: list[LayerSpec]) -> dict[str, str]:
+    """``{layer: reason}`` for the layers that share a parameter with another registered
+    layer (a tied embedding and output head): the shared gradient sums both uses, which
+    neither layer's factors describe, so both are skipped, with a warning."""
+    users: dict[int, list[tuple[str, str]]] = {}
+    for spec in specs:
+        for pname in spec.param_names():
+            users.setdefault(id(model.get_parameter(pname)), []).append((spec.name, pname))
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    out: dict[str, str] = {}
+    for key, uses in users.items():
+        if len({layer for layer, _ in uses}) < 2:
+            continue
+        layers = sorted({layer for layer, _ in uses})
+        shared = canonical.get(key, uses[0][1])
+        warnings.warn(
+            f"parameter {shared!r} is shared by layers {layers}: K-FAC skips them (the "
+            "gradient of a tied parameter sums the uses of every layer, which the factors "
+            "of neither describe); precondition them with another optimizer",
+            UserWarning,
+            stacklevel=3,
+        )
+        for layer in layers:
+            others = [o for o in layers if o != layer]
+            out[layer] = f"shares parameter {shared!r} with {others}"
+    return out

@@ -28,6 +28,7 @@ from kfac_func.checkpoint.errors import CheckpointMismatchError, _names
 from kfac_func.checkpoint.state_format import (
     _CONFIG_FIELDS,
     _DECOMPOSITIONS,
+    _SPEC_DEFAULTS,
     _SPEC_FIELDS,
     META_KEY,
     _decode_meta,
@@ -40,6 +41,7 @@ from kfac_func.checkpoint.state_format import (
     _layer_key,
     _metadata,
 )
+from kfac_func.core.decomposition import decomposition_from_fields
 from kfac_func.state import KFACState, LayerState
 
 __all__ = [
@@ -108,14 +110,15 @@ def state_to_dict(
 
 def _decomposition_shapes(spec: LayerSpec) -> dict[str, tuple[int, ...]]:
     b, a, g = spec.batch_shape, spec.a_dim, spec.g_dim
+    a_shape, g_shape = spec.factor_shapes
     return {
         "qa": (*b, a, a),
         "da": (*b, a),
         "qg": (*b, g, g),
         "dg": (*b, g),
         "dgda": (*b, g, a),
-        "a_inv": (*b, a, a),
-        "g_inv": (*b, g, g),
+        "a_inv": a_shape,
+        "g_inv": g_shape,
     }
 
 
@@ -129,7 +132,8 @@ def _layer_problems(
     name = entry["name"]
     reasons = []
     want_spec = {k: _json_value(getattr(ls.spec, k)) for k in _SPEC_FIELDS}
-    got_spec = entry["spec"]
+    # a field added to LayerSpec later is absent from older checkpoints: its default
+    got_spec = {**_SPEC_DEFAULTS, **entry["spec"]}
     diff = [
         f"{k} {got_spec.get(k)!r} vs {want_spec[k]!r}"
         for k in _SPEC_FIELDS
@@ -190,7 +194,8 @@ def _build_layer(
     decomposition = None
     if dec_meta is not None:
         cls = _DECOMPOSITIONS[dec_meta["type"]]
-        decomposition = cls(**{f: get("decomposition", f) for f in dec_meta["tensors"]})
+        tensors = {f: get("decomposition", f) for f in dec_meta["tensors"]}
+        decomposition = decomposition_from_fields(cls, tensors)
     return LayerState(
         a_factor=get("a_factor"),
         g_factor=get("g_factor"),

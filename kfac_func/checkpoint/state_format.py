@@ -94,6 +94,14 @@ def _json_value(v: Any) -> Any:
     return v
 
 
+_SPEC_DEFAULTS = {
+    f.name: _json_value(f.default)
+    for f in dataclasses.fields(LayerSpec)
+    if f.default is not dataclasses.MISSING
+}
+"""Defaults of the spec fields, for checkpoints written before a field existed."""
+
+
 def _decomposition_meta(ls: LayerState) -> dict[str, Any] | None:
     d = ls.decomposition
     if d is None:

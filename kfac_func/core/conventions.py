@@ -106,16 +106,23 @@ def micro_batch_weights(convention: Convention, batch_sizes: Sequence[int]) -> l
 
 
 def initial_factor(
-    convention: Convention, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None
+    convention: Convention,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device | None,
+    diagonal: bool = False,
 ) -> torch.Tensor:
     """The value a running-average factor holds before its first update.
 
     ``"kfac-pytorch"`` starts from the identity (the first update gives
     ``decay·I + (1−decay)·F``); ``"fisher"`` holds zeros that the first update replaces
-    by the batch factor.
+    by the batch factor. A ``diagonal`` factor (the last dimension holds the diagonal)
+    starts at ones.
     """
     if convention == "fisher":
         return torch.zeros(shape, dtype=dtype, device=device)
+    if diagonal:
+        return torch.ones(shape, dtype=dtype, device=device)
     eye = torch.eye(shape[-1], dtype=dtype, device=device)
     return eye.expand(shape).clone()
 

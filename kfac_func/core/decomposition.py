@@ -13,8 +13,9 @@ How they are applied to a gradient is in :mod:`kfac_func.core.preconditioning`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -31,12 +32,19 @@ __all__ = [
     "all_finite",
     "condition_estimate",
     "damped_inverse",
+    "decomposition_from_fields",
+    "decomposition_shapes",
+    "diagonal_eigenvalues",
+    "diagonal_inverse",
     "divide_eigenvalues",
     "eigen_decompose",
     "eigenvalue_outer",
     "eigh_factor",
     "eigh_or_refresh",
+    "eigh_side",
     "inverse_decompose",
+    "inverse_side",
+    "precompute_outer",
     "refresh_eigh",
 ]
 
@@ -46,18 +54,23 @@ EIGENBASIS_REFRESH = ("eigh", "qr")
 
 @dataclass(frozen=True)
 class EigenDecomposition:
-    """Eigenbases and clamped eigenvalues of A and G; ``dgda`` when precomputed."""
+    """Eigenbases and clamped eigenvalues of A and G; ``dgda`` when precomputed.
 
-    qa: torch.Tensor
+    A diagonal factor has no eigenbasis to store: ``qa`` (``qg``) is None, standing for the
+    identity, and ``da`` (``dg``) holds its clamped diagonal.
+    """
+
+    qa: torch.Tensor | None
     da: torch.Tensor
-    qg: torch.Tensor
+    qg: torch.Tensor | None
     dg: torch.Tensor
     dgda: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class InverseDecomposition:
-    """Damped inverses ``(A + λI)⁻¹`` and ``(G + λI)⁻¹``."""
+    """Damped inverses ``(A + λI)⁻¹`` and ``(G + λI)⁻¹``; the inverse of a diagonal factor
+    is the vector ``1 / (d + λ)``."""
 
     a_inv: torch.Tensor
     g_inv: torch.Tensor
@@ -67,6 +80,25 @@ register_dataclass(EigenDecomposition, data=("qa", "da", "qg", "dg", "dgda"))
 register_dataclass(InverseDecomposition, data=("a_inv", "g_inv"))
 
 Decomposition = EigenDecomposition | InverseDecomposition
+
+
+def decomposition_from_fields(
+    cls: type[EigenDecomposition] | type[InverseDecomposition], fields: Mapping[str, torch.Tensor]
+) -> Decomposition:
+    """``cls`` from the tensors it holds; the fields that are not given (the eigenbasis of a
+    diagonal factor, an absent ``dgda``) are None.
+
+    Example:
+        >>> d = decomposition_from_fields(EigenDecomposition, {"da": torch.ones(2),
+        ...                               "qg": torch.eye(1), "dg": torch.ones(1)})
+        >>> d.qa is None, d.dgda is None
+        (True, True)
+    """
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(fields) - set(names))
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no fields {unknown}")
+    return cls(**{n: fields.get(n) for n in names})  # type: ignore[arg-type]
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -231,6 +263,92 @@ def eigh_or_refresh(
     return eigh_factor(factor, dtype=dtype, compute_dtype=compute_dtype)
 
 
+def diagonal_eigenvalues(factor: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:
+    """The eigenvalues of a diagonal factor (its entries; its eigenbasis is the identity),
+    clamped at 0, in ``dtype``.
+
+    Example:
+        >>> diagonal_eigenvalues(torch.tensor([2.0, -1e-9]), dtype=torch.float64)
+        tensor([2., 0.], dtype=torch.float64)
+    """
+    if not all_finite(factor):
+        raise DecompositionError("eigh: the factor holds NaN/Inf")
+    return factor.to(dtype).clamp(min=0.0)
+
+
+def diagonal_inverse(
+    factor: torch.Tensor,
+    damping: float,
+    *,
+    dtype: torch.dtype,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``1 / (d + damping)`` of a diagonal factor ``d``, in ``dtype``; with ``damping == 0``
+    the pseudo-inverse (entries at most ``eps · n · max(d)`` give 0, as
+    :func:`divide_eigenvalues`).
+
+    Example:
+        >>> diagonal_inverse(torch.tensor([1.0, 0.0]), 0.0, dtype=torch.float32)
+        tensor([1., 0.])
+    """
+    if not all_finite(factor):
+        raise DecompositionError("inverse: the factor holds NaN/Inf")
+    den = factor.to(compute_dtype or torch.promote_types(dtype, torch.float32)) + damping
+    if damping > 0:
+        return (1.0 / den).to(dtype)
+    cutoff = den.amax(dim=-1, keepdim=True) * torch.finfo(den.dtype).eps * den.shape[-1]
+    zero = torch.zeros((), dtype=den.dtype, device=den.device)
+    return torch.where(den > cutoff, 1.0 / den, zero).to(dtype)
+
+
+def eigh_side(
+    factor: torch.Tensor,
+    previous: torch.Tensor | None,
+    *,
+    diagonal: bool,
+    dtype: torch.dtype,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(eigenvectors or None, eigenvalues)`` of one factor: :func:`diagonal_eigenvalues`
+    for a diagonal one, else :func:`eigh_or_refresh` (warm-started from ``previous``)."""
+    if diagonal:
+        return None, diagonal_eigenvalues(factor, dtype=dtype)
+    return eigh_or_refresh(factor, previous, dtype=dtype, compute_dtype=compute_dtype)
+
+
+def inverse_side(
+    factor: torch.Tensor,
+    damping: float,
+    *,
+    diagonal: bool,
+    dtype: torch.dtype,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The damped inverse of one factor: :func:`diagonal_inverse` for a diagonal one, else
+    :func:`damped_inverse`."""
+    if diagonal:
+        return diagonal_inverse(factor, damping, dtype=dtype, compute_dtype=compute_dtype)
+    return damped_inverse(factor, damping, dtype=dtype, compute_dtype=compute_dtype)
+
+
+def decomposition_shapes(
+    factor_shape: tuple[int, ...] | torch.Size, *, diagonal: bool, eigen: bool
+) -> list[tuple[int, ...]]:
+    """Shapes of the tensors that decompose one factor: eigenvectors and eigenvalues
+    (eigenvalues only for a diagonal factor), or the inverse (the factor's shape).
+
+    Example:
+        >>> decomposition_shapes((3, 3), diagonal=False, eigen=True)
+        [(3, 3), (3,)]
+        >>> decomposition_shapes((2, 5), diagonal=True, eigen=True)
+        [(2, 5)]
+    """
+    shape = tuple(int(s) for s in factor_shape)
+    if not eigen or diagonal:
+        return [shape]
+    return [shape, shape[:-1]]
+
+
 def eigenvalue_outer(dg: torch.Tensor, da: torch.Tensor, damping: float) -> torch.Tensor:
     """``1 / (outer(dg, da) + damping)`` (batched over leading dimensions)."""
     return divide_eigenvalues(torch.ones((), dtype=dg.dtype, device=dg.device), dg, da, damping)
@@ -286,15 +404,18 @@ def eigen_decompose(
     compute_dtype: torch.dtype | None = None,
     outer_product: bool = False,
     warm_start: EigenDecomposition | None = None,
+    diagonal: tuple[bool, bool] = (False, False),
 ) -> EigenDecomposition:
     """Eigendecompose both factors.
 
     Args:
-        a, g: symmetric factors (optionally batched).
+        a, g: symmetric factors (optionally batched), or their diagonals (``diagonal``).
+        diagonal: whether ``a`` and ``g`` are diagonal factors (vectors).
         damping: λ, used only when ``outer_product`` precomputes ``1/(dg daᵀ + λ)``.
         dtype: storage dtype of the result (``inv_dtype``).
         compute_dtype: dtype eigh runs in (default: ``dtype`` promoted to float32).
-        outer_product: precompute ``dgda = 1 / (outer(dg, da) + λ)``.
+        outer_product: precompute ``dgda = 1 / (outer(dg, da) + λ)`` (not with a diagonal
+            factor, see :func:`precompute_outer`).
         warm_start: a previous decomposition to refresh with :func:`refresh_eigh`
             instead of decomposing from scratch.
 
@@ -306,10 +427,18 @@ def eigen_decompose(
     """
     w = warm_start
     kw: dict[str, Any] = {"dtype": dtype, "compute_dtype": compute_dtype}
-    qa, da = _named("A", eigh_or_refresh, a, w.qa if w is not None else None, **kw)
-    qg, dg = _named("G", eigh_or_refresh, g, w.qg if w is not None else None, **kw)
-    dgda = eigenvalue_outer(dg, da, damping) if outer_product else None
+    pa, pg = (w.qa, w.qg) if w is not None else (None, None)
+    qa, da = _named("A", eigh_side, a, pa, diagonal=diagonal[0], **kw)
+    qg, dg = _named("G", eigh_side, g, pg, diagonal=diagonal[1], **kw)
+    dgda = eigenvalue_outer(dg, da, damping) if precompute_outer(outer_product, diagonal) else None
     return EigenDecomposition(qa, da, qg, dg, dgda)
+
+
+def precompute_outer(outer_product: bool, diagonal: tuple[bool, bool]) -> bool:
+    """Whether ``dgda`` is precomputed: when asked for, and never for a layer with a
+    diagonal factor, whose ``dgda`` (as large as the gradient, ``V·d`` for an embedding)
+    would break its ``O(V + d²)`` memory; there ``1/(dg daᵀ + λ)`` is formed when used."""
+    return outer_product and not any(diagonal)
 
 
 def inverse_decompose(
@@ -319,8 +448,9 @@ def inverse_decompose(
     *,
     dtype: torch.dtype = torch.float32,
     compute_dtype: torch.dtype | None = None,
+    diagonal: tuple[bool, bool] = (False, False),
 ) -> InverseDecomposition:
-    """Damped inverses of both factors.
+    """Damped inverses of both factors (vectors for the ``diagonal`` ones).
 
     Example:
         >>> import torch
@@ -329,9 +459,10 @@ def inverse_decompose(
         tensor([[0.5000, 0.0000],
                 [0.0000, 0.5000]])
     """
+    kw: dict[str, Any] = {"dtype": dtype, "compute_dtype": compute_dtype}
     return InverseDecomposition(
-        _named("A", damped_inverse, a, damping, dtype=dtype, compute_dtype=compute_dtype),
-        _named("G", damped_inverse, g, damping, dtype=dtype, compute_dtype=compute_dtype),
+        _named("A", inverse_side, a, damping, diagonal=diagonal[0], **kw),
+        _named("G", inverse_side, g, damping, diagonal=diagonal[1], **kw),
     )
 
 

@@ -44,7 +44,7 @@ def factor_from_grams(
     loss_scale: float | None = None,
 ) -> torch.Tensor:
     """A factor from the per-call Grams of one batch: A without ``batch_size``/``loss_scale``,
-    G with them."""
+    G with them. Diagonal Grams make a diagonal factor (not symmetrised: it is a vector)."""
     rows, spatial = [g.rows for g in grams], [g.spatial for g in grams]
     if batch_size is None or loss_scale is None:
         scales = a_scales(convention, rows, spatial)
@@ -54,7 +54,7 @@ def factor_from_grams(
     total = grams[0].gram * scales[0]
     for g, k in zip(grams[1:], scales[1:]):
         total.add_(g.gram, alpha=k)
-    return symmetrize(total)
+    return total if grams[0].diagonal else symmetrize(total)
 
 
 def a_factor(

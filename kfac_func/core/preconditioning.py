@@ -37,7 +37,8 @@ def precondition(
 
     Computes in the decomposition's dtype and returns the matrix's dtype. ``damping`` is
     ignored when the eigen decomposition holds a precomputed ``dgda`` and by the inverse
-    method (whose damping is inside the stored inverses).
+    method (whose damping is inside the stored inverses). Diagonal factors (an eigenbasis
+    of None, an inverse that is a vector) scale the rows or columns of the matrix.
 
     Example:
         >>> import torch
@@ -50,15 +51,35 @@ def precondition(
     d = decomposition
     if isinstance(d, InverseDecomposition):
         m = matrix.to(d.a_inv.dtype)
-        return (d.g_inv @ m @ d.a_inv).to(matrix.dtype)
-    m = matrix.to(d.qa.dtype)
-    return _back_project(d.qg.mT @ m @ d.qa, d, damping).to(matrix.dtype)
+        if d.g_inv.dim() == m.dim() and d.a_inv.dim() == m.dim():
+            return (d.g_inv @ m @ d.a_inv).to(matrix.dtype)
+        return _right_inverse(_left_inverse(d.g_inv, m), d.a_inv).to(matrix.dtype)
+    m = matrix.to(d.da.dtype)
+    if d.qa is not None and d.qg is not None:
+        return _back_project(d.qg.mT @ m @ d.qa, d, damping).to(matrix.dtype)
+    v = m if d.qg is None else d.qg.mT @ m
+    v = v if d.qa is None else v @ d.qa
+    return _back_project(v, d, damping).to(matrix.dtype)
+
+
+def _left_inverse(g_inv: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``G⁻¹ M``; a diagonal ``G⁻¹`` (one dimension less than ``M``) scales the rows."""
+    return g_inv.unsqueeze(-1) * m if g_inv.dim() < m.dim() else g_inv @ m
+
+
+def _right_inverse(m: torch.Tensor, a_inv: torch.Tensor) -> torch.Tensor:
+    """``M A⁻¹``; a diagonal ``A⁻¹`` scales the columns."""
+    return m * a_inv.unsqueeze(-2) if a_inv.dim() < m.dim() else m @ a_inv
 
 
 def _back_project(v: torch.Tensor, d: EigenDecomposition, damping: float) -> torch.Tensor:
-    """``Qg [v / (dg daᵀ + λ)] Qaᵀ`` for ``v`` in the eigenbasis."""
+    """``Qg [v / (dg daᵀ + λ)] Qaᵀ`` for ``v`` in the eigenbasis (a missing basis: the
+    identity)."""
     v = v * d.dgda if d.dgda is not None else divide_eigenvalues(v, d.dg, d.da, damping)
-    return d.qg @ v @ d.qa.mT
+    if d.qa is not None and d.qg is not None:
+        return d.qg @ v @ d.qa.mT
+    v = v if d.qg is None else d.qg @ v
+    return v if d.qa is None else v @ d.qa.mT
 
 
 def _right(a: torch.Tensor, f: torch.Tensor, bias: bool) -> torch.Tensor:
@@ -83,7 +104,8 @@ def precondition_rows(
     with the ``n``-row factors: the inverse method costs ``n(d_out² + d_in² + d_out·d_in)``
     instead of ``2·d_out·d_in(d_out + d_in)``, the eigen method saves the projection into
     the eigenbasis (the back-projection stays two dense products). ``bias``: ``A`` has a
-    trailing ones column. Returns ``dtype``.
+    trailing ones column. Returns ``dtype``. Dense factors only (diagonal factors take
+    :func:`precondition`).
 
     Example:
         >>> from kfac_func.core.decomposition import eigen_decompose
@@ -95,6 +117,8 @@ def precondition_rows(
     """
     d = decomposition
     left, right = (d.g_inv, d.a_inv) if isinstance(d, InverseDecomposition) else (d.qg, d.qa)
+    if left is None or right is None or left.dim() != 2 or right.dim() != 2:
+        raise ValueError("precondition_rows needs the dense factors of an ungrouped layer")
     fwd: torch.Tensor | None = None
     for a, g in rows:
         term = (g.to(left.dtype) @ left).mT @ _right(a.to(right.dtype), right, bias)

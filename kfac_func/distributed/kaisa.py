@@ -33,9 +33,11 @@ from kfac_func.core.decomposition import (
     DecompositionError,
     EigenDecomposition,
     InverseDecomposition,
-    damped_inverse,
+    decomposition_shapes,
     eigenvalue_outer,
-    eigh_or_refresh,
+    eigh_side,
+    inverse_side,
+    precompute_outer,
 )
 from kfac_func.distributed.communicator import Communicator, Pending
 from kfac_func.distributed.plan import DistributedStrategy, Plan
@@ -104,15 +106,15 @@ def offer_factors(
     batch: tuple[torch.Tensor, torch.Tensor, float] | None,
 ) -> None:
     """Offer one layer's local batch factors (None: not called here, contributes nothing)."""
+    symmetric = [not ls.spec.a_diagonal, not ls.spec.g_diagonal, False]
     if batch is None:
         zero = torch.zeros(1, dtype=ls.a_factor.dtype, device=ls.a_factor.device)
-        reducer.ready(
-            ls.spec.name, [torch.zeros_like(ls.a_factor), torch.zeros_like(ls.g_factor), zero]
-        )
+        zeros = [torch.zeros_like(ls.a_factor), torch.zeros_like(ls.g_factor), zero]
+        reducer.ready(ls.spec.name, zeros, symmetric)
         return
     a, g, w = batch
     weight = torch.full((1,), w, dtype=a.dtype, device=a.device)
-    reducer.ready(ls.spec.name, [w * a, w * g, weight])
+    reducer.ready(ls.spec.name, [w * a, w * g, weight], symmetric)
 
 
 def _reduce_factors(
@@ -170,31 +172,35 @@ def _decompose(
             continue
         parts, failure = [], None
         warm = warm_start(ls, cfg)
-        for which, owner, factor, previous in (
-            ("A", lp.a_owner, ls.a_factor, None if warm is None else warm.qa),
-            ("G", lp.g_owner, ls.g_factor, None if warm is None else warm.qg),
+        for which, owner, factor, previous, diag in (
+            ("A", lp.a_owner, ls.a_factor, None if warm is None else warm.qa, ls.spec.a_diagonal),
+            ("G", lp.g_owner, ls.g_factor, None if warm is None else warm.qg, ls.spec.g_diagonal),
         ):
-            n, batch, dev = factor.shape[-1], factor.shape[:-2], factor.device
-            shapes = [(*batch, n, n), (*batch, n)] if eigen else [factor.shape]
-            sent = [torch.empty(s, dtype=cfg.inv_dtype, device=dev) for s in shapes]
+            dev = factor.device
+            sent = [
+                torch.empty(s, dtype=cfg.inv_dtype, device=dev)
+                for s in decomposition_shapes(factor.shape, diagonal=diag, eigen=eigen)
+            ]
             ok = torch.zeros(1, dtype=cfg.inv_dtype, device=dev)
             if rank == owner:
                 try:
+                    dt = cfg.inv_dtype
                     if eigen:
-                        sent = list(
-                            eigh_or_refresh(
-                                factor, previous, dtype=cfg.inv_dtype, compute_dtype=cdt
-                            )
+                        q, d = eigh_side(
+                            factor, previous, diagonal=diag, dtype=dt, compute_dtype=cdt
                         )
+                        sent = [d] if q is None else [q, d]
                     else:
                         sent = [
-                            damped_inverse(factor, damping, dtype=cfg.inv_dtype, compute_dtype=cdt)
+                            inverse_side(
+                                factor, damping, diagonal=diag, dtype=dt, compute_dtype=cdt
+                            )
                         ]
                     ok.fill_(1.0)
                 except DecompositionError as err:  # workers keep their previous one
                     failure = f"the {which} factor: {err}"
                     sent = [t.zero_() for t in sent]
-            sym = [False] * len(sent) if eigen else [True]
+            sym = [False] * len(sent) if eigen or diag else [True]
             parts.append(
                 comm.broadcast(
                     [*sent, ok],
@@ -214,13 +220,21 @@ def _decompose(
             continue
         dec: Decomposition
         if eigen:
-            (qa, da), (qg, dg) = a_res, g_res
-            dgda = eigenvalue_outer(dg, da, damping) if outer else None
+            (qa, da), (qg, dg) = _basis(a_res), _basis(g_res)
+            dgda = None
+            if precompute_outer(outer, new[name].spec.diagonal):
+                dgda = eigenvalue_outer(dg, da, damping)
             dec = EigenDecomposition(qa, da, qg, dg, dgda)
         else:
             dec = InverseDecomposition(a_res[0], g_res[0])
         new[name] = new[name].replace(decomposition=dec)
     return new
+
+
+def _basis(received: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(eigenvectors, eigenvalues)`` of one side as broadcast: a diagonal side sends its
+    eigenvalues only."""
+    return (None, received[0]) if len(received) == 1 else (received[0], received[1])
 
 
 def update_distributed(

@@ -228,11 +228,11 @@ def _cost_fn(assignment_strategy: AssignmentStrategy | str | CostFn) -> CostFn:
     return lambda n: float(n) ** 2
 
 
-def _sizes(layer: LayerSpec | tuple[int, int]) -> tuple[int, int, int]:
+def _sizes(layer: LayerSpec | tuple[int, int]) -> tuple[int, int, int, tuple[bool, bool]]:
     if isinstance(layer, LayerSpec):
-        return layer.a_dim, layer.g_dim, layer.groups
+        return layer.a_dim, layer.g_dim, layer.groups, layer.diagonal
     a, g = layer
-    return int(a), int(g), 1
+    return int(a), int(g), 1, (False, False)
 
 
 def make_plan(
@@ -295,7 +295,14 @@ def make_plan(
         return min(ranks, key=lambda r: (load[r], r))
 
     sizes = {name: _sizes(layer) for name, layer in sorted(layers.items())}
-    costs = {n: (g * cost(a), g * cost(gs)) for n, (a, gs, g) in sizes.items()}
+
+    def side_cost(n: int, diagonal: bool) -> float:
+        return float(n) if diagonal else cost(n)  # a diagonal factor costs O(n)
+
+    costs = {
+        n: (g * side_cost(a, da), g * side_cost(gs, dg))
+        for n, (a, gs, g, (da, dg)) in sizes.items()
+    }
     owners: dict[str, tuple[int, int]] = {}
     everyone = tuple(range(world_size))
     for name in sorted(costs, key=lambda n: (-(costs[n][0] + costs[n][1]), n)):
@@ -313,7 +320,7 @@ def make_plan(
         owners[name] = (r1, r2) if a_cost >= g_cost else (r2, r1)
 
     plans = {}
-    for name, (a, g, groups) in sizes.items():
+    for name, (a, g, groups, _) in sizes.items():
         a_owner, g_owner = owners[name]
         plans[name] = LayerPlan(
             name,

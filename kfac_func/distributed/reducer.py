@@ -25,7 +25,8 @@ class OrderedReducer:
     strictly in ``order``, each as soon as every earlier key is ready, packed into buckets
     of the communicator's cap, so every rank issues the same sequence. Each key holds the
     same number of tensors, ``symmetric[i]`` telling whether its i-th one may travel as an
-    upper triangle. With ``dst``, each key's sums go only to its rank (others get their
+    upper triangle (a key may narrow that when it is offered: a diagonal factor is a
+    vector). With ``dst``, each key's sums go only to its rank (others get their
     input back). :meth:`finish` fills keys never offered, flushes and waits.
 
     Example:
@@ -53,8 +54,10 @@ class OrderedReducer:
         self.kind = kind
         self._next = 0
         self._waiting: dict[str, list[torch.Tensor]] = {}
+        self._waiting_sym: dict[str, list[bool]] = {}
         self._offered: set[str] = set()
         self._flat: list[torch.Tensor] = []
+        self._flat_sym: list[bool] = []
         self._slots: dict[str, range] = {}
         self._bucket: list[int] = []
         self._size = 0
@@ -65,23 +68,34 @@ class OrderedReducer:
     def offered(self, key: str) -> bool:
         return key in self._offered
 
-    def ready(self, key: str, tensors: Sequence[torch.Tensor]) -> None:
-        """Offer ``key``'s tensors (once per key); launches what the order allows."""
+    def ready(
+        self,
+        key: str,
+        tensors: Sequence[torch.Tensor],
+        symmetric: Sequence[bool] | None = None,
+    ) -> None:
+        """Offer ``key``'s tensors (once per key); launches what the order allows.
+        ``symmetric`` (default: the reducer's) says which of them are symmetric matrices."""
         if key in self._offered:
             raise ValueError(f"{key!r} was already offered to this reduction")
         if len(tensors) != len(self.sym):
             raise ValueError(f"{key!r}: expected {len(self.sym)} tensors, got {len(tensors)}")
+        sym = (
+            self.sym if symmetric is None else [a and bool(b) for a, b in zip(self.sym, symmetric)]
+        )
         self._offered.add(key)
         self._waiting[key] = list(tensors)
+        self._waiting_sym[key] = list(sym)
         while self._next < len(self.order) and self.order[self._next] in self._waiting:
             self._add(self.order[self._next])
             self._next += 1
 
     def _add(self, key: str) -> None:
         tensors = self._waiting.pop(key)
+        syms = self._waiting_sym.pop(key)
         target = self.dst[key] if self.dst is not None else None
         start = len(self._flat)
-        for t in tensors:
+        for t, s in zip(tensors, syms):
             i = len(self._flat)
             nbytes = t.numel() * t.element_size()
             if self._bucket and (
@@ -92,6 +106,7 @@ class OrderedReducer:
             ):
                 self._flush()
             self._flat.append(t)
+            self._flat_sym.append(s)
             self._targets.append(target)
             self._bucket.append(i)
             self._size += nbytes
@@ -99,11 +114,10 @@ class OrderedReducer:
 
     def _flush(self) -> None:
         if self._bucket and self.comm.active and self.comm.world_size > 1:
-            sym = [self.sym[i % len(self.sym)] for i in range(len(self._flat))]
             self.comm.launch_reduce(
                 self._bucket,
                 self._flat,
-                sym,
+                self._flat_sym,
                 self._targets,
                 self.kind,
                 self._pending,

@@ -58,7 +58,7 @@ class LayerCheck(NamedTuple):
 def rows_cheaper(spec: LayerSpec, rows: Rows | None) -> bool:
     """Whether a layer's rows make preconditioning cheaper than its matrix:
     ``n(d_out² + d_in² + d_out·d_in) < d_out·d_in(d_out + d_in)`` for ``n`` rows."""
-    if not rows or not spec.block.has_rows:
+    if not rows or not spec.block.has_rows or any(spec.diagonal):
         return False
     n = sum(a.shape[0] for a, _ in rows)
     o, i = spec.g_dim, spec.a_dim

@@ -93,9 +93,15 @@ def decompose_layer(ls: LayerState, damping: float, config: KFACConfig) -> Decom
             compute_dtype=cdt,
             outer_product=config.compute_eigenvalue_outer_product,
             warm_start=warm_start(ls, config),
+            diagonal=ls.spec.diagonal,
         )
     return inverse_decompose(
-        ls.a_factor, ls.g_factor, damping, dtype=config.inv_dtype, compute_dtype=cdt
+        ls.a_factor,
+        ls.g_factor,
+        damping,
+        dtype=config.inv_dtype,
+        compute_dtype=cdt,
+        diagonal=ls.spec.diagonal,
     )
 
 

@@ -1,0 +1,95 @@
+"""``nn.Embedding``: one-hot inputs, so the A factor is diagonal (token frequencies).
+
+``y = W[x]`` is the linear layer ``y = onehot(x) @ W`` with weight ``Wᵀ`` of shape
+``(d, V)``: the gradient matrix is ``dWᵀ`` (``g_dim = d`` rows, ``a_dim = V`` columns), A
+the diagonal of token counts (``Σ onehot onehotᵀ`` is diagonal: a vector of ``V`` entries,
+never a ``V × V`` matrix) and G the ``d × d`` Gram of the output-gradients. K-FAC memory is
+``O(V + d²)``. Every position of a sequence is a row (the "expand" convention).
+
+A ``padding_idx`` row has a zero gradient, and stays zero after preconditioning (A is
+diagonal, so columns are not mixed). Embeddings with ``sparse=True`` (sparse gradients),
+``max_norm`` (the forward renormalises the weight in place) or ``scale_grad_by_freq`` (the
+gradient is rescaled by token frequency) are skipped, with that reason in the table.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kfac_func.blocks.base import Gram, LayerBlock, LayerSpec, register_block, row_gram, shape_error
+
+__all__ = ["EmbeddingBlock"]
+
+
+@register_block
+class EmbeddingBlock(LayerBlock):
+    """A lookup table ``W`` of shape ``(V, d)`` (``in_dim = V``, ``out_dim = d``).
+
+    Example:
+        >>> import torch
+        >>> from kfac_func.blocks import register
+        >>> spec = register(torch.nn.Embedding(5, 3))[""]
+        >>> spec.factor_shapes
+        ((5,), (3, 3))
+        >>> spec.block.a_gram(spec, torch.tensor([[0, 2, 2]]), torch.float32).gram
+        tensor([1., 0., 2., 0., 0.])
+    """
+
+    kind = "embedding"
+    module_types = (nn.Embedding,)
+
+    def spec(self, name: str, module: nn.Module) -> LayerSpec | str:
+        assert isinstance(module, nn.Embedding)
+        if module.sparse:
+            return "sparse=True: sparse gradients are not supported"
+        if module.max_norm is not None:
+            return "max_norm renormalises the weight inside the forward; not supported"
+        if module.scale_grad_by_freq:
+            return "scale_grad_by_freq rescales the gradient by token frequency; not supported"
+        prefix = f"{name}." if name else ""
+        return LayerSpec(
+            name,
+            self.kind,
+            f"{prefix}weight",
+            None,
+            module.num_embeddings,
+            module.embedding_dim,
+            diagonal=(True, False),
+        )
+
+    def weight_shape(self, spec: LayerSpec) -> tuple[int, ...]:
+        return (spec.in_dim, spec.out_dim)
+
+    def a_gram(self, spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype) -> Gram:
+        """Token counts ``(V,)``: the diagonal of ``Σ onehot onehotᵀ``."""
+        if x.is_floating_point() or x.is_complex():
+            raise shape_error(spec, "input", "integer token indices", x.shape)
+        flat = x.reshape(-1)
+        try:
+            counts = torch.bincount(flat, minlength=spec.in_dim).to(dtype)
+        except RuntimeError as err:  # negative indices
+            raise ValueError(f"layer {spec.name!r} ({spec.kind}): {err}") from None
+        if counts.shape[0] != spec.in_dim:
+            raise ValueError(
+                f"layer {spec.name!r} ({spec.kind}): token index {counts.shape[0] - 1} is out "
+                f"of range for {spec.in_dim} embeddings"
+            )
+        return Gram(counts, flat.numel(), 1, True)
+
+    def g_gram(self, spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype) -> Gram:
+        if r.dim() == 0 or r.shape[-1] != spec.out_dim:
+            raise shape_error(spec, "output-gradient", f"last dimension {spec.out_dim}", r.shape)
+        rows = r.to(dtype).reshape(-1, spec.out_dim)
+        d = spec.g_diagonal
+        return Gram(row_gram(rows, False, d), rows.shape[0], 1, d)
+
+    def to_matrix(
+        self, spec: LayerSpec, weight_grad: torch.Tensor, bias_grad: torch.Tensor | None
+    ) -> torch.Tensor:
+        return weight_grad.mT
+
+    def from_matrix(
+        self, spec: LayerSpec, m: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return m.mT, None
