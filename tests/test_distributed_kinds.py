@@ -1,8 +1,8 @@
-"""The layer kinds with diagonal factors (Embedding, a Conv1d and a Linear made diagonal by
-``max_factor_dim``) under ``update_distributed`` on 2 gloo ranks: equal to ``kf.update``
-on the global batch (1e-10 in float64) and bit-identical across ranks, for COMM_OPT and
-MEM_OPT, eigen (with the eigenvalue outer product) and inverse, with symmetry-aware packing
-and buckets small enough to split the layers.
+"""Layer kinds with diagonal factors (Embedding, a Conv1d and a Linear made diagonal by
+``max_factor_dim``, a LayerNorm's per-unit blocks) under ``update_distributed`` on 2 gloo
+ranks: equal to ``kf.update`` on the global batch (1e-10 in float64) and bit-identical
+across ranks, for COMM_OPT and MEM_OPT, eigen (with the eigenvalue outer product) and
+inverse, with symmetry-aware packing and buckets small enough to split the layers.
 
 The parent computes each rank's gradients and captures and the reference results (one
 ``kf.capture`` per slice, as DDP's ranks would), and the ranks replay them.
@@ -44,11 +44,12 @@ class Net(nn.Module):
         torch.manual_seed(0)
         self.emb = nn.Embedding(VOCAB, WIDTH)
         self.conv = nn.Conv1d(WIDTH, 6, 3, padding="same")
+        self.norm = nn.LayerNorm(6)
         self.head = nn.Linear(6, CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.conv(self.emb(x).transpose(1, 2))).transpose(1, 2)
-        return self.head(h)
+        return self.head(self.norm(h))
 
 
 def _model() -> Net:
@@ -124,7 +125,12 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 
 def test_diagonal_kinds_match_one_process(tmp_path: Path) -> None:
     table = kf.register(_model(), max_factor_dim=MAX_DIM)
-    assert [s.diagonal for s in table.values()] == [(True, False), (True, False), (False, True)]
+    assert [s.diagonal for s in table.values()] == [
+        (True, False),
+        (True, False),
+        (True, False),
+        (False, True),
+    ]
     torch.save({m: _data(m) for m in ("eigen", "inverse")}, tmp_path / "data.pt")
     spawn(_worker, WORLD, tmp_path)
     for rank in range(WORLD):

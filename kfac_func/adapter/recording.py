@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from kfac_func.adapter.arguments import PreconditionerBase
-from kfac_func.blocks import LayerSpec, LayerTable, Rows, a_gram, g_gram
+from kfac_func.blocks import LayerSpec, LayerTable, Rows, a_gram, call_grams, g_gram
 from kfac_func.distributed.communicator import Communicator
 from kfac_func.distributed.kaisa import offer_factors, start_factor_reduction
 from kfac_func.distributed.plan import Plan
@@ -37,6 +37,7 @@ class _MicroBatch:
     batch_size: int
     a: dict[str, list[Any]] = field(default_factory=dict)
     g: dict[str, list[Any]] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
 
 
 class HookRecorder(PreconditionerBase):
@@ -113,13 +114,15 @@ class HookRecorder(PreconditionerBase):
             if not self._micro:
                 self._micro.append(_MicroBatch(int(x.shape[0]) if x.dim() > 1 else 1))
             micro = self._micro[-1]
-            item: Any = x
-            if self.update_factors_in_hook:
-                # the hook runs inside the user's autocast region: build the Gram in
-                # factor_dtype, not in the autocast dtype
-                with torch.autocast(x.device.type, enabled=False):
-                    item = a_gram(spec, x, self.factor_dtype)
-            micro.a.setdefault(spec.name, []).append(item)
+            micro.calls[spec.name] = micro.calls.get(spec.name, 0) + 1
+            if not spec.block.joint:  # joint statistics wait for the output-gradient
+                item: Any = x
+                if self.update_factors_in_hook:
+                    # the hook runs inside the user's autocast region: build the Gram in
+                    # factor_dtype, not in the autocast dtype
+                    with torch.autocast(x.device.type, enabled=False):
+                        item = a_gram(spec, x, self.factor_dtype)
+                micro.a.setdefault(spec.name, []).append(item)
         pair: list[torch.Tensor | None] | None = None
         if keep:
             pair = [x, None]
@@ -127,13 +130,16 @@ class HookRecorder(PreconditionerBase):
         if isinstance(out, torch.Tensor) and out.requires_grad:
             # a hook on this call's output sees its gradient even when later ops
             # modify the output in place (and needs no input that requires grad)
-            out.register_hook(self._grad_hook(spec, micro, pair))  # type: ignore[no-untyped-call]
+            joint_input = x if micro is not None and spec.block.joint else None
+            hook = self._grad_hook(spec, micro, pair, joint_input)
+            out.register_hook(hook)  # type: ignore[no-untyped-call]
 
     def _grad_hook(
         self,
         spec: LayerSpec,
         micro: _MicroBatch | None,
         pair: list[torch.Tensor | None] | None,
+        joint_input: torch.Tensor | None = None,
     ) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             gy = grad.detach()
@@ -144,10 +150,18 @@ class HookRecorder(PreconditionerBase):
                 pair[1] = gy
             if micro is None:
                 return
+            a_item: Any = joint_input
             item: Any = gy
             if self.update_factors_in_hook:
                 with torch.autocast(gy.device.type, enabled=False):
-                    item = g_gram(spec, gy, self.factor_dtype)
+                    if joint_input is not None:
+                        a_item, item = spec.block.joint_grams(
+                            spec, joint_input, gy, self.factor_dtype
+                        )
+                    else:
+                        item = g_gram(spec, gy, self.factor_dtype)
+            if joint_input is not None:  # the call's input and gradient, kept as a pair
+                micro.a.setdefault(spec.name, []).append(a_item)
             micro.g.setdefault(spec.name, []).append(item)
             if self._stream:
                 self._offer_if_complete(spec, micro)
@@ -179,7 +193,7 @@ class HookRecorder(PreconditionerBase):
         if (
             micro is not self._micro[-1]
             or len(self._micro) < int(self.accumulation_steps)
-            or len(micro.g[name]) != len(micro.a.get(name, []))
+            or len(micro.g[name]) != micro.calls.get(name, 0)
             or (self._reducer is not None and self._reducer.offered(name))
         ):
             return
@@ -218,8 +232,7 @@ class HookRecorder(PreconditionerBase):
             a = mb.a.get(name, [])
             g = mb.g.get(name, [])
             if not self.update_factors_in_hook:
-                a = [a_gram(spec, x, cfg.factor_dtype) for x in a]
-                g = [g_gram(spec, r, cfg.factor_dtype) for r in g]
+                a, g = call_grams(spec, a, g, cfg.factor_dtype)
             scale = 1.0 / mb.batch_size if self.loss_reduction == "mean" else 1.0
             stats.append(MicroBatchStats(a, g, mb.batch_size, scale))
         return factors_from_stats(name, stats, cfg)

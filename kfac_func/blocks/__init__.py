@@ -40,6 +40,7 @@ __all__ = [
     "a_gram",
     "block_of",
     "blocks",
+    "call_grams",
     "check_grads",
     "g_gram",
     "grads_to_matrix",
@@ -61,6 +62,29 @@ def a_gram(spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype = torch.float32)
 def g_gram(spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype = torch.float32) -> Gram:
     """Gram statistics of one call's raw output-gradient."""
     return spec.block.g_gram(spec, r, dtype)
+
+
+def call_grams(
+    spec: LayerSpec,
+    inputs: Sequence[torch.Tensor],
+    output_grads: Sequence[torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+) -> tuple[list[Gram], list[Gram]]:
+    """The A and G statistics of every call of a layer (inputs and output-gradients in
+    call order), from each tensor alone or, for kinds with :attr:`LayerBlock.joint`
+    statistics, from each call's pair."""
+    block = spec.block
+    if not block.joint:
+        return [block.a_gram(spec, x, dtype) for x in inputs], [
+            block.g_gram(spec, r, dtype) for r in output_grads
+        ]
+    if len(inputs) != len(output_grads):
+        raise ValueError(
+            f"layer {spec.name!r}: {len(inputs)} captured inputs but {len(output_grads)} "
+            "output-gradients"
+        )
+    pairs = [block.joint_grams(spec, x, r, dtype) for x, r in zip(inputs, output_grads)]
+    return [a for a, _ in pairs], [g for _, g in pairs]
 
 
 def layer_rows(

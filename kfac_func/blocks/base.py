@@ -24,7 +24,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -71,6 +71,9 @@ class LayerSpec:
             ``a_dim`` / ``g_dim`` entries instead of a square matrix): inputs that are
             one-hot (Embedding) have a diagonal A, and a side wider than
             ``register(..., max_factor_dim=...)`` is kept diagonal to bound memory.
+        options: settings only one kind needs, as ``(name, value)`` pairs of numbers,
+            strings or tuples (a norm's ``eps`` and normalised shape); read them with
+            :meth:`option`. New kinds put their settings here rather than in new fields.
 
     Example:
         >>> from torch import nn
@@ -93,6 +96,11 @@ class LayerSpec:
     padding: tuple[int, ...] = ()
     padding_mode: str = "zeros"
     diagonal: tuple[bool, bool] = (False, False)
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def option(self, key: str, default: Any = None) -> Any:
+        """The value of one of :attr:`options` (``default`` when absent)."""
+        return dict(self.options).get(key, default)
 
     @property
     def block(self) -> LayerBlock:
@@ -217,6 +225,11 @@ class LayerBlock(ABC):
     """Whether inputs and output-gradients hold the features on their last dimension, so
     that Megatron-style column/row parallelism may split them there."""
 
+    joint: ClassVar[bool] = False
+    """Whether the statistics of a call need its input and its output-gradient together
+    (:meth:`joint_grams`; norms: the scale's gradient is the normalised input times the
+    output-gradient) instead of one from each (:meth:`a_gram`, :meth:`g_gram`)."""
+
     # --- registration --------------------------------------------------------------
 
     def matches(self, module: nn.Module) -> bool:
@@ -244,6 +257,11 @@ class LayerBlock(ABC):
     def weight_shape(self, spec: LayerSpec) -> tuple[int, ...]:
         """Shape of the weight parameter."""
 
+    def notes(self, spec: LayerSpec) -> list[str]:
+        """What the layer table says about the layer besides its factor shapes."""
+        notes = [f"{spec.groups} groups"] if spec.groups > 1 else []
+        return notes + [f"diagonal {w}" for w, d in zip("AG", spec.diagonal) if d]
+
     # --- statistics ----------------------------------------------------------------
 
     @abstractmethod
@@ -253,6 +271,13 @@ class LayerBlock(ABC):
     @abstractmethod
     def g_gram(self, spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype) -> Gram:
         """Gram statistics of one call's raw output-gradient."""
+
+    def joint_grams(
+        self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[Gram, Gram]:
+        """The A and G statistics of one call from its input and raw output-gradient
+        (only if :attr:`joint`)."""
+        raise NotImplementedError(f"layer kind {self.kind!r} has separate statistics")
 
     def rows(
         self, spec: LayerSpec, inputs: Sequence[torch.Tensor], output_grads: Sequence[torch.Tensor]

@@ -35,9 +35,7 @@ class LayerTable(dict[str, LayerSpec]):
         rows = [("name", "kind", "A", "G", "note")]
         for spec in self.values():
             a, g = spec.factor_shapes
-            notes = [f"{spec.groups} groups"] if spec.groups > 1 else []
-            notes += [f"diagonal {w}" for w, d in zip("AG", spec.diagonal) if d]
-            note = ", ".join(notes)
+            note = ", ".join(spec.block.notes(spec))
             rows.append((spec.name, spec.kind, _fmt_shape(a), _fmt_shape(g), note))
         for name, why in self.skipped.items():
             rows.append((name, "-", "-", "-", f"skipped: {why}"))

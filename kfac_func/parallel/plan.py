@@ -123,6 +123,12 @@ def register_parallel(
     skipped = dict(base.skipped)
     for name, module in model.named_modules():
         if name in base:
+            if base[name].block.joint:
+                skipped[name] = (
+                    f"{base[name].kind}: joint statistics are not supported by the "
+                    "model-parallel preconditioner"
+                )
+                continue
             specs.append(base[name])
             splits[name] = None
             continue

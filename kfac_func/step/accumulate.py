@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from kfac_func.blocks import Gram, LayerSpec, a_gram, g_gram
+from kfac_func.blocks import Gram, LayerSpec, call_grams
 from kfac_func.captures import Captures
 from kfac_func.core.conventions import micro_batch_weights
 from kfac_func.core.decomposition import all_finite
@@ -96,15 +96,8 @@ def layer_batch_factors(
         lc = cap.layers.get(spec.name)
         if lc is None or not lc.inputs:
             continue
-        dt = config.factor_dtype
-        stats.append(
-            MicroBatchStats(
-                [a_gram(spec, x, dt) for x in lc.inputs],
-                [g_gram(spec, r, dt) for r in lc.output_grads],
-                cap.batch_size,
-                cap.loss_scale,
-            )
-        )
+        a, g = call_grams(spec, lc.inputs, lc.output_grads, config.factor_dtype)
+        stats.append(MicroBatchStats(a, g, cap.batch_size, cap.loss_scale))
     return factors_from_stats(spec.name, stats, config)
 
 
