@@ -8,8 +8,9 @@ The model is a small decoder-only transformer: token and position embeddings, pr
 blocks of causal self-attention (query, key, value and output projections are separate
 ``nn.Linear`` layers) and a GELU MLP, and a linear output head. K-FAC
 (:class:`kfac_func.KFACPreconditioner` in front of SGD with momentum) preconditions every
-``nn.Linear``; the embeddings (and anything else matching ``--kfac-skip``) are left to
-plain SGD (LayerNorms are not supported by K-FAC and are left to SGD as well). Every
+layer: the linears, the token and position embeddings (diagonal A) and the LayerNorms
+(per-unit scale/shift blocks); ``--kfac-skip`` leaves modules to plain SGD, and
+``--kfac-linear-only`` reproduces the earlier configuration (linears only). Every
 optimizer starts from the same initialisation, sees the same batches and follows the same
 learning-rate schedule (linear warm-up, cosine decay to 10 %).
 
@@ -309,8 +310,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add(
         "--kfac-skip",
         nargs="*",
-        default=["embedding"],
+        default=[],
         help="regular expressions of module names/classes K-FAC leaves alone",
+    )
+    add(
+        "--kfac-linear-only",
+        action="store_true",
+        help="precondition the nn.Linear layers only (embeddings and norms left to SGD)",
     )
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add("--threads", type=int, default=1, help="CPU threads (0: PyTorch's default)")
@@ -323,6 +329,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or not names:
         parser.error(f"--optimizers: unknown {unknown}; choose from {OPTIMIZERS}")
     args.optimizers = names
+    if args.kfac_linear_only:
+        args.kfac_skip = [*args.kfac_skip, "Embedding", "LayerNorm"]
     return args
 
 

@@ -201,6 +201,13 @@ def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     raise ValueError("cannot infer batch_size: no tensor input with a batch dimension")
 
 
+def check_loss_divisor(value: object) -> None:
+    """Raise a ValueError unless ``value`` is a positive number."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    if not ok or value != value:
+        raise ValueError(f"loss_divisor must be a positive number, got {value!r}")
+
+
 def capture(
     model: nn.Module,
     params: Mapping[str, torch.Tensor],
@@ -213,6 +220,7 @@ def capture(
     fisher: Fisher = "empirical",
     likelihood: Likelihood | None = None,
     loss_reduction: Literal["mean", "sum"] = "mean",
+    loss_divisor: float = 1.0,
     batch_size: int | None = None,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], Captures]:
@@ -236,6 +244,10 @@ def capture(
             dimension) or ``"mse"`` (unit-variance Gaussian, ``ℓ = ½‖y − t‖²``).
         loss_reduction: whether ``loss_fn`` averages (``"mean"``) or sums (``"sum"``) its
             per-example losses over the batch; recorded as ``Captures.loss_scale``.
+        loss_divisor: what the loss was divided by besides that reduction: ``k`` when
+            each of ``k`` accumulated micro-batches backpropagates ``loss / k`` (as
+            DeepSpeed does with gradient accumulation). The ``"fisher"`` convention divides
+            it out of the output-gradients, so G does not shrink ``k²``-fold.
         batch_size: number of examples (default: first dimension of the first input;
             pass it for unbatched inputs or layouts whose batch is not dimension 0).
         generator: random generator for ``fisher="mc"``.
@@ -263,6 +275,7 @@ def capture(
         )
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    check_loss_divisor(loss_divisor)
     args = args if isinstance(args, tuple) else (args,)
     kwargs = dict(kwargs or {})
     specs = register(model) if layers is None else layers
@@ -270,7 +283,7 @@ def capture(
     params = {k: v.detach() for k, v in params.items()}
     bufs = dict(model.named_buffers()) if buffers is None else dict(buffers)
     n = _batch_size(args, kwargs) if batch_size is None else int(batch_size)
-    scale = 1.0 / n if loss_reduction == "mean" else 1.0
+    scale = (1.0 / n if loss_reduction == "mean" else 1.0) / loss_divisor
 
     def forward(
         p: dict[str, torch.Tensor], pr: dict[str, list[torch.Tensor]]

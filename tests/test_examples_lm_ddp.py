@@ -99,9 +99,20 @@ def test_char_data_split_and_batches() -> None:
     assert torch.equal(xt[:, 1:], yt[:, :-1])
 
 
-def test_lm_kfac_preconditions_every_linear_and_skips_embeddings() -> None:
+def test_lm_kfac_preconditions_every_layer_by_default() -> None:
     lm = load_example("transformer_lm")
-    args = lm.parse_args([])
+    model = lm.CharTransformer(vocab=11, context=8, d_model=16, layers=2, heads=2)
+    pre = lm.KFACPreconditioner(model, skip_layers=lm.parse_args([]).kfac_skip)
+    owners = {n.rsplit(".", 1)[0] for n, _ in model.named_parameters()}
+    assert set(pre.layers) == owners
+    assert not pre.layers.skipped
+    kinds = {s.kind for s in pre.layers.values()}
+    assert kinds == {"linear", "embedding", "layer_norm"}
+
+
+def test_lm_kfac_linear_only_preconditions_every_linear_and_skips_the_rest() -> None:
+    lm = load_example("transformer_lm")
+    args = lm.parse_args(["--kfac-linear-only"])
     model = lm.CharTransformer(vocab=11, context=8, d_model=16, layers=2, heads=2)
     pre = lm.KFACPreconditioner(model, skip_layers=args.kfac_skip)
     linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}

@@ -13,7 +13,7 @@ class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.bil = nn.Bilinear(8, 8, 4)
-        self.norm = nn.LayerNorm(8)
+        self.act = nn.PReLU()
         self.proj = nn.Linear(8, 16, bias=False)
         self.conv = nn.Conv2d(4, 6, 3, padding="same", groups=2)
         self.attn = nn.MultiheadAttention(8, 2)
@@ -36,7 +36,7 @@ def test_kinds_and_shapes() -> None:
 def test_unsupported_modules_are_listed_not_fatal() -> None:
     table = kf.register(Block())
     assert "unsupported kind Bilinear" in table.skipped["bil"]
-    assert "unsupported kind LayerNorm" in table.skipped["norm"]
+    assert "unsupported kind PReLU" in table.skipped["act"]
     # MultiheadAttention reads out_proj.weight directly: its hooks would see nothing
     assert "attn.out_proj" not in table
     assert "attn.out_proj" in table.skipped
@@ -71,7 +71,7 @@ def test_table_prints_every_row() -> None:
         line.startswith("conv ") and "2x19x19" in line and "2 groups" in line for line in lines
     )
     assert any(line.startswith("bil ") and "skipped: matched skip_layers" in line for line in lines)
-    assert any(line.startswith("norm ") and "unsupported kind LayerNorm" in line for line in lines)
+    assert any(line.startswith("act ") and "unsupported kind PReLU" in line for line in lines)
 
 
 @pytest.mark.parametrize(

@@ -27,8 +27,17 @@ ALLOWED: dict[str, set[str]] = {
     "step": {"blocks", "captures", "core", "state"},
     "distributed": {"blocks", "captures", "core", "state", "step"},
     "checkpoint": {"blocks", "core", "distributed", "state"},
-    "adapter": {"blocks", "core", "distributed", "state", "step"},
-    "parallel": {"adapter", "blocks", "checkpoint", "core", "distributed", "state", "step"},
+    "adapter": {"blocks", "captures", "core", "distributed", "state", "step"},
+    "parallel": {
+        "adapter",
+        "blocks",
+        "captures",
+        "checkpoint",
+        "core",
+        "distributed",
+        "state",
+        "step",
+    },
 }
 # finer rules inside a unit: module -> kfac_func modules it may import (prefixes)
 NARROW: dict[str, set[str]] = {

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kfac_func.captures import check_loss_divisor
 from kfac_func.distributed.plan import AssignmentStrategy
 from kfac_func.state import KFACState
 
@@ -90,6 +91,7 @@ class KFACArguments:
     loglevel: int
     scaling: str
     loss_reduction: str
+    loss_divisor: float
 
     def _set_arguments(
         self,
@@ -114,6 +116,7 @@ class KFACArguments:
         loglevel: int,
         scaling: str,
         loss_reduction: str,
+        loss_divisor: float = 1.0,
     ) -> None:
         if allreduce_bucket_cap_mb < 0:
             raise ValueError("allreduce_bucket_cap_mb must be >= 0")
@@ -132,6 +135,7 @@ class KFACArguments:
             _check_number("kl_clip", kl_clip, lambda v: v > 0, "> 0 (or None to disable)")
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        check_loss_divisor(loss_divisor)
 
         self.model = model
         self.factor_update_steps = factor_update_steps
@@ -153,6 +157,12 @@ class KFACArguments:
         self.loglevel = loglevel
         self.scaling = scaling
         self.loss_reduction = loss_reduction
+        self.loss_divisor = float(loss_divisor)
+
+    def _loss_scale(self, batch_size: int) -> float:
+        """``c`` with the backpropagated loss ``= c · Σ_n ℓ_n`` for a micro-batch of
+        ``batch_size`` examples (see :attr:`kfac_func.Captures.loss_scale`)."""
+        return (1.0 / batch_size if self.loss_reduction == "mean" else 1.0) / self.loss_divisor
 
 
 class PreconditionerBase(KFACArguments):

@@ -45,7 +45,9 @@ class KFACPreconditioner(HookRecorder):
     may be a number or a ``step -> value`` callable. ``kl_clip=None`` disables clipping.
     ``scaling`` picks the factor convention (``"kfac-pytorch"``, the default, so tuned
     hyperparameters carry over, or ``"fisher"``); ``loss_reduction`` tells the
-    ``"fisher"`` convention how the loss reduces the batch.
+    ``"fisher"`` convention how the loss reduces the batch, and ``loss_divisor`` what the
+    loss was divided by besides (``k`` when ``loss / k`` is backpropagated for each of ``k``
+    accumulated micro-batches).
 
     Under DistributedDataParallel (gradients averaged across ranks) the work is spread
     over the ranks by a KAISA plan (``grad_worker_fraction``, ``colocate_factors``,
@@ -99,6 +101,7 @@ class KFACPreconditioner(HookRecorder):
         loglevel: int = logging.DEBUG,
         scaling: str = "kfac-pytorch",
         loss_reduction: str = "mean",
+        loss_divisor: float = 1.0,
         collective_timeout: timedelta | None = None,
         eigenbasis_refresh: str = "eigh",
         max_factor_dim: int | None = None,
@@ -124,6 +127,7 @@ class KFACPreconditioner(HookRecorder):
             loglevel=loglevel,
             scaling=scaling,
             loss_reduction=loss_reduction,
+            loss_divisor=loss_divisor,
         )
 
         self.layers = register(model, self.skip_layers, max_factor_dim=max_factor_dim)
@@ -148,7 +152,13 @@ class KFACPreconditioner(HookRecorder):
         self.grad_worker_fraction = self.plan.grad_worker_fraction
         self.distributed_strategy = self.plan.strategy
         # every rank must agree on these, or its collectives would not match the others'
-        agreed = ("accumulation_steps", "scaling", "loss_reduction", "factor_dtype")
+        agreed = (
+            "accumulation_steps",
+            "scaling",
+            "loss_reduction",
+            "loss_divisor",
+            "factor_dtype",
+        )
         settings = {k: getattr(self, k) for k in (*HYPER, *agreed)}
         settings.update(
             inv_dtype=inv_dtype,

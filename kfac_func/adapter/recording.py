@@ -233,8 +233,7 @@ class HookRecorder(PreconditionerBase):
             g = mb.g.get(name, [])
             if not self.update_factors_in_hook:
                 a, g = call_grams(spec, a, g, cfg.factor_dtype)
-            scale = 1.0 / mb.batch_size if self.loss_reduction == "mean" else 1.0
-            stats.append(MicroBatchStats(a, g, mb.batch_size, scale))
+            stats.append(MicroBatchStats(a, g, mb.batch_size, self._loss_scale(mb.batch_size)))
         return factors_from_stats(name, stats, cfg)
 
     def _batch_factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:

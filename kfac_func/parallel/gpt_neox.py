@@ -82,7 +82,9 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
 
     Arguments are those of :class:`~kfac_func.parallel.preconditioner.ParallelKFACPreconditioner`
     (kfac-pytorch's, plus the three groups and ``factor_checkpoint_dir``). Groups left as
-    None are taken from the module's DeepSpeed grid when it has one. Call :meth:`step`
+    None are taken from the module's DeepSpeed grid when it has one. ``loss_divisor``
+    defaults to ``accumulation_steps``: DeepSpeed's engine backpropagates the loss divided
+    by its gradient accumulation steps. Call :meth:`step`
     after DeepSpeed averaged the gradients and before the optimizer steps: from a step
     pre-hook of the optimizer given to ``deepspeed.initialize`` (see the module
     docstring).
@@ -121,6 +123,7 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
         loglevel: int = logging.DEBUG,
         scaling: str = "kfac-pytorch",
         loss_reduction: str = "mean",
+        loss_divisor: float | None = None,
     ) -> None:
         pipeline_module = _pipeline_module()
         warnings.warn(
@@ -169,4 +172,6 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
             loglevel=loglevel,
             scaling=scaling,
             loss_reduction=loss_reduction,
+            # DeepSpeed's engine backpropagates loss / gradient_accumulation_steps
+            loss_divisor=accumulation_steps if loss_divisor is None else loss_divisor,
         )

@@ -118,6 +118,7 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         loglevel: int = logging.DEBUG,
         scaling: str = "kfac-pytorch",
         loss_reduction: str = "mean",
+        loss_divisor: float = 1.0,
     ) -> None:
         self._set_arguments(
             model,
@@ -140,6 +141,7 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
             loglevel=loglevel,
             scaling=scaling,
             loss_reduction=loss_reduction,
+            loss_divisor=loss_divisor,
         )
         self.factor_checkpoint_dir = factor_checkpoint_dir
         self.data_parallel_group = data_parallel_group

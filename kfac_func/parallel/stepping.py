@@ -61,7 +61,7 @@ class ParallelStep(ParallelBase):
             for mb, a, g in zip(seen, a_items, g_items):
                 a = [x if isinstance(x, Gram) else a_gram(spec, x, cfg.factor_dtype) for x in a]
                 g = [r if isinstance(r, Gram) else g_gram(spec, r, cfg.factor_dtype) for r in g]
-                scale = 1.0 / mb.batch_size if self.loss_reduction == "mean" else 1.0
+                scale = self._loss_scale(mb.batch_size)
                 stats.append(MicroBatchStats(a, g, mb.batch_size, scale))
             factors = factors_from_stats(name, stats, cfg)
             if factors is not None:
