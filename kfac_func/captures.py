@@ -9,6 +9,7 @@ hooks are not used (they do not work inside torch.func transforms).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from torch import nn
 from torch.func import functional_call
 
 from kfac_func.blocks import LayerSpec, register
+from kfac_func.blocks.taps import tap_hooks
 from kfac_func.core.pytree import register_dataclass
 
 __all__ = ["Captures", "LayerCapture", "capture"]
@@ -85,6 +87,21 @@ def _signature(model: nn.Module, names: tuple[str, ...], tree: Any) -> tuple[Any
     return tuple(key)
 
 
+Sites = Mapping[str, tuple[nn.Module, list[LayerSpec]]]
+"""``{module name: (module, the layers its calls feed)}``."""
+
+
+def _sites(
+    model: nn.Module, specs: Mapping[str, LayerSpec]
+) -> dict[str, tuple[nn.Module, list[LayerSpec]]]:
+    out: dict[str, tuple[nn.Module, list[LayerSpec]]] = {}
+    for spec in specs.values():
+        if spec.module not in out:
+            out[spec.module] = (model.get_submodule(spec.module), [])
+        out[spec.module][1].append(spec)
+    return out
+
+
 class _Calls:
     """Per-call bookkeeping shared by the forward hooks of one traced forward."""
 
@@ -93,22 +110,36 @@ class _Calls:
         self.inputs: dict[str, list[torch.Tensor]] = {n: [] for n in names}
         self.outputs: dict[str, list[tuple[torch.Size, torch.dtype]]] = {n: [] for n in names}
 
+    def record(self, name: str, x: Any, out: torch.Tensor) -> torch.Tensor:
+        """One call of layer ``name``: keep its input, add its probe to the output."""
+        k = len(self.outputs[name])
+        self.outputs[name].append((out.shape, out.dtype))
+        if self.probes is None:
+            return out
+        probes = self.probes[name]
+        if k >= len(probes) or probes[k].shape != out.shape:
+            raise _ShapesChanged(name)
+        self.inputs[name].append(x)
+        return out + probes[k]
+
     def hook(self, name: str) -> Callable[..., Any]:
         def fn(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> Any:
-            k = len(self.outputs[name])
-            self.outputs[name].append((out.shape, out.dtype))
-            if self.probes is None:
-                return None
-            probes = self.probes[name]
-            if k >= len(probes) or probes[k].shape != out.shape:
-                raise _ShapesChanged(name)
-            self.inputs[name].append(args[0])
-            return out + probes[k]
+            new = self.record(name, args[0], out)
+            return None if new is out else new
 
         return fn
 
-    def run(self, modules: Mapping[str, nn.Module], fn: Callable[[], Any]) -> Any:
-        handles = [m.register_forward_hook(self.hook(n)) for n, m in modules.items()]
+    def run(self, sites: Sites, fn: Callable[[], Any]) -> Any:
+        handles: list[Any] = []
+
+        def site(spec: LayerSpec, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+            return self.record(spec.name, x, out)
+
+        for module, specs in sites.values():
+            if specs[0].block.taps:
+                handles += tap_hooks(module, specs, lambda: site)
+            else:
+                handles.append(module.register_forward_hook(self.hook(specs[0].name)))
         try:
             return fn()
         finally:
@@ -118,7 +149,8 @@ class _Calls:
 
 def _output_shapes(
     model: nn.Module,
-    modules: Mapping[str, nn.Module],
+    modules: Sites,
+    names: list[str],
     tensors: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -131,11 +163,11 @@ def _output_shapes(
     run on the meta device, a real forward without gradients (buffers cloned, RNG
     restored).
     """
-    key = _signature(model, tuple(modules), (tensors, args, kwargs))
+    key = _signature(model, tuple(names), (tensors, args, kwargs))
     cache = _SHAPES.setdefault(model, {})
     if key is not None and not refresh and key in cache:
         return cache[key]
-    shapes = _measure_shapes(model, modules, tensors, args, kwargs)
+    shapes = _measure_shapes(model, modules, names, tensors, args, kwargs)
     if key is not None:
         if len(cache) >= _MAX_SIGNATURES:
             cache.clear()
@@ -145,7 +177,8 @@ def _output_shapes(
 
 def _measure_shapes(
     model: nn.Module,
-    modules: Mapping[str, nn.Module],
+    modules: Sites,
+    names: list[str],
     tensors: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -154,7 +187,7 @@ def _measure_shapes(
     def to_meta(x: Any) -> Any:
         return x.to("meta") if isinstance(x, torch.Tensor) else x
 
-    calls = _Calls(list(modules), None)
+    calls = _Calls(names, None)
     meta = torch_pytree.tree_map(to_meta, (tensors, args, kwargs))
     try:
         with torch.no_grad():
@@ -162,7 +195,7 @@ def _measure_shapes(
         return calls.outputs
     except Exception:
         pass
-    calls = _Calls(list(modules), None)
+    calls = _Calls(names, None)
     params, buffers = tensors
     cloned = {k: v.clone() for k, v in buffers.items()}
     devices = [t.device for t in params.values() if t.device.type == "cuda"][:1]
@@ -279,7 +312,8 @@ def capture(
     args = args if isinstance(args, tuple) else (args,)
     kwargs = dict(kwargs or {})
     specs = register(model) if layers is None else layers
-    modules = {name: model.get_submodule(name) for name in specs}
+    modules = _sites(model, specs)
+    names = list(specs)
     params = {k: v.detach() for k, v in params.items()}
     bufs = dict(model.named_buffers()) if buffers is None else dict(buffers)
     n = _batch_size(args, kwargs) if batch_size is None else int(batch_size)
@@ -291,28 +325,33 @@ def capture(
         # Buffers are cloned inside the transform so that in-place updates (BatchNorm
         # running statistics) are allowed; they are written back once the call is done.
         b = {k: v.clone() for k, v in bufs.items()}
-        calls = _Calls(list(modules), pr)
+        calls = _Calls(names, pr)
         out = calls.run(modules, lambda: functional_call(model, (p, b), args, kwargs))
         return out, (calls.inputs, b)
 
     device = next(iter(params.values())).device if params else torch.device("cpu")
-    for attempt in (0, 1):
-        shapes = _output_shapes(model, modules, (params, bufs), args, kwargs, refresh=attempt > 0)
-        probes = {
-            name: [torch.zeros(s, dtype=dt, device=device) for s, dt in calls]
-            for name, calls in shapes.items()
-        }
-        try:
-            out, vjp_fn, (inputs, new_bufs) = torch.func.vjp(  # type: ignore[misc]
-                forward, params, probes, has_aux=True
+    with contextlib.ExitStack() as stack:
+        for block in {id(s.block): s.block for s in specs.values()}.values():
+            stack.enter_context(block.capturing())
+        for attempt in (0, 1):
+            shapes = _output_shapes(
+                model, modules, names, (params, bufs), args, kwargs, refresh=attempt > 0
             )
-            break
-        except _ShapesChanged as e:
-            if attempt:
-                raise RuntimeError(
-                    f"layer {e.args[0]!r} was called a different number of times, or gave "
-                    "other output shapes, in two forward passes on the same inputs"
-                ) from None
+            probes = {
+                name: [torch.zeros(s, dtype=dt, device=device) for s, dt in calls]
+                for name, calls in shapes.items()
+            }
+            try:
+                out, vjp_fn, (inputs, new_bufs) = torch.func.vjp(  # type: ignore[misc]
+                    forward, params, probes, has_aux=True
+                )
+                break
+            except _ShapesChanged as e:
+                if attempt:
+                    raise RuntimeError(
+                        f"layer {e.args[0]!r} was called a different number of times, or "
+                        "gave other output shapes, in two forward passes on the same inputs"
+                    ) from None
     with torch.no_grad():
         for k, v in new_bufs.items():
             bufs[k].copy_(v)
@@ -323,6 +362,6 @@ def capture(
 
     captured = {
         name: LayerCapture(tuple(inputs[name]), tuple(output_grads[name][: len(inputs[name])]))
-        for name in modules
+        for name in names
     }
     return loss.detach(), grads, Captures(captured, n, scale)

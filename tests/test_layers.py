@@ -22,7 +22,16 @@ class Block(nn.Module):
 
 def test_kinds_and_shapes() -> None:
     table = kf.register(Block())
-    assert list(table) == ["proj", "conv", "head.0", "head.2"]
+    assert list(table) == [
+        "proj",
+        "conv",
+        "attn.q_proj",
+        "attn.k_proj",
+        "attn.v_proj",
+        "attn.out_proj",
+        "head.0",
+        "head.2",
+    ]
     proj, conv = table["proj"], table["conv"]
     assert (proj.kind, proj.bias, proj.factor_shapes) == ("linear", None, ((8, 8), (16, 16)))
     assert conv.kind == "conv2d" and conv.groups == 2
@@ -37,22 +46,29 @@ def test_unsupported_modules_are_listed_not_fatal() -> None:
     table = kf.register(Block())
     assert "unsupported kind Bilinear" in table.skipped["bil"]
     assert "unsupported kind PReLU" in table.skipped["act"]
-    # MultiheadAttention reads out_proj.weight directly: its hooks would see nothing
-    assert "attn.out_proj" not in table
-    assert "attn.out_proj" in table.skipped
-    assert "MultiheadAttention" in table.skipped["attn"]
+    # MultiheadAttention's projections are layers of the attention kind; its out_proj
+    # child (never called) is one of them, not a Linear of its own
+    assert table["attn.out_proj"].kind == "attention"
+    assert not any(k.startswith("attn") for k in table.skipped)
 
 
 def test_skip_layers_by_name_class_and_parent() -> None:
     model = Block()
     table = kf.register(model, skip_layers=["head", "Conv2d"])
-    assert set(table) == {"proj"}
+    assert set(table) == {"proj"}  # "head" also matches MultiheadAttention
     assert table.skipped["head"] == "matched skip_layers 'head'"
     assert table.skipped["conv"] == "matched skip_layers 'Conv2d'"
     # children of a skipped parent are not listed separately
     assert not any(k.startswith("head.") for k in table.skipped)
     # a single string is accepted as one pattern
-    assert set(kf.register(model, skip_layers="proj|conv")) == {"head.0", "head.2"}
+    assert set(kf.register(model, skip_layers="proj|conv")) == {
+        "head.0",
+        "head.2",
+        "attn.q_proj",
+        "attn.k_proj",
+        "attn.v_proj",
+        "attn.out_proj",
+    }
 
 
 def test_frozen_layers_are_skipped() -> None:

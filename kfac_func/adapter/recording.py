@@ -21,6 +21,7 @@ from torch import nn
 
 from kfac_func.adapter.arguments import PreconditionerBase
 from kfac_func.blocks import LayerSpec, LayerTable, Rows, a_gram, call_grams, g_gram
+from kfac_func.blocks.taps import Site, tap_hooks
 from kfac_func.distributed.communicator import Communicator
 from kfac_func.distributed.kaisa import offer_factors, start_factor_reduction
 from kfac_func.distributed.plan import Plan
@@ -80,10 +81,27 @@ class HookRecorder(PreconditionerBase):
 
             return hook
 
+        def site() -> Site | None:
+            pre = ref()
+            if pre is None or not pre._collecting():
+                return None
+
+            def record(spec: LayerSpec, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+                pre._on_forward(spec, (x,), out)
+                return out
+
+            return record
+
         self._handles.append(self.model.register_forward_pre_hook(pre_hook))
-        for name, spec in self.layers.items():
-            module = self.model.get_submodule(name)
+        tapped: dict[str, list[LayerSpec]] = {}
+        for spec in self.layers.values():
+            if spec.block.taps:
+                tapped.setdefault(spec.module, []).append(spec)
+                continue
+            module = self.model.get_submodule(spec.name)
             self._handles.append(module.register_forward_hook(forward_hook(spec)))
+        for module_name, specs in tapped.items():
+            self._handles += tap_hooks(self.model.get_submodule(module_name), specs, site)
         weakref.finalize(self, remove_handles, self._handles)
 
     def _start_micro_batch(self, module: nn.Module, args: tuple[Any, ...]) -> None:

@@ -21,8 +21,10 @@ there. Pure tensor functions: no hook, no process group.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
@@ -101,6 +103,12 @@ class LayerSpec:
     def option(self, key: str, default: Any = None) -> Any:
         """The value of one of :attr:`options` (``default`` when absent)."""
         return dict(self.options).get(key, default)
+
+    @property
+    def module(self) -> str:
+        """The name of the module whose calls feed the layer: the layer's own name, or the
+        module it is a part of (the ``q_proj`` of a ``MultiheadAttention``)."""
+        return str(self.option("module", self.name))
 
     @property
     def block(self) -> LayerBlock:
@@ -225,6 +233,13 @@ class LayerBlock(ABC):
     """Whether inputs and output-gradients hold the features on their last dimension, so
     that Megatron-style column/row parallelism may split them there."""
 
+    taps: ClassVar[bool] = False
+    """Whether the layer's calls happen inside its module's forward, reported by
+    :meth:`tap` (attention projections), instead of being the module's own calls."""
+
+    model_parallel: ClassVar[bool] = True
+    """Whether the model-parallel preconditioner supports the kind."""
+
     joint: ClassVar[bool] = False
     """Whether the statistics of a call need its input and its output-gradient together
     (:meth:`joint_grams`; norms: the scale's gradient is the normalised input times the
@@ -239,6 +254,28 @@ class LayerBlock(ABC):
     @abstractmethod
     def spec(self, name: str, module: nn.Module) -> LayerSpec | str:
         """The spec of ``module`` (registered as ``name``), or why it cannot be handled."""
+
+    def specs(self, name: str, module: nn.Module) -> list[LayerSpec] | str:
+        """Every layer ``module`` holds (one, but for modules made of several layers whose
+        children are then not registered on their own), or why it cannot be handled."""
+        spec = self.spec(name, module)
+        return spec if isinstance(spec, str) else [spec]
+
+    def tap(
+        self,
+        module: nn.Module,
+        specs: Sequence[LayerSpec],
+        site: Callable[[LayerSpec, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> AbstractContextManager[None]:
+        """While entered (around ``module``'s forward), report each call of the layers in
+        ``specs`` as ``site(spec, input, output)``, whose result replaces the output (only
+        if :attr:`taps`)."""
+        raise NotImplementedError(f"layer kind {self.kind!r} has no taps")
+
+    def capturing(self) -> AbstractContextManager[None]:
+        """A context the capture of this kind's layers runs in (for kinds whose modules
+        have fused fast paths that would hide the calls from :meth:`tap`)."""
+        return contextlib.nullcontext()
 
     # --- shapes --------------------------------------------------------------------
 
@@ -286,6 +323,32 @@ class LayerBlock(ABC):
         raise NotImplementedError(f"layer kind {self.kind!r} has no rows")
 
     # --- gradient <-> matrix ---------------------------------------------------------
+
+    def param_grads(
+        self, spec: LayerSpec, grads: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's ``(weight, bias)`` gradients from ``{param name: grad}``; errors name
+        the layer, the missing keys and the shapes."""
+        missing = [p for p in spec.param_names() if p not in grads]
+        if missing:
+            raise ValueError(f"layer {spec.name!r}: no gradient for {missing} in grads")
+        w, b = grads[spec.weight], grads[spec.bias] if spec.bias else None
+        self.check_grads(spec, w, b)
+        return w, b
+
+    def write_grads(
+        self,
+        spec: LayerSpec,
+        out: MutableMapping[str, torch.Tensor],
+        grads: Mapping[str, torch.Tensor],
+        weight_grad: torch.Tensor,
+        bias_grad: torch.Tensor | None,
+    ) -> None:
+        """Put the layer's new gradients into ``out`` (a copy of ``grads``), in the dtypes
+        of ``grads``."""
+        out[spec.weight] = weight_grad.to(grads[spec.weight].dtype)
+        if spec.bias is not None and bias_grad is not None:
+            out[spec.bias] = bias_grad.to(grads[spec.bias].dtype)
 
     def check_grads(
         self, spec: LayerSpec, weight_grad: torch.Tensor, bias_grad: torch.Tensor | None

@@ -29,6 +29,7 @@ class ScaleShiftBlock(LayerBlock):
     """Norm layers with an elementwise affine: per-unit ``(scale, shift)`` Fisher blocks."""
 
     joint = True
+    model_parallel = False
 
     def scale_shift_spec(self, name: str, module: nn.Module, **options: Any) -> LayerSpec | str:
         """The spec of a norm module whose ``weight`` (and ``bias``) hold one entry per unit."""

@@ -52,12 +52,12 @@ def _fmt_shape(shape: tuple[int, ...]) -> str:
     return "x".join(str(s) for s in shape)
 
 
-def _spec_for(name: str, module: nn.Module) -> LayerSpec | str:
-    """A LayerSpec from the first registered kind that handles ``module``, or the reason
-    the module is not supported."""
+def _specs_for(name: str, module: nn.Module) -> list[LayerSpec] | str:
+    """The specs from the first registered kind that handles ``module``, or the reason the
+    module is not supported."""
     for block in blocks():
         if block.matches(module):
-            return block.spec(name, module)
+            return block.specs(name, module)
     return f"unsupported kind {type(module).__name__}"
 
 
@@ -134,13 +134,17 @@ def register(
         own_params = list(module.parameters(recurse=False))
         if not own_params:
             continue
-        result = _spec_for(name, module)
+        result = _specs_for(name, module)
         if isinstance(result, str):
             skipped[name] = result
-        elif not module.get_parameter("weight").requires_grad:
+            continue
+        if len(result) > 1 or result[0].name != name:
+            skipped_prefixes.append(name)  # a module of several layers: children included
+        frozen = [s.name for s in result if not model.get_parameter(s.weight).requires_grad]
+        if frozen:
             skipped[name] = "weight does not require grad"
-        else:
-            specs.append(_bounded(result, max_factor_dim))
+            continue
+        specs += [_bounded(s, max_factor_dim) for s in result]
     tied = _tied(model, specs)
     for name, why in tied.items():
         skipped[name] = why
@@ -151,17 +155,19 @@ def _tied(model: nn.Module, specs: list[LayerSpec]) -> dict[str, str]:
     """``{layer: reason}`` for the layers that share a parameter with another registered
     layer (a tied embedding and output head): the shared gradient sums both uses, which
     neither layer's factors describe, so both are skipped, with a warning."""
-    users: dict[int, list[tuple[str, str]]] = {}
+    users: dict[int, list[tuple[str, str, str]]] = {}
     for spec in specs:
         for pname in spec.param_names():
-            users.setdefault(id(model.get_parameter(pname)), []).append((spec.name, pname))
+            use = (spec.name, spec.module, pname)
+            users.setdefault(id(model.get_parameter(pname)), []).append(use)
     canonical = {id(p): n for n, p in model.named_parameters()}
     out: dict[str, str] = {}
     for key, uses in users.items():
-        if len({layer for layer, _ in uses}) < 2:
+        # the parts of one module (an attention's q, k, v rows) share its parameters by design
+        if len({module for _, module, _ in uses}) < 2:
             continue
-        layers = sorted({layer for layer, _ in uses})
-        shared = canonical.get(key, uses[0][1])
+        layers = sorted({layer for layer, _, _ in uses})
+        shared = canonical.get(key, uses[0][2])
         warnings.warn(
             f"parameter {shared!r} is shared by layers {layers}: K-FAC skips them (the "
             "gradient of a tied parameter sums the uses of every layer, which the factors "

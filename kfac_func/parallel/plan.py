@@ -121,13 +121,12 @@ def register_parallel(
     specs: list[LayerSpec] = []
     splits: dict[str, Split | None] = {}
     skipped = dict(base.skipped)
+    unsupported = {s.module: s.kind for s in base.values() if not s.block.model_parallel}
+    for module_name, kind in unsupported.items():
+        skipped[module_name] = f"{kind}: not supported by the model-parallel preconditioner"
     for name, module in model.named_modules():
         if name in base:
-            if base[name].block.joint:
-                skipped[name] = (
-                    f"{base[name].kind}: joint statistics are not supported by the "
-                    "model-parallel preconditioner"
-                )
+            if not base[name].block.model_parallel:
                 continue
             specs.append(base[name])
             splits[name] = None

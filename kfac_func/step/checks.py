@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from kfac_func.blocks import LayerSpec, Rows, check_grads, grads_to_matrix
+from kfac_func.blocks import LayerSpec, Rows, grads_to_matrix
 from kfac_func.core.decomposition import all_finite
 from kfac_func.core.factors import rows_match
 from kfac_func.state import LayerState
@@ -33,13 +33,8 @@ def layer_grads(
     spec: LayerSpec, grads: Mapping[str, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The layer's ``(weight, bias)`` gradients; errors name the layer, missing keys and
-    shapes."""
-    missing = [p for p in spec.param_names() if p not in grads]
-    if missing:
-        raise ValueError(f"layer {spec.name!r}: no gradient for {missing} in grads")
-    w, b = grads[spec.weight], grads[spec.bias] if spec.bias else None
-    check_grads(spec, w, b)
-    return w, b
+    shapes (see :meth:`kfac_func.blocks.LayerBlock.param_grads`)."""
+    return spec.block.param_grads(spec, grads)
 
 
 def layer_matrix(ls: LayerState, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:

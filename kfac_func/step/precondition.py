@@ -212,8 +212,5 @@ def write_preconditioned(
             p.mul_(scale.to(p.dtype))
     out = dict(grads)
     for spec, p in done:
-        w, b = matrix_to_grads(spec, p)
-        out[spec.weight] = w.to(grads[spec.weight].dtype)
-        if spec.bias is not None and b is not None:
-            out[spec.bias] = b.to(grads[spec.bias].dtype)
+        spec.block.write_grads(spec, out, grads, *matrix_to_grads(spec, p))
     return out

@@ -1,0 +1,69 @@
+"""Module hooks that run a forward inside a kind's :meth:`~kfac_func.blocks.LayerBlock.tap`,
+for the layers whose calls happen inside their module's forward (attention projections).
+Shared by :func:`kfac_func.capture` and the adapters' recording hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from kfac_func.blocks.base import LayerSpec
+
+__all__ = ["Site", "tap_hooks"]
+
+Site = Callable[[LayerSpec, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``site(layer, input, output) -> output`` for one call of a tapped layer."""
+
+
+class _Interrupted(RuntimeError):
+    """The module's forward raised: its tap is left without checking what it saw."""
+
+
+def tap_hooks(
+    module: nn.Module, specs: Sequence[LayerSpec], site: Callable[[], Site | None]
+) -> list[RemovableHandle]:
+    """A forward pre-hook that enters ``specs[0].block.tap(module, specs, s)`` with
+    ``s = site()`` (nothing when it returns None) and a forward hook, run even when the
+    forward raises, that leaves it.
+
+    Example:
+        >>> import torch
+        >>> from kfac_func.blocks import register
+        >>> attn = torch.nn.MultiheadAttention(4, 1)
+        >>> seen = []
+        >>> handles = tap_hooks(attn, list(register(attn).values()),
+        ...                     lambda: lambda spec, x, out: seen.append(spec.name) or out)
+        >>> _ = attn(*(torch.randn(3, 1, 4),) * 3)
+        >>> seen
+        ['q_proj', 'k_proj', 'v_proj', 'out_proj']
+    """
+    open_taps: list[Any] = []
+
+    def pre(mod: nn.Module, args: tuple[Any, ...]) -> None:
+        s = site()
+        if s is None:
+            open_taps.append(None)
+            return
+        ctx = specs[0].block.tap(mod, specs, s)
+        ctx.__enter__()
+        open_taps.append(ctx)
+
+    def post(mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        ctx = open_taps.pop() if open_taps else None
+        if ctx is None:
+            return
+        if out is None:  # the forward raised
+            err = _Interrupted("forward raised")
+            ctx.__exit__(type(err), err, None)
+        else:
+            ctx.__exit__(None, None, None)
+
+    return [
+        module.register_forward_pre_hook(pre),
+        module.register_forward_hook(post, always_call=True),
+    ]
