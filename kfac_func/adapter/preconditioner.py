@@ -11,6 +11,7 @@ ranks, and rewrites ``.grad`` in place. The adapter owns no math and keeps one i
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -55,10 +56,11 @@ class KFACPreconditioner(HookRecorder):
     construction the ranks verify that they built the same plan with the same
     hyperparameters (:class:`kfac_func.distributed.communicator.RankMismatchError` on every rank
     otherwise); ``collective_timeout`` bounds each of the preconditioner's collectives.
-    ``max_factor_dim`` keeps every factor side wider than it diagonal (see
-    :func:`kfac_func.register`). ``eigenbasis_refresh="qr"`` replaces the exact
-    eigendecompositions after the first by one warm-started QR iteration each
-    (approximate, much cheaper; see :func:`kfac_func.core.decomposition.refresh_eigh`).
+    ``max_factor_dim`` keeps every factor side wider than it diagonal and ``kfac_approx``
+    picks expand or reduce for weight-sharing layers (see :func:`kfac_func.register`).
+    ``eigenbasis_refresh="qr"`` replaces the exact eigendecompositions after the first by
+    one warm-started QR iteration each (approximate, much cheaper; see
+    :func:`kfac_func.core.decomposition.refresh_eigh`).
 
     Example:
         >>> import torch
@@ -105,6 +107,7 @@ class KFACPreconditioner(HookRecorder):
         collective_timeout: timedelta | None = None,
         eigenbasis_refresh: str = "eigh",
         max_factor_dim: int | None = None,
+        kfac_approx: str | Mapping[str, str] = "expand",
     ) -> None:
         self._set_arguments(
             model,
@@ -130,8 +133,11 @@ class KFACPreconditioner(HookRecorder):
             loss_divisor=loss_divisor,
         )
 
-        self.layers = register(model, self.skip_layers, max_factor_dim=max_factor_dim)
+        self.layers = register(
+            model, self.skip_layers, max_factor_dim=max_factor_dim, kfac_approx=kfac_approx
+        )
         self.max_factor_dim = max_factor_dim
+        self.kfac_approx = kfac_approx
         if not self.layers:
             raise ValueError(
                 f"no layer of {type(model).__name__} can be preconditioned:\n{self.layers}"
@@ -165,6 +171,7 @@ class KFACPreconditioner(HookRecorder):
             symmetry_aware=symmetry_aware,
             eigenbasis_refresh=eigenbasis_refresh,
             max_factor_dim=max_factor_dim,
+            kfac_approx=kfac_approx,
         )
         self.comm = Communicator(
             self.plan,

@@ -55,6 +55,8 @@ class AttentionBlock(LinearBlock):
     has_rows = False
     tensor_parallel = False
     model_parallel = False
+    # the projections see (L, N, E) inputs and a flattened (L·N, E) one: expand only
+    reducible = False
     taps = True
 
     def spec(self, name: str, module: nn.Module) -> LayerSpec | str:

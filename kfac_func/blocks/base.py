@@ -237,6 +237,11 @@ class LayerBlock(ABC):
     """Whether the layer's calls happen inside its module's forward, reported by
     :meth:`tap` (attention projections), instead of being the module's own calls."""
 
+    reducible: ClassVar[bool] = False
+    """Whether the kind offers ``kfac_approx="reduce"`` (Eschenhagen et al., 2023): the
+    inputs averaged and the output-gradients summed over the positions that share the
+    weight, one row per example (see :meth:`reduced`)."""
+
     model_parallel: ClassVar[bool] = True
     """Whether the model-parallel preconditioner supports the kind."""
 
@@ -297,7 +302,12 @@ class LayerBlock(ABC):
     def notes(self, spec: LayerSpec) -> list[str]:
         """What the layer table says about the layer besides its factor shapes."""
         notes = [f"{spec.groups} groups"] if spec.groups > 1 else []
-        return notes + [f"diagonal {w}" for w, d in zip("AG", spec.diagonal) if d]
+        notes += [f"diagonal {w}" for w, d in zip("AG", spec.diagonal) if d]
+        return notes + (["reduce"] if self.reduced(spec) else [])
+
+    def reduced(self, spec: LayerSpec) -> bool:
+        """Whether the layer uses ``kfac_approx="reduce"``."""
+        return self.reducible and spec.option("kfac_approx") == "reduce"
 
     # --- statistics ----------------------------------------------------------------
 

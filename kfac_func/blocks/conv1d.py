@@ -59,6 +59,7 @@ class Conv1dBlock(LayerBlock):
 
     kind = "conv1d"
     module_types = (nn.Conv1d,)
+    reducible = True
 
     def spec(self, name: str, module: nn.Module) -> LayerSpec | str:
         assert isinstance(module, nn.Conv1d)

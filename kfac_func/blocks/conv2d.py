@@ -66,6 +66,7 @@ class Conv2dBlock(LayerBlock):
 
     kind = "conv2d"
     module_types = (nn.Conv2d,)
+    reducible = True
 
     def spec(self, name: str, module: nn.Module) -> LayerSpec | str:
         assert isinstance(module, nn.Conv2d)
@@ -129,6 +130,12 @@ class Conv2dBlock(LayerBlock):
         return (rows[0] if g == 1 else rows), h * w
 
     def a_gram(self, spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype) -> Gram:
+        if self.reduced(spec):  # the mean patch of each example
+            rows, spatial = self.a_rows(spec, x.to(dtype))
+            n = rows.shape[-2] // spatial
+            rows = rows.reshape(*rows.shape[:-2], n, spatial, rows.shape[-1]).mean(dim=-2)
+            d = spec.a_diagonal
+            return Gram(row_gram(rows, spec.has_bias, d), n, 1, d)
         if not spec.a_diagonal and supports_row_gram(spec.kernel_size, spec.stride):
             y = self.padded(spec, x.to(dtype))
             kh, kw = spec.kernel_size
@@ -144,6 +151,8 @@ class Conv2dBlock(LayerBlock):
         # columns (*batch_shape, C/groups, N·h·w), the transpose of g_rows: cheaper to build
         # from (N, C, h, w), whole h·w runs are copied
         r = self._grad(spec, r.to(dtype))
+        if self.reduced(spec):  # the summed output-gradient of each example
+            r = r.sum(dim=(2, 3), keepdim=True)
         n, _, h, w = r.shape
         g = spec.groups
         cols = r.reshape(n, g, -1, h * w).permute(1, 2, 0, 3).reshape(g, -1, n * h * w)

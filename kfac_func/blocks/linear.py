@@ -38,6 +38,7 @@ class LinearBlock(LayerBlock):
     module_types: tuple[type[nn.Module], ...] = (nn.Linear,)
     has_rows = True
     tensor_parallel = True
+    reducible = True
 
     def spec(self, name: str, module: nn.Module) -> LayerSpec | str:
         if type(module).__name__ in _NEVER_CALLED:
@@ -66,11 +67,15 @@ class LinearBlock(LayerBlock):
 
     def a_gram(self, spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype) -> Gram:
         rows, spatial = self.a_rows(spec, x.to(dtype))
+        if self.reduced(spec) and x.dim() > 2:  # the mean input of each example
+            rows = rows.reshape(x.shape[0], -1, rows.shape[-1]).mean(dim=1)
         d = spec.a_diagonal
         return Gram(row_gram(rows, spec.has_bias, d), rows.shape[-2], spatial, d)
 
     def g_gram(self, spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype) -> Gram:
         rows, spatial = self.g_rows(spec, r.to(dtype))
+        if self.reduced(spec) and r.dim() > 2:  # the summed output-gradient of each example
+            rows = rows.reshape(r.shape[0], -1, rows.shape[-1]).sum(dim=1)
         d = spec.g_diagonal
         return Gram(row_gram(rows, False, d), rows.shape[-2], spatial, d)
 

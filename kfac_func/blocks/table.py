@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from torch import nn
 
 from kfac_func.blocks.base import LayerSpec, blocks
 
-__all__ = ["LayerTable", "register"]
+__all__ = ["KFAC_APPROX", "LayerTable", "register"]
 
 
 class LayerTable(dict[str, LayerSpec]):
@@ -70,11 +70,28 @@ def _bounded(spec: LayerSpec, max_factor_dim: int | None) -> LayerSpec:
     return spec if diagonal == spec.diagonal else dataclasses.replace(spec, diagonal=diagonal)
 
 
+KFAC_APPROX = ("expand", "reduce")
+
+
+def _approx(spec: LayerSpec, kfac_approx: str | Mapping[str, str]) -> LayerSpec:
+    """``spec`` with ``kfac_approx="reduce"`` in its options when asked for and offered."""
+    if isinstance(kfac_approx, str):
+        approx = kfac_approx
+    else:
+        approx = next((v for p, v in kfac_approx.items() if re.search(p, spec.name)), "expand")
+    if approx != "reduce" or not spec.block.reducible:
+        return spec
+    options = dict(spec.options)
+    options["kfac_approx"] = "reduce"
+    return dataclasses.replace(spec, options=tuple(sorted(options.items())))
+
+
 def register(
     model: nn.Module,
     skip_layers: Iterable[str] | str | None = None,
     *,
     max_factor_dim: int | None = None,
+    kfac_approx: str | Mapping[str, str] = "expand",
 ) -> LayerTable:
     """Find the layers of ``model`` that K-FAC preconditions.
 
@@ -91,6 +108,14 @@ def register(
         max_factor_dim: a factor side wider than this keeps only its diagonal (as SOAP's
             ``max_precond_dim``): a language-model head with a 50k vocabulary gets a
             vector of 50k entries, not a 50k × 50k matrix. None: no limit.
+        kfac_approx: how layers that share a weight across positions (a Linear on
+            sequences, convolutions) treat them (Eschenhagen et al., NeurIPS 2023):
+            ``"expand"`` (every position a row) or ``"reduce"`` (inputs averaged and
+            output-gradients summed over an example's positions: one row per example,
+            cheaper). A string for every layer, or ``{regex: approx}`` searched in the
+            layer names (the first match wins, others expand). Kinds without a reduce
+            form (embeddings, attention projections, norms) keep expand; the table notes
+            "reduce" where it applies.
 
     Returns:
         A :class:`LayerTable` mapping module names to :class:`LayerSpec`.
@@ -114,6 +139,9 @@ def register(
         or max_factor_dim < 1
     ):
         raise ValueError(f"max_factor_dim must be a positive int or None, got {max_factor_dim!r}")
+    for value in [kfac_approx] if isinstance(kfac_approx, str) else kfac_approx.values():
+        if value not in KFAC_APPROX:
+            raise ValueError(f"kfac_approx must be one of {KFAC_APPROX}, got {value!r}")
     if isinstance(skip_layers, str):
         skip_layers = [skip_layers]
     patterns = [(p, re.compile(p)) for p in (skip_layers or [])]
@@ -144,7 +172,7 @@ def register(
         if frozen:
             skipped[name] = "weight does not require grad"
             continue
-        specs += [_bounded(s, max_factor_dim) for s in result]
+        specs += [_approx(_bounded(s, max_factor_dim), kfac_approx) for s in result]
     tied = _tied(model, specs)
     for name, why in tied.items():
         skipped[name] = why
