@@ -27,6 +27,7 @@ writes ``OUT.csv`` and ``OUT.png`` with the curves of every optimizer.
 
     python examples/transformer_lm.py                       # sgd, adam and kfac
     python examples/transformer_lm.py --optimizers kfac --epochs 3 --steps 50
+    python examples/transformer_lm.py --model torch         # nn.TransformerEncoderLayer
 """
 
 from __future__ import annotations
@@ -157,6 +158,51 @@ class CharTransformer(nn.Module):
         return self.head(self.norm(self.blocks(x)))
 
 
+class TorchCharTransformer(nn.Module):
+    """The same model from PyTorch's own layers: ``nn.TransformerEncoderLayer`` blocks
+    (``nn.MultiheadAttention`` with a causal mask, GELU MLP, pre-norm) between the same
+    embeddings, final norm and head. K-FAC preconditions the attention's packed q, k, v and
+    output projections as four Linear layers."""
+
+    def __init__(self, vocab: int, context: int, d_model: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.token_embedding = nn.Embedding(vocab, d_model)
+        self.position_embedding = nn.Embedding(context, d_model)
+        layer = nn.TransformerEncoderLayer(
+            d_model,
+            heads,
+            4 * d_model,
+            dropout=0.0,
+            activation="gelu",
+            batch_first=True,
+            norm_first=True,
+        )
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context))
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        for name, p in self.named_parameters():
+            if name.endswith("in_proj_weight"):
+                nn.init.normal_(p, std=0.02)
+            elif name.endswith("in_proj_bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        positions = torch.arange(t, device=idx.device)
+        x = self.token_embedding(idx) + self.position_embedding(positions)
+        x = self.blocks(x, mask=self.mask[:t, :t], is_causal=True)
+        return self.head(self.norm(x))
+
+
+MODELS = {"custom": CharTransformer, "torch": TorchCharTransformer}
+
+
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean next-character cross-entropy (nats) over every position of the batch."""
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
@@ -196,7 +242,8 @@ def train(
 ) -> list[dict[str, float]]:
     """Train one model with optimizer ``name``; one row of metrics per epoch."""
     torch.manual_seed(args.seed)  # the same initial weights for every optimizer
-    model = CharTransformer(data.vocab, args.context, args.d_model, args.layers, args.heads)
+    make = MODELS[args.model]
+    model = make(data.vocab, args.context, args.d_model, args.layers, args.heads)
     model.to(device)
     preconditioner = None
     if name == "adam":
@@ -314,6 +361,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="regular expressions of module names/classes K-FAC leaves alone",
     )
     add(
+        "--model",
+        default="custom",
+        choices=sorted(MODELS),
+        help="custom: attention from nn.Linear layers; torch: nn.TransformerEncoderLayer",
+    )
+    add(
         "--kfac-linear-only",
         action="store_true",
         help="precondition the nn.Linear layers only (embeddings and norms left to SGD)",
@@ -330,7 +383,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--optimizers: unknown {unknown}; choose from {OPTIMIZERS}")
     args.optimizers = names
     if args.kfac_linear_only:
-        args.kfac_skip = [*args.kfac_skip, "Embedding", "LayerNorm"]
+        args.kfac_skip = [*args.kfac_skip, "Embedding", "LayerNorm", "MultiheadAttention"]
     return args
 
 

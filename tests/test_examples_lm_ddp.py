@@ -110,6 +110,25 @@ def test_lm_kfac_preconditions_every_layer_by_default() -> None:
     assert kinds == {"linear", "embedding", "layer_norm"}
 
 
+def test_lm_torch_variant_preconditions_every_parameter() -> None:
+    lm = load_example("transformer_lm")
+    model = lm.TorchCharTransformer(vocab=11, context=8, d_model=16, layers=2, heads=2)
+    pre = lm.KFACPreconditioner(model, skip_layers=lm.parse_args(["--model", "torch"]).kfac_skip)
+    covered = {p for spec in pre.layers.values() for p in spec.param_names()}
+    assert covered == {n for n, _ in model.named_parameters()}
+    assert {s.kind for s in pre.layers.values()} == {
+        "linear",
+        "embedding",
+        "layer_norm",
+        "attention",
+    }
+    x = torch.randint(0, 11, (3, 8))
+    lm.lm_loss(model(x), torch.randint(0, 11, (3, 8))).backward()
+    before = {n: p.grad.clone() for n, p in model.named_parameters()}
+    pre.step()
+    assert all(not torch.equal(before[n], p.grad) for n, p in model.named_parameters())
+
+
 def test_lm_kfac_linear_only_preconditions_every_linear_and_skips_the_rest() -> None:
     lm = load_example("transformer_lm")
     args = lm.parse_args(["--kfac-linear-only"])
