@@ -32,10 +32,9 @@ from kfac_func.core.decomposition import (
     DecompositionError,
     EigenDecomposition,
     InverseDecomposition,
-    eigen_decompose,
-    inverse_decompose,
 )
 from kfac_func.core.factors import a_factor, g_factor
+from kfac_func.core.layer_decomposition import eigen_decompose, inverse_decompose
 from kfac_func.core.preconditioning import kl_clip_scale, precondition
 from kfac_func.distributed.communicator import Communicator, RankMismatchError
 from kfac_func.distributed.kaisa import update_distributed

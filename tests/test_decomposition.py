@@ -18,10 +18,10 @@ from kfac_func.core.decomposition import (
     DecompositionError,
     condition_estimate,
     damped_inverse,
-    eigen_decompose,
     eigh_factor,
     refresh_eigh,
 )
+from kfac_func.core.layer_decomposition import eigen_decompose
 from kfac_func.core.preconditioning import precondition
 
 _EIGH = torch.linalg.eigh

@@ -1,8 +1,9 @@
 """Layer kinds with diagonal factors (Embedding, a Conv1d and a Linear made diagonal by
-``max_factor_dim``, a LayerNorm's per-unit blocks) under ``update_distributed`` on 2 gloo
-ranks: equal to ``kf.update`` on the global batch (1e-10 in float64) and bit-identical
-across ranks, for COMM_OPT and MEM_OPT, eigen (with the eigenvalue outer product) and
-inverse, with symmetry-aware packing and buckets small enough to split the layers.
+``max_factor_dim``, a LayerNorm's per-unit blocks; the Conv1d with ``kfac_approx="reduce"``)
+under ``update_distributed`` on 2 gloo ranks: equal to ``kf.update`` on the global batch
+(1e-10 in float64) and bit-identical across ranks, for COMM_OPT and MEM_OPT, eigen (with
+the eigenvalue outer product) and inverse, with symmetry-aware packing and buckets small
+enough to split the layers.
 
 The parent computes each rank's gradients and captures and the reference results (one
 ``kf.capture`` per slice, as DDP's ranks would), and the ranks replay them.
@@ -29,6 +30,7 @@ STEPS = 3
 LOCAL = 3
 VOCAB, WIDTH, CLASSES, T = 11, 4, 15, 5
 MAX_DIM = 12  # the Conv1d's A (13) and the head's G (15) become diagonal
+APPROX = {"conv": "reduce"}  # the Conv1d reduces over positions, the head expands
 HYPER: dict[str, Any] = {"damping": 0.01, "factor_decay": 0.9, "kl_clip": 1e-3, "lr": 0.1}
 CONFIGS = [
     (strategy, method, cap)
@@ -68,7 +70,7 @@ def _state(table: kf.LayerTable, method: str) -> kf.KFACState:
 
 def _data(method: str) -> list[tuple[list[Any], list[Any], dict[str, torch.Tensor]]]:
     model = _model()
-    table = kf.register(model, max_factor_dim=MAX_DIM)
+    table = kf.register(model, max_factor_dim=MAX_DIM, kfac_approx=APPROX)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     state = _state(table, method)
     steps = []
@@ -93,7 +95,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         record_errors(Path(tmp, f"rank{rank}.error")),
     ):
         data = torch.load(Path(tmp, "data.pt"), weights_only=False)
-        table = kf.register(_model(), max_factor_dim=MAX_DIM)
+        table = kf.register(_model(), max_factor_dim=MAX_DIM, kfac_approx=APPROX)
         results = []
         for strategy, method, cap in CONFIGS:
             plan = kf.make_plan(table, world, grad_worker_fraction=strategy, compute_method=method)
@@ -124,7 +126,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 
 
 def test_diagonal_kinds_match_one_process(tmp_path: Path) -> None:
-    table = kf.register(_model(), max_factor_dim=MAX_DIM)
+    table = kf.register(_model(), max_factor_dim=MAX_DIM, kfac_approx=APPROX)
     assert [s.diagonal for s in table.values()] == [
         (True, False),
         (True, False),

@@ -42,7 +42,7 @@ def precondition(
 
     Example:
         >>> import torch
-        >>> from kfac_func.core.decomposition import eigen_decompose
+        >>> from kfac_func.core.layer_decomposition import eigen_decompose
         >>> eig = eigen_decompose(torch.eye(2), torch.eye(2), 0.0)
         >>> precondition(torch.ones(2, 2), eig, damping=1.0)
         tensor([[0.5000, 0.5000],
@@ -108,7 +108,7 @@ def precondition_rows(
     :func:`precondition`).
 
     Example:
-        >>> from kfac_func.core.decomposition import eigen_decompose
+        >>> from kfac_func.core.layer_decomposition import eigen_decompose
         >>> a, g = torch.randn(4, 3), torch.randn(4, 2)
         >>> eig = eigen_decompose(torch.eye(3), torch.eye(2), 0.0)
         >>> p = precondition_rows([(a, g)], eig, 1.0, bias=False, dtype=torch.float32)

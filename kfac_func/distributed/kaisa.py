@@ -33,8 +33,10 @@ from kfac_func.core.decomposition import (
     DecompositionError,
     EigenDecomposition,
     InverseDecomposition,
-    decomposition_shapes,
     eigenvalue_outer,
+)
+from kfac_func.core.layer_decomposition import (
+    decomposition_shapes,
     eigh_side,
     inverse_side,
     precompute_outer,

@@ -15,9 +15,8 @@ from kfac_func.core.decomposition import (
     Decomposition,
     DecompositionError,
     EigenDecomposition,
-    eigen_decompose,
-    inverse_decompose,
 )
+from kfac_func.core.layer_decomposition import eigen_decompose, inverse_decompose
 from kfac_func.state import KFACConfig, KFACState, LayerState
 from kfac_func.step.hyper import Hyper, check_hyper, resolve
 

@@ -1,0 +1,203 @@
+"""The decomposition of one layer: both of its factors, dense or diagonal.
+
+:func:`eigen_decompose` and :func:`inverse_decompose` decompose a layer's A and G with the
+per-factor functions of :mod:`kfac_func.core.decomposition` (with their retries), or, for a
+diagonal factor (a vector: embeddings, sides wider than ``max_factor_dim``), in ``O(n)``:
+its eigenbasis is the identity and its inverse ``1 / (d + λ)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from kfac_func.core.decomposition import (
+    DecompositionError,
+    EigenDecomposition,
+    InverseDecomposition,
+    all_finite,
+    damped_inverse,
+    eigenvalue_outer,
+    eigh_or_refresh,
+)
+
+__all__ = [
+    "decomposition_shapes",
+    "diagonal_eigenvalues",
+    "diagonal_inverse",
+    "eigen_decompose",
+    "eigh_side",
+    "inverse_decompose",
+    "inverse_side",
+    "precompute_outer",
+]
+
+
+def diagonal_eigenvalues(factor: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:
+    """The eigenvalues of a diagonal factor (its entries; its eigenbasis is the identity),
+    clamped at 0, in ``dtype``.
+
+    Example:
+        >>> diagonal_eigenvalues(torch.tensor([2.0, -1e-9]), dtype=torch.float64)
+        tensor([2., 0.], dtype=torch.float64)
+    """
+    if not all_finite(factor):
+        raise DecompositionError("eigh: the factor holds NaN/Inf")
+    return factor.to(dtype).clamp(min=0.0)
+
+
+def diagonal_inverse(
+    factor: torch.Tensor,
+    damping: float,
+    *,
+    dtype: torch.dtype,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``1 / (d + damping)`` of a diagonal factor ``d``, in ``dtype``; with ``damping == 0``
+    the pseudo-inverse (entries at most ``eps · n · max(d)`` give 0, as
+    :func:`divide_eigenvalues`).
+
+    Example:
+        >>> diagonal_inverse(torch.tensor([1.0, 0.0]), 0.0, dtype=torch.float32)
+        tensor([1., 0.])
+    """
+    if not all_finite(factor):
+        raise DecompositionError("inverse: the factor holds NaN/Inf")
+    den = factor.to(compute_dtype or torch.promote_types(dtype, torch.float32)) + damping
+    if damping > 0:
+        return (1.0 / den).to(dtype)
+    cutoff = den.amax(dim=-1, keepdim=True) * torch.finfo(den.dtype).eps * den.shape[-1]
+    zero = torch.zeros((), dtype=den.dtype, device=den.device)
+    return torch.where(den > cutoff, 1.0 / den, zero).to(dtype)
+
+
+def eigh_side(
+    factor: torch.Tensor,
+    previous: torch.Tensor | None,
+    *,
+    diagonal: bool,
+    dtype: torch.dtype,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(eigenvectors or None, eigenvalues)`` of one factor: :func:`diagonal_eigenvalues`
+    for a diagonal one, else :func:`eigh_or_refresh` (warm-started from ``previous``)."""
+    if diagonal:
+        return None, diagonal_eigenvalues(factor, dtype=dtype)
+    return eigh_or_refresh(factor, previous, dtype=dtype, compute_dtype=compute_dtype)
+
+
+def inverse_side(
+    factor: torch.Tensor,
+    damping: float,
+    *,
+    diagonal: bool,
+    dtype: torch.dtype,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The damped inverse of one factor: :func:`diagonal_inverse` for a diagonal one, else
+    :func:`damped_inverse`."""
+    if diagonal:
+        return diagonal_inverse(factor, damping, dtype=dtype, compute_dtype=compute_dtype)
+    return damped_inverse(factor, damping, dtype=dtype, compute_dtype=compute_dtype)
+
+
+def decomposition_shapes(
+    factor_shape: tuple[int, ...] | torch.Size, *, diagonal: bool, eigen: bool
+) -> list[tuple[int, ...]]:
+    """Shapes of the tensors that decompose one factor: eigenvectors and eigenvalues
+    (eigenvalues only for a diagonal factor), or the inverse (the factor's shape).
+
+    Example:
+        >>> decomposition_shapes((3, 3), diagonal=False, eigen=True)
+        [(3, 3), (3,)]
+        >>> decomposition_shapes((2, 5), diagonal=True, eigen=True)
+        [(2, 5)]
+    """
+    shape = tuple(int(s) for s in factor_shape)
+    if not eigen or diagonal:
+        return [shape]
+    return [shape, shape[:-1]]
+
+
+def eigen_decompose(
+    a: torch.Tensor,
+    g: torch.Tensor,
+    damping: float,
+    *,
+    dtype: torch.dtype = torch.float32,
+    compute_dtype: torch.dtype | None = None,
+    outer_product: bool = False,
+    warm_start: EigenDecomposition | None = None,
+    diagonal: tuple[bool, bool] = (False, False),
+) -> EigenDecomposition:
+    """Eigendecompose both factors.
+
+    Args:
+        a, g: symmetric factors (optionally batched), or their diagonals (``diagonal``).
+        diagonal: whether ``a`` and ``g`` are diagonal factors (vectors).
+        damping: λ, used only when ``outer_product`` precomputes ``1/(dg daᵀ + λ)``.
+        dtype: storage dtype of the result (``inv_dtype``).
+        compute_dtype: dtype eigh runs in (default: ``dtype`` promoted to float32).
+        outer_product: precompute ``dgda = 1 / (outer(dg, da) + λ)`` (not with a diagonal
+            factor, see :func:`precompute_outer`).
+        warm_start: a previous decomposition to refresh with :func:`refresh_eigh`
+            instead of decomposing from scratch.
+
+    Example:
+        >>> import torch
+        >>> eig = eigen_decompose(torch.eye(3), 2 * torch.eye(2), 0.0)
+        >>> eig.da, eig.dg
+        (tensor([1., 1., 1.]), tensor([2., 2.]))
+    """
+    w = warm_start
+    kw: dict[str, Any] = {"dtype": dtype, "compute_dtype": compute_dtype}
+    pa, pg = (w.qa, w.qg) if w is not None else (None, None)
+    qa, da = _named("A", eigh_side, a, pa, diagonal=diagonal[0], **kw)
+    qg, dg = _named("G", eigh_side, g, pg, diagonal=diagonal[1], **kw)
+    dgda = eigenvalue_outer(dg, da, damping) if precompute_outer(outer_product, diagonal) else None
+    return EigenDecomposition(qa, da, qg, dg, dgda)
+
+
+def precompute_outer(outer_product: bool, diagonal: tuple[bool, bool]) -> bool:
+    """Whether ``dgda`` is precomputed: when asked for, and never for a layer with a
+    diagonal factor, whose ``dgda`` (as large as the gradient, ``V·d`` for an embedding)
+    would break its ``O(V + d²)`` memory; there ``1/(dg daᵀ + λ)`` is formed when used."""
+    return outer_product and not any(diagonal)
+
+
+def inverse_decompose(
+    a: torch.Tensor,
+    g: torch.Tensor,
+    damping: float,
+    *,
+    dtype: torch.dtype = torch.float32,
+    compute_dtype: torch.dtype | None = None,
+    diagonal: tuple[bool, bool] = (False, False),
+) -> InverseDecomposition:
+    """Damped inverses of both factors (vectors for the ``diagonal`` ones).
+
+    Example:
+        >>> import torch
+        >>> inv = inverse_decompose(torch.eye(2), torch.eye(2), 1.0)
+        >>> inv.a_inv
+        tensor([[0.5000, 0.0000],
+                [0.0000, 0.5000]])
+    """
+    kw: dict[str, Any] = {"dtype": dtype, "compute_dtype": compute_dtype}
+    return InverseDecomposition(
+        _named("A", inverse_side, a, damping, diagonal=diagonal[0], **kw),
+        _named("G", inverse_side, g, damping, diagonal=diagonal[1], **kw),
+    )
+
+
+R = TypeVar("R")
+
+
+def _named(factor: str, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+    """``fn(*args, **kwargs)``, with ``factor`` ("A" or "G") named in its errors."""
+    try:
+        return fn(*args, **kwargs)
+    except DecompositionError as err:
+        raise DecompositionError(f"the {factor} factor: {err}") from None
