@@ -12,8 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import kfac_func as kf
-from kfac_func.blocks import base
-from kfac_func.blocks.base import Gram, LayerBlock, LayerSpec, block_of, register_block, row_gram
+from kfac_func.blocks import registry
+from kfac_func.blocks.base import LayerBlock
+from kfac_func.blocks.registry import block_of, register_block
+from kfac_func.blocks.spec import Gram, LayerSpec, row_gram
 
 DT = torch.float64
 
@@ -57,7 +59,7 @@ class DenseBlock(LayerBlock):
 
 @pytest.fixture
 def dense_kind(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setitem(base._BLOCKS, DenseBlock.kind, DenseBlock())
+    monkeypatch.setitem(registry._BLOCKS, DenseBlock.kind, DenseBlock())
     yield
 
 
@@ -79,7 +81,7 @@ def _batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_builtin_kinds_are_registered() -> None:
-    assert {b.kind for b in base.blocks()} >= {"linear", "conv2d"}
+    assert {b.kind for b in registry.blocks()} >= {"linear", "conv2d"}
     assert block_of("linear").has_rows and block_of("linear").tensor_parallel
     assert not block_of("conv2d").has_rows
 
@@ -91,7 +93,7 @@ def test_unknown_kind_is_named() -> None:
 
 
 def test_a_kind_cannot_be_registered_twice(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(base, "_BLOCKS", dict(base._BLOCKS))
+    monkeypatch.setattr(registry, "_BLOCKS", dict(registry._BLOCKS))
 
     class Other(DenseBlock):
         kind = "linear"

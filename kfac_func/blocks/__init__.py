@@ -1,7 +1,7 @@
 """Layer kinds: one module per kind behind the protocol of :mod:`kfac_func.blocks.base`.
 
 Importing this package imports every module in it, so each kind's module registers its
-block (:func:`~kfac_func.blocks.base.register_block`) and adding a kind is one new module.
+block (:func:`~kfac_func.blocks.registry.register_block`) and adding a kind is one new module.
 The functions below dispatch on ``spec.kind``.
 
 Example:
@@ -20,15 +20,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kfac_func.blocks.base import (
-    Gram,
-    LayerBlock,
-    LayerSpec,
-    Rows,
-    block_of,
-    blocks,
-    register_block,
-)
+from kfac_func.blocks.base import LayerBlock
+from kfac_func.blocks.registry import block_of, blocks, register_block
+from kfac_func.blocks.spec import Gram, LayerSpec, Rows
 from kfac_func.blocks.table import LayerTable, register
 
 __all__ = [

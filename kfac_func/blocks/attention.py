@@ -21,15 +21,16 @@ their statistics are those of :class:`~kfac_func.blocks.linear.LinearBlock`. ``b
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac_func.blocks.base import LayerSpec, register_block
 from kfac_func.blocks.linear import LinearBlock
+from kfac_func.blocks.registry import register_block
+from kfac_func.blocks.spec import LayerSpec
 
 __all__ = ["AttentionBlock"]
 
@@ -109,31 +110,6 @@ class AttentionBlock(LinearBlock):
         sight: it is off while a capture runs."""
         return _no_fast_path()
 
-    # --- slices of the packed parameters --------------------------------------------
-
-    def param_grads(
-        self, spec: LayerSpec, grads: Mapping[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        missing = [p for p in spec.param_names() if p not in grads]
-        if missing:
-            raise ValueError(f"layer {spec.name!r}: no gradient for {missing} in grads")
-        w = _rows(grads[spec.weight], spec.option("rows"))
-        b = _rows(grads[spec.bias], spec.option("bias_rows")) if spec.bias else None
-        self.check_grads(spec, w, b)
-        return w, b
-
-    def write_grads(
-        self,
-        spec: LayerSpec,
-        out: MutableMapping[str, torch.Tensor],
-        grads: Mapping[str, torch.Tensor],
-        weight_grad: torch.Tensor,
-        bias_grad: torch.Tensor | None,
-    ) -> None:
-        _write_rows(out, grads, spec.weight, spec.option("rows"), weight_grad)
-        if spec.bias is not None and bias_grad is not None:
-            _write_rows(out, grads, spec.bias, spec.option("bias_rows"), bias_grad)
-
     # --- the calls inside the forward -------------------------------------------------
 
     def tap(
@@ -152,26 +128,6 @@ def _no_fast_path() -> Iterator[None]:
         yield
     finally:
         torch.backends.mha.set_fastpath_enabled(before)
-
-
-def _rows(t: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
-    return t if rows is None else t[rows[0] : rows[1]]
-
-
-def _write_rows(
-    out: MutableMapping[str, torch.Tensor],
-    grads: Mapping[str, torch.Tensor],
-    name: str,
-    rows: tuple[int, int] | None,
-    value: torch.Tensor,
-) -> None:
-    original = grads[name]
-    if rows is None:
-        out[name] = value.to(original.dtype)
-        return
-    if out[name] is original:  # the first part written: a copy of the whole parameter's
-        out[name] = original.clone()
-    out[name][rows[0] : rows[1]] = value.to(original.dtype)
 
 
 @contextlib.contextmanager

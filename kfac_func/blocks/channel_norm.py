@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kfac_func.blocks.base import LayerSpec, register_block, shape_error
+from kfac_func.blocks.registry import register_block
 from kfac_func.blocks.scale_shift import ScaleShiftBlock, normalise
+from kfac_func.blocks.spec import LayerSpec, shape_error
 
 __all__ = ["BatchNormBlock", "GroupNormBlock"]
 

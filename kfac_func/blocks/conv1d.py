@@ -13,8 +13,10 @@ import dataclasses
 import torch
 from torch import nn
 
-from kfac_func.blocks.base import Gram, LayerBlock, LayerSpec, register_block, shape_error
-from kfac_func.blocks.conv2d import Conv2dBlock
+from kfac_func.blocks.base import LayerBlock
+from kfac_func.blocks.conv2d import Conv2dBlock, conv_spec
+from kfac_func.blocks.registry import register_block
+from kfac_func.blocks.spec import Gram, LayerSpec, shape_error
 
 __all__ = ["Conv1dBlock", "conv1d_padding"]
 
@@ -63,21 +65,14 @@ class Conv1dBlock(LayerBlock):
 
     def spec(self, name: str, module: nn.Module) -> LayerSpec | str:
         assert isinstance(module, nn.Conv1d)
-        prefix = f"{name}." if name else ""
-        bias = f"{prefix}bias" if isinstance(module.bias, torch.Tensor) else None
-        return LayerSpec(
-            name,
+        return conv_spec(
             self.kind,
-            f"{prefix}weight",
-            bias,
-            module.in_channels,
-            module.out_channels,
-            groups=module.groups,
+            name,
+            module,
             kernel_size=(_one(module.kernel_size),),
             stride=(_one(module.stride),),
             dilation=(_one(module.dilation),),
             padding=conv1d_padding(module),
-            padding_mode=module.padding_mode,
         )
 
     def weight_shape(self, spec: LayerSpec) -> tuple[int, ...]:

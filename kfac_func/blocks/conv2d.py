@@ -14,10 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac_func.blocks.base import Gram, LayerBlock, LayerSpec, register_block, row_gram, shape_error
+from kfac_func.blocks.base import LayerBlock
 from kfac_func.blocks.patch_gram import patch_gram, supports_row_gram
+from kfac_func.blocks.registry import register_block
+from kfac_func.blocks.spec import Gram, LayerSpec, row_gram, shape_error
 
-__all__ = ["Conv2dBlock", "conv_padding"]
+__all__ = ["Conv2dBlock", "conv_padding", "conv_spec"]
 
 
 def _pair(v: int | tuple[int, ...]) -> tuple[int, int]:
@@ -52,6 +54,35 @@ def conv_padding(module: nn.Conv2d) -> tuple[int, int, int, int]:
     return (pw, pw, ph, ph)
 
 
+def conv_spec(
+    kind: str,
+    name: str,
+    module: nn.Conv1d | nn.Conv2d,
+    *,
+    kernel_size: tuple[int, ...],
+    stride: tuple[int, ...],
+    dilation: tuple[int, ...],
+    padding: tuple[int, ...],
+) -> LayerSpec:
+    """The spec of a convolution module with its geometry resolved."""
+    prefix = f"{name}." if name else ""
+    bias = f"{prefix}bias" if isinstance(module.bias, torch.Tensor) else None
+    return LayerSpec(
+        name,
+        kind,
+        f"{prefix}weight",
+        bias,
+        module.in_channels,
+        module.out_channels,
+        groups=module.groups,
+        kernel_size=kernel_size,
+        stride=stride,
+        dilation=dilation,
+        padding=padding,
+        padding_mode=module.padding_mode,
+    )
+
+
 @register_block
 class Conv2dBlock(LayerBlock):
     """A 2-d convolution; the weight is ``(out, in/groups, kh, kw)``.
@@ -72,21 +103,14 @@ class Conv2dBlock(LayerBlock):
         assert isinstance(module, nn.Conv2d)
         if module.transposed:  # pragma: no cover - ConvTranspose2d is not a Conv2d subclass
             return "transposed convolution is not supported"
-        prefix = f"{name}." if name else ""
-        bias = f"{prefix}bias" if isinstance(module.bias, torch.Tensor) else None
-        return LayerSpec(
-            name,
+        return conv_spec(
             self.kind,
-            f"{prefix}weight",
-            bias,
-            module.in_channels,
-            module.out_channels,
-            groups=module.groups,
+            name,
+            module,
             kernel_size=_pair(module.kernel_size),
             stride=_pair(module.stride),
             dilation=_pair(module.dilation),
             padding=conv_padding(module),
-            padding_mode=module.padding_mode,
         )
 
     def weight_shape(self, spec: LayerSpec) -> tuple[int, ...]:

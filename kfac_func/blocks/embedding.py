@@ -17,7 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kfac_func.blocks.base import Gram, LayerBlock, LayerSpec, register_block, row_gram, shape_error
+from kfac_func.blocks.base import LayerBlock
+from kfac_func.blocks.registry import register_block
+from kfac_func.blocks.spec import Gram, LayerSpec, row_gram, shape_error
 
 __all__ = ["EmbeddingBlock"]
 

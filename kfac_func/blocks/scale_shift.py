@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kfac_func.blocks.base import Gram, LayerBlock, LayerSpec, shape_error
+from kfac_func.blocks.base import LayerBlock
+from kfac_func.blocks.spec import Gram, LayerSpec, shape_error
 
 __all__ = ["ScaleShiftBlock"]
 

@@ -2,7 +2,7 @@
 
 `register(model)` walks a model and returns a :class:`LayerTable`, a ``{name: LayerSpec}``
 mapping that prints as a table. Which modules are handled, and how, is decided by the
-registered layer kinds (:mod:`kfac_func.blocks.base`); every other module that owns
+registered layer kinds (:mod:`kfac_func.blocks.registry`); every other module that owns
 parameters is listed with the reason it was skipped.
 """
 
@@ -15,7 +15,8 @@ from collections.abc import Iterable, Mapping
 
 from torch import nn
 
-from kfac_func.blocks.base import LayerSpec, blocks
+from kfac_func.blocks.registry import blocks
+from kfac_func.blocks.spec import LayerSpec
 
 __all__ = ["KFAC_APPROX", "LayerTable", "register"]
 
@@ -96,7 +97,7 @@ def register(
     """Find the layers of ``model`` that K-FAC preconditions.
 
     Each module with parameters goes to the first registered layer kind that handles it
-    (:func:`kfac_func.blocks.base.blocks`: ``nn.Linear`` with inputs of any rank,
+    (:func:`kfac_func.blocks.registry.blocks`: ``nn.Linear`` with inputs of any rank,
     ``nn.Conv2d`` with any geometry). Every other module that owns parameters is listed in
     ``table.skipped`` with the reason, never an error.
 

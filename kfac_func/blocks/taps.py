@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from kfac_func.blocks.base import LayerSpec
+from kfac_func.blocks.spec import LayerSpec
 
 __all__ = ["Site", "tap_hooks"]
 

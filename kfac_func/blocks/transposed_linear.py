@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kfac_func.blocks.base import LayerSpec, register_block
 from kfac_func.blocks.linear import LinearBlock
+from kfac_func.blocks.registry import register_block
+from kfac_func.blocks.spec import LayerSpec
 
 __all__ = ["TRANSPOSED_LINEAR_CLASSES", "TransposedLinearBlock"]
 

@@ -1,0 +1,188 @@
+"""The static description of a registered layer and the statistics of one call.
+
+A :class:`LayerSpec` is hashable data (it becomes metadata of the state pytree and is
+written into checkpoints); its ``kind`` names the :class:`~kfac_func.blocks.base.LayerBlock`
+that knows everything specific to that kind of layer. :class:`Gram` is what a block
+computes from one call; :func:`row_gram` and :func:`shape_error` are shared by the blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from kfac_func.blocks.registry import block_of
+
+if TYPE_CHECKING:
+    from kfac_func.blocks.base import LayerBlock
+
+__all__ = ["Gram", "LayerSpec", "Rows", "row_gram", "shape_error"]
+
+Rows = Sequence[tuple[torch.Tensor, torch.Tensor]]
+"""``[(input rows, output-gradient rows)]`` of a layer's calls (no bias column)."""
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Static description of one preconditioned layer.
+
+    The gradient of the layer is handled as a matrix of shape ``(groups, g_dim, a_dim)``
+    (``groups`` is dropped when it is 1): rows are output features / channels of a group,
+    columns are input features / patch entries of the group, plus one column for the bias.
+
+    Attributes:
+        name: module name as in ``model.named_modules()``.
+        kind: the :class:`LayerBlock` that handles the layer (``"linear"``, ``"conv2d"``).
+        weight: full parameter name of the weight (key in ``named_parameters()``).
+        bias: full parameter name of the bias, or ``None``.
+        in_dim: input features (Linear) or input channels (Conv2d).
+        out_dim: output features (Linear) or output channels (Conv2d).
+        groups: convolution groups (1 for Linear). Factors are per group: a grouped
+            convolution has block-diagonal K-FAC factors, one ``(A, G)`` pair per group,
+            stored stacked along a leading dimension.
+        kernel_size, stride, dilation: convolution geometry (empty for Linear).
+        padding: explicit ``(left, right, top, bottom)`` padding, with ``'same'`` and
+            ``'valid'`` resolved exactly as PyTorch resolves them.
+        padding_mode: convolution ``padding_mode`` (``"zeros"``, ``"reflect"``, ...).
+        diagonal: whether the A and the G factor keep only their diagonal (a vector of
+            ``a_dim`` / ``g_dim`` entries instead of a square matrix): inputs that are
+            one-hot (Embedding) have a diagonal A, and a side wider than
+            ``register(..., max_factor_dim=...)`` is kept diagonal to bound memory.
+        options: settings only one kind needs, as ``(name, value)`` pairs of numbers,
+            strings or tuples (a norm's ``eps`` and normalised shape); read them with
+            :meth:`option`. New kinds put their settings here rather than in new fields.
+
+    Example:
+        >>> from torch import nn
+        >>> from kfac_func.blocks import register
+        >>> spec = register(nn.Sequential(nn.Linear(3, 2)))["0"]
+        >>> spec.a_dim, spec.g_dim, spec.factor_shapes
+        (4, 2, ((4, 4), (2, 2)))
+    """
+
+    name: str
+    kind: str
+    weight: str
+    bias: str | None
+    in_dim: int
+    out_dim: int
+    groups: int = 1
+    kernel_size: tuple[int, ...] = ()
+    stride: tuple[int, ...] = ()
+    dilation: tuple[int, ...] = ()
+    padding: tuple[int, ...] = ()
+    padding_mode: str = "zeros"
+    diagonal: tuple[bool, bool] = (False, False)
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def option(self, key: str, default: Any = None) -> Any:
+        """The value of one of :attr:`options` (``default`` when absent)."""
+        return dict(self.options).get(key, default)
+
+    @property
+    def module(self) -> str:
+        """The name of the module whose calls feed the layer: the layer's own name, or the
+        module it is a part of (the ``q_proj`` of a ``MultiheadAttention``)."""
+        return str(self.option("module", self.name))
+
+    @property
+    def block(self) -> LayerBlock:
+        """The :class:`LayerBlock` registered for ``kind``."""
+        return block_of(self.kind)
+
+    @property
+    def has_bias(self) -> bool:
+        return self.bias is not None
+
+    @property
+    def a_diagonal(self) -> bool:
+        """Whether the A factor is stored as its diagonal."""
+        return self.diagonal[0]
+
+    @property
+    def g_diagonal(self) -> bool:
+        """Whether the G factor is stored as its diagonal."""
+        return self.diagonal[1]
+
+    @property
+    def a_dim(self) -> int:
+        """Side of one A factor (inputs per group, times the kernel area, plus 1 for bias)."""
+        return self.block.a_dim(self)
+
+    @property
+    def g_dim(self) -> int:
+        """Side of one G factor: outputs per group."""
+        return self.block.g_dim(self)
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        """Leading shape of factors and gradient matrices: ``()`` or ``(groups,)``."""
+        return () if self.groups == 1 else (self.groups,)
+
+    @property
+    def factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of the A and G factors (one dimension less for a diagonal one)."""
+        b, a, g = self.batch_shape, self.a_dim, self.g_dim
+        a_shape = (*b, a) if self.a_diagonal else (*b, a, a)
+        g_shape = (*b, g) if self.g_diagonal else (*b, g, g)
+        return a_shape, g_shape
+
+    @property
+    def matrix_shape(self) -> tuple[int, ...]:
+        """Shape of the gradient matrix (bias as the last column)."""
+        return (*self.batch_shape, self.g_dim, self.a_dim)
+
+    @property
+    def weight_shape(self) -> tuple[int, ...]:
+        """Shape of the module's weight parameter."""
+        return self.block.weight_shape(self)
+
+    def param_names(self) -> tuple[str, ...]:
+        return (self.weight,) if self.bias is None else (self.weight, self.bias)
+
+
+class Gram(NamedTuple):
+    """Unscaled statistics of one call: ``Σ rowsᵀrows`` (only its diagonal ``Σ rows²`` when
+    ``diagonal``), its row count, rows per example that stem from space. Factors are scaled
+    sums of these (see :mod:`kfac_func.core.conventions`)."""
+
+    gram: torch.Tensor
+    rows: int
+    spatial: int
+    diagonal: bool = False
+
+
+def shape_error(
+    spec: LayerSpec, what: str, expected: str, shape: torch.Size | tuple[int, ...]
+) -> ValueError:
+    """A ValueError naming the layer, its kind, the tensor, and the shapes."""
+    return ValueError(
+        f"layer {spec.name!r} ({spec.kind}): {what} must have {expected}, got shape {tuple(shape)}"
+    )
+
+
+def row_gram(rows: torch.Tensor, with_ones: bool, diagonal: bool = False) -> torch.Tensor:
+    """``rowsᵀ rows``; with ``with_ones`` as if a column of ones were appended (no copy);
+    with ``diagonal`` only its diagonal ``Σ rows²``.
+
+    Example:
+        >>> row_gram(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), True, diagonal=True)
+        tensor([10., 20.,  2.])
+    """
+    if diagonal:
+        sq = (rows * rows).sum(dim=-2)
+        if not with_ones:
+            return sq
+        n = torch.full((*sq.shape[:-1], 1), rows.shape[-2], dtype=rows.dtype, device=rows.device)
+        return torch.cat([sq, n], dim=-1)
+    xx = rows.mT @ rows
+    if not with_ones:
+        return xx
+    s = rows.sum(dim=-2)
+    n = torch.full((*s.shape[:-1], 1), rows.shape[-2], dtype=rows.dtype, device=rows.device)
+    top = torch.cat([xx, s.unsqueeze(-1)], dim=-1)
+    bottom = torch.cat([s, n], dim=-1).unsqueeze(-2)
+    return torch.cat([top, bottom], dim=-2)
