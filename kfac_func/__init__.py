@@ -31,6 +31,7 @@ from kfac_func.core.conventions import CONVENTIONS, Convention
 from kfac_func.core.decomposition import (
     DecompositionError,
     EigenDecomposition,
+    EKFACDecomposition,
     InverseDecomposition,
 )
 from kfac_func.core.factors import a_factor, g_factor
@@ -51,6 +52,7 @@ from kfac_func.parallel.preconditioner import ParallelKFACPreconditioner
 from kfac_func.state import KFACConfig, KFACState, LayerState, init
 from kfac_func.step.accumulate import accumulate_factors
 from kfac_func.step.decompose import decompose
+from kfac_func.step.ekfac import correct_eigenvalues
 from kfac_func.step.hyper import NonFiniteError
 from kfac_func.step.precondition import precondition_grads
 from kfac_func.step.update import update
@@ -69,6 +71,7 @@ __all__ = [
     "Convention",
     "DecompositionError",
     "DistributedStrategy",
+    "EKFACDecomposition",
     "EigenDecomposition",
     "ExperimentalFeatureWarning",
     "GPTNeoXKFACPreconditioner",
@@ -91,6 +94,7 @@ __all__ = [
     "a_factor",
     "accumulate_factors",
     "capture",
+    "correct_eigenvalues",
     "decompose",
     "eigen_decompose",
     "g_factor",

@@ -32,7 +32,8 @@ class KFACConfig:
 
     Attributes:
         convention: ``"fisher"`` or ``"kfac-pytorch"`` (see :mod:`kfac_func.core.conventions`).
-        compute_method: ``"eigen"`` or ``"inverse"``.
+        compute_method: ``"eigen"``, ``"inverse"`` or ``"ekfac"`` (K-FAC's eigenbasis with
+            corrected eigenvalues, see :mod:`kfac_func.core.ekfac`; ``"fisher"`` only).
         compute_eigenvalue_outer_product: eigen only: precompute ``1/(dg daᵀ + λ)`` when
             decomposing (λ then stays fixed until the next decomposition); never for
             layers with a diagonal factor.
@@ -61,6 +62,11 @@ class KFACConfig:
         if self.compute_method not in COMPUTE_METHODS:
             raise ValueError(
                 f"compute_method must be one of {COMPUTE_METHODS}, got {self.compute_method!r}"
+            )
+        if self.compute_method == "ekfac" and self.convention != "fisher":
+            raise ValueError(
+                "compute_method='ekfac' corrects the eigenvalues with per-example gradients, "
+                "which the 'fisher' convention defines: use convention='fisher'"
             )
         for name in ("factor_dtype", "inv_dtype"):
             dt = getattr(self, name)

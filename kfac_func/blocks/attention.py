@@ -104,6 +104,11 @@ class AttentionBlock(LinearBlock):
         )
         return out
 
+    def example_rows(
+        self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None  # the projections' rows are not grouped by example (see reducible)
+
     def capturing(self) -> contextlib.AbstractContextManager[None]:
         """The fused fast path of ``nn.MultiheadAttention`` / ``TransformerEncoderLayer``
         (taken without training or gradients) computes the projections out of the tap's

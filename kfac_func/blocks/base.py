@@ -155,6 +155,15 @@ class LayerBlock(ABC):
         (only if :attr:`joint`)."""
         raise NotImplementedError(f"layer kind {self.kind!r} has separate statistics")
 
+    def example_rows(
+        self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One call's rows grouped by example, for EKFAC: ``(*batch_shape, N, T, a_dim)``
+        inputs (bias column included) and ``(*batch_shape, N, T, g_dim)`` output-gradients,
+        ``T`` the positions that share the weight; None when the kind has no per-example
+        rows (EKFAC then keeps K-FAC's eigenvalues for it)."""
+        return None
+
     def rows(
         self, spec: LayerSpec, inputs: Sequence[torch.Tensor], output_grads: Sequence[torch.Tensor]
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:

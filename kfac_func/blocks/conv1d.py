@@ -98,6 +98,13 @@ class Conv1dBlock(LayerBlock):
         """Patches ``(*batch_shape, N·L_out, C/groups·k)`` and ``L_out``."""
         return _AS_2D.a_rows(self.as_2d(spec), self._image(spec, x, "input", spec.in_dim))
 
+    def example_rows(
+        self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        x2 = self._image(spec, x, "input", spec.in_dim)
+        r2 = self._image(spec, r, "output-gradient", spec.out_dim)
+        return _AS_2D.example_rows(self.as_2d(spec), x2, r2)
+
     def a_gram(self, spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype) -> Gram:
         return _AS_2D.a_gram(self.as_2d(spec), self._image(spec, x, "input", spec.in_dim), dtype)
 

@@ -17,7 +17,7 @@ from torch import nn
 from kfac_func.blocks.base import LayerBlock
 from kfac_func.blocks.patch_gram import patch_gram, supports_row_gram
 from kfac_func.blocks.registry import register_block
-from kfac_func.blocks.spec import Gram, LayerSpec, row_gram, shape_error
+from kfac_func.blocks.spec import Gram, LayerSpec, row_gram, shape_error, with_ones
 
 __all__ = ["Conv2dBlock", "conv_padding", "conv_spec"]
 
@@ -138,6 +138,16 @@ class Conv2dBlock(LayerBlock):
         cols = cols.view(n, g, -1, length).permute(1, 0, 3, 2).reshape(g, n * length, -1)
         cols = cols[0] if g == 1 else cols
         return cols, cols.shape[-2] // (x.shape[0] if x.dim() == 4 else 1)
+
+    def example_rows(
+        self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        a, spatial = self.a_rows(spec, x)  # (*batch_shape, N·L, k)
+        g, _ = self.g_rows(spec, r)
+        n = a.shape[-2] // spatial
+        a = a.reshape(*a.shape[:-2], n, spatial, a.shape[-1])
+        g = g.reshape(*g.shape[:-2], n, spatial, g.shape[-1])
+        return (with_ones(a) if spec.has_bias else a), g
 
     def _grad(self, spec: LayerSpec, r: torch.Tensor) -> torch.Tensor:
         """An output-gradient as ``(N, C, h, w)``, its shape checked."""

@@ -15,7 +15,7 @@ from torch import nn
 
 from kfac_func.blocks.base import LayerBlock
 from kfac_func.blocks.registry import register_block
-from kfac_func.blocks.spec import Gram, LayerSpec, row_gram, shape_error
+from kfac_func.blocks.spec import Gram, LayerSpec, row_gram, shape_error, with_ones
 
 __all__ = ["LinearBlock"]
 
@@ -80,6 +80,14 @@ class LinearBlock(LayerBlock):
             rows = rows.reshape(r.shape[0], -1, rows.shape[-1]).sum(dim=1)
         d = spec.g_diagonal
         return Gram(row_gram(rows, False, d), rows.shape[-2], spatial, d)
+
+    def example_rows(
+        self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        n = x.shape[0] if x.dim() > 1 else 1  # leading dimension: examples; the rest: positions
+        a = self.a_rows(spec, x)[0].reshape(n, -1, spec.in_dim)
+        g = self.g_rows(spec, r)[0].reshape(n, -1, spec.out_dim)
+        return (with_ones(a) if spec.has_bias else a), g
 
     def rows(
         self, spec: LayerSpec, inputs: Sequence[torch.Tensor], output_grads: Sequence[torch.Tensor]

@@ -19,7 +19,7 @@ from kfac_func.blocks.registry import block_of
 if TYPE_CHECKING:
     from kfac_func.blocks.base import LayerBlock
 
-__all__ = ["Gram", "LayerSpec", "Rows", "row_gram", "shape_error"]
+__all__ = ["Gram", "LayerSpec", "Rows", "row_gram", "shape_error", "with_ones"]
 
 Rows = Sequence[tuple[torch.Tensor, torch.Tensor]]
 """``[(input rows, output-gradient rows)]`` of a layer's calls (no bias column)."""
@@ -162,6 +162,12 @@ def shape_error(
     return ValueError(
         f"layer {spec.name!r} ({spec.kind}): {what} must have {expected}, got shape {tuple(shape)}"
     )
+
+
+def with_ones(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` with a trailing column of ones (the bias's input)."""
+    ones = torch.ones(*rows.shape[:-1], 1, dtype=rows.dtype, device=rows.device)
+    return torch.cat([rows, ones], dim=-1)
 
 
 def row_gram(rows: torch.Tensor, with_ones: bool, diagonal: bool = False) -> torch.Tensor:

@@ -119,6 +119,7 @@ def _decomposition_shapes(spec: LayerSpec) -> dict[str, tuple[int, ...]]:
         "dgda": (*b, g, a),
         "a_inv": a_shape,
         "g_inv": g_shape,
+        "scale": (*b, g, a),
     }
 
 

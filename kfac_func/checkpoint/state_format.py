@@ -48,7 +48,11 @@ import torch
 
 from kfac_func.blocks import LayerSpec
 from kfac_func.checkpoint.errors import CheckpointFormatError
-from kfac_func.core.decomposition import EigenDecomposition, InverseDecomposition
+from kfac_func.core.decomposition import (
+    EigenDecomposition,
+    EKFACDecomposition,
+    InverseDecomposition,
+)
 from kfac_func.state import KFACConfig, KFACState, LayerState
 
 __all__ = [
@@ -63,9 +67,12 @@ META_KEY = "__kfac_meta__"
 """Reserved key of the JSON metadata tensor (and of the safetensors header entry)."""
 
 _FORMAT_NAME = "kfac_func.KFACState"
-_DECOMPOSITIONS: dict[str, type[EigenDecomposition] | type[InverseDecomposition]] = {
+_DECOMPOSITIONS: dict[
+    str, type[EigenDecomposition] | type[InverseDecomposition] | type[EKFACDecomposition]
+] = {
     "eigen": EigenDecomposition,
     "inverse": InverseDecomposition,
+    "ekfac": EKFACDecomposition,
 }
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(KFACConfig))
 _SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(LayerSpec))
@@ -106,7 +113,7 @@ def _decomposition_meta(ls: LayerState) -> dict[str, Any] | None:
     d = ls.decomposition
     if d is None:
         return None
-    kind = "eigen" if isinstance(d, EigenDecomposition) else "inverse"
+    kind = next(k for k, cls in _DECOMPOSITIONS.items() if isinstance(d, cls))
     fields = [f.name for f in dataclasses.fields(d) if getattr(d, f.name) is not None]
     return {"type": kind, "tensors": fields}
 

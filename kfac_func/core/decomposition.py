@@ -26,6 +26,7 @@ __all__ = [
     "COMPUTE_METHODS",
     "EIGENBASIS_REFRESH",
     "DecompositionError",
+    "EKFACDecomposition",
     "EigenDecomposition",
     "InverseDecomposition",
     "all_finite",
@@ -33,13 +34,14 @@ __all__ = [
     "damped_inverse",
     "decomposition_from_fields",
     "divide_eigenvalues",
+    "divide_scale",
     "eigenvalue_outer",
     "eigh_factor",
     "eigh_or_refresh",
     "refresh_eigh",
 ]
 
-COMPUTE_METHODS = ("eigen", "inverse")
+COMPUTE_METHODS = ("eigen", "inverse", "ekfac")
 EIGENBASIS_REFRESH = ("eigh", "qr")
 
 
@@ -67,14 +69,27 @@ class InverseDecomposition:
     g_inv: torch.Tensor
 
 
+@dataclass(frozen=True)
+class EKFACDecomposition:
+    """EKFAC: K-FAC's eigenbases (``None`` for a diagonal factor: the identity) and the
+    corrected eigenvalues ``scale`` of shape ``(*batch, g_dim, a_dim)``, the running second
+    moment of the per-example gradients in that basis (see :mod:`kfac_func.core.ekfac`)."""
+
+    qa: torch.Tensor | None
+    qg: torch.Tensor | None
+    scale: torch.Tensor
+
+
 register_dataclass(EigenDecomposition, data=("qa", "da", "qg", "dg", "dgda"))
 register_dataclass(InverseDecomposition, data=("a_inv", "g_inv"))
+register_dataclass(EKFACDecomposition, data=("qa", "qg", "scale"))
 
-Decomposition = EigenDecomposition | InverseDecomposition
+Decomposition = EigenDecomposition | InverseDecomposition | EKFACDecomposition
 
 
 def decomposition_from_fields(
-    cls: type[EigenDecomposition] | type[InverseDecomposition], fields: Mapping[str, torch.Tensor]
+    cls: type[EigenDecomposition] | type[InverseDecomposition] | type[EKFACDecomposition],
+    fields: Mapping[str, torch.Tensor],
 ) -> Decomposition:
     """``cls`` from the tensors it holds; the fields that are not given (the eigenbasis of a
     diagonal factor, an absent ``dgda``) are None.
@@ -265,7 +280,13 @@ def divide_eigenvalues(
     """``v / (outer(dg, da) + damping)``; with ``damping == 0``, the pseudo-inverse:
     entries whose eigenvalue product is at most ``eps · max(shape) · max(product)`` (as
     ``torch.linalg.pinv``'s default cut-off) are 0 instead of Inf/NaN."""
-    den = dg.unsqueeze(-1) * da.unsqueeze(-2) + damping
+    return divide_scale(v, dg.unsqueeze(-1) * da.unsqueeze(-2), damping)
+
+
+def divide_scale(v: torch.Tensor, scale: torch.Tensor, damping: float) -> torch.Tensor:
+    """``v / (scale + damping)`` (eigenvalues of a Kronecker basis, ``(..., g, a)``), with
+    the pseudo-inverse cut-off of :func:`divide_eigenvalues` when ``damping == 0``."""
+    den = scale + damping
     if damping > 0:
         return v / den
     cutoff = den.amax(dim=(-2, -1), keepdim=True) * torch.finfo(den.dtype).eps * max(den.shape[-2:])

@@ -16,6 +16,7 @@ import torch
 from kfac_func.core.decomposition import (
     DecompositionError,
     EigenDecomposition,
+    EKFACDecomposition,
     InverseDecomposition,
     all_finite,
     damped_inverse,
@@ -129,7 +130,7 @@ def eigen_decompose(
     dtype: torch.dtype = torch.float32,
     compute_dtype: torch.dtype | None = None,
     outer_product: bool = False,
-    warm_start: EigenDecomposition | None = None,
+    warm_start: EigenDecomposition | EKFACDecomposition | None = None,
     diagonal: tuple[bool, bool] = (False, False),
 ) -> EigenDecomposition:
     """Eigendecompose both factors.

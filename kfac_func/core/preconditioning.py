@@ -17,8 +17,10 @@ import torch
 from kfac_func.core.decomposition import (
     Decomposition,
     EigenDecomposition,
+    EKFACDecomposition,
     InverseDecomposition,
     divide_eigenvalues,
+    divide_scale,
 )
 
 __all__ = [
@@ -54,7 +56,7 @@ def precondition(
         if d.g_inv.dim() == m.dim() and d.a_inv.dim() == m.dim():
             return (d.g_inv @ m @ d.a_inv).to(matrix.dtype)
         return _right_inverse(_left_inverse(d.g_inv, m), d.a_inv).to(matrix.dtype)
-    m = matrix.to(d.da.dtype)
+    m = matrix.to(d.scale.dtype if isinstance(d, EKFACDecomposition) else d.da.dtype)
     if d.qa is not None and d.qg is not None:
         return _back_project(d.qg.mT @ m @ d.qa, d, damping).to(matrix.dtype)
     v = m if d.qg is None else d.qg.mT @ m
@@ -72,10 +74,17 @@ def _right_inverse(m: torch.Tensor, a_inv: torch.Tensor) -> torch.Tensor:
     return m * a_inv.unsqueeze(-2) if a_inv.dim() < m.dim() else m @ a_inv
 
 
-def _back_project(v: torch.Tensor, d: EigenDecomposition, damping: float) -> torch.Tensor:
+def _back_project(
+    v: torch.Tensor, d: EigenDecomposition | EKFACDecomposition, damping: float
+) -> torch.Tensor:
     """``Qg [v / (dg daᵀ + λ)] Qaᵀ`` for ``v`` in the eigenbasis (a missing basis: the
-    identity)."""
-    v = v * d.dgda if d.dgda is not None else divide_eigenvalues(v, d.dg, d.da, damping)
+    identity); EKFAC divides by ``scale + λ`` instead."""
+    if isinstance(d, EKFACDecomposition):
+        v = divide_scale(v, d.scale, damping)
+    elif d.dgda is not None:
+        v = v * d.dgda
+    else:
+        v = divide_eigenvalues(v, d.dg, d.da, damping)
     if d.qa is not None and d.qg is not None:
         return d.qg @ v @ d.qa.mT
     v = v if d.qg is None else d.qg @ v

@@ -287,6 +287,11 @@ def update_distributed(
     """
     if nonfinite not in ("skip", "raise"):
         raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
+    if state.config.compute_method == "ekfac":
+        raise ValueError(
+            "compute_method='ekfac' is not supported by update_distributed: its corrected "
+            "eigenvalues are not yet reduced across ranks (use kf.update on one process)"
+        )
     names = _check_plan(state, plan)
     step = state.step
     lam = resolve(damping, step)

@@ -15,7 +15,9 @@ from kfac_func.core.decomposition import (
     Decomposition,
     DecompositionError,
     EigenDecomposition,
+    EKFACDecomposition,
 )
+from kfac_func.core.ekfac import from_eigen
 from kfac_func.core.layer_decomposition import eigen_decompose, inverse_decompose
 from kfac_func.state import KFACConfig, KFACState, LayerState
 from kfac_func.step.hyper import Hyper, check_hyper, resolve
@@ -61,14 +63,21 @@ def decompose_layers(
     config: KFACConfig,
     *,
     update_inverses: bool,
-) -> None:
+) -> set[str]:
     """:func:`redecompose` (in place) every layer of ``layers`` that
     :func:`needs_decomposition`, one layer at a time: a layer's previous decomposition
     (kept for a warm start and in case the new one fails) is dropped as soon as its
-    replacement exists, not after the last layer (see :func:`fold_layers`)."""
+    replacement exists, not after the last layer (see :func:`fold_layers`). Returns the
+    layers that got a new decomposition."""
+    fresh = set()
     for name in list(layers):
-        if needs_decomposition(layers[name], config, update_inverses=update_inverses):
-            layers[name] = redecompose(layers[name], damping, config)
+        old = layers[name]
+        if needs_decomposition(old, config, update_inverses=update_inverses):
+            layers[name] = redecompose(old, damping, config)
+            if layers[name].decomposition_failures == old.decomposition_failures:
+                fresh.add(name)
+        del old
+    return fresh
 
 
 def needs_decomposition(ls: LayerState, config: KFACConfig, *, update_inverses: bool) -> bool:
@@ -83,17 +92,19 @@ def decompose_layer(ls: LayerState, damping: float, config: KFACConfig) -> Decom
     """The configured decomposition of one layer's current factors (may raise
     :class:`~kfac_func.core.decomposition.DecompositionError`; see :func:`redecompose`)."""
     cdt = decomposition_dtype(config.convention, config.inv_dtype)
-    if config.compute_method == "eigen":
-        return eigen_decompose(
+    if config.compute_method in ("eigen", "ekfac"):
+        eig = eigen_decompose(
             ls.a_factor,
             ls.g_factor,
             damping,
             dtype=config.inv_dtype,
             compute_dtype=cdt,
-            outer_product=config.compute_eigenvalue_outer_product,
+            outer_product=config.compute_method == "eigen"
+            and config.compute_eigenvalue_outer_product,
             warm_start=warm_start(ls, config),
             diagonal=ls.spec.diagonal,
         )
+        return from_eigen(eig) if config.compute_method == "ekfac" else eig
     return inverse_decompose(
         ls.a_factor,
         ls.g_factor,
@@ -104,11 +115,15 @@ def decompose_layer(ls: LayerState, damping: float, config: KFACConfig) -> Decom
     )
 
 
-def warm_start(ls: LayerState, config: KFACConfig) -> EigenDecomposition | None:
+def warm_start(
+    ls: LayerState, config: KFACConfig
+) -> EigenDecomposition | EKFACDecomposition | None:
     """The decomposition to refresh under ``eigenbasis_refresh="qr"`` (None: decompose
     from scratch)."""
     dec = ls.decomposition
-    if config.eigenbasis_refresh == "qr" and isinstance(dec, EigenDecomposition):
+    if config.eigenbasis_refresh == "qr" and isinstance(
+        dec, (EigenDecomposition, EKFACDecomposition)
+    ):
         return dec
     return None
 

@@ -24,6 +24,7 @@ from kfac_func.state import KFACState, LayerState
 from kfac_func.step.accumulate import LayerFactors, fold_layers, layer_batch_factors
 from kfac_func.step.checks import validate_grads
 from kfac_func.step.decompose import decompose_layers
+from kfac_func.step.ekfac import update_scales
 from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, resolve, take
 from kfac_func.step.precondition import captured_rows, precondition_layers
 
@@ -66,7 +67,10 @@ def update(
         lr: learning rate used by the kl_clip scale.
         update_factors: fold the captures into the factors this step.
         update_inverses: recompute decompositions this step (layers without one are
-            always decomposed once their factors hold data).
+            always decomposed once their factors hold data). Under
+            ``compute_method="ekfac"`` the corrected eigenvalues are updated from
+            ``captures`` whenever the factors are (restarted in a basis computed this
+            step; see :func:`kfac_func.correct_eigenvalues`).
         nonfinite: ``"skip"`` (warn, keep that layer's state, pass its gradient
             unchanged) or ``"raise"`` (:class:`NonFiniteError`) on NaN/Inf.
         donate: hand ``state`` over to the step (as JAX's buffer donation): its
@@ -107,6 +111,8 @@ def update(
     step, config = state.step, state.config
     validate_grads(state.layers, grads)  # before anything changes, donated or not
     layers = state.layers if donate else dict(state.layers)
+    micro: list[Captures] | None = None  # this step's statistics, when factors update
+    decay = 1.0
     if resolve(update_factors, step):
         if captures is not None and batch_factors is not None:
             raise ValueError("give captures= or batch_factors=, not both")
@@ -124,7 +130,12 @@ def update(
         fold_layers(layers, batch_of, decay, config, nonfinite)
     lam = resolve(damping, step)
     check_hyper("damping", lam, lambda v: v >= 0, ">= 0")
-    decompose_layers(layers, lam, config, update_inverses=bool(resolve(update_inverses, step)))
+    fresh = decompose_layers(
+        layers, lam, config, update_inverses=bool(resolve(update_inverses, step))
+    )
+    if config.compute_method == "ekfac" and micro is not None:
+        # EKFAC: this step's per-example moments in the current eigenbases
+        update_scales(layers, micro, decay, nonfinite, fresh)
     if rows is None and captures is not None:
         rows = captured_rows(state, captures)
     out = precondition_layers(

@@ -1,0 +1,173 @@
+"""EKFAC (``compute_method="ekfac"``) against a dense oracle in float64.
+
+The oracle takes every example's own gradient of its loss with ``torch.func``
+(``vmap(grad)`` over examples, nothing from the library), builds the empirical Fisher
+``F = (1/N) Σ_n vec(M_n) vec(M_n)ᵀ`` of the layer's ``[W | b]`` and reads its diagonal in
+the library's Kronecker eigenbasis ``Qg ⊗ Qa``: EKFAC's corrected eigenvalues must equal it
+(a Linear on sequences, where per-example gradients sum over positions, and a grouped
+Conv2d), and the preconditioned gradient must be ``Q diag(1/(s + λ)) Qᵀ vec(M)``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+import kfac_func as kf
+
+DT = torch.float64
+
+
+class Seq(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(3, 4).to(DT)
+        self.out = nn.Linear(4, 2).to(DT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.fc(x)))
+
+
+class Conv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(2, 4, 2, groups=2).to(DT)
+        self.out = nn.Linear(4 * 2 * 2, 3).to(DT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.conv(x)).flatten(1))
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _per_example(model: nn.Module, layer: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``(N, [groups,] g_dim, a_dim)``: each example's gradient of its own (mean) loss."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(w: torch.Tensor, b: torch.Tensor, xn: torch.Tensor, yn: torch.Tensor) -> torch.Tensor:
+        p = {**params, f"{layer}.weight": w, f"{layer}.bias": b}
+        return _loss(functional_call(model, p, (xn.unsqueeze(0),)), yn.unsqueeze(0))
+
+    w, b = params[f"{layer}.weight"], params[f"{layer}.bias"]
+    dw, db = vmap(grad(loss, argnums=(0, 1)), in_dims=(None, None, 0, 0))(w, b, x, y)
+    spec = kf.register(model)[layer]
+    return torch.stack([kf.grads_to_matrix(spec, dw[n], db[n]) for n in range(x.shape[0])])
+
+
+def _data(kind: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "seq":
+        return torch.randn(5, 4, 3, generator=g, dtype=DT), torch.randint(0, 2, (5, 4), generator=g)
+    if kind == "mlp":  # one position per example
+        return torch.randn(7, 3, generator=g, dtype=DT), torch.randint(0, 2, (7,), generator=g)
+    return torch.randn(6, 2, 3, 3, generator=g, dtype=DT), torch.randint(0, 3, (6,), generator=g)
+
+
+CASES = [("seq", Seq, "fc"), ("seq", Seq, "out"), ("mlp", Seq, "fc"), ("conv", Conv, "conv")]
+
+
+@pytest.mark.parametrize(
+    ("kind", "make", "layer"), CASES, ids=["seq-fc", "seq-out", "mlp-fc", "conv"]
+)
+def test_corrected_eigenvalues_are_the_fisher_diagonal_in_the_kfac_basis(
+    kind: str, make: type[nn.Module], layer: str
+) -> None:
+    model = make()
+    x, y = _data(kind, 1)
+    table = kf.register(model)
+    state = kf.init(table, compute_method="ekfac", factor_dtype=DT, inv_dtype=DT)
+    params = dict(model.named_parameters())
+    _, grads, caps = kf.capture(model, params, x, lambda o: _loss(o, y))
+    lam = 0.03
+    out, state = kf.update(state, grads, captures=caps, damping=lam, kl_clip=None)
+    dec = state.layers[layer].decomposition
+    assert isinstance(dec, kf.EKFACDecomposition)
+    per = _per_example(model, layer, x, y)  # (N, [G,] g, a)
+    proj = dec.qg.mT @ per @ dec.qa  # type: ignore[union-attr]
+    torch.testing.assert_close(dec.scale, proj.pow(2).mean(dim=0), rtol=1e-10, atol=1e-14)
+    # the same diagonal read off the dense Fisher in the Kronecker basis
+    if per.dim() == 3:
+        vecs = per.reshape(per.shape[0], -1)
+        fisher = vecs.T @ vecs / per.shape[0]
+        q = torch.kron(dec.qg, dec.qa)  # type: ignore[arg-type]
+        torch.testing.assert_close(
+            torch.diagonal(q.T @ fisher @ q), dec.scale.reshape(-1), rtol=1e-10, atol=1e-14
+        )
+    # preconditioning divides by scale + λ in that basis
+    m = kf.grads_to_matrix(table[layer], grads[f"{layer}.weight"], grads[f"{layer}.bias"])
+    want = dec.qg @ ((dec.qg.mT @ m @ dec.qa) / (dec.scale + lam)) @ dec.qa.mT  # type: ignore[union-attr]
+    got = kf.grads_to_matrix(table[layer], out[f"{layer}.weight"], out[f"{layer}.bias"])
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13)
+
+
+def test_running_average_in_a_kept_basis_and_restart_in_a_new_one() -> None:
+    model = Seq()
+    state = kf.init(kf.register(model), compute_method="ekfac", factor_dtype=DT, inv_dtype=DT)
+    params = dict(model.named_parameters())
+    decay = 0.7
+    moments = []
+    for step in range(3):
+        x, y = _data("seq", 10 + step)
+        _, grads, caps = kf.capture(model, params, x, lambda o, y=y: _loss(o, y))
+        state = kf.accumulate_factors(state, caps, factor_decay=decay)
+        if step == 0:
+            state = kf.decompose(state, damping=0.1)
+        state = kf.correct_eigenvalues(state, caps, factor_decay=decay)
+        dec = state.layers["fc"].decomposition
+        per = _per_example(model, "fc", x, y)
+        moments.append((dec.qg.mT @ per @ dec.qa).pow(2).mean(dim=0))  # type: ignore[union-attr]
+    scale = state.layers["fc"].decomposition.scale  # type: ignore[union-attr]
+    # decompose() leaves K-FAC's eigenvalues; the three corrections fold in with decay
+    dec0 = (
+        kf.decompose(
+            kf.accumulate_factors(
+                kf.init(kf.register(model), compute_method="eigen", factor_dtype=DT, inv_dtype=DT),
+                kf.capture(
+                    model, params, *_data("seq", 10)[:1], lambda o: _loss(o, _data("seq", 10)[1])
+                )[2],
+                factor_decay=decay,
+            ),
+            damping=0.1,
+        )
+        .layers["fc"]
+        .decomposition
+    )
+    want = torch.outer(dec0.dg, dec0.da)  # type: ignore[union-attr]
+    for m in moments:
+        want = decay * want + (1 - decay) * m
+    torch.testing.assert_close(scale, want, rtol=1e-10, atol=1e-14)
+    # update() with a new basis restarts from the step's moments
+    x, y = _data("seq", 20)
+    _, grads, caps = kf.capture(model, params, x, lambda o: _loss(o, y))
+    _, state = kf.update(state, grads, captures=caps, factor_decay=decay, update_inverses=True)
+    dec = state.layers["fc"].decomposition
+    per = _per_example(model, "fc", x, y)
+    fresh = (dec.qg.mT @ per @ dec.qa).pow(2).mean(dim=0)  # type: ignore[union-attr]
+    torch.testing.assert_close(dec.scale, fresh, rtol=1e-10, atol=1e-14)  # type: ignore[union-attr]
+
+
+def test_checkpoints_and_what_is_refused() -> None:
+    model = Seq()
+    state = kf.init(kf.register(model), compute_method="ekfac", factor_dtype=DT, inv_dtype=DT)
+    x, y = _data("seq", 3)
+    _, grads, caps = kf.capture(model, dict(model.named_parameters()), x, lambda o: _loss(o, y))
+    _, state = kf.update(state, grads, captures=caps)
+    back = kf.state_from_dict(kf.state_to_dict(state, include_decompositions=True), like=state)
+    for name, ls in state.layers.items():
+        got = back.layers[name].decomposition
+        assert isinstance(got, kf.EKFACDecomposition)
+        assert torch.equal(got.scale, ls.decomposition.scale)  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="use convention='fisher'"):
+        kf.init(kf.register(model), compute_method="ekfac", convention="kfac-pytorch")
+    plan = kf.make_plan(kf.register(model), 1, compute_method="ekfac")
+    with pytest.raises(ValueError, match="not supported by update_distributed"):
+        kf.update_distributed(state, grads, captures=caps, plan=plan, comm=kf.Communicator(plan))
+    with pytest.raises(ValueError, match="compute_method must be one of"):
+        kf.KFACPreconditioner(model, compute_method="ekfac")
