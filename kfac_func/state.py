@@ -66,7 +66,8 @@ class KFACConfig:
         if self.compute_method == "ekfac" and self.convention != "fisher":
             raise ValueError(
                 "compute_method='ekfac' corrects the eigenvalues with per-example gradients, "
-                "which the 'fisher' convention defines: use convention='fisher'"
+                "which the 'fisher' convention defines: use convention='fisher' "
+                "(scaling='fisher' in the preconditioners)"
             )
         for name in ("factor_dtype", "inv_dtype"):
             dt = getattr(self, name)

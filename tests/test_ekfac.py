@@ -166,8 +166,119 @@ def test_checkpoints_and_what_is_refused() -> None:
         assert torch.equal(got.scale, ls.decomposition.scale)  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="use convention='fisher'"):
         kf.init(kf.register(model), compute_method="ekfac", convention="kfac-pytorch")
+    # one rank of update_distributed computes what update computes
     plan = kf.make_plan(kf.register(model), 1, compute_method="ekfac")
-    with pytest.raises(ValueError, match="not supported by update_distributed"):
-        kf.update_distributed(state, grads, captures=caps, plan=plan, comm=kf.Communicator(plan))
-    with pytest.raises(ValueError, match="compute_method must be one of"):
-        kf.KFACPreconditioner(model, compute_method="ekfac")
+    comm = kf.Communicator(plan)
+    out_d, state_d = kf.update_distributed(state, grads, captures=caps, plan=plan, comm=comm)
+    out_u, state_u = kf.update(state, grads, captures=caps)
+    for n in out_u:
+        assert torch.equal(out_d[n], out_u[n]), n
+    for n, ls in state_u.layers.items():
+        assert torch.equal(ls.decomposition.scale, state_d.layers[n].decomposition.scale)  # type: ignore[union-attr]
+
+
+def test_adapter_equals_capture_and_update() -> None:
+    """One process: the adapter keeps each call's input and gradient and hands them to
+    ``update`` as captures; parameters follow the same SGD steps."""
+    model, ref = Seq(), Seq()
+    pre = kf.KFACPreconditioner(
+        model,
+        compute_method="ekfac",
+        scaling="fisher",
+        inv_dtype=DT,
+        damping=0.01,
+        inv_update_steps=2,
+        kl_clip=None,
+    )
+    state = kf.init(kf.register(ref), compute_method="ekfac", factor_dtype=DT, inv_dtype=DT)
+    params = {k: v.detach().clone() for k, v in ref.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        x, y = _data("seq", 30 + step)
+        opt.zero_grad()
+        _loss(model(x), y).backward()
+        pre.step()
+        _, grads, caps = kf.capture(ref, params, x, lambda o, y=y: _loss(o, y))
+        out, state = kf.update(
+            state, grads, captures=caps, damping=0.01, kl_clip=None, update_inverses=step % 2 == 0
+        )
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, out[n], rtol=1e-12, atol=1e-15)
+        opt.step()
+        params = {k: v.add(out[k], alpha=-0.1) for k, v in params.items()}
+    for n, ls in pre.state.layers.items():
+        got = ls.decomposition.scale  # type: ignore[union-attr]
+        torch.testing.assert_close(got, state.layers[n].decomposition.scale, rtol=1e-12, atol=0)  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="scaling='fisher'"):
+        kf.KFACPreconditioner(Seq(), compute_method="ekfac")
+
+
+WORLD, LOCAL = 2, 2  # "seq" batches hold 5 examples: 4 are used
+
+
+def _ddp_train(model: nn.Module, rank: int | None) -> list[dict[str, torch.Tensor]]:
+    pre = kf.KFACPreconditioner(
+        model,
+        compute_method="ekfac",
+        scaling="fisher",
+        factor_dtype=DT,
+        inv_dtype=DT,
+        damping=0.01,
+        inv_update_steps=2,
+        kl_clip=1e-2,
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for step in range(4):
+        x, y = _data("seq", 40 + step)
+        x, y = x[: LOCAL * WORLD], y[: LOCAL * WORLD]
+        if rank is not None:
+            x, y = x[rank * LOCAL : (rank + 1) * LOCAL], y[rank * LOCAL : (rank + 1) * LOCAL]
+        opt.zero_grad()
+        _loss(model(x), y).backward()
+        pre.step()
+        out.append({n.removeprefix("module."): p.grad.clone() for n, p in model.named_parameters()})  # type: ignore[union-attr]
+        opt.step()
+    pre.remove()
+    return out
+
+
+def _worker(rank: int, world: int, tmp: str) -> None:
+    from datetime import timedelta
+    from pathlib import Path
+
+    from gloo import gloo_group, record_errors
+    from torch.nn.parallel import DistributedDataParallel
+
+    with (
+        gloo_group(rank, world, tmp, timeout=timedelta(seconds=60)),
+        record_errors(Path(tmp, f"rank{rank}.error")),
+    ):
+        grads = _ddp_train(DistributedDataParallel(Seq()), rank)
+        try:
+            kf.KFACPreconditioner(
+                Seq(), compute_method="ekfac", scaling="fisher", grad_worker_fraction=0.5
+            )
+            refused = ""
+        except ValueError as err:
+            refused = str(err)
+        torch.save({"grads": grads, "refused": refused}, Path(tmp, f"rank{rank}.pt"))
+
+
+def test_ddp_two_ranks_equal_one_process(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from gloo import one_thread, spawn
+
+    tmp = Path(str(tmp_path))
+    spawn(_worker, WORLD, tmp)
+    ranks = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    with one_thread():
+        reference = _ddp_train(Seq(), None)
+    for step, want in enumerate(reference):
+        for r in ranks:
+            err = max(float((r["grads"][step][n] - want[n]).abs().max()) for n in want)
+            assert err < 1e-6, (step, err)
+        a, b = (r["grads"][step] for r in ranks)
+        assert all(torch.equal(a[n], b[n]) for n in a)
+    assert all("grad_worker_fraction=1, COMM_OPT" in r["refused"] for r in ranks)

@@ -44,10 +44,12 @@ HYPER = (
 
 
 class ComputeMethod(enum.Enum):
-    """How the curvature is inverted: eigendecomposition or damped inverses."""
+    """How the curvature is inverted: eigendecomposition, damped inverses, or EKFAC
+    (the eigenbasis with corrected eigenvalues; ``scaling="fisher"``)."""
 
     EIGEN = 1
     INVERSE = 2
+    EKFAC = 3
 
 
 def parse_enum(cls: type[enum.Enum], value: Any, arg: str) -> Any:

@@ -28,6 +28,7 @@ from kfac_func.adapter.checkpointing import layer_entries, load_layer
 from kfac_func.adapter.recording import HookRecorder
 from kfac_func.blocks import Gram, register
 from kfac_func.distributed.communicator import Communicator
+from kfac_func.distributed.ekfac import check_ekfac_plan
 from kfac_func.distributed.kaisa import update_distributed
 from kfac_func.distributed.plan import AssignmentStrategy, DistributedStrategy, make_plan
 from kfac_func.state import KFACState, init
@@ -154,6 +155,8 @@ class KFACPreconditioner(HookRecorder):
             compute_method=self.compute_method.name.lower(),
             compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
         )
+        if self.compute_method is ComputeMethod.EKFAC and comm_world > 1:
+            check_ekfac_plan(self.plan)
         self.colocate_factors = self.plan.colocate_factors
         self.grad_worker_fraction = self.plan.grad_worker_fraction
         self.distributed_strategy = self.plan.strategy
@@ -195,7 +198,7 @@ class KFACPreconditioner(HookRecorder):
         self._handles = []
         # with several ranks and update_factors_in_hook, each layer's factor reduction
         # starts in the backward pass, overlapping communication with computation
-        self._stream = update_factors_in_hook and self.comm.world_size > 1
+        self._stream = update_factors_in_hook and self.comm.world_size > 1 and not self._ekfac
         self._reducer = None
         self._register_hooks()
         logger.log(loglevel, "K-FAC registered layers:\n%s", self.layers)
@@ -229,7 +232,8 @@ class KFACPreconditioner(HookRecorder):
         a copy with its own ``layers`` dict, and layer states are immutable); it keeps the
         old tensors alive for as long as it is held.
         """
-        batch = self._batch_factors() if self._micro else {}
+        captures = self._take_captures() if self._ekfac and self._micro else None
+        batch = self._batch_factors() if self._micro and captures is None else {}
         reducer, self._reducer = self._reducer, None
         self._micro = []
         rows = self._take_rows()
@@ -254,13 +258,14 @@ class KFACPreconditioner(HookRecorder):
             new_grads, self._state = update(
                 donated,
                 grads,
+                captures=captures,
                 batch_factors=batch if batch else None,
                 rows=rows,
                 damping=self.damping,
                 factor_decay=self.factor_decay,
                 kl_clip=self.kl_clip,
                 lr=self.lr,
-                update_factors=bool(batch),
+                update_factors=bool(batch) or captures is not None,
                 update_inverses=update_inverses,
                 donate=True,
             )
@@ -270,13 +275,14 @@ class KFACPreconditioner(HookRecorder):
                 grads,
                 plan=self.plan,
                 comm=self.comm,
+                captures=captures,
                 batch_factors=batch if batch else None,
                 factor_reducer=reducer,
                 damping=self.damping,
                 factor_decay=self.factor_decay,
                 kl_clip=self.kl_clip,
                 lr=self.lr,
-                update_factors=bool(batch) or reducer is not None,
+                update_factors=bool(batch) or reducer is not None or captures is not None,
                 update_inverses=update_inverses,
                 rows=rows,
             )

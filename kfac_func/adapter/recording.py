@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from kfac_func.adapter.arguments import PreconditionerBase
+from kfac_func.adapter.arguments import ComputeMethod, PreconditionerBase
 from kfac_func.blocks import LayerSpec, LayerTable, Rows, a_gram, call_grams, g_gram
 from kfac_func.blocks.taps import Site, tap_hooks
+from kfac_func.captures import Captures, LayerCapture
 from kfac_func.distributed.communicator import Communicator
 from kfac_func.distributed.kaisa import offer_factors, start_factor_reduction
 from kfac_func.distributed.plan import Plan
@@ -110,6 +111,28 @@ class HookRecorder(PreconditionerBase):
         first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
         self._micro.append(_MicroBatch(int(first.shape[0]) if first is not None else 1))
 
+    @property
+    def _ekfac(self) -> bool:
+        """EKFAC needs each call's raw input and output-gradient at ``step()``."""
+        return self.compute_method is ComputeMethod.EKFAC
+
+    def _paired(self, spec: LayerSpec) -> bool:
+        """Whether a call's input is kept until its gradient arrives and stored with it
+        (joint statistics, EKFAC's per-example rows)."""
+        return spec.block.joint or self._ekfac
+
+    def _take_captures(self) -> list[Captures]:
+        """The micro-batches' raw inputs and output-gradients as :class:`Captures` (for
+        EKFAC), taken out of the micro-batches."""
+        out = []
+        for mb in self._micro:
+            layers = {
+                name: LayerCapture(tuple(mb.a.pop(name)), tuple(mb.g.pop(name, [])))
+                for name in list(mb.a)
+            }
+            out.append(Captures(layers, mb.batch_size, self._loss_scale(mb.batch_size)))
+        return out
+
     def _keeps_rows(self, spec: LayerSpec) -> bool:
         """Linear layers on one rank keep each call's rows for :meth:`step`: their
         gradient is the rows' product, which preconditions with fewer dense products
@@ -133,7 +156,7 @@ class HookRecorder(PreconditionerBase):
                 self._micro.append(_MicroBatch(int(x.shape[0]) if x.dim() > 1 else 1))
             micro = self._micro[-1]
             micro.calls[spec.name] = micro.calls.get(spec.name, 0) + 1
-            if not spec.block.joint:  # joint statistics wait for the output-gradient
+            if not self._paired(spec):  # paired statistics wait for the output-gradient
                 item: Any = x
                 if self.update_factors_in_hook:
                     # the hook runs inside the user's autocast region: build the Gram in
@@ -148,7 +171,7 @@ class HookRecorder(PreconditionerBase):
         if isinstance(out, torch.Tensor) and out.requires_grad:
             # a hook on this call's output sees its gradient even when later ops
             # modify the output in place (and needs no input that requires grad)
-            joint_input = x if micro is not None and spec.block.joint else None
+            joint_input = x if micro is not None and self._paired(spec) else None
             hook = self._grad_hook(spec, micro, pair, joint_input)
             out.register_hook(hook)  # type: ignore[no-untyped-call]
 
@@ -170,7 +193,7 @@ class HookRecorder(PreconditionerBase):
                 return
             a_item: Any = joint_input
             item: Any = gy
-            if self.update_factors_in_hook:
+            if self.update_factors_in_hook and not self._ekfac:
                 with torch.autocast(gy.device.type, enabled=False):
                     if joint_input is not None:
                         a_item, item = spec.block.joint_grams(

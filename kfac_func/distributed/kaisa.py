@@ -35,6 +35,7 @@ from kfac_func.core.decomposition import (
     InverseDecomposition,
     eigenvalue_outer,
 )
+from kfac_func.core.ekfac import from_eigen
 from kfac_func.core.layer_decomposition import (
     decomposition_shapes,
     eigh_side,
@@ -42,6 +43,7 @@ from kfac_func.core.layer_decomposition import (
     precompute_outer,
 )
 from kfac_func.distributed.communicator import Communicator, Pending
+from kfac_func.distributed.ekfac import check_ekfac_plan, reduce_scales
 from kfac_func.distributed.plan import DistributedStrategy, Plan
 from kfac_func.distributed.reducer import OrderedReducer
 from kfac_func.state import KFACState, LayerState
@@ -159,11 +161,13 @@ def _decompose(
     comm: Communicator,
     damping: float,
     update_inverses: bool,
-) -> dict[str, LayerState]:
+) -> tuple[dict[str, LayerState], set[str]]:
+    """The layers with the decompositions of this step, and the names of those that got a
+    new one on this rank."""
     cfg = state.config
     cdt = decomposition_dtype(cfg.convention, cfg.inv_dtype)
-    eigen = cfg.compute_method == "eigen"
-    outer = eigen and cfg.compute_eigenvalue_outer_product
+    eigen = cfg.compute_method in ("eigen", "ekfac")
+    outer = cfg.compute_method == "eigen" and cfg.compute_eigenvalue_outer_product
     rank = comm.rank
     todo: list[tuple[str, Pending, Pending, str | None]] = []
     for name in names:
@@ -214,6 +218,7 @@ def _decompose(
             )
         todo.append((name, parts[0], parts[1], failure))
     new = dict(layers)
+    fresh = set()
     for name, a_part, g_part, failure in todo:
         *a_res, a_ok = a_part.wait()
         *g_res, g_ok = g_part.wait()
@@ -227,10 +232,13 @@ def _decompose(
             if precompute_outer(outer, new[name].spec.diagonal):
                 dgda = eigenvalue_outer(dg, da, damping)
             dec = EigenDecomposition(qa, da, qg, dg, dgda)
+            if cfg.compute_method == "ekfac":
+                dec = from_eigen(dec)
         else:
             dec = InverseDecomposition(a_res[0], g_res[0])
         new[name] = new[name].replace(decomposition=dec)
-    return new
+        fresh.add(name)
+    return new, fresh
 
 
 def _basis(received: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -288,15 +296,13 @@ def update_distributed(
     if nonfinite not in ("skip", "raise"):
         raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
     if state.config.compute_method == "ekfac":
-        raise ValueError(
-            "compute_method='ekfac' is not supported by update_distributed: its corrected "
-            "eigenvalues are not yet reduced across ranks (use kf.update on one process)"
-        )
+        check_ekfac_plan(plan)
     names = _check_plan(state, plan)
     step = state.step
     lam = resolve(damping, step)
     check_hyper("damping", lam, lambda v: v >= 0, ">= 0")
     layers = dict(state.layers)
+    decay, statistics = 1.0, None  # this step's captures, when factors update
     if resolve(update_factors, step):
         if captures is not None and batch_factors is not None:
             raise ValueError("give captures= or batch_factors=, not both")
@@ -307,8 +313,13 @@ def update_distributed(
         local = batch_factors or {}
         if captures is not None:
             local = local_batch_factors(state, captures)
+            statistics = as_list(captures)
         layers = _reduce_factors(state, names, local, plan, comm, decay, nonfinite, factor_reducer)
-    layers = _decompose(state, layers, names, plan, comm, lam, bool(resolve(update_inverses, step)))
+    layers, fresh = _decompose(
+        state, layers, names, plan, comm, lam, bool(resolve(update_inverses, step))
+    )
+    if state.config.compute_method == "ekfac" and statistics is not None:
+        reduce_scales(layers, names, statistics, comm, decay, nonfinite, fresh)
 
     rank = comm.rank
     if rows is None and captures is not None and comm.world_size == 1:

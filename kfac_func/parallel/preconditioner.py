@@ -143,6 +143,11 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
             loss_reduction=loss_reduction,
             loss_divisor=loss_divisor,
         )
+        if self.compute_method is ComputeMethod.EKFAC:
+            raise ValueError(
+                "compute_method='ekfac' is not supported by the model-parallel "
+                "preconditioner (its per-example statistics are not gathered across shards)"
+            )
         self.factor_checkpoint_dir = factor_checkpoint_dir
         self.data_parallel_group = data_parallel_group
         self.model_parallel_group = model_parallel_group

@@ -20,13 +20,22 @@ from kfac_func.core.ekfac import example_moments, rescaled
 from kfac_func.state import KFACState, LayerState
 from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, non_finite, resolve
 
-__all__ = ["correct_eigenvalues", "layer_moments", "update_scales"]
+__all__ = ["correct_eigenvalues", "layer_moment_sums", "layer_moments", "update_scales"]
 
 
 def layer_moments(
     spec: LayerSpec, micro: Sequence[Captures], dec: EKFACDecomposition
 ) -> torch.Tensor | None:
-    """``(1/N) Σ_n (Qgᵀ ∇W_n Qa)²`` over the examples of ``micro`` (per-example gradients of
+    """``(1/N) Σ_n (Qgᵀ ∇W_n Qa)²`` over the examples of ``micro`` (see
+    :func:`layer_moment_sums`), or None."""
+    sums = layer_moment_sums(spec, micro, dec)
+    return None if sums is None else sums[0] / sums[1]
+
+
+def layer_moment_sums(
+    spec: LayerSpec, micro: Sequence[Captures], dec: EKFACDecomposition
+) -> tuple[torch.Tensor, int] | None:
+    """``(Σ_n (Qgᵀ ∇W_n Qa)², N)`` over the examples of ``micro`` (per-example gradients of
     the per-example losses: raw output-gradients divided by the captures' loss scale), or
     None when the layer was not called or its kind has no per-example rows.
 
@@ -59,7 +68,7 @@ def layer_moments(
         m = example_moments(a, g, qa, qg)
         total = m if total is None else total.add_(m)
         examples += a.shape[-3]
-    return None if total is None else total / examples
+    return None if total is None else (total, examples)
 
 
 def update_scales(
