@@ -273,6 +273,7 @@ def train(
             lr=lambda step: optimizer.param_groups[0]["lr"],
             skip_layers=args.kfac_skip,
             scaling=args.scaling,
+            compute_method=args.kfac_method,
         )
         if args.verbose:
             print(preconditioner.layers)
@@ -348,6 +349,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add("--factor-update-steps", type=int, default=1)
     add("--inv-update-steps", type=int, default=5)
+    add(
+        "--kfac-method",
+        default="eigen",
+        choices=("eigen", "inverse", "ekfac"),
+        help="K-FAC's compute method (ekfac: corrected eigenvalues, needs --scaling fisher)",
+    )
     add(
         "--scaling",
         default="fisher",

@@ -89,6 +89,8 @@ class LayerState:
         decomposition_failures: decompositions that failed even after the retries of
             :func:`kfac_func.core.decomposition.eigh_factor`, each time keeping the previous
             decomposition (static).
+        graft_moment: the running second moment of the layer's gradient matrix kept for
+            Adam grafting (``update(..., grafting="adam")``), or None.
     """
 
     a_factor: torch.Tensor
@@ -98,6 +100,7 @@ class LayerState:
     factor_updates: int = 0
     skipped_updates: int = 0
     decomposition_failures: int = 0
+    graft_moment: torch.Tensor | None = None
 
     def replace(self, **changes: object) -> LayerState:
         """A copy with ``changes`` applied."""
@@ -122,7 +125,7 @@ class KFACState:
 
 register_dataclass(
     LayerState,
-    data=("a_factor", "g_factor", "decomposition"),
+    data=("a_factor", "g_factor", "decomposition", "graft_moment"),
     static=("spec", "factor_updates", "skipped_updates", "decomposition_failures"),
 )
 register_dataclass(KFACState, data=("layers",), static=("step", "config"))

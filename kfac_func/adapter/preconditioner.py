@@ -32,6 +32,7 @@ from kfac_func.distributed.ekfac import check_ekfac_plan
 from kfac_func.distributed.kaisa import update_distributed
 from kfac_func.distributed.plan import AssignmentStrategy, DistributedStrategy, make_plan
 from kfac_func.state import KFACState, init
+from kfac_func.step.precondition import Grafting
 from kfac_func.step.update import update
 
 __all__ = ["ComputeMethod", "KFACPreconditioner"]
@@ -59,6 +60,8 @@ class KFACPreconditioner(HookRecorder):
     otherwise); ``collective_timeout`` bounds each of the preconditioner's collectives.
     ``max_factor_dim`` keeps every factor side wider than it diagonal and ``kfac_approx``
     picks expand or reduce for weight-sharing layers (see :func:`kfac_func.register`).
+    ``grafting="sgd"`` or ``"adam"`` gives each layer's preconditioned gradient the norm of
+    that optimizer's step (see :func:`kfac_func.update`).
     ``eigenbasis_refresh="qr"`` replaces the exact eigendecompositions after the first by
     one warm-started QR iteration each (approximate, much cheaper; see
     :func:`kfac_func.core.decomposition.refresh_eigh`).
@@ -109,6 +112,9 @@ class KFACPreconditioner(HookRecorder):
         eigenbasis_refresh: str = "eigh",
         max_factor_dim: int | None = None,
         kfac_approx: str | Mapping[str, str] = "expand",
+        grafting: str | None = None,
+        graft_beta2: float = 0.999,
+        graft_eps: float = 1e-8,
     ) -> None:
         self._set_arguments(
             model,
@@ -139,6 +145,11 @@ class KFACPreconditioner(HookRecorder):
         )
         self.max_factor_dim = max_factor_dim
         self.kfac_approx = kfac_approx
+        if grafting is not None:
+            Grafting(grafting, graft_beta2, graft_eps).check()
+        self.grafting = grafting
+        self.graft_beta2 = graft_beta2
+        self.graft_eps = graft_eps
         if not self.layers:
             raise ValueError(
                 f"no layer of {type(model).__name__} can be preconditioned:\n{self.layers}"
@@ -175,6 +186,7 @@ class KFACPreconditioner(HookRecorder):
             eigenbasis_refresh=eigenbasis_refresh,
             max_factor_dim=max_factor_dim,
             kfac_approx=kfac_approx,
+            grafting=(grafting, graft_beta2, graft_eps),
         )
         self.comm = Communicator(
             self.plan,
@@ -268,6 +280,7 @@ class KFACPreconditioner(HookRecorder):
                 update_factors=bool(batch) or captures is not None,
                 update_inverses=update_inverses,
                 donate=True,
+                **self._graft_kwargs(),
             )
         else:
             new_grads, self._state = update_distributed(
@@ -285,11 +298,19 @@ class KFACPreconditioner(HookRecorder):
                 update_factors=bool(batch) or reducer is not None or captures is not None,
                 update_inverses=update_inverses,
                 rows=rows,
+                **self._graft_kwargs(),
             )
         with torch.no_grad():
             for pname, g in grads.items():
                 if new_grads[pname] is not g:
                     g.copy_(new_grads[pname])
+
+    def _graft_kwargs(self) -> dict[str, Any]:
+        return {
+            "grafting": self.grafting,
+            "graft_beta2": self.graft_beta2,
+            "graft_eps": self.graft_eps,
+        }
 
     def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
         """kfac-pytorch's shape: ``steps``, the non-callable hyperparameters and, with

@@ -147,6 +147,9 @@ def _layer_problems(
         (f, d[_layer_key(name, f)], _shape(getattr(ls, f).shape), getattr(ls, f).dtype)
         for f in ("a_factor", "g_factor")
     ]
+    if entry.get("graft_moment"):
+        key = _layer_key(name, "graft_moment")
+        checks.append(("graft_moment", d[key], ls.spec.matrix_shape, like.config.factor_dtype))
     dec = entry.get("decomposition")
     if dec is not None:
         shapes = _decomposition_shapes(ls.spec)
@@ -200,6 +203,7 @@ def _build_layer(
     return LayerState(
         a_factor=get("a_factor"),
         g_factor=get("g_factor"),
+        graft_moment=get("graft_moment") if entry.get("graft_moment") else None,
         decomposition=decomposition,
         spec=ls.spec,
         factor_updates=entry["factor_updates"],

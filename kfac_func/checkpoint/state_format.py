@@ -135,6 +135,7 @@ def _metadata(
                 "factor_updates": ls.factor_updates,
                 "skipped_updates": ls.skipped_updates,
                 "decomposition_failures": ls.decomposition_failures,
+                "graft_moment": ls.graft_moment is not None,
                 "spec": {k: _json_value(getattr(ls.spec, k)) for k in _SPEC_FIELDS},
                 "decomposition": dec,
             }
@@ -233,6 +234,8 @@ def _decode_meta(d: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         _get(entry, "skipped_updates", int, f"layer {name!r} ")
         entry.setdefault("decomposition_failures", 0)  # files written before this counter
         _get(entry, "decomposition_failures", int, f"layer {name!r} ")
+        entry.setdefault("graft_moment", False)  # files written before grafting
+        _get(entry, "graft_moment", bool, f"layer {name!r} ")
         _get(entry, "spec", dict, f"layer {name!r} ")
         dec = entry.get("decomposition")
         if dec is not None:
@@ -257,6 +260,8 @@ def _expected_keys(meta: dict[str, Any]) -> list[str]:
     for entry in meta["layers"]:
         name = entry["name"]
         keys += [_layer_key(name, "a_factor"), _layer_key(name, "g_factor")]
+        if entry.get("graft_moment"):
+            keys.append(_layer_key(name, "graft_moment"))
         if entry.get("decomposition") is not None:
             keys += [
                 _layer_key(name, "decomposition", f) for f in entry["decomposition"]["tensors"]

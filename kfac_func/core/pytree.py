@@ -8,7 +8,7 @@ metadata, so ``optree.tree_map(f, state)`` touches tensors only.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
 import optree
@@ -39,14 +39,28 @@ def register_dataclass(cls: type[T], data: Sequence[str], static: Sequence[str] 
         path_entry_type=optree.GetAttrEntry,
         namespace=_GLOBAL,
     )
+
+    # torch's pytree counts None as a leaf where optree sees an empty node: the fields that
+    # hold None go into the context, so both walks see the same tensors
+    def torch_flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
+        present = tuple(k for k in data if getattr(obj, k) is not None)
+        return [getattr(obj, k) for k in present], (flatten(obj)[1], present)
+
+    def torch_unflatten(children: Iterable[Any], context: Any) -> Any:
+        meta, present = context
+        values = dict(zip(present, children))
+        return cls(**{k: values.get(k) for k in data}, **dict(zip(static, meta)))
+
+    def torch_flatten_with_keys(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
+        children, context = torch_flatten(obj)
+        keys = [torch_pytree.GetAttrKey(k) for k in context[1]]
+        return list(zip(keys, children)), context
+
     torch_pytree.register_pytree_node(
         cls,
-        lambda obj: (flatten(obj)[0], flatten(obj)[1]),
-        lambda children, meta: unflatten(meta, list(children)),
+        torch_flatten,
+        torch_unflatten,
         serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
-        flatten_with_keys_fn=lambda obj: (
-            [(torch_pytree.GetAttrKey(k), getattr(obj, k)) for k in data],
-            flatten(obj)[1],
-        ),
+        flatten_with_keys_fn=torch_flatten_with_keys,  # type: ignore[arg-type]
     )
     return cls

@@ -51,7 +51,13 @@ from kfac_func.step.accumulate import fold_checked, layer_batch_factors
 from kfac_func.step.checks import check_layers, layer_matrix
 from kfac_func.step.decompose import decomposition_failed, needs_decomposition, warm_start
 from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, resolve
-from kfac_func.step.precondition import apply_preconditioned, captured_rows, precondition_layer
+from kfac_func.step.precondition import (
+    Grafting,
+    apply_preconditioned,
+    captured_rows,
+    graft,
+    precondition_layer,
+)
 
 __all__ = [
     "local_batch_factors",
@@ -264,6 +270,9 @@ def update_distributed(
     update_inverses: bool | Callable[[int], bool] = True,
     nonfinite: NonFinite = "skip",
     rows: Mapping[str, Rows] | None = None,
+    grafting: str | None = None,
+    graft_beta2: float = 0.999,
+    graft_eps: float = 1e-8,
 ) -> tuple[dict[str, torch.Tensor], KFACState]:
     """:func:`kfac_func.update` across ranks, with the communication of ``plan``.
 
@@ -298,6 +307,10 @@ def update_distributed(
     if state.config.compute_method == "ekfac":
         check_ekfac_plan(plan)
     names = _check_plan(state, plan)
+    graft_settings = None
+    if grafting is not None:
+        graft_settings = Grafting(grafting, graft_beta2, graft_eps).check()
+    moments: dict[str, torch.Tensor] = {}
     step = state.step
     lam = resolve(damping, step)
     check_hyper("damping", lam, lambda v: v >= 0, ">= 0")
@@ -339,6 +352,8 @@ def update_distributed(
         if check is not None and check.finite:
             layer_rows = rows.get(name) if check.rows else None
             p = precondition_layer(ls, m, lam, layer_rows, checked=True)
+            if graft_settings is not None:
+                graft(ls, p, m, graft_settings, step, moments)
         else:
             p = m
         if plan.broadcast_gradients:
@@ -360,4 +375,6 @@ def update_distributed(
         ok = [got[0] is not m for _, m, got in received]
     done = [(layers[n].spec, got[0], m) for (n, m, got), k in zip(received, ok) if k]
     out = apply_preconditioned(grads, done, kl_clip=kl_clip, lr=lr, step=step)
+    for name, moment in moments.items():  # Adam grafting's moments, on the grad workers
+        layers[name] = layers[name].replace(graft_moment=moment)
     return out, state.replace(layers=layers, step=step + 1)

@@ -7,12 +7,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
 from kfac_func.blocks import LayerSpec, Rows, matrix_to_grads
 from kfac_func.captures import Captures
 from kfac_func.core.factors import rows_reproduce
+from kfac_func.core.grafting import GRAFTING, graft_moment, graft_scale
 from kfac_func.core.preconditioning import (
     kl_clip_scale_of_terms,
     kl_clip_term,
@@ -24,8 +26,10 @@ from kfac_func.step.checks import check_layers, layer_matrix, rows_cheaper
 from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, resolve, take
 
 __all__ = [
+    "Grafting",
     "apply_preconditioned",
     "captured_rows",
+    "graft",
     "precondition_grads",
     "precondition_layer",
     "precondition_layers",
@@ -42,10 +46,14 @@ def precondition_grads(
     lr: Hyper = 0.1,
     nonfinite: NonFinite = "skip",
     rows: Mapping[str, Rows] | None = None,
+    grafting: Grafting | None = None,
 ) -> dict[str, torch.Tensor]:
     """Precondition the gradients of every decomposed layer; others pass unchanged.
 
-    The preconditioned gradients of all layers are scaled by
+    With ``grafting``, each layer's preconditioned gradient first takes the norm of the
+    grafted optimizer's step (see :mod:`kfac_func.core.grafting`; Adam's uses the state's
+    running moments, this gradient folded in, without storing them: :func:`kfac_func.update`
+    stores them). The preconditioned gradients of all layers are then scaled by
     ``min(1, sqrt(kl_clip / |lr² Σ P ⊙ grad|))`` unless ``kl_clip`` is None. ``rows``
     (``{layer: [(input rows, output-gradient rows), ...]}``, see
     :func:`precondition_layer`) lets Linear layers skip dense products.
@@ -74,7 +82,47 @@ def precondition_grads(
         step=state.step,
         nonfinite=nonfinite,
         rows=rows,
+        grafting=grafting,
     )
+
+
+class Grafting(NamedTuple):
+    """Grafting settings (see :mod:`kfac_func.core.grafting`): ``mode`` ``"sgd"`` or
+    ``"adam"``, and Adam's ``beta2`` and ``eps``."""
+
+    mode: str
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+    def check(self) -> Grafting:
+        """This, validated (a ValueError names the bad setting)."""
+        if self.mode not in GRAFTING:
+            raise ValueError(f"grafting must be one of {GRAFTING} or None, got {self.mode!r}")
+        check_hyper("graft_beta2", self.beta2, lambda v: 0 <= v < 1, "in [0, 1)")
+        check_hyper("graft_eps", self.eps, lambda v: v >= 0, ">= 0")
+        return self
+
+
+def graft(
+    ls: LayerState,
+    p: torch.Tensor,
+    m: torch.Tensor,
+    grafting: Grafting,
+    step: int,
+    moments: dict[str, torch.Tensor] | None,
+) -> None:
+    """Rescale ``p`` (the caller's own temporary, in place) to the grafted step's norm;
+    Adam's new running moment of the layer goes into ``moments``."""
+    moment = None
+    if grafting.mode == "adam":
+        dtype = ls.a_factor.dtype
+        moment = graft_moment(ls.graft_moment, m.to(dtype), grafting.beta2)
+        if moments is not None:
+            moments[ls.spec.name] = moment
+    scale = graft_scale(
+        p, m, grafting.mode, moment=moment, step=step + 1, beta2=grafting.beta2, eps=grafting.eps
+    )
+    p.mul_(scale.to(p.dtype))
 
 
 def precondition_layers(
@@ -88,12 +136,15 @@ def precondition_layers(
     nonfinite: NonFinite,
     rows: Mapping[str, Rows] | None = None,
     consume_rows: bool = False,
+    grafting: Grafting | None = None,
+    moments: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """:func:`precondition_grads` of ``layers`` with a resolved ``damping``.
 
     Holds one layer's gradient matrix at a time: its term of the kl_clip sum is taken as
     soon as the layer is preconditioned. With ``consume_rows``, each layer's entry is
-    removed from a mutable ``rows`` once used.
+    removed from a mutable ``rows`` once used. Adam grafting puts each preconditioned
+    layer's new running moment into ``moments``.
     """
     done: list[tuple[LayerSpec, torch.Tensor]] = []
     terms: dict[str, torch.Tensor] = {}
@@ -106,6 +157,8 @@ def precondition_layers(
             continue
         m = layer_matrix(ls, grads)
         p = precondition_layer(ls, m, damping, taken if check.rows else None, checked=True)
+        if grafting is not None:
+            graft(ls, p, m, grafting, step, moments)
         if kl_clip is not None:
             terms[ls.spec.name] = kl_clip_term(p, m)
         done.append((ls.spec, p))

@@ -26,7 +26,7 @@ from kfac_func.step.checks import validate_grads
 from kfac_func.step.decompose import decompose_layers
 from kfac_func.step.ekfac import update_scales
 from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, resolve, take
-from kfac_func.step.precondition import captured_rows, precondition_layers
+from kfac_func.step.precondition import Grafting, captured_rows, precondition_layers
 
 __all__ = ["update"]
 
@@ -46,6 +46,9 @@ def update(
     update_inverses: bool | Callable[[int], bool] = True,
     nonfinite: NonFinite = "skip",
     donate: bool = False,
+    grafting: str | None = None,
+    graft_beta2: float = 0.999,
+    graft_eps: float = 1e-8,
 ) -> tuple[dict[str, torch.Tensor], KFACState]:
     """One K-FAC step: returns ``(preconditioned_grads, new_state)``; inputs are untouched
     (unless donated).
@@ -86,6 +89,12 @@ def update(
             are the same as without donation. Missing or misshapen gradients are refused
             before anything changes; an error after that (``nonfinite="raise"``) leaves
             each layer of the donated state either as it was or as the step left it.
+        grafting: ``"sgd"`` or ``"adam"``: each layer's preconditioned gradient takes the
+            norm of that optimizer's step for the layer (K-FAC's direction, the grafted
+            optimizer's length; see :mod:`kfac_func.core.grafting`), before ``kl_clip``
+            (usually None with grafting). Adam's running second moments live in the
+            state (``LayerState.graft_moment``), its bias correction counts from step 0.
+        graft_beta2, graft_eps: Adam grafting's ``β₂`` and ``eps``.
 
     All hyperparameters may be ``step -> value`` callables, evaluated at ``state.step``.
 
@@ -108,6 +117,10 @@ def update(
     """
     if nonfinite not in ("skip", "raise"):
         raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
+    graft_settings = None
+    if grafting is not None:
+        graft_settings = Grafting(grafting, graft_beta2, graft_eps).check()
+    moments: dict[str, torch.Tensor] = {}
     step, config = state.step, state.config
     validate_grads(state.layers, grads)  # before anything changes, donated or not
     layers = state.layers if donate else dict(state.layers)
@@ -148,5 +161,9 @@ def update(
         nonfinite=nonfinite,
         rows=rows,
         consume_rows=donate,
+        grafting=graft_settings,
+        moments=moments,
     )
+    for name, moment in moments.items():  # Adam grafting's running moments
+        layers[name] = layers[name].replace(graft_moment=moment)
     return out, state.replace(layers=layers, step=step + 1)
