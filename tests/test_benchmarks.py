@@ -106,3 +106,12 @@ def test_convergence_quick() -> None:
         assert all(p.stat().st_size > 0 for p in written)
     finally:
         shutil.rmtree(written[0].parent)  # the quick mode's temporary folder
+
+
+@pytest.mark.slow
+def test_optimizers_quick() -> None:
+    proc = _run_quick("optimizers.py")
+    for workload in ("lm", "digits"):
+        assert f"{workload}: target = AdamW's mean final test loss" in proc.stdout, proc.stdout
+    for name in ("sgd", "adamw", "muon", "kfac", "kfac-ekfac", "kfac-ekfac-adam"):
+        assert any(line.split()[:1] == [name] for line in proc.stdout.splitlines()), name

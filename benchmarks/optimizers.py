@@ -1,0 +1,381 @@
+"""K-FAC against the optimizers people train with: SGD, AdamW, Muon, SOAP and PSGD-Kron.
+
+Run ``python benchmarks/optimizers.py`` (about 15 minutes on a 2-core CPU) or ``--quick``
+(tiny models, a few steps, one seed: a smoke test, not a measurement).
+
+Workloads
+---------
+- ``lm``: the character-level transformer of ``examples/transformer_lm.py`` (its data,
+  model, loss and learning-rate schedule are imported, not copied), smaller than the
+  example's default so that every optimizer, learning rate and seed fits the budget; K-FAC
+  preconditions every layer. Metric: test loss (nats per character; bits = nats / ln 2).
+- ``digits``: scikit-learn's 8×8 digits (1,438 training / 359 test images) with an MLP.
+  Metric: test loss.
+
+Optimizers
+----------
+``sgd`` (momentum 0.9), ``adamw``, ``muon`` (``torch.optim.Muon`` on the 2-d weights of
+the hidden layers, AdamW on embeddings, norms, biases and the output layer: its documented
+recipe), ``soap`` and ``kron`` (``heavyball.SOAP`` / ``heavyball.PSGDKron``, every
+parameter; skipped with a note when heavyball is not installed: it is a benchmark-only
+extra) and K-FAC in front of SGD with momentum: ``kfac`` (eigen, kl_clip following the
+schedule as in the example), ``kfac-ekfac`` (corrected eigenvalues) and
+``kfac-ekfac-adam`` (EKFAC with Adam grafting, no kl_clip). Every optimizer gets the same
+schedule (linear warm-up, cosine decay to 10 %), the same initialisation and the same
+batches per seed, and the same tuning budget: the learning rates of its sweep (a factor
+of about 3 apart around a value found beforehand) on seed 0; the best (lowest final test
+loss) is then run on every seed.
+
+What is printed
+---------------
+Per workload: for each optimizer its learning rate, the final test loss (mean and range
+over seeds), the steps and seconds at which it first reaches AdamW's mean final test loss
+(mean over seeds; "never" if a seed does not), the same as ratios to AdamW's, and its
+seconds per step relative to AdamW. The test loss is evaluated every ``--eval-every`` steps
+(evaluation time excluded from the seconds). Outputs (``--out`` prefix, default
+``benchmarks/results/optimizers``): ``.csv`` (one row per evaluation of every run) and
+``.png`` (test loss against seconds, best learning rates, seed 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import math
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_time import cpu_model  # noqa: E402
+
+import kfac_func as kf  # noqa: E402
+
+
+def _example(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+lm = _example("transformer_lm")
+
+LRS: dict[str, tuple[float, ...]] = {
+    "sgd": (0.1, 0.3),
+    "adamw": (1e-3, 3e-3),
+    "muon": (0.02, 0.05),
+    "soap": (3e-3, 1e-2),
+    "kron": (1e-3, 3e-3),
+    "kfac": (0.1, 0.3),
+    "kfac-ekfac": (0.1, 0.3),
+    "kfac-ekfac-adam": (1e-3, 3e-3),
+}
+"""Learning-rate sweep per optimizer (Muon's is for its matrices; its AdamW part uses
+AdamW's middle value)."""
+OPTIMIZERS = tuple(LRS)
+
+
+@dataclass
+class Workload:
+    """A model factory, its batches, its test loss, and which layers are hidden matrices."""
+
+    name: str
+    make: Callable[[], nn.Module]
+    batch: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    test_loss: Callable[[nn.Module], float]
+    steps: int
+    outputs: tuple[str, ...]  # names of output layers (AdamW under Muon)
+
+
+def lm_workload(quick: bool) -> Workload:
+    data = lm.CharData()
+    context, d_model, layers, heads = (16, 16, 1, 2) if quick else (48, 64, 2, 4)
+    batch_size = 8 if quick else 32
+    x_test, y_test = data.test_windows(context, 8 if quick else 128)
+
+    def make() -> nn.Module:
+        return lm.CharTransformer(data.vocab, context, d_model, layers, heads)
+
+    return Workload(
+        "lm",
+        make,
+        lambda g: data.batch(batch_size, context, g),
+        lm.lm_loss,
+        lambda model: lm.evaluate(model, x_test, y_test),
+        6 if quick else 300,
+        ("head",),
+    )
+
+
+def digits_workload(quick: bool) -> Workload:
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x / 16.0, dtype=torch.float32)
+    y = torch.tensor(y, dtype=torch.int64)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    x, y = x[perm], y[perm]
+    split = round(0.8 * len(x))
+    x_train, y_train, x_test, y_test = x[:split], y[:split], x[split:], y[split:]
+
+    def make() -> nn.Module:
+        return nn.Sequential(
+            nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 10)
+        )
+
+    def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randint(0, split, (64,), generator=g)
+        return x_train[idx], y_train[idx]
+
+    @torch.no_grad()
+    def test_loss(model: nn.Module) -> float:
+        model.eval()
+        loss = float(F.cross_entropy(model(x_test), y_test))
+        model.train()
+        return loss
+
+    return Workload("digits", make, batch, F.cross_entropy, test_loss, 6 if quick else 400, ("4",))
+
+
+WORKLOADS = {"lm": lm_workload, "digits": digits_workload}
+
+
+def _heavyball() -> Any | None:
+    try:
+        import heavyball
+    except ImportError:
+        return None
+    # eager: compiling its steps takes minutes on this CPU, and steps are what is measured
+    heavyball.utils.compile_mode = None
+    # its note that the schedule changes the learning rate between steps, every step
+    warnings.filterwarnings("ignore", "Learning rate changed between steps", UserWarning)
+    return heavyball
+
+
+class Stepper:
+    """One optimizer (and preconditioner) over a model: ``zero_grad``, ``step``, and the
+    learning-rate scheduler stepping."""
+
+    def __init__(self, name: str, model: nn.Module, lr: float, w: Workload, steps: int) -> None:
+        self.pre: kf.KFACPreconditioner | None = None
+        self.opts: list[torch.optim.Optimizer] = []
+        schedule = lm.lr_schedule(max(1, steps // 10), steps)
+        params = list(model.parameters())
+        if name == "sgd" or name.startswith("kfac"):
+            momentum = 0.0 if name == "kfac-ekfac-adam" else 0.9
+            self.opts = [torch.optim.SGD(params, lr=lr, momentum=momentum)]
+        elif name == "adamw":
+            self.opts = [torch.optim.AdamW(params, lr=lr, weight_decay=0.0)]
+        elif name == "muon":
+            hidden = [
+                p
+                for n, p in model.named_parameters()
+                if p.dim() == 2 and not n.startswith(w.outputs) and "embedding" not in n
+            ]
+            ids = {id(p) for p in hidden}
+            rest = [p for p in params if id(p) not in ids]
+            self.opts = [
+                torch.optim.Muon(hidden, lr=lr, adjust_lr_fn="match_rms_adamw"),
+                torch.optim.AdamW(rest, lr=LRS["adamw"][-1], weight_decay=0.0),
+            ]
+        else:
+            hb = _heavyball()
+            assert hb is not None
+            cls = hb.SOAP if name == "soap" else hb.PSGDKron
+            self.opts = [cls(params, lr=lr)]
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in self.opts]
+        if name.startswith("kfac"):
+            opt = self.opts[0]
+            ekfac = "ekfac" in name
+            graft = name.endswith("-adam")
+            kl_clip = 3e-5
+            self.pre = kf.KFACPreconditioner(
+                model,
+                damping=1e-3,
+                factor_decay=0.95,
+                inv_update_steps=5,
+                kl_clip=None if graft else (lambda step: kl_clip * schedule(step) ** 2),
+                lr=lambda step: opt.param_groups[0]["lr"],
+                scaling="fisher",
+                compute_method="ekfac" if ekfac else "eigen",
+                grafting="adam" if graft else None,
+            )
+
+    def zero_grad(self) -> None:
+        for o in self.opts:
+            o.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        if self.pre is not None:
+            self.pre.step()
+        for o, s in zip(self.opts, self.schedulers):
+            o.step()
+            s.step()
+
+
+def run(name: str, lr: float, w: Workload, seed: int, eval_every: int) -> list[dict[str, float]]:
+    """Train once; one row per evaluation: step, seconds (training only), test loss."""
+    torch.manual_seed(seed)
+    model = w.make()
+    stepper = Stepper(name, model, lr, w, w.steps)
+    batches = torch.Generator().manual_seed(1000 + seed)
+    rows = [{"step": 0, "seconds": 0.0, "test_loss": w.test_loss(model)}]
+    elapsed = 0.0
+    for step in range(1, w.steps + 1):
+        x, y = w.batch(batches)
+        start = time.perf_counter()
+        stepper.zero_grad()
+        w.loss(model(x), y).backward()
+        stepper.step()
+        elapsed += time.perf_counter() - start
+        if step % eval_every == 0 or step == w.steps:
+            loss = w.test_loss(model)
+            rows.append({"step": step, "seconds": elapsed, "test_loss": loss})
+            if not math.isfinite(loss):
+                break
+    if stepper.pre is not None:
+        stepper.pre.remove()
+    return rows
+
+
+def first_reach(rows: list[dict[str, float]], target: float) -> tuple[float, float]:
+    """``(step, seconds)`` of the first evaluation at or below ``target`` (inf: never)."""
+    for r in rows:
+        if r["test_loss"] <= target:
+            return r["step"], r["seconds"]
+    return math.inf, math.inf
+
+
+def _fmt(v: float) -> str:
+    if math.isinf(v):
+        return "never"
+    return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+
+
+def table(w: Workload, results: dict[str, dict[str, Any]]) -> str:
+    adam = results["adamw"]
+    target = statistics.mean(r[-1]["test_loss"] for r in adam["runs"])
+    adam_steps, adam_secs = zip(*(first_reach(r, target) for r in adam["runs"]))
+    adam_per = statistics.mean(r[-1]["seconds"] / r[-1]["step"] for r in adam["runs"])
+    lines = [
+        f"{w.name}: target = AdamW's mean final test loss {target:.4f}",
+        f"{'optimizer':>16} {'lr':>7} {'final (mean)':>12} {'range':>15} "
+        f"{'steps to':>9} {'secs to':>8} {'steps/AdamW':>11} {'secs/AdamW':>10} {'s/step':>7}",
+    ]
+    for name, res in results.items():
+        finals = [r[-1]["test_loss"] for r in res["runs"]]
+        reach = [first_reach(r, target) for r in res["runs"]]
+        steps = statistics.mean(s for s, _ in reach)
+        secs = statistics.mean(t for _, t in reach)
+        per = statistics.mean(r[-1]["seconds"] / max(1, r[-1]["step"]) for r in res["runs"])
+        lines.append(
+            f"{name:>16} {res['lr']:>7.3g} {statistics.mean(finals):>12.4f} "
+            f"{min(finals):>7.4f}-{max(finals):<7.4f} {_fmt(steps):>9} {_fmt(secs):>8} "
+            f"{_fmt(steps / statistics.mean(adam_steps)):>11} "
+            f"{_fmt(secs / statistics.mean(adam_secs)):>10} {per / adam_per:>7.2f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(path: Path, w: Workload, results: dict[str, dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, res in results.items():
+        rows = res["runs"][0]
+        ax.plot([r["seconds"] for r in rows], [r["test_loss"] for r in rows], label=name)
+    ax.set_xlabel("training seconds")
+    ax.set_ylabel("test loss")
+    ax.set_title(f"{w.name}: best learning rate, seed 0")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help="smoke test: tiny models, few steps")
+    p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=["lm", "digits"])
+    p.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "optimizers"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seeds, args.eval_every = 1, 2
+        args.out = str(Path(tempfile.mkdtemp()) / "optimizers")
+    if "adamw" not in args.optimizers:
+        args.optimizers = ["adamw", *args.optimizers]  # the reference
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if _heavyball() is None:
+        missing = [o for o in args.optimizers if o in ("soap", "kron")]
+        if missing:
+            print(f"heavyball is not installed: {missing} skipped (pip install heavyball)")
+        args.optimizers = [o for o in args.optimizers if o not in ("soap", "kron")]
+    print(f"torch {torch.__version__} | {cpu_model()} | threads {args.threads}")
+    rows_out: list[dict[str, Any]] = []
+    for wname in args.workloads:
+        w = WORKLOADS[wname](args.quick)
+        results: dict[str, dict[str, Any]] = {}
+        for name in args.optimizers:
+            lrs = LRS[name][:1] if args.quick else LRS[name]
+            sweep = {lr: run(name, lr, w, 0, args.eval_every) for lr in lrs}
+            best = min(sweep, key=lambda lr: _final(sweep[lr]))
+            runs = [sweep[best]] + [
+                run(name, best, w, seed, args.eval_every) for seed in range(1, args.seeds)
+            ]
+            results[name] = {"lr": best, "runs": runs}
+            for lr, rows in sweep.items():
+                rows_out += [
+                    {"workload": wname, "optimizer": name, "lr": lr, "seed": 0, **r} for r in rows
+                ]
+            for seed, rows in enumerate(runs[1:], start=1):
+                rows_out += [
+                    {"workload": wname, "optimizer": name, "lr": best, "seed": seed, **r}
+                    for r in rows
+                ]
+        print(table(w, results))
+        plot(Path(f"{args.out}_{wname}.png"), w, results)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{args.out}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows_out[0]))
+        writer.writeheader()
+        writer.writerows(rows_out)
+    print(f"wrote {args.out}.csv and {args.out}_<workload>.png")
+
+
+def _final(rows: list[dict[str, float]]) -> float:
+    loss = rows[-1]["test_loss"]
+    return loss if math.isfinite(loss) else math.inf
+
+
+if __name__ == "__main__":
+    main()
