@@ -268,19 +268,21 @@ def _fmt(v: float) -> str:
     return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
 
 
-def table(w: Workload, results: dict[str, dict[str, Any]]) -> str:
+def table(workload: str, results: dict[str, dict[str, Any]]) -> str:
+    """One line per optimizer; targets are AdamW's final test loss on the same seed."""
     adam = results["adamw"]
-    target = statistics.mean(r[-1]["test_loss"] for r in adam["runs"])
-    adam_steps, adam_secs = zip(*(first_reach(r, target) for r in adam["runs"]))
+    targets = [r[-1]["test_loss"] for r in adam["runs"]]
+    adam_steps, adam_secs = zip(*(first_reach(r, t) for r, t in zip(adam["runs"], targets)))
     adam_per = statistics.mean(r[-1]["seconds"] / r[-1]["step"] for r in adam["runs"])
     lines = [
-        f"{w.name}: target = AdamW's mean final test loss {target:.4f}",
+        f"{workload}: target = AdamW's final test loss on the same seed "
+        f"(mean {statistics.mean(targets):.4f})",
         f"{'optimizer':>16} {'lr':>7} {'final (mean)':>12} {'range':>15} "
         f"{'steps to':>9} {'secs to':>8} {'steps/AdamW':>11} {'secs/AdamW':>10} {'s/step':>7}",
     ]
     for name, res in results.items():
         finals = [r[-1]["test_loss"] for r in res["runs"]]
-        reach = [first_reach(r, target) for r in res["runs"]]
+        reach = [first_reach(r, t) for r, t in zip(res["runs"], targets)]
         steps = statistics.mean(s for s, _ in reach)
         secs = statistics.mean(t for _, t in reach)
         per = statistics.mean(r[-1]["seconds"] / max(1, r[-1]["step"]) for r in res["runs"])
@@ -293,7 +295,7 @@ def table(w: Workload, results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(path: Path, w: Workload, results: dict[str, dict[str, Any]]) -> None:
+def plot(path: Path, workload: str, results: dict[str, dict[str, Any]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -305,7 +307,7 @@ def plot(path: Path, w: Workload, results: dict[str, dict[str, Any]]) -> None:
         ax.plot([r["seconds"] for r in rows], [r["test_loss"] for r in rows], label=name)
     ax.set_xlabel("training seconds")
     ax.set_ylabel("test loss")
-    ax.set_title(f"{w.name}: best learning rate, seed 0")
+    ax.set_title(f"{workload}: best learning rate, seed 0")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -323,6 +325,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "optimizers"))
+    p.add_argument(
+        "--replot", metavar="CSV", help="print the tables and draw the plots of a saved run"
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.seeds, args.eval_every = 1, 2
@@ -332,8 +337,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def replot(path: str, out: str) -> None:
+    """The tables and plots of a saved ``.csv`` (the best learning rate is the one run on
+    every seed; with one seed, the lowest final test loss)."""
+    runs: dict[tuple[str, str, float, int], list[dict[str, float]]] = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            key = (row["workload"], row["optimizer"], float(row["lr"]), int(row["seed"]))
+            runs.setdefault(key, []).append(
+                {k: float(row[k]) for k in ("step", "seconds", "test_loss")}
+            )
+    for workload in dict.fromkeys(k[0] for k in runs):
+        results: dict[str, dict[str, Any]] = {}
+        for name in dict.fromkeys(k[1] for k in runs if k[0] == workload):
+            mine = {k: v for k, v in runs.items() if k[:2] == (workload, name)}
+            seeded = {k[2] for k in mine if k[3] > 0}
+            lrs = {k[2] for k in mine}
+            best = (
+                next(iter(seeded))
+                if seeded
+                else min(lrs, key=lambda lr: _final(mine[(workload, name, lr, 0)]))
+            )
+            seeds = sorted(k[3] for k in mine if k[2] == best)
+            results[name] = {"lr": best, "runs": [mine[(workload, name, best, s)] for s in seeds]}
+        print(table(workload, results))
+        plot(Path(f"{out}_{workload}.png"), workload, results)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.replot:
+        replot(args.replot, args.out)
+        return
     torch.set_num_threads(args.threads)
     if _heavyball() is None:
         missing = [o for o in args.optimizers if o in ("soap", "kron")]
@@ -362,8 +397,8 @@ def main(argv: list[str] | None = None) -> None:
                     {"workload": wname, "optimizer": name, "lr": best, "seed": seed, **r}
                     for r in rows
                 ]
-        print(table(w, results))
-        plot(Path(f"{args.out}_{wname}.png"), w, results)
+        print(table(wname, results))
+        plot(Path(f"{args.out}_{wname}.png"), wname, results)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(f"{args.out}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows_out[0]))
