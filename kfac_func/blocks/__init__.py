@@ -35,7 +35,6 @@ __all__ = [
     "block_of",
     "blocks",
     "call_grams",
-    "check_grads",
     "g_gram",
     "grads_to_matrix",
     "layer_rows",
@@ -88,11 +87,6 @@ def layer_rows(
     if not spec.block.has_rows:
         return None
     return spec.block.rows(spec, inputs, output_grads)
-
-
-def check_grads(spec: LayerSpec, weight_grad: torch.Tensor, bias_grad: torch.Tensor | None) -> None:
-    """Raise a ValueError naming the layer unless the gradients have the layer's shapes."""
-    spec.block.check_grads(spec, weight_grad, bias_grad)
 
 
 def grads_to_matrix(
