@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kfac_func.adapter.arguments import HYPER, PreconditionerBase
 from kfac_func.core.decomposition import (
     EigenDecomposition,
     InverseDecomposition,
@@ -23,7 +24,7 @@ from kfac_func.distributed.plan import DistributedStrategy, Plan
 from kfac_func.state import KFACConfig, KFACState, LayerState
 from kfac_func.step.decompose import redecompose
 
-__all__ = ["layer_entries", "load_layer"]
+__all__ = ["StateDictMixin", "layer_entries", "load_layer"]
 
 
 def layer_entries(state: KFACState, plan: Plan, comm: Communicator) -> dict[str, dict[str, Any]]:
@@ -90,3 +91,61 @@ def load_layer(
 
 def _decomposition_class(method: str) -> Any:
     return EigenDecomposition if method == "eigen" else InverseDecomposition
+
+
+class StateDictMixin(PreconditionerBase):
+    """``state_dict`` / ``load_state_dict`` of :class:`KFACPreconditioner` (a base class:
+    the preconditioner sets the attributes below)."""
+
+    plan: Plan
+    comm: Communicator
+
+    def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
+        """kfac-pytorch's shape: ``steps``, the non-callable hyperparameters and, with
+        ``include_factors``, ``layers: {name: {"A", "G"}}`` (plus this rank's decomposition
+        and update counter, so a resumed run is bit-exact)."""
+        sd: dict[str, Any] = {"steps": self.steps}
+        for key in HYPER:
+            value = getattr(self, key)
+            if not callable(value):
+                sd[key] = value
+        if include_factors:
+            sd["layers"] = layer_entries(self._state, self.plan, self.comm)
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any], compute_inverses: bool = True) -> None:
+        """Restore :meth:`state_dict`; decompositions missing from it are recomputed (with
+        ``compute_inverses``) on this rank's grad-worker layers, else at the next step."""
+        sd = dict(state_dict)
+        steps = int(sd.pop("steps"))
+        layers_sd = sd.pop("layers", None)
+        old = {key: getattr(self, key) for key in HYPER}
+        for key in HYPER:
+            if key in sd and not callable(getattr(self, key)):
+                setattr(self, key, sd[key])
+        layers = dict(self._state.layers)
+        try:
+            if layers_sd is not None:
+                unknown = sorted(set(layers_sd) - set(layers))
+                missing = sorted(set(layers) - set(layers_sd))
+                if unknown or missing:
+                    raise ValueError(
+                        f"state_dict layers do not match the model: missing {missing}, "
+                        f"unknown {unknown}"
+                    )
+                for name, entry in layers_sd.items():
+                    ls = layers[name]
+                    compute = (
+                        compute_inverses and self.comm.rank in self.plan.layers[name].grad_workers
+                    )
+                    lam = (
+                        self._value(self.damping)
+                        if compute and "decomposition" not in entry
+                        else None
+                    )
+                    layers[name] = load_layer(ls, entry, self._state.config, lam)
+        except Exception:
+            for key, value in old.items():  # a refused state dict changes nothing
+                setattr(self, key, value)
+            raise
+        self._state = self._state.replace(layers=layers, step=steps)

@@ -24,7 +24,7 @@ from kfac_func.adapter.arguments import (
     FloatOrFn,
     IntOrFn,
 )
-from kfac_func.adapter.checkpointing import layer_entries, load_layer
+from kfac_func.adapter.checkpointing import StateDictMixin
 from kfac_func.adapter.recording import HookRecorder
 from kfac_func.blocks import Gram, register
 from kfac_func.distributed.communicator import Communicator
@@ -40,7 +40,7 @@ __all__ = ["ComputeMethod", "KFACPreconditioner"]
 logger = logging.getLogger("kfac_func")
 
 
-class KFACPreconditioner(HookRecorder):
+class KFACPreconditioner(HookRecorder, StateDictMixin):
     """K-FAC preconditioner for an ``nn.Module``, with kfac-pytorch's arguments and defaults.
 
     Call :meth:`step` after ``loss.backward()`` and before ``optimizer.step()``: it
@@ -311,56 +311,6 @@ class KFACPreconditioner(HookRecorder):
             "graft_beta2": self.graft_beta2,
             "graft_eps": self.graft_eps,
         }
-
-    def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
-        """kfac-pytorch's shape: ``steps``, the non-callable hyperparameters and, with
-        ``include_factors``, ``layers: {name: {"A", "G"}}`` (plus this rank's decomposition
-        and update counter, so a resumed run is bit-exact)."""
-        sd: dict[str, Any] = {"steps": self.steps}
-        for key in HYPER:
-            value = getattr(self, key)
-            if not callable(value):
-                sd[key] = value
-        if include_factors:
-            sd["layers"] = layer_entries(self._state, self.plan, self.comm)
-        return sd
-
-    def load_state_dict(self, state_dict: dict[str, Any], compute_inverses: bool = True) -> None:
-        """Restore :meth:`state_dict`; decompositions missing from it are recomputed (with
-        ``compute_inverses``) on this rank's grad-worker layers, else at the next step."""
-        sd = dict(state_dict)
-        steps = int(sd.pop("steps"))
-        layers_sd = sd.pop("layers", None)
-        old = {key: getattr(self, key) for key in HYPER}
-        for key in HYPER:
-            if key in sd and not callable(getattr(self, key)):
-                setattr(self, key, sd[key])
-        layers = dict(self._state.layers)
-        try:
-            if layers_sd is not None:
-                unknown = sorted(set(layers_sd) - set(layers))
-                missing = sorted(set(layers) - set(layers_sd))
-                if unknown or missing:
-                    raise ValueError(
-                        f"state_dict layers do not match the model: missing {missing}, "
-                        f"unknown {unknown}"
-                    )
-                for name, entry in layers_sd.items():
-                    ls = layers[name]
-                    compute = (
-                        compute_inverses and self.comm.rank in self.plan.layers[name].grad_workers
-                    )
-                    lam = (
-                        self._value(self.damping)
-                        if compute and "decomposition" not in entry
-                        else None
-                    )
-                    layers[name] = load_layer(ls, entry, self._state.config, lam)
-        except Exception:
-            for key, value in old.items():  # a refused state dict changes nothing
-                setattr(self, key, value)
-            raise
-        self._state = self._state.replace(layers=layers, step=steps)
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes held, per category, and their total."""
