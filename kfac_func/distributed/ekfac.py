@@ -15,14 +15,13 @@ from collections.abc import Collection, MutableMapping, Sequence
 import torch
 
 from kfac_func.captures import Captures
-from kfac_func.core.decomposition import EKFACDecomposition, all_finite
-from kfac_func.core.ekfac import rescaled
+from kfac_func.core.decomposition import EKFACDecomposition
 from kfac_func.distributed.communicator import Communicator
 from kfac_func.distributed.plan import Plan
 from kfac_func.distributed.reducer import OrderedReducer
 from kfac_func.state import LayerState
-from kfac_func.step.ekfac import layer_moment_sums
-from kfac_func.step.hyper import NonFinite, non_finite
+from kfac_func.step.ekfac import fold_moments, layer_moment_sums
+from kfac_func.step.hyper import NonFinite
 
 __all__ = ["check_ekfac_plan", "reduce_scales"]
 
@@ -67,12 +66,6 @@ def reduce_scales(
         examples = float(n[0])
         if examples == 0:
             continue
-        moments = total / examples
-        if not all_finite(moments):
-            non_finite(name, "the EKFAC moments of this batch", nonfinite)
-            continue
-        dec = layers[name].decomposition
-        assert isinstance(dec, EKFACDecomposition)
-        layers[name] = layers[name].replace(
-            decomposition=rescaled(dec, moments, decay, name in fresh)
+        layers[name] = fold_moments(
+            layers[name], total / examples, decay, nonfinite, restart=name in fresh
         )

@@ -20,7 +20,13 @@ from kfac_func.core.ekfac import example_moments, rescaled
 from kfac_func.state import KFACState, LayerState
 from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, non_finite, resolve
 
-__all__ = ["correct_eigenvalues", "layer_moment_sums", "layer_moments", "update_scales"]
+__all__ = [
+    "correct_eigenvalues",
+    "fold_moments",
+    "layer_moment_sums",
+    "layer_moments",
+    "update_scales",
+]
 
 
 def layer_moments(
@@ -88,12 +94,22 @@ def update_scales(
         if not isinstance(dec, EKFACDecomposition):
             continue
         moments = layer_moments(ls.spec, micro, dec)
-        if moments is None:
-            continue
-        if not all_finite(moments):
-            non_finite(name, "the EKFAC moments of this batch", nonfinite)
-            continue
-        layers[name] = ls.replace(decomposition=rescaled(dec, moments, decay, name in fresh))
+        if moments is not None:
+            layers[name] = fold_moments(ls, moments, decay, nonfinite, restart=name in fresh)
+
+
+def fold_moments(
+    ls: LayerState, moments: torch.Tensor, decay: float, nonfinite: NonFinite, restart: bool
+) -> LayerState:
+    """``ls`` with ``moments`` folded into its EKFAC scale (see
+    :func:`kfac_func.core.ekfac.rescaled`); unchanged, warned or raised as ``nonfinite``
+    says, when they hold NaN/Inf."""
+    dec = ls.decomposition
+    assert isinstance(dec, EKFACDecomposition)
+    if not all_finite(moments):
+        non_finite(ls.spec.name, "the EKFAC moments of this batch", nonfinite)
+        return ls
+    return ls.replace(decomposition=rescaled(dec, moments, decay, restart))
 
 
 def correct_eigenvalues(
