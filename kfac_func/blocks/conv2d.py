@@ -54,6 +54,13 @@ def conv_padding(module: nn.Conv2d) -> tuple[int, int, int, int]:
     return (pw, pw, ph, ph)
 
 
+def _by_example(rows: torch.Tensor, spatial: int) -> torch.Tensor:
+    """Rows ``(*batch_shape, N·L, k)`` as ``(*batch_shape, N, L, k)``: each example's
+    ``L = spatial`` positions."""
+    n = rows.shape[-2] // spatial
+    return rows.reshape(*rows.shape[:-2], n, spatial, rows.shape[-1])
+
+
 def conv_spec(
     kind: str,
     name: str,
@@ -142,11 +149,7 @@ class Conv2dBlock(LayerBlock):
     def example_rows(
         self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        a, spatial = self.a_rows(spec, x)  # (*batch_shape, N·L, k)
-        g, _ = self.g_rows(spec, r)
-        n = a.shape[-2] // spatial
-        a = a.reshape(*a.shape[:-2], n, spatial, a.shape[-1])
-        g = g.reshape(*g.shape[:-2], n, spatial, g.shape[-1])
+        a, g = _by_example(*self.a_rows(spec, x)), _by_example(*self.g_rows(spec, r))
         return (with_ones(a) if spec.has_bias else a), g
 
     def _grad(self, spec: LayerSpec, r: torch.Tensor) -> torch.Tensor:
@@ -165,11 +168,9 @@ class Conv2dBlock(LayerBlock):
 
     def a_gram(self, spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype) -> Gram:
         if self.reduced(spec):  # the mean patch of each example
-            rows, spatial = self.a_rows(spec, x.to(dtype))
-            n = rows.shape[-2] // spatial
-            rows = rows.reshape(*rows.shape[:-2], n, spatial, rows.shape[-1]).mean(dim=-2)
+            rows = _by_example(*self.a_rows(spec, x.to(dtype))).mean(dim=-2)
             d = spec.a_diagonal
-            return Gram(row_gram(rows, spec.has_bias, d), n, 1, d)
+            return Gram(row_gram(rows, spec.has_bias, d), rows.shape[-2], 1, d)
         if not spec.a_diagonal and supports_row_gram(spec.kernel_size, spec.stride):
             y = self.padded(spec, x.to(dtype))
             kh, kw = spec.kernel_size
