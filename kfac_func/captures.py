@@ -102,10 +102,16 @@ def _sites(
     return out
 
 
+def _names(sites: Sites) -> tuple[str, ...]:
+    """The layers whose calls ``sites`` observe."""
+    return tuple(spec.name for _, specs in sites.values() for spec in specs)
+
+
 class _Calls:
     """Per-call bookkeeping shared by the forward hooks of one traced forward."""
 
-    def __init__(self, names: list[str], probes: Mapping[str, list[torch.Tensor]] | None):
+    def __init__(self, sites: Sites, probes: Mapping[str, list[torch.Tensor]] | None):
+        names = _names(sites)
         self.probes = probes
         self.inputs: dict[str, list[torch.Tensor]] = {n: [] for n in names}
         self.outputs: dict[str, list[tuple[torch.Size, torch.dtype]]] = {n: [] for n in names}
@@ -150,7 +156,6 @@ class _Calls:
 def _output_shapes(
     model: nn.Module,
     modules: Sites,
-    names: list[str],
     tensors: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -163,11 +168,11 @@ def _output_shapes(
     run on the meta device, a real forward without gradients (buffers cloned, RNG
     restored).
     """
-    key = _signature(model, tuple(names), (tensors, args, kwargs))
+    key = _signature(model, _names(modules), (tensors, args, kwargs))
     cache = _SHAPES.setdefault(model, {})
     if key is not None and not refresh and key in cache:
         return cache[key]
-    shapes = _measure_shapes(model, modules, names, tensors, args, kwargs)
+    shapes = _measure_shapes(model, modules, tensors, args, kwargs)
     if key is not None:
         if len(cache) >= _MAX_SIGNATURES:
             cache.clear()
@@ -178,7 +183,6 @@ def _output_shapes(
 def _measure_shapes(
     model: nn.Module,
     modules: Sites,
-    names: list[str],
     tensors: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -187,7 +191,7 @@ def _measure_shapes(
     def to_meta(x: Any) -> Any:
         return x.to("meta") if isinstance(x, torch.Tensor) else x
 
-    calls = _Calls(names, None)
+    calls = _Calls(modules, None)
     meta = torch_pytree.tree_map(to_meta, (tensors, args, kwargs))
     try:
         with torch.no_grad():
@@ -195,7 +199,7 @@ def _measure_shapes(
         return calls.outputs
     except Exception:
         pass
-    calls = _Calls(names, None)
+    calls = _Calls(modules, None)
     params, buffers = tensors
     cloned = {k: v.clone() for k, v in buffers.items()}
     devices = [t.device for t in params.values() if t.device.type == "cuda"][:1]
@@ -313,7 +317,6 @@ def capture(
     kwargs = dict(kwargs or {})
     specs = register(model) if layers is None else layers
     modules = _sites(model, specs)
-    names = list(specs)
     params = {k: v.detach() for k, v in params.items()}
     bufs = dict(model.named_buffers()) if buffers is None else dict(buffers)
     n = _batch_size(args, kwargs) if batch_size is None else int(batch_size)
@@ -325,7 +328,7 @@ def capture(
         # Buffers are cloned inside the transform so that in-place updates (BatchNorm
         # running statistics) are allowed; they are written back once the call is done.
         b = {k: v.clone() for k, v in bufs.items()}
-        calls = _Calls(names, pr)
+        calls = _Calls(modules, pr)
         out = calls.run(modules, lambda: functional_call(model, (p, b), args, kwargs))
         return out, (calls.inputs, b)
 
@@ -335,7 +338,7 @@ def capture(
             stack.enter_context(block.capturing())
         for attempt in (0, 1):
             shapes = _output_shapes(
-                model, modules, names, (params, bufs), args, kwargs, refresh=attempt > 0
+                model, modules, (params, bufs), args, kwargs, refresh=attempt > 0
             )
             probes = {
                 name: [torch.zeros(s, dtype=dt, device=device) for s, dt in calls]
@@ -362,6 +365,6 @@ def capture(
 
     captured = {
         name: LayerCapture(tuple(inputs[name]), tuple(output_grads[name][: len(inputs[name])]))
-        for name in names
+        for name in inputs
     }
     return loss.detach(), grads, Captures(captured, n, scale)
