@@ -21,7 +21,7 @@ from torch import nn
 from torch.func import functional_call
 
 from kfac_func.blocks import LayerSpec, register
-from kfac_func.blocks.taps import tap_hooks
+from kfac_func.blocks.taps import Sites, call_sites, tap_hooks
 from kfac_func.core.pytree import register_dataclass
 
 __all__ = ["Captures", "LayerCapture", "capture"]
@@ -85,21 +85,6 @@ def _signature(model: nn.Module, names: tuple[str, ...], tree: Any) -> tuple[Any
     except TypeError:
         return None
     return tuple(key)
-
-
-Sites = Mapping[str, tuple[nn.Module, list[LayerSpec]]]
-"""``{module name: (module, the layers its calls feed)}``."""
-
-
-def _sites(
-    model: nn.Module, specs: Mapping[str, LayerSpec]
-) -> dict[str, tuple[nn.Module, list[LayerSpec]]]:
-    out: dict[str, tuple[nn.Module, list[LayerSpec]]] = {}
-    for spec in specs.values():
-        if spec.module not in out:
-            out[spec.module] = (model.get_submodule(spec.module), [])
-        out[spec.module][1].append(spec)
-    return out
 
 
 def _names(sites: Sites) -> tuple[str, ...]:
@@ -316,7 +301,7 @@ def capture(
     args = args if isinstance(args, tuple) else (args,)
     kwargs = dict(kwargs or {})
     specs = register(model) if layers is None else layers
-    modules = _sites(model, specs)
+    modules = call_sites(model, specs)
     params = {k: v.detach() for k, v in params.items()}
     bufs = dict(model.named_buffers()) if buffers is None else dict(buffers)
     n = _batch_size(args, kwargs) if batch_size is None else int(batch_size)

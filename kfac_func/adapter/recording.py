@@ -21,7 +21,7 @@ from torch import nn
 
 from kfac_func.adapter.arguments import ComputeMethod, PreconditionerBase
 from kfac_func.blocks import LayerSpec, LayerTable, Rows, a_gram, call_grams, g_gram
-from kfac_func.blocks.taps import Site, tap_hooks
+from kfac_func.blocks.taps import Site, call_sites, tap_hooks
 from kfac_func.captures import Captures, LayerCapture
 from kfac_func.distributed.communicator import Communicator
 from kfac_func.distributed.kaisa import offer_factors, start_factor_reduction
@@ -94,15 +94,11 @@ class HookRecorder(PreconditionerBase):
             return record
 
         self._handles.append(self.model.register_forward_pre_hook(pre_hook))
-        tapped: dict[str, list[LayerSpec]] = {}
-        for spec in self.layers.values():
-            if spec.block.taps:
-                tapped.setdefault(spec.module, []).append(spec)
-                continue
-            module = self.model.get_submodule(spec.name)
-            self._handles.append(module.register_forward_hook(forward_hook(spec)))
-        for module_name, specs in tapped.items():
-            self._handles += tap_hooks(self.model.get_submodule(module_name), specs, site)
+        for module, specs in call_sites(self.model, self.layers).values():
+            if specs[0].block.taps:
+                self._handles += tap_hooks(module, specs, site)
+            else:
+                self._handles.append(module.register_forward_hook(forward_hook(specs[0])))
         weakref.finalize(self, remove_handles, self._handles)
 
     def _start_micro_batch(self, module: nn.Module, args: tuple[Any, ...]) -> None:

@@ -5,7 +5,7 @@ Shared by :func:`kfac_func.capture` and the adapters' recording hooks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -14,10 +14,35 @@ from torch.utils.hooks import RemovableHandle
 
 from kfac_func.blocks.spec import LayerSpec
 
-__all__ = ["Site", "tap_hooks"]
+__all__ = ["Site", "Sites", "call_sites", "tap_hooks"]
 
 Site = Callable[[LayerSpec, torch.Tensor, torch.Tensor], torch.Tensor]
 """``site(layer, input, output) -> output`` for one call of a tapped layer."""
+
+
+Sites = Mapping[str, tuple[nn.Module, list[LayerSpec]]]
+"""``{module name: (module, the layers its calls feed)}``."""
+
+
+def call_sites(
+    model: nn.Module, specs: Mapping[str, LayerSpec]
+) -> dict[str, tuple[nn.Module, list[LayerSpec]]]:
+    """The modules whose calls feed the layers ``specs``: a layer's own module, or the
+    module it is a part of (the projections of one attention share theirs).
+
+    Example:
+        >>> import torch
+        >>> from kfac_func.blocks import register
+        >>> model = torch.nn.Sequential(torch.nn.MultiheadAttention(4, 1), torch.nn.Linear(4, 2))
+        >>> {name: len(s) for name, (_, s) in call_sites(model, register(model)).items()}
+        {'0': 4, '1': 1}
+    """
+    out: dict[str, tuple[nn.Module, list[LayerSpec]]] = {}
+    for spec in specs.values():
+        if spec.module not in out:
+            out[spec.module] = (model.get_submodule(spec.module), [])
+        out[spec.module][1].append(spec)
+    return out
 
 
 class _Interrupted(RuntimeError):
