@@ -84,6 +84,7 @@ LRS: dict[str, tuple[float, ...]] = {
     "kfac": (0.1, 0.3),
     "kfac-ekfac": (0.1, 0.3),
     "kfac-ekfac-adam": (1e-3, 3e-3),
+    "kfac-moments": (3e-3, 1e-2),
 }
 """Learning-rate sweep per optimizer (Muon's is for its matrices; its AdamW part uses
 AdamW's middle value)."""
@@ -177,7 +178,9 @@ class Stepper:
         self.opts: list[torch.optim.Optimizer] = []
         schedule = lm.lr_schedule(max(1, steps // 10), steps)
         params = list(model.parameters())
-        if name == "sgd" or name.startswith("kfac"):
+        if name == "kfac-moments":  # Adam's first moment: an average, not a sum
+            self.opts = [torch.optim.SGD(params, lr=lr, momentum=0.9, dampening=0.9)]
+        elif name == "sgd" or name.startswith("kfac"):
             momentum = 0.0 if name == "kfac-ekfac-adam" else 0.9
             self.opts = [torch.optim.SGD(params, lr=lr, momentum=momentum)]
         elif name == "adamw":
@@ -204,17 +207,19 @@ class Stepper:
             opt = self.opts[0]
             ekfac = "ekfac" in name
             graft = name.endswith("-adam")
+            moments = name == "kfac-moments"
             kl_clip = 3e-5
             self.pre = kf.KFACPreconditioner(
                 model,
                 damping=1e-3,
                 factor_decay=0.95,
                 inv_update_steps=5,
-                kl_clip=None if graft else (lambda step: kl_clip * schedule(step) ** 2),
+                kl_clip=None if graft or moments else (lambda step: kl_clip * schedule(step) ** 2),
                 lr=lambda step: opt.param_groups[0]["lr"],
                 scaling="fisher",
                 compute_method="ekfac" if ekfac else "eigen",
                 grafting="adam" if graft else None,
+                eigenbasis_moments=moments,
             )
 
     def zero_grad(self) -> None:

@@ -3,7 +3,9 @@
 ``KFACState(step, layers={name: LayerState}, config)`` is a frozen dataclass registered
 with optree and with torch's pytree registry. Tensors (factors, decompositions) are the
 children; counters, layer specs and the configuration are static metadata, so
-``optree.tree_map(lambda t: t.to(device), state)`` touches tensors only. Nothing in the
+``optree.tree_map(lambda t: t.to(device), state)`` touches tensors only. The optional
+``KFACState.adaptive`` (:class:`AdaptiveState`) holds the damping and the previous update
+of the adaptive step (:mod:`kfac_func.step.adaptive`). Nothing in the
 library mutates a state: every transition builds a new one. The one exception is asked
 for by name: a state donated to :func:`kfac_func.update` (``donate=True``) has its
 ``layers`` dict updated in place, so that the step frees each layer's old tensors as soon
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -23,7 +26,7 @@ from kfac_func.core.conventions import Convention, check_convention, initial_fac
 from kfac_func.core.decomposition import COMPUTE_METHODS, EIGENBASIS_REFRESH, Decomposition
 from kfac_func.core.pytree import register_dataclass
 
-__all__ = ["KFACConfig", "KFACState", "LayerState", "init"]
+__all__ = ["AdaptiveRecord", "AdaptiveState", "KFACConfig", "KFACState", "LayerState", "init"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,11 @@ class LayerState:
             decomposition (static).
         graft_moment: the running second moment of the layer's gradient matrix kept for
             Adam grafting (``update(..., grafting="adam")``), or None.
+        basis_moment: the running second moment of the layer's gradient in its
+            eigenbasis (``update(..., eigenbasis_moments=True)``, see
+            :mod:`kfac_func.core.basis_moments`), or None.
+        moment_count: how many gradients ``basis_moment`` holds (static; its bias
+            correction).
     """
 
     a_factor: torch.Tensor
@@ -101,8 +109,55 @@ class LayerState:
     skipped_updates: int = 0
     decomposition_failures: int = 0
     graft_moment: torch.Tensor | None = None
+    basis_moment: torch.Tensor | None = None
+    moment_count: int = 0
 
     def replace(self, **changes: object) -> LayerState:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+class AdaptiveRecord(NamedTuple):
+    """One adaptive step as :attr:`AdaptiveState.history` keeps it."""
+
+    steps: int
+    """The value of :attr:`AdaptiveState.steps` after that step."""
+    damping: float
+    """The damping after the step's adaptation (if any)."""
+    alpha: float
+    mu: float
+    predicted: float
+    rho: float | None
+
+
+@dataclass(frozen=True)
+class AdaptiveState:
+    """The adaptive part of a state: damping, previous update and the last quadratic model.
+
+    See :mod:`kfac_func.step.adaptive` (``init_adaptive``, ``adaptive_step``,
+    ``adapt_damping``). Only ``previous`` holds tensors; the rest is static metadata.
+
+    Attributes:
+        damping: the current damping λ (Levenberg–Marquardt adapted).
+        previous: the update ``x`` applied at the last step (``θ ← θ + x``), keyed like the
+            parameters, or None before the first step.
+        steps: number of adaptive steps taken.
+        alpha, mu: the last step's coefficients of ``−Δ`` and of the previous update.
+        predicted: the last step's change of the quadratic model (≤ 0), or None.
+        rho: the last reduction ratio (actual / predicted change), or None.
+        history: the latest steps, oldest first (a bounded number of them).
+    """
+
+    damping: float
+    previous: dict[str, torch.Tensor] | None = None
+    steps: int = 0
+    alpha: float | None = None
+    mu: float | None = None
+    predicted: float | None = None
+    rho: float | None = None
+    history: tuple[AdaptiveRecord, ...] = ()
+
+    def replace(self, **changes: object) -> AdaptiveState:
         """A copy with ``changes`` applied."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
@@ -112,11 +167,13 @@ class KFACState:
     """The whole K-FAC state: a step counter, per-layer states and the configuration.
 
     ``step`` counts calls of :func:`kfac_func.update`; hyperparameter callables receive it.
+    ``adaptive`` is the state of the adaptive step (:class:`AdaptiveState`), or None.
     """
 
     layers: dict[str, LayerState]
     step: int = 0
     config: KFACConfig = field(default_factory=KFACConfig)
+    adaptive: AdaptiveState | None = None
 
     def replace(self, **changes: object) -> KFACState:
         """A copy with ``changes`` applied."""
@@ -125,10 +182,21 @@ class KFACState:
 
 register_dataclass(
     LayerState,
-    data=("a_factor", "g_factor", "decomposition", "graft_moment"),
-    static=("spec", "factor_updates", "skipped_updates", "decomposition_failures"),
+    data=("a_factor", "g_factor", "decomposition", "graft_moment", "basis_moment"),
+    static=(
+        "spec",
+        "factor_updates",
+        "skipped_updates",
+        "decomposition_failures",
+        "moment_count",
+    ),
 )
-register_dataclass(KFACState, data=("layers",), static=("step", "config"))
+register_dataclass(
+    AdaptiveState,
+    data=("previous",),
+    static=("damping", "steps", "alpha", "mu", "predicted", "rho", "history"),
+)
+register_dataclass(KFACState, data=("layers", "adaptive"), static=("step", "config"))
 
 
 def init(

@@ -15,6 +15,7 @@ import torch
 from kfac_func.adapter.arguments import HYPER, PreconditionerBase
 from kfac_func.core.decomposition import (
     EigenDecomposition,
+    EKFACDecomposition,
     InverseDecomposition,
     all_finite,
     decomposition_from_fields,
@@ -28,10 +29,10 @@ __all__ = ["StateDictMixin", "layer_entries", "load_layer"]
 
 
 def layer_entries(state: KFACState, plan: Plan, comm: Communicator) -> dict[str, dict[str, Any]]:
-    """``{name: {"A", "G", "factor_updates"[, "decomposition"]}}`` of every layer (this
-    rank's decomposition). Under ``MEM_OPT`` on several ranks the factors are reduced to
-    their owner only, so the current ones are broadcast from it: a collective, every rank
-    calls it (as every rank calls ``state_dict`` in kfac-pytorch)."""
+    """``{name: {"A", "G", "factor_updates"[, "decomposition", running moments]}}`` of every
+    layer (this rank's decomposition and moments). Under ``MEM_OPT`` on several ranks the
+    factors are reduced to their owner only, so the current ones are broadcast from it: a
+    collective, every rank calls it (as every rank calls ``state_dict`` in kfac-pytorch)."""
     layers = {}
     for name, ls in state.layers.items():
         a, g, updates = ls.a_factor, ls.g_factor, ls.factor_updates
@@ -45,6 +46,11 @@ def layer_entries(state: KFACState, plan: Plan, comm: Communicator) -> dict[str,
             ).wait()
             updates = int(count.item())
         entry: dict[str, Any] = {"A": a, "G": g, "factor_updates": updates}
+        for moment in ("graft_moment", "basis_moment"):  # the grad workers' running moments
+            if getattr(ls, moment) is not None:
+                entry[moment] = getattr(ls, moment)
+        if ls.basis_moment is not None:
+            entry["moment_count"] = ls.moment_count
         if ls.decomposition is not None:
             entry["decomposition"] = {
                 k: v for k, v in vars(ls.decomposition).items() if isinstance(v, torch.Tensor)
@@ -72,11 +78,25 @@ def load_layer(
     for which, f in (("A", a), ("G", g)):
         if not all_finite(f):
             raise ValueError(f"layer {ls.spec.name!r}: state_dict factor {which} holds NaN/Inf")
+    moments: dict[str, Any] = {}
+    for moment in ("graft_moment", "basis_moment"):
+        t = entry.get(moment)
+        if t is None:
+            continue
+        if tuple(t.shape) != tuple(ls.spec.matrix_shape) or not all_finite(t):
+            raise ValueError(
+                f"layer {ls.spec.name!r}: state_dict {moment} of shape {tuple(t.shape)} must "
+                f"be finite and of shape {tuple(ls.spec.matrix_shape)}"
+            )
+        moments[moment] = t.to(config.factor_dtype, copy=True).contiguous()
+    if "basis_moment" in moments:
+        moments["moment_count"] = int(entry.get("moment_count", 1))
     new = ls.replace(
         a_factor=a.to(config.factor_dtype, copy=True).contiguous(),
         g_factor=g.to(config.factor_dtype, copy=True).contiguous(),
         factor_updates=int(entry.get("factor_updates", max(1, ls.factor_updates))),
         decomposition=None,
+        **moments,
     )
     dec = entry.get("decomposition")
     if dec is not None:
@@ -90,7 +110,8 @@ def load_layer(
 
 
 def _decomposition_class(method: str) -> Any:
-    return EigenDecomposition if method == "eigen" else InverseDecomposition
+    classes = {"eigen": EigenDecomposition, "ekfac": EKFACDecomposition}
+    return classes.get(method, InverseDecomposition)
 
 
 class StateDictMixin(PreconditionerBase):

@@ -32,6 +32,7 @@ from kfac_func.distributed.ekfac import check_ekfac_plan
 from kfac_func.distributed.kaisa import update_distributed
 from kfac_func.distributed.plan import AssignmentStrategy, DistributedStrategy, make_plan
 from kfac_func.state import KFACState, init
+from kfac_func.step.basis import BasisMoments
 from kfac_func.step.precondition import Grafting
 from kfac_func.step.update import update
 
@@ -61,7 +62,9 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
     ``max_factor_dim`` keeps every factor side wider than it diagonal and ``kfac_approx``
     picks expand or reduce for weight-sharing layers (see :func:`kfac_func.register`).
     ``grafting="sgd"`` or ``"adam"`` gives each layer's preconditioned gradient the norm of
-    that optimizer's step (see :func:`kfac_func.update`).
+    that optimizer's step; ``eigenbasis_moments=True`` divides each layer's gradient in
+    K-FAC's eigenbasis by the root of its running second moment there, as Adam does
+    (``moment_beta2``, ``moment_eps``; see :func:`kfac_func.update`).
     ``eigenbasis_refresh="qr"`` replaces the exact eigendecompositions after the first by
     one warm-started QR iteration each (approximate, much cheaper; see
     :func:`kfac_func.core.decomposition.refresh_eigh`).
@@ -115,6 +118,9 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
         grafting: str | None = None,
         graft_beta2: float = 0.999,
         graft_eps: float = 1e-8,
+        eigenbasis_moments: bool = False,
+        moment_beta2: float = 0.999,
+        moment_eps: float = 1e-8,
     ) -> None:
         self._set_arguments(
             model,
@@ -150,6 +156,11 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
         self.grafting = grafting
         self.graft_beta2 = graft_beta2
         self.graft_eps = graft_eps
+        if eigenbasis_moments:
+            BasisMoments(moment_beta2, moment_eps).check(self.compute_method.name.lower())
+        self.eigenbasis_moments = eigenbasis_moments
+        self.moment_beta2 = moment_beta2
+        self.moment_eps = moment_eps
         if not self.layers:
             raise ValueError(
                 f"no layer of {type(model).__name__} can be preconditioned:\n{self.layers}"
@@ -187,6 +198,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
             max_factor_dim=max_factor_dim,
             kfac_approx=kfac_approx,
             grafting=(grafting, graft_beta2, graft_eps),
+            eigenbasis_moments=(eigenbasis_moments, moment_beta2, moment_eps),
         )
         self.comm = Communicator(
             self.plan,
@@ -280,7 +292,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
                 update_factors=bool(batch) or captures is not None,
                 update_inverses=update_inverses,
                 donate=True,
-                **self._graft_kwargs(),
+                **self._rule_kwargs(),
             )
         else:
             new_grads, self._state = update_distributed(
@@ -298,18 +310,21 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
                 update_factors=bool(batch) or reducer is not None or captures is not None,
                 update_inverses=update_inverses,
                 rows=rows,
-                **self._graft_kwargs(),
+                **self._rule_kwargs(),
             )
         with torch.no_grad():
             for pname, g in grads.items():
                 if new_grads[pname] is not g:
                     g.copy_(new_grads[pname])
 
-    def _graft_kwargs(self) -> dict[str, Any]:
+    def _rule_kwargs(self) -> dict[str, Any]:
         return {
             "grafting": self.grafting,
             "graft_beta2": self.graft_beta2,
             "graft_eps": self.graft_eps,
+            "eigenbasis_moments": self.eigenbasis_moments,
+            "moment_beta2": self.moment_beta2,
+            "moment_eps": self.moment_eps,
         }
 
     def memory_usage(self) -> dict[str, int]:

@@ -147,9 +147,10 @@ def _layer_problems(
         (f, d[_layer_key(name, f)], _shape(getattr(ls, f).shape), getattr(ls, f).dtype)
         for f in ("a_factor", "g_factor")
     ]
-    if entry.get("graft_moment"):
-        key = _layer_key(name, "graft_moment")
-        checks.append(("graft_moment", d[key], ls.spec.matrix_shape, like.config.factor_dtype))
+    for moment in ("graft_moment", "basis_moment"):
+        if entry.get(moment):
+            key = _layer_key(name, moment)
+            checks.append((moment, d[key], ls.spec.matrix_shape, like.config.factor_dtype))
     dec = entry.get("decomposition")
     if dec is not None:
         shapes = _decomposition_shapes(ls.spec)
@@ -204,6 +205,8 @@ def _build_layer(
         a_factor=get("a_factor"),
         g_factor=get("g_factor"),
         graft_moment=get("graft_moment") if entry.get("graft_moment") else None,
+        basis_moment=get("basis_moment") if entry.get("basis_moment") else None,
+        moment_count=entry["moment_count"],
         decomposition=decomposition,
         spec=ls.spec,
         factor_updates=entry["factor_updates"],

@@ -136,6 +136,8 @@ def _metadata(
                 "skipped_updates": ls.skipped_updates,
                 "decomposition_failures": ls.decomposition_failures,
                 "graft_moment": ls.graft_moment is not None,
+                "basis_moment": ls.basis_moment is not None,
+                "moment_count": ls.moment_count,
                 "spec": {k: _json_value(getattr(ls.spec, k)) for k in _SPEC_FIELDS},
                 "decomposition": dec,
             }
@@ -236,6 +238,10 @@ def _decode_meta(d: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         _get(entry, "decomposition_failures", int, f"layer {name!r} ")
         entry.setdefault("graft_moment", False)  # files written before grafting
         _get(entry, "graft_moment", bool, f"layer {name!r} ")
+        entry.setdefault("basis_moment", False)  # files written before eigenbasis moments
+        _get(entry, "basis_moment", bool, f"layer {name!r} ")
+        entry.setdefault("moment_count", 0)
+        _get(entry, "moment_count", int, f"layer {name!r} ")
         _get(entry, "spec", dict, f"layer {name!r} ")
         dec = entry.get("decomposition")
         if dec is not None:
@@ -260,8 +266,9 @@ def _expected_keys(meta: dict[str, Any]) -> list[str]:
     for entry in meta["layers"]:
         name = entry["name"]
         keys += [_layer_key(name, "a_factor"), _layer_key(name, "g_factor")]
-        if entry.get("graft_moment"):
-            keys.append(_layer_key(name, "graft_moment"))
+        for moment in ("graft_moment", "basis_moment"):
+            if entry.get(moment):
+                keys.append(_layer_key(name, moment))
         if entry.get("decomposition") is not None:
             keys += [
                 _layer_key(name, "decomposition", f) for f in entry["decomposition"]["tensors"]

@@ -48,6 +48,7 @@ from kfac_func.distributed.plan import DistributedStrategy, Plan
 from kfac_func.distributed.reducer import OrderedReducer
 from kfac_func.state import KFACState, LayerState
 from kfac_func.step.accumulate import fold_checked, layer_batch_factors
+from kfac_func.step.basis import BasisMoments, carry_moments, moment_bases
 from kfac_func.step.checks import check_layers, layer_matrix
 from kfac_func.step.decompose import decomposition_failed, needs_decomposition, warm_start
 from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, resolve
@@ -55,8 +56,7 @@ from kfac_func.step.precondition import (
     Grafting,
     apply_preconditioned,
     captured_rows,
-    graft,
-    precondition_layer,
+    precondition_with,
 )
 
 __all__ = [
@@ -273,6 +273,9 @@ def update_distributed(
     grafting: str | None = None,
     graft_beta2: float = 0.999,
     graft_eps: float = 1e-8,
+    eigenbasis_moments: bool = False,
+    moment_beta2: float = 0.999,
+    moment_eps: float = 1e-8,
 ) -> tuple[dict[str, torch.Tensor], KFACState]:
     """:func:`kfac_func.update` across ranks, with the communication of ``plan``.
 
@@ -310,7 +313,10 @@ def update_distributed(
     graft_settings = None
     if grafting is not None:
         graft_settings = Grafting(grafting, graft_beta2, graft_eps).check()
-    moments: dict[str, torch.Tensor] = {}
+    basis_settings = None
+    if eigenbasis_moments:
+        basis_settings = BasisMoments(moment_beta2, moment_eps).check(state.config.compute_method)
+    changes: dict[str, dict[str, object]] = {}
     step = state.step
     lam = resolve(damping, step)
     check_hyper("damping", lam, lambda v: v >= 0, ">= 0")
@@ -328,9 +334,11 @@ def update_distributed(
             local = local_batch_factors(state, captures)
             statistics = as_list(captures)
         layers = _reduce_factors(state, names, local, plan, comm, decay, nonfinite, factor_reducer)
+    before = moment_bases(layers)
     layers, fresh = _decompose(
         state, layers, names, plan, comm, lam, bool(resolve(update_inverses, step))
     )
+    carry_moments(layers, before, fresh)
     if state.config.compute_method == "ekfac" and statistics is not None:
         reduce_scales(layers, names, statistics, comm, decay, nonfinite, fresh)
 
@@ -350,10 +358,16 @@ def update_distributed(
         m = layer_matrix(ls, grads)
         check = checks.get(name)
         if check is not None and check.finite:
-            layer_rows = rows.get(name) if check.rows else None
-            p = precondition_layer(ls, m, lam, layer_rows, checked=True)
-            if graft_settings is not None:
-                graft(ls, p, m, graft_settings, step, moments)
+            p = precondition_with(
+                ls,
+                m,
+                lam,
+                rows.get(name) if check.rows else None,
+                step=step,
+                grafting=graft_settings,
+                basis_moments=basis_settings,
+                changes=changes,
+            )
         else:
             p = m
         if plan.broadcast_gradients:
@@ -375,6 +389,6 @@ def update_distributed(
         ok = [got[0] is not m for _, m, got in received]
     done = [(layers[n].spec, got[0], m) for (n, m, got), k in zip(received, ok) if k]
     out = apply_preconditioned(grads, done, kl_clip=kl_clip, lr=lr, step=step)
-    for name, moment in moments.items():  # Adam grafting's moments, on the grad workers
-        layers[name] = layers[name].replace(graft_moment=moment)
+    for name, change in changes.items():  # the running moments, on the grad workers
+        layers[name] = layers[name].replace(**change)
     return out, state.replace(layers=layers, step=step + 1)

@@ -22,6 +22,7 @@ from kfac_func.core.preconditioning import (
     precondition_rows,
 )
 from kfac_func.state import KFACState, LayerState
+from kfac_func.step.basis import BasisMoments, precondition_in_basis
 from kfac_func.step.checks import check_layers, layer_matrix, rows_cheaper
 from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, resolve, take
 
@@ -33,6 +34,7 @@ __all__ = [
     "precondition_grads",
     "precondition_layer",
     "precondition_layers",
+    "precondition_with",
     "write_preconditioned",
 ]
 
@@ -47,15 +49,19 @@ def precondition_grads(
     nonfinite: NonFinite = "skip",
     rows: Mapping[str, Rows] | None = None,
     grafting: Grafting | None = None,
+    basis_moments: BasisMoments | None = None,
 ) -> dict[str, torch.Tensor]:
     """Precondition the gradients of every decomposed layer; others pass unchanged.
 
-    With ``grafting``, each layer's preconditioned gradient first takes the norm of the
-    grafted optimizer's step (see :mod:`kfac_func.core.grafting`; Adam's uses the state's
-    running moments, this gradient folded in, without storing them: :func:`kfac_func.update`
-    stores them). The preconditioned gradients of all layers are then scaled by
-    ``min(1, sqrt(kl_clip / |lr² Σ P ⊙ grad|))`` unless ``kl_clip`` is None. ``rows``
-    (``{layer: [(input rows, output-gradient rows), ...]}``, see
+    With ``basis_moments``, each layer's gradient is scaled by the state's running moment
+    in its eigenbasis instead of by the eigenvalues (see
+    :mod:`kfac_func.core.basis_moments`). With ``grafting``, each layer's preconditioned
+    gradient then takes the norm of the grafted optimizer's step (see
+    :mod:`kfac_func.core.grafting`). Running moments (Adam grafting's, the eigenbasis
+    moments) have this gradient folded in for the step without being stored:
+    :func:`kfac_func.update` stores them. The preconditioned gradients of all layers are
+    then scaled by ``min(1, sqrt(kl_clip / |lr² Σ P ⊙ grad|))`` unless ``kl_clip`` is
+    None. ``rows`` (``{layer: [(input rows, output-gradient rows), ...]}``, see
     :func:`precondition_layer`) lets Linear layers skip dense products.
 
     Returns:
@@ -73,6 +79,8 @@ def precondition_grads(
     """
     lam = resolve(damping, state.step)
     check_hyper("damping", lam, lambda v: v >= 0, ">= 0")
+    if basis_moments is not None:
+        basis_moments.check(state.config.compute_method)
     return precondition_layers(
         state.layers,
         grads,
@@ -83,6 +91,7 @@ def precondition_grads(
         nonfinite=nonfinite,
         rows=rows,
         grafting=grafting,
+        basis_moments=basis_moments,
     )
 
 
@@ -109,20 +118,45 @@ def graft(
     m: torch.Tensor,
     grafting: Grafting,
     step: int,
-    moments: dict[str, torch.Tensor] | None,
+    changes: dict[str, dict[str, object]] | None,
 ) -> None:
     """Rescale ``p`` (the caller's own temporary, in place) to the grafted step's norm;
-    Adam's new running moment of the layer goes into ``moments``."""
+    Adam's new running moment of the layer goes into ``changes[layer]``."""
     moment = None
     if grafting.mode == "adam":
         dtype = ls.a_factor.dtype
         moment = graft_moment(ls.graft_moment, m.to(dtype), grafting.beta2)
-        if moments is not None:
-            moments[ls.spec.name] = moment
+        if changes is not None:
+            changes.setdefault(ls.spec.name, {})["graft_moment"] = moment
     scale = graft_scale(
         p, m, grafting.mode, moment=moment, step=step + 1, beta2=grafting.beta2, eps=grafting.eps
     )
     p.mul_(scale.to(p.dtype))
+
+
+def precondition_with(
+    ls: LayerState,
+    m: torch.Tensor,
+    damping: float,
+    rows: Rows | None,
+    *,
+    step: int,
+    grafting: Grafting | None,
+    basis_moments: BasisMoments | None,
+    changes: dict[str, dict[str, object]] | None,
+) -> torch.Tensor:
+    """One checked layer's preconditioned gradient matrix: by its decomposition
+    (:func:`precondition_layer`) or by its eigenbasis moments, then grafted; the changes
+    of its state (running moments) go into ``changes[layer]``."""
+    if basis_moments is not None:
+        p, new = precondition_in_basis(ls, m, basis_moments)
+        if changes is not None:
+            changes.setdefault(ls.spec.name, {}).update(new)
+    else:
+        p = precondition_layer(ls, m, damping, rows, checked=True)
+    if grafting is not None:
+        graft(ls, p, m, grafting, step, changes)
+    return p
 
 
 def precondition_layers(
@@ -137,14 +171,16 @@ def precondition_layers(
     rows: Mapping[str, Rows] | None = None,
     consume_rows: bool = False,
     grafting: Grafting | None = None,
-    moments: dict[str, torch.Tensor] | None = None,
+    basis_moments: BasisMoments | None = None,
+    changes: dict[str, dict[str, object]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """:func:`precondition_grads` of ``layers`` with a resolved ``damping``.
 
     Holds one layer's gradient matrix at a time: its term of the kl_clip sum is taken as
     soon as the layer is preconditioned. With ``consume_rows``, each layer's entry is
-    removed from a mutable ``rows`` once used. Adam grafting puts each preconditioned
-    layer's new running moment into ``moments``.
+    removed from a mutable ``rows`` once used. The new running moments of each layer
+    (Adam grafting, eigenbasis moments) go into ``changes[layer]`` (for
+    ``LayerState.replace``).
     """
     done: list[tuple[LayerSpec, torch.Tensor]] = []
     terms: dict[str, torch.Tensor] = {}
@@ -156,9 +192,16 @@ def precondition_layers(
         if check is None or not check.finite:
             continue
         m = layer_matrix(ls, grads)
-        p = precondition_layer(ls, m, damping, taken if check.rows else None, checked=True)
-        if grafting is not None:
-            graft(ls, p, m, grafting, step, moments)
+        p = precondition_with(
+            ls,
+            m,
+            damping,
+            taken if check.rows else None,
+            step=step,
+            grafting=grafting,
+            basis_moments=basis_moments,
+            changes=changes,
+        )
         if kl_clip is not None:
             terms[ls.spec.name] = kl_clip_term(p, m)
         done.append((ls.spec, p))

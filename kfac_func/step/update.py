@@ -22,6 +22,7 @@ from kfac_func.blocks import Rows
 from kfac_func.captures import Captures
 from kfac_func.state import KFACState, LayerState
 from kfac_func.step.accumulate import LayerFactors, fold_layers, layer_batch_factors
+from kfac_func.step.basis import BasisMoments, carry_moments, moment_bases
 from kfac_func.step.checks import validate_grads
 from kfac_func.step.decompose import decompose_layers
 from kfac_func.step.ekfac import update_scales
@@ -49,6 +50,9 @@ def update(
     grafting: str | None = None,
     graft_beta2: float = 0.999,
     graft_eps: float = 1e-8,
+    eigenbasis_moments: bool = False,
+    moment_beta2: float = 0.999,
+    moment_eps: float = 1e-8,
 ) -> tuple[dict[str, torch.Tensor], KFACState]:
     """One K-FAC step: returns ``(preconditioned_grads, new_state)``; inputs are untouched
     (unless donated).
@@ -95,6 +99,14 @@ def update(
             (usually None with grafting). Adam's running second moments live in the
             state (``LayerState.graft_moment``), its bias correction counts from step 0.
         graft_beta2, graft_eps: Adam grafting's ``β₂`` and ``eps``.
+        eigenbasis_moments: divide each layer's gradient in its eigenbasis by the root of
+            a running second moment of the gradient there (Adam's step in K-FAC's
+            eigenbasis, the idea of SOAP; see :mod:`kfac_func.core.basis_moments`)
+            instead of by the eigenvalues plus damping (``"eigen"`` or ``"ekfac"``). The
+            moments live in the state (``LayerState.basis_moment``), are carried into
+            each new eigenbasis, and start with a layer's first decomposition. Usually
+            with ``kl_clip=None`` and the learning rate of Adam.
+        moment_beta2, moment_eps: the moments' ``β₂`` and ``ε``.
 
     All hyperparameters may be ``step -> value`` callables, evaluated at ``state.step``.
 
@@ -120,8 +132,10 @@ def update(
     graft_settings = None
     if grafting is not None:
         graft_settings = Grafting(grafting, graft_beta2, graft_eps).check()
-    moments: dict[str, torch.Tensor] = {}
     step, config = state.step, state.config
+    basis_settings = None
+    if eigenbasis_moments:
+        basis_settings = BasisMoments(moment_beta2, moment_eps).check(config.compute_method)
     validate_grads(state.layers, grads)  # before anything changes, donated or not
     layers = state.layers if donate else dict(state.layers)
     micro: list[Captures] | None = None  # this step's statistics, when factors update
@@ -143,14 +157,17 @@ def update(
         fold_layers(layers, batch_of, decay, config, nonfinite)
     lam = resolve(damping, step)
     check_hyper("damping", lam, lambda v: v >= 0, ">= 0")
+    before = moment_bases(layers)
     fresh = decompose_layers(
         layers, lam, config, update_inverses=bool(resolve(update_inverses, step))
     )
+    carry_moments(layers, before, fresh)
     if config.compute_method == "ekfac" and micro is not None:
         # EKFAC: this step's per-example moments in the current eigenbases
         update_scales(layers, micro, decay, nonfinite, fresh)
-    if rows is None and captures is not None:
+    if rows is None and captures is not None and basis_settings is None:
         rows = captured_rows(state, captures)
+    changes: dict[str, dict[str, object]] = {}
     out = precondition_layers(
         layers,
         grads,
@@ -162,8 +179,9 @@ def update(
         rows=rows,
         consume_rows=donate,
         grafting=graft_settings,
-        moments=moments,
+        basis_moments=basis_settings,
+        changes=changes,
     )
-    for name, moment in moments.items():  # Adam grafting's running moments
-        layers[name] = layers[name].replace(graft_moment=moment)
+    for name, change in changes.items():  # the running moments
+        layers[name] = layers[name].replace(**change)
     return out, state.replace(layers=layers, step=step + 1)

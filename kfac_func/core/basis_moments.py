@@ -1,0 +1,116 @@
+"""Eigenbasis moments: Adam's per-coordinate step in K-FAC's eigenbasis.
+
+SOAP (Vyas et al., 2024) runs Adam in the eigenbasis of Shampoo's factors; this is the
+same idea in K-FAC's eigenbasis ``Qg ⊗ Qa``. A layer's gradient matrix ``M`` is projected,
+``V = Qgᵀ M Qa``; the running second moment ``v ← β₂ v + (1 − β₂) V²`` (elementwise, the
+first one ``(1 − β₂) V²``) and its bias correction ``v̂ = v / (1 − β₂ᵏ)`` after ``k``
+gradients scale it, and the result is projected back:
+
+    P = Qg [V / (sqrt(v̂) + ε)] Qaᵀ.
+
+Where EKFAC divides by the second moment of *per-example* gradients plus damping (the
+Fisher's diagonal in that basis, see :mod:`kfac_func.core.ekfac`), this divides by the root
+of the second moment of the *batch* gradient, as Adam does. When the eigenbasis is
+recomputed the moment is carried into the new one: with ``R = Q_newᵀ Q_old``,
+``v ← (Rg ⊙ Rg) v (Ra ⊙ Ra)ᵀ``, the diagonal of the old moment's diagonal matrix in the
+new basis (exact when the bases agree up to order and sign). A basis of None stands for
+the identity (diagonal factors). Pure tensor functions, batched over leading dimensions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["adam_in_basis", "carry_moment", "from_basis", "to_basis"]
+
+
+def to_basis(m: torch.Tensor, qa: torch.Tensor | None, qg: torch.Tensor | None) -> torch.Tensor:
+    """``Qgᵀ M Qa`` (a missing basis: the identity).
+
+    Example:
+        >>> q = torch.tensor([[0.0, 1.0], [1.0, 0.0]])
+        >>> to_basis(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), None, q)
+        tensor([[3., 4.],
+                [1., 2.]])
+    """
+    v = m if qg is None else qg.mT @ m
+    return v if qa is None else v @ qa
+
+
+def from_basis(v: torch.Tensor, qa: torch.Tensor | None, qg: torch.Tensor | None) -> torch.Tensor:
+    """``Qg V Qaᵀ``, the inverse of :func:`to_basis` for orthogonal bases.
+
+    Example:
+        >>> q = torch.linalg.qr(torch.randn(3, 3)).Q
+        >>> m = torch.randn(2, 3)
+        >>> torch.allclose(from_basis(to_basis(m, q, None), q, None), m, atol=1e-6)
+        True
+    """
+    out = v if qg is None else qg @ v
+    return out if qa is None else out @ qa.mT
+
+
+def adam_in_basis(
+    m: torch.Tensor,
+    qa: torch.Tensor | None,
+    qg: torch.Tensor | None,
+    moment: torch.Tensor | None,
+    count: int,
+    *,
+    beta2: float,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Precondition ``m`` with the running second moment in the eigenbasis.
+
+    Args:
+        m: the gradient matrix, ``(*batch, g_dim, a_dim)``, in the bases' dtype.
+        qa, qg: the eigenbases (None: the identity).
+        moment: the running moment of the ``count`` previous gradients, or None.
+        count: how many gradients ``moment`` holds (0 with None).
+        beta2, eps: Adam's ``β₂`` and ``ε``.
+
+    Returns:
+        ``(P, new moment)``, the new moment holding ``count + 1`` gradients.
+
+    Example:
+        >>> p, v = adam_in_basis(torch.tensor([[2.0, -3.0]]), None, None, None, 0,
+        ...                      beta2=0.9, eps=0.0)
+        >>> p, v
+        (tensor([[ 1., -1.]]), tensor([[0.4000, 0.9000]]))
+    """
+    projected = to_basis(m, qa, qg)
+    sq = projected.pow(2).mul_(1 - beta2)
+    new = sq if moment is None else moment.mul(beta2).add_(sq.to(moment.dtype))
+    v_hat = new / (1 - beta2 ** (count + 1))
+    scaled = projected / v_hat.sqrt().add_(eps).to(projected.dtype)
+    return from_basis(scaled, qa, qg), new
+
+
+def _rotation(new: torch.Tensor | None, old: torch.Tensor | None) -> torch.Tensor | None:
+    """``(Q_newᵀ Q_old)²`` elementwise; None when both bases are the identity."""
+    if new is None and old is None:
+        return None
+    if new is None:
+        assert old is not None
+        return old.pow(2)
+    r = new.mT if old is None else new.mT @ old.to(new.dtype)
+    return r.pow(2)
+
+
+def carry_moment(
+    moment: torch.Tensor,
+    old: tuple[torch.Tensor | None, torch.Tensor | None],
+    new: tuple[torch.Tensor | None, torch.Tensor | None],
+) -> torch.Tensor:
+    """The moment kept in the bases ``old = (qa, qg)`` carried into ``new = (qa, qg)``:
+    ``(Rg ⊙ Rg) v (Ra ⊙ Ra)ᵀ`` with ``R = Q_newᵀ Q_old``.
+
+    Example:
+        >>> swap = torch.tensor([[0.0, 1.0], [1.0, 0.0]])
+        >>> carry_moment(torch.tensor([[1.0, 2.0]]), (None, None), (swap, None))
+        tensor([[2., 1.]])
+    """
+    ra = _rotation(new[0], old[0])
+    rg = _rotation(new[1], old[1])
+    out = moment if rg is None else rg.to(moment.dtype) @ moment
+    return out if ra is None else out @ ra.to(moment.dtype).mT

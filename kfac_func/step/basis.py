@@ -1,0 +1,97 @@
+"""Eigenbasis moments in the step: the settings, one layer's preconditioning, and carrying
+the moments into a recomputed eigenbasis. The math is in
+:mod:`kfac_func.core.basis_moments`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, MutableMapping
+from typing import NamedTuple
+
+import torch
+
+from kfac_func.core.basis_moments import adam_in_basis, carry_moment
+from kfac_func.core.decomposition import Decomposition, EigenDecomposition, EKFACDecomposition
+from kfac_func.state import LayerState
+from kfac_func.step.hyper import check_hyper
+
+__all__ = ["BasisMoments", "basis_of", "carry_moments", "moment_bases", "precondition_in_basis"]
+
+
+class BasisMoments(NamedTuple):
+    """Settings of eigenbasis moments (see :mod:`kfac_func.core.basis_moments`): Adam's
+    ``beta2`` and ``eps``."""
+
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+    def check(self, compute_method: str) -> BasisMoments:
+        """This, validated for a state of ``compute_method`` (a ValueError names the bad
+        setting)."""
+        if compute_method not in ("eigen", "ekfac"):
+            raise ValueError(
+                "eigenbasis_moments needs an eigenbasis: compute_method 'eigen' or 'ekfac', "
+                f"got {compute_method!r}"
+            )
+        check_hyper("moment_beta2", self.beta2, lambda v: 0 <= v < 1, "in [0, 1)")
+        check_hyper("moment_eps", self.eps, lambda v: v >= 0, ">= 0")
+        return self
+
+
+def basis_of(dec: Decomposition) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(qa, qg)`` of an eigen or EKFAC decomposition."""
+    if not isinstance(dec, (EigenDecomposition, EKFACDecomposition)):
+        raise TypeError(f"{type(dec).__name__} has no eigenbasis")
+    return dec.qa, dec.qg
+
+
+def precondition_in_basis(
+    ls: LayerState, m: torch.Tensor, settings: BasisMoments
+) -> tuple[torch.Tensor, dict[str, object]]:
+    """``(P, changes)``: the layer's gradient matrix ``m`` preconditioned by its running
+    moment in its eigenbasis, and the changes of the layer state that hold the new moment
+    (``ls.replace(**changes)``)."""
+    assert ls.decomposition is not None
+    qa, qg = basis_of(ls.decomposition)
+    dtype = ls.a_factor.dtype
+    p, moment = adam_in_basis(
+        m.to(dtype),
+        None if qa is None else qa.to(dtype),
+        None if qg is None else qg.to(dtype),
+        ls.basis_moment,
+        ls.moment_count,
+        beta2=settings.beta2,
+        eps=settings.eps,
+    )
+    return p.to(m.dtype), {"basis_moment": moment, "moment_count": ls.moment_count + 1}
+
+
+def moment_bases(
+    layers: Mapping[str, LayerState],
+) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """The eigenbases that the moments of ``layers`` are kept in, before a decomposition
+    stage replaces them (see :func:`carry_moments`)."""
+    return {
+        name: basis_of(ls.decomposition)
+        for name, ls in layers.items()
+        if ls.basis_moment is not None and ls.decomposition is not None
+    }
+
+
+def carry_moments(
+    layers: MutableMapping[str, LayerState],
+    before: Mapping[str, tuple[torch.Tensor | None, torch.Tensor | None]],
+    fresh: Collection[str],
+) -> None:
+    """Carry the moment of every layer in ``fresh`` (decomposed anew) from its basis in
+    ``before`` into its new one (in place; the count is kept)."""
+    for name in fresh:
+        ls = layers[name]
+        if name not in before or ls.basis_moment is None or ls.decomposition is None:
+            continue
+        old = before[name]
+        new = basis_of(ls.decomposition)
+        if all(o is n for o, n in zip(old, new)):
+            continue
+        moment = carry_moment(ls.basis_moment, old, new)
+        layers[name] = ls.replace(basis_moment=moment)
