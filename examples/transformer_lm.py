@@ -43,15 +43,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac_func import KFACPreconditioner
+import kfac_func as kf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import format_table, progress, save_curves
 
-OPTIMIZERS = ("sgd", "adam", "kfac")
-HEADER = "optimizer  epoch  train_loss  test_loss  test_bpc  seconds"
+OPTIMIZERS = ("sgd", "adam", "kfac", "kfac-moments")
+KFAC_DEFAULTS = {
+    # (learning rate, factor_update_steps, inv_update_steps, factor_decay), from sweeps
+    "kfac": (0.3, 1, 5, 0.95),
+    "kfac-moments": (0.01, 5, 10, 0.8),
+}
+HEADER = "   optimizer  epoch  train_loss  test_loss  test_bpc  seconds"
 ROW = (
-    "{0:>9}  {epoch:5d}  {train_loss:10.4f}  {test_loss:9.4f}  {test_bits_per_char:8.4f}"
+    "{0:>12}  {epoch:5d}  {train_loss:10.4f}  {test_loss:9.4f}  {test_bits_per_char:8.4f}"
     "  {seconds:7.1f}"
 )
 
@@ -246,38 +251,64 @@ def train(
     model = make(data.vocab, args.context, args.d_model, args.layers, args.heads)
     model.to(device)
     preconditioner = None
-    if name == "adam":
-        optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-            model.parameters(), lr=args.adam_lr, weight_decay=args.weight_decay
-        )
-    else:
-        lr = args.kfac_lr if name == "kfac" else args.sgd_lr
-        optimizer = torch.optim.SGD(
-            model.parameters(), lr=lr, momentum=args.momentum, weight_decay=args.weight_decay
-        )
     total_steps = args.epochs * args.steps
     schedule = lr_schedule(round(args.warmup * total_steps), total_steps)
-    if name == "kfac":
+    optimizers: list[torch.optim.Optimizer] = []
+    if name == "adam":
+        optimizers.append(
+            torch.optim.AdamW(model.parameters(), lr=args.adam_lr, weight_decay=args.weight_decay)
+        )
+    elif name == "sgd":
+        optimizers.append(
+            torch.optim.SGD(
+                model.parameters(),
+                lr=args.sgd_lr,
+                momentum=args.momentum,
+                weight_decay=args.weight_decay,
+            )
+        )
+    else:
+        # The recipe: SGD with momentum on the parameters K-FAC preconditions, AdamW on
+        # the others (modules named by --kfac-skip, or of kinds K-FAC does not know).
+        lr, factor_steps, inv_steps, decay = KFAC_DEFAULTS[name]
+        table = kf.register(model, args.kfac_skip)
+        kfac_params, rest = table.split_parameters(model)
+        moments = name == "kfac-moments"
+        sgd = torch.optim.SGD(
+            kfac_params,
+            lr=args.kfac_lr or lr,
+            momentum=args.momentum,
+            # with eigenbasis moments the momentum is Adam's first moment: an average
+            dampening=args.momentum if moments else 0.0,
+            weight_decay=args.weight_decay,
+        )
+        optimizers.append(sgd)
+        if rest:
+            optimizers.append(
+                torch.optim.AdamW(rest, lr=args.adam_lr, weight_decay=args.weight_decay)
+            )
         # Once the KL clip binds it holds lr² · Σ grad · preconditioned grad at kl_clip, so
         # the learning rate no longer sets the step of the preconditioned layers; scaling
         # kl_clip by the square of the schedule gives that step the same warm-up and decay
-        # as the other optimizers.
-        kl_clip = args.kl_clip
-        preconditioner = KFACPreconditioner(
+        # as the other optimizers. Eigenbasis moments give Adam's step length: no clip.
+        kl_clip = 0.0 if moments else args.kl_clip
+        preconditioner = kf.KFACPreconditioner(
             model,
-            factor_update_steps=args.factor_update_steps,
-            inv_update_steps=args.inv_update_steps,
+            factor_update_steps=args.factor_update_steps or factor_steps,
+            inv_update_steps=args.inv_update_steps or inv_steps,
             damping=args.damping,
-            factor_decay=args.factor_decay,
+            factor_decay=args.factor_decay or decay,
             kl_clip=(lambda step: kl_clip * schedule(step) ** 2) if kl_clip > 0 else None,
-            lr=lambda step: optimizer.param_groups[0]["lr"],
+            lr=lambda step: sgd.param_groups[0]["lr"],
             skip_layers=args.kfac_skip,
             scaling=args.scaling,
             compute_method=args.kfac_method,
+            eigenbasis_moments=moments,
+            moment_beta2=args.moment_beta2,
         )
         if args.verbose:
             print(preconditioner.layers)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in optimizers]
     batches = torch.Generator().manual_seed(args.seed + 1)  # the same batches for everyone
     x_test, y_test = data.test_windows(args.context, args.test_windows)
     x_test, y_test = x_test.to(device), y_test.to(device)
@@ -289,13 +320,15 @@ def train(
         losses = []
         for _ in progress(range(args.steps), total=args.steps, desc=f"{name} epoch {epoch}"):
             x, y = (t.to(device) for t in data.batch(args.batch_size, args.context, batches))
-            optimizer.zero_grad(set_to_none=True)
+            for o in optimizers:
+                o.zero_grad(set_to_none=True)
             loss = lm_loss(model(x), y)
             loss.backward()
             if preconditioner is not None:
                 preconditioner.step()
-            optimizer.step()
-            scheduler.step()
+            for o, sched in zip(optimizers, schedulers):
+                o.step()
+                sched.step()
             losses.append(loss.detach())
         train_loss = float(torch.stack(losses).mean())
         if device.type == "cuda":
@@ -338,17 +371,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--momentum", type=float, default=0.9, help="SGD momentum (sgd and kfac)")
     add("--sgd-lr", type=float, default=0.2)
     add("--adam-lr", type=float, default=2e-3)
-    add("--kfac-lr", type=float, default=0.3, help="learning rate of SGD under K-FAC")
+    add(
+        "--kfac-lr",
+        type=float,
+        default=None,
+        help="learning rate of SGD under K-FAC (default: 0.3 kfac, 0.01 kfac-moments)",
+    )
     add("--damping", type=float, default=0.001)
-    add("--factor-decay", type=float, default=0.95)
+    add(
+        "--factor-decay",
+        type=float,
+        default=None,
+        help="running-average decay of the factors (default: 0.95 kfac, 0.8 kfac-moments)",
+    )
+    add(
+        "--moment-beta2",
+        type=float,
+        default=0.95,
+        help="kfac-moments: decay of the second moments in K-FAC's eigenbasis",
+    )
     add(
         "--kl-clip",
         type=float,
         default=3e-5,
         help="KL clip at the peak of the schedule (scaled by its square); 0 disables it",
     )
-    add("--factor-update-steps", type=int, default=1)
-    add("--inv-update-steps", type=int, default=5)
+    add(
+        "--factor-update-steps",
+        type=int,
+        default=None,
+        help="steps between factor updates (default: 1 kfac, 5 kfac-moments)",
+    )
+    add(
+        "--inv-update-steps",
+        type=int,
+        default=None,
+        help="steps between decompositions (default: 5 kfac, 10 kfac-moments)",
+    )
     add(
         "--kfac-method",
         default="eigen",

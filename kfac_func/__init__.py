@@ -14,6 +14,7 @@ Example:
     >>> grads, state = kf.update(state, grads, captures=caps, damping=1e-2, lr=0.1)
 """
 
+from kfac_func.adapter.adaptive import AdaptiveStepper
 from kfac_func.adapter.preconditioner import ComputeMethod, KFACPreconditioner
 from kfac_func.adapter.scheduler import LambdaParamScheduler
 from kfac_func.blocks import LayerSpec, LayerTable, grads_to_matrix, matrix_to_grads, register
@@ -37,6 +38,7 @@ from kfac_func.core.decomposition import (
 from kfac_func.core.factors import a_factor, g_factor
 from kfac_func.core.layer_decomposition import eigen_decompose, inverse_decompose
 from kfac_func.core.preconditioning import kl_clip_scale, precondition
+from kfac_func.core.quadratic import QuadraticSolution, lm_damping, solve_quadratic
 from kfac_func.distributed.communicator import Communicator, RankMismatchError
 from kfac_func.distributed.kaisa import update_distributed
 from kfac_func.distributed.plan import (
@@ -49,8 +51,16 @@ from kfac_func.distributed.plan import (
 from kfac_func.parallel.gpt_neox import ExperimentalFeatureWarning, GPTNeoXKFACPreconditioner
 from kfac_func.parallel.plan import ParallelPlan, make_parallel_plan, register_parallel
 from kfac_func.parallel.preconditioner import ParallelKFACPreconditioner
-from kfac_func.state import KFACConfig, KFACState, LayerState, init
+from kfac_func.state import AdaptiveRecord, AdaptiveState, KFACConfig, KFACState, LayerState, init
 from kfac_func.step.accumulate import accumulate_factors
+from kfac_func.step.adaptive import (
+    AdaptiveInfo,
+    adapt_damping,
+    adaptive_step,
+    damping_due,
+    init_adaptive,
+)
+from kfac_func.step.curvature import curvature_gram
 from kfac_func.step.decompose import decompose
 from kfac_func.step.ekfac import correct_eigenvalues
 from kfac_func.step.hyper import NonFiniteError
@@ -61,6 +71,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CONVENTIONS",
+    "AdaptiveInfo",
+    "AdaptiveRecord",
+    "AdaptiveState",
+    "AdaptiveStepper",
     "AssignmentStrategy",
     "Captures",
     "CheckpointError",
@@ -89,20 +103,27 @@ __all__ = [
     "ParallelKFACPreconditioner",
     "ParallelPlan",
     "Plan",
+    "QuadraticSolution",
     "RankMismatchError",
     "__version__",
     "a_factor",
     "accumulate_factors",
+    "adapt_damping",
+    "adaptive_step",
     "capture",
     "correct_eigenvalues",
+    "curvature_gram",
+    "damping_due",
     "decompose",
     "eigen_decompose",
     "g_factor",
     "grads_to_matrix",
     "init",
+    "init_adaptive",
     "inverse_decompose",
     "kl_clip_scale",
     "layer_file_name",
+    "lm_damping",
     "load_factor_dir",
     "load_state",
     "make_parallel_plan",
@@ -115,6 +136,7 @@ __all__ = [
     "register_parallel",
     "save_factor_dir",
     "save_state",
+    "solve_quadratic",
     "state_from_dict",
     "state_to_dict",
     "update",

@@ -150,3 +150,36 @@ def test_new_kind_in_the_adapter_and_checkpoints(dense_kind: None) -> None:
     back = kf.state_from_dict(kf.state_to_dict(state), like=state)
     assert back.layers["0"].spec.kind == "dense"
     assert torch.equal(back.layers["0"].g_factor, state.layers["0"].g_factor)
+
+
+def test_split_parameters_recipe() -> None:
+    """Every parameter lands in exactly one list, in model order; K-FAC's list holds those
+    of the registered layers (attention's packed projection included), tied and skipped
+    ones go to the other list."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(7, 4)
+            self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+            self.norm = nn.LayerNorm(4)
+            self.head = nn.Linear(4, 7, bias=False)
+            self.head.weight = self.emb.weight
+            self.out = nn.Linear(4, 2)
+
+    model = Tied()
+    with pytest.warns(UserWarning):
+        table = kf.register(model, skip_layers=["LayerNorm"])
+    kfac, rest = table.split_parameters(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert [names[id(p)] for p in kfac] == [
+        "attn.in_proj_weight",
+        "attn.in_proj_bias",
+        "attn.out_proj.weight",
+        "attn.out_proj.bias",
+        "out.weight",
+        "out.bias",
+    ]
+    assert [names[id(p)] for p in rest] == ["emb.weight", "norm.weight", "norm.bias"]
+    with pytest.raises(ValueError, match="registered from"):
+        table.split_parameters(nn.Linear(2, 2))

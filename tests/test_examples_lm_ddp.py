@@ -102,7 +102,7 @@ def test_char_data_split_and_batches() -> None:
 def test_lm_kfac_preconditions_every_layer_by_default() -> None:
     lm = load_example("transformer_lm")
     model = lm.CharTransformer(vocab=11, context=8, d_model=16, layers=2, heads=2)
-    pre = lm.KFACPreconditioner(model, skip_layers=lm.parse_args([]).kfac_skip)
+    pre = lm.kf.KFACPreconditioner(model, skip_layers=lm.parse_args([]).kfac_skip)
     owners = {n.rsplit(".", 1)[0] for n, _ in model.named_parameters()}
     assert set(pre.layers) == owners
     assert not pre.layers.skipped
@@ -113,7 +113,7 @@ def test_lm_kfac_preconditions_every_layer_by_default() -> None:
 def test_lm_torch_variant_preconditions_every_parameter() -> None:
     lm = load_example("transformer_lm")
     model = lm.TorchCharTransformer(vocab=11, context=8, d_model=16, layers=2, heads=2)
-    pre = lm.KFACPreconditioner(model, skip_layers=lm.parse_args(["--model", "torch"]).kfac_skip)
+    pre = lm.kf.KFACPreconditioner(model, skip_layers=lm.parse_args(["--model", "torch"]).kfac_skip)
     covered = {p for spec in pre.layers.values() for p in spec.param_names()}
     assert covered == {n for n, _ in model.named_parameters()}
     assert {s.kind for s in pre.layers.values()} == {
@@ -133,7 +133,7 @@ def test_lm_kfac_linear_only_preconditions_every_linear_and_skips_the_rest() -> 
     lm = load_example("transformer_lm")
     args = lm.parse_args(["--kfac-linear-only"])
     model = lm.CharTransformer(vocab=11, context=8, d_model=16, layers=2, heads=2)
-    pre = lm.KFACPreconditioner(model, skip_layers=args.kfac_skip)
+    pre = lm.kf.KFACPreconditioner(model, skip_layers=args.kfac_skip)
     linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert set(pre.layers) == linears
     assert {"blocks.1.attn.query", "blocks.1.attn.value", "blocks.0.fc2", "head"} <= linears
@@ -175,13 +175,13 @@ def test_transformer_lm_runs(tmp_path: Path) -> None:
         ],
         cwd=tmp_path,
     )
-    runs = ["sgd", "adam", "kfac"]
+    runs = ["sgd", "adam", "kfac", "kfac-moments"]
     rows = check_curves(prefix, runs, 2, ["train_loss", "test_loss", "test_bits_per_char"])
     for r in rows:
         assert float(r["test_bits_per_char"]) == pytest.approx(float(r["test_loss"]) / math.log(2))
         assert 0 < float(r["train_loss"]) < 10
     lines = proc.stdout.splitlines()
-    table = [line.split() for line in lines[lines.index("final epoch") + 2 :][:3]]
+    table = [line.split() for line in lines[lines.index("final epoch") + 2 :][:4]]
     assert [t[0] for t in table] == runs
     # the printed final losses are the CSV's last rows
     last = {r["optimizer"]: r for r in rows if r["epoch"] == "2"}

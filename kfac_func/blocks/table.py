@@ -48,6 +48,34 @@ class LayerTable(dict[str, LayerSpec]):
     def __repr__(self) -> str:
         return f"LayerTable({len(self)} layers, {len(self.skipped)} skipped)"
 
+    def split_parameters(self, model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """``(preconditioned, others)``: the parameters of ``model`` (the model this table
+        was registered from) that a registered layer preconditions, and the rest (skipped
+        or unsupported modules, tied parameters), each in ``model.parameters()`` order.
+
+        The usual recipe gives the two lists different optimizers: SGD (or an optimizer
+        with Adam's first moment) on K-FAC's gradients, AdamW on the others, whose
+        gradients K-FAC passes unchanged.
+
+        Example:
+            >>> from torch import nn
+            >>> model = nn.Sequential(nn.Linear(2, 3), nn.Embedding(4, 3))
+            >>> kfac, rest = register(model, skip_layers=["Embedding"]).split_parameters(model)
+            >>> [p.shape for p in kfac], [p.shape for p in rest]
+            ([torch.Size([3, 2]), torch.Size([3])], [torch.Size([4, 3])])
+        """
+        names = {n for spec in self.values() for n in (spec.weight, spec.bias) if n}
+        params = dict(model.named_parameters())
+        unknown = sorted(names - set(params))
+        if unknown:
+            raise ValueError(
+                f"the model has no parameters {unknown}: split_parameters needs the model "
+                "the table was registered from"
+            )
+        mine = [p for n, p in params.items() if n in names]
+        rest = [p for n, p in params.items() if n not in names]
+        return mine, rest
+
 
 def _fmt_shape(shape: tuple[int, ...]) -> str:
     return "x".join(str(s) for s in shape)

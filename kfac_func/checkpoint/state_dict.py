@@ -31,6 +31,7 @@ from kfac_func.checkpoint.state_format import (
     _SPEC_DEFAULTS,
     _SPEC_FIELDS,
     META_KEY,
+    _adaptive_key,
     _decode_meta,
     _dense,
     _encode,
@@ -42,7 +43,7 @@ from kfac_func.checkpoint.state_format import (
     _metadata,
 )
 from kfac_func.core.decomposition import decomposition_from_fields
-from kfac_func.state import KFACState, LayerState
+from kfac_func.state import AdaptiveRecord, AdaptiveState, KFACState, LayerState
 
 __all__ = [
     "state_from_dict",
@@ -93,7 +94,7 @@ def state_to_dict(
     strides: dict[str, list[int]] = {}
     paths, leaves, _ = optree.tree_flatten_with_path(state)  # type: ignore[arg-type,var-annotated]
     for path, leaf in zip(paths, leaves):
-        if not include_decompositions and path[2:3] == ("decomposition",):
+        if not include_decompositions and path[0] == "layers" and path[2:3] == ("decomposition",):
             continue
         # unique: the last component is always a field name, and the field names of a
         # layer (a_factor, g_factor) and of a decomposition (qa, ..., g_inv) are disjoint
@@ -171,6 +172,50 @@ def _layer_problems(
     return reasons
 
 
+def _restore(t: torch.Tensor, layout: Sequence[int] | None, device: torch.device) -> torch.Tensor:
+    """A fresh copy of ``t`` on ``device`` in the memory layout ``layout`` (matmul results
+    depend on it)."""
+    layout = layout or _contiguous_strides(t.shape)
+    return torch.empty_strided(t.shape, layout, dtype=t.dtype, device=device).copy_(t)
+
+
+def _build_adaptive(
+    meta: dict[str, Any] | None,
+    like: KFACState,
+    d: Mapping[str, torch.Tensor],
+    strides: Mapping[str, list[int]],
+) -> AdaptiveState | None:
+    """The file's adaptive part; ``like``'s when the file has none (older files)."""
+    if meta is None:
+        return like.adaptive
+    previous = None
+    if meta["previous"] is not None:
+        have = like.adaptive.previous if like.adaptive is not None else None
+        tensors = list(have.values()) if have else [ls.a_factor for ls in like.layers.values()]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        previous = {
+            n: _restore(d[_adaptive_key(n)], strides.get(_adaptive_key(n)), device)
+            for n in meta["previous"]
+        }
+
+    def opt(v: Any) -> float | None:
+        return None if v is None else float(v)
+
+    return AdaptiveState(
+        damping=float(meta["damping"]),
+        previous=previous,
+        steps=meta["steps"],
+        alpha=opt(meta["alpha"]),
+        mu=opt(meta["mu"]),
+        predicted=opt(meta["predicted"]),
+        rho=opt(meta["rho"]),
+        history=tuple(
+            AdaptiveRecord(r[0], float(r[1]), float(r[2]), float(r[3]), float(r[4]), opt(r[5]))
+            for r in meta["history"]
+        ),
+    )
+
+
 def _contiguous_strides(shape: Sequence[int]) -> list[int]:
     out, step = [], 1
     for n in reversed(shape):
@@ -189,11 +234,8 @@ def _build_layer(
     device = ls.a_factor.device
 
     def get(*rest: str) -> torch.Tensor:
-        # a fresh tensor in the original memory layout: matmul results depend on it
         key = _layer_key(name, *rest)
-        t = d[key]
-        layout = strides.get(key) or _contiguous_strides(t.shape)
-        return torch.empty_strided(t.shape, layout, dtype=t.dtype, device=device).copy_(t)
+        return _restore(d[key], strides.get(key), device)
 
     dec_meta = entry.get("decomposition")
     decomposition = None
@@ -225,7 +267,9 @@ def state_from_dict(d: Mapping[str, torch.Tensor], *, like: KFACState) -> KFACSt
     layout they had when saved (so the new state shares no memory with ``d``).
     Decompositions not stored come back as ``None``: the next :func:`kfac_func.step.update`
     computes them from that step's factors, or ``kf.decompose(state, damping=...,
-    only_missing=True)`` computes them now from the loaded factors.
+    only_missing=True)`` computes them now from the loaded factors. The adaptive part
+    (:class:`~kfac_func.state.AdaptiveState`) is the file's; a file without one (written
+    without it, or before it existed) gives ``like.adaptive``.
 
     Raises:
         CheckpointFormatError: missing/malformed metadata, a format version newer than
@@ -294,4 +338,5 @@ def state_from_dict(d: Mapping[str, torch.Tensor], *, like: KFACState) -> KFACSt
 
     strides = meta.get("strides", {})
     layers = {name: _build_layer(entries[name], ls, d, strides) for name, ls in like.layers.items()}
-    return KFACState(layers=layers, step=meta["step"], config=like.config)
+    adaptive = _build_adaptive(meta["adaptive"], like, d, strides)
+    return KFACState(layers=layers, step=meta["step"], config=like.config, adaptive=adaptive)

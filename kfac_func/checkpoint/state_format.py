@@ -10,7 +10,11 @@ with dots, exactly ``".".join(path)`` for ``optree.tree_flatten_with_path(state)
 - ``layers.<layer name>.a_factor`` and ``layers.<layer name>.g_factor``;
 - with ``include_decompositions=True``, ``layers.<layer name>.decomposition.<field>``
   (``qa``, ``da``, ``qg``, ``dg`` and, when precomputed, ``dgda`` for the eigen method;
-  ``a_inv``, ``g_inv`` for the inverse method).
+  ``a_inv``, ``g_inv`` for the inverse method);
+- with an adaptive part (:class:`~kfac_func.state.AdaptiveState`) that holds a previous
+  update, ``adaptive.previous.<parameter name>``. Its numbers (damping, counters, the last
+  coefficients, the history) are in the metadata under ``"adaptive"`` (absent or null
+  without one; files written before it existed load as without one).
 
 Layer names may themselves contain dots (``encoder.0``), so keys are never parsed: the
 reserved key ``__kfac_meta__`` holds a UTF-8 JSON document (a 1-D ``uint8`` tensor) with
@@ -53,7 +57,7 @@ from kfac_func.core.decomposition import (
     EKFACDecomposition,
     InverseDecomposition,
 )
-from kfac_func.state import KFACConfig, KFACState, LayerState
+from kfac_func.state import AdaptiveRecord, AdaptiveState, KFACConfig, KFACState, LayerState
 
 __all__ = [
     "FORMAT_VERSION",
@@ -151,7 +155,64 @@ def _metadata(
         "decompositions": kinds.pop() if len(kinds) == 1 else None,
         "layers": layers,
         "strides": strides,
+        "adaptive": _adaptive_meta(state.adaptive),
     }
+
+
+_ADAPTIVE_NUMBERS = ("alpha", "mu", "predicted", "rho")
+
+
+def _adaptive_meta(ad: AdaptiveState | None) -> dict[str, Any] | None:
+    """The numbers of the adaptive part (floats round-trip exactly through JSON)."""
+    if ad is None:
+        return None
+    return {
+        "damping": ad.damping,
+        "steps": ad.steps,
+        **{k: getattr(ad, k) for k in _ADAPTIVE_NUMBERS},
+        "history": [list(r) for r in ad.history],
+        "previous": None if ad.previous is None else list(ad.previous),
+    }
+
+
+def _adaptive_key(name: str) -> str:
+    return _key(("adaptive", "previous", name))
+
+
+def _number(value: Any, optional: bool) -> bool:
+    if value is None:
+        return optional
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _decode_adaptive(meta: dict[str, Any]) -> None:
+    """Validate ``meta["adaptive"]`` in place (None when the file has no adaptive part)."""
+    ad = meta.setdefault("adaptive", None)  # files written before adaptive steps
+    if ad is None:
+        return
+    if not isinstance(ad, dict):
+        raise _fmt("metadata 'adaptive' is not an object")
+    if not _number(ad.get("damping"), False):
+        raise _fmt("metadata adaptive 'damping' must be a number")
+    _get(ad, "steps", int, "adaptive ")
+    for k in (*_ADAPTIVE_NUMBERS, "previous"):
+        ad.setdefault(k, None)
+    for k in _ADAPTIVE_NUMBERS:
+        if not _number(ad[k], True):
+            raise _fmt(f"metadata adaptive {k!r} must be a number or null")
+    history = _get(ad, "history", list, "adaptive ")
+    fields = len(AdaptiveRecord._fields)
+    for r in history:
+        ok = isinstance(r, list) and len(r) == fields and isinstance(r[0], int)
+        if not ok or not all(_number(x, i == fields - 1) for i, x in enumerate(r[1:], 1)):
+            raise _fmt(f"metadata adaptive history entry {r!r} is malformed")
+    previous = ad["previous"]
+    if previous is not None and (
+        not isinstance(previous, list)
+        or not all(isinstance(n, str) for n in previous)
+        or len(set(previous)) != len(previous)
+    ):
+        raise _fmt("metadata adaptive 'previous' must be null or a list of distinct names")
 
 
 def _dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
@@ -219,6 +280,7 @@ def _decode_meta(d: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     for k in _CONFIG_FIELDS:
         _get(config, k, (str, bool), "config ")
     strides = meta.get("strides", {})
+    _decode_adaptive(meta)
     if not isinstance(strides, dict) or not all(
         isinstance(v, list) and all(isinstance(x, int) for x in v) for v in strides.values()
     ):
@@ -273,4 +335,7 @@ def _expected_keys(meta: dict[str, Any]) -> list[str]:
             keys += [
                 _layer_key(name, "decomposition", f) for f in entry["decomposition"]["tensors"]
             ]
+    adaptive = meta.get("adaptive")
+    if adaptive is not None and adaptive.get("previous") is not None:
+        keys += [_adaptive_key(n) for n in adaptive["previous"]]
     return keys
