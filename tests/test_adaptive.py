@@ -125,6 +125,34 @@ def test_curvature_gram_matches_dense_ggn(case: str, positions: bool) -> None:
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
+class _Attention(nn.Module):
+    """Causal self-attention through ``F.scaled_dot_product_attention``, whose fused CPU
+    kernel has no forward-mode derivative."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.qkv = nn.Linear(4, 12).to(DT)
+        self.head = nn.Linear(4, 5).to(DT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.head(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_curvature_gram_through_attention() -> None:
+    model = _Attention()
+    params = _params(model)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 6, 4, generator=g, dtype=DT)
+    loss_fn = _ce(torch.randint(0, 5, (3, 6), generator=g))
+    v, w = _random_like(params, 6), _random_like(params, 7)
+    got = kf.curvature_gram(model, params, x, [v, w])
+    ggn, _, names = _dense(model, params, x, loss_fn)
+    want = _gram([_flat(v, names), _flat(w, names)], ggn)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
 def test_output_hvps_match_dense_hessians() -> None:
     g = torch.Generator().manual_seed(4)
     y = torch.randn(5, 2, 3, generator=g, dtype=DT)
@@ -511,3 +539,79 @@ def test_bad_input_names_the_argument() -> None:
         kf.adaptive_step(
             state.replace(adaptive=None), params, grads, directions, model=model, args=x
         )
+
+
+# --------------------------------------------------------------------------- the adapter
+
+
+def _adaptive_pre(model: nn.Module, interval: int = 2) -> kf.KFACPreconditioner:
+    return kf.KFACPreconditioner(
+        model,
+        scaling="fisher",
+        factor_dtype=DT,
+        inv_dtype=DT,
+        damping=1.0,
+        kl_clip=None,
+        adaptive=AdaptiveStepper(model, loss="cross_entropy", interval=interval),
+    )
+
+
+def _adapter_steps(
+    model: nn.Module, pre: kf.KFACPreconditioner, batches: range
+) -> list[tuple[Params, float]]:
+    out = []
+    for k in batches:
+        g = torch.Generator().manual_seed(k)
+        x, t = torch.randn(16, 3, generator=g, dtype=DT), torch.randint(0, 4, (16,), generator=g)
+        model.zero_grad()
+        loss = F.cross_entropy(model(x), t)
+        loss.backward()
+        pre.step(inputs=x, loss=loss, loss_closure=lambda x=x, t=t: F.cross_entropy(model(x), t))
+        assert pre.state.adaptive is not None
+        out.append((_params(model), pre.state.adaptive.damping))
+    return out
+
+
+def test_adapter_equals_the_functional_loop_and_resumes() -> None:
+    """``step(inputs=, loss=, loss_closure=)`` updates the parameters as the functional
+    loop does (the closure called only when the damping is due); a state dict resumes it."""
+    model, ref = _mlp(seed=7), _mlp(seed=7)
+    pre = _adaptive_pre(model)
+    got = _adapter_steps(model, pre, range(4))
+    params = _params(ref)
+    state = kf.init_adaptive(kf.init(kf.register(ref), factor_dtype=DT, inv_dtype=DT), damping=1.0)
+    for k in range(4):
+        g = torch.Generator().manual_seed(k)
+        x, t = torch.randn(16, 3, generator=g, dtype=DT), torch.randint(0, 4, (16,), generator=g)
+        params, state, _ = _loop_step(ref, params, state, x, _ce(t), "cross_entropy", 2)
+        for n in params:
+            torch.testing.assert_close(got[k][0][n], params[n], rtol=1e-10, atol=1e-12)
+        assert got[k][1] == pytest.approx(state.adaptive.damping, rel=1e-10)
+    assert state.adaptive.damping != 1.0
+    saved = pre.state_dict()
+    again = _mlp(seed=7)
+    again.load_state_dict(model.state_dict())
+    resumed = _adaptive_pre(again)
+    resumed.load_state_dict(saved)
+    want = _adapter_steps(model, pre, range(4, 7))
+    for (a, da), (b, db) in zip(want, _adapter_steps(again, resumed, range(4, 7))):
+        assert da == db
+        for n in a:
+            torch.testing.assert_close(a[n], b[n], rtol=1e-12, atol=1e-15)
+    with pytest.raises(ValueError, match="adaptive part"):
+        kf.KFACPreconditioner(_mlp(), kl_clip=None).load_state_dict(saved)
+
+
+def test_adapter_refuses_inconsistent_adaptive_settings() -> None:
+    model = _mlp()
+    with pytest.raises(ValueError, match="kl_clip=None"):
+        kf.KFACPreconditioner(model, adaptive=AdaptiveStepper(model))
+    with pytest.raises(ValueError, match="same model"):
+        kf.KFACPreconditioner(model, kl_clip=None, adaptive=AdaptiveStepper(_mlp()))
+    pre = _adaptive_pre(model)
+    F.cross_entropy(model(torch.randn(4, 3, dtype=DT)), torch.zeros(4, dtype=torch.long)).backward()
+    with pytest.raises(ValueError, match="loss_closure"):
+        pre.step(inputs=torch.randn(4, 3, dtype=DT), loss=1.0)
+    plain = kf.KFACPreconditioner(model, kl_clip=None)
+    with pytest.raises(ValueError, match="need adaptive="):
+        plain.step(inputs=torch.randn(4, 3, dtype=DT))

@@ -8,6 +8,7 @@ the current factors live on their owners and are fetched with a broadcast.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from kfac_func.core.decomposition import (
 )
 from kfac_func.distributed.communicator import Communicator
 from kfac_func.distributed.plan import DistributedStrategy, Plan
-from kfac_func.state import KFACConfig, KFACState, LayerState
+from kfac_func.state import AdaptiveRecord, AdaptiveState, KFACConfig, KFACState, LayerState
 from kfac_func.step.decompose import redecompose
 
 __all__ = ["StateDictMixin", "layer_entries", "load_layer"]
@@ -109,6 +110,26 @@ def load_layer(
     return new
 
 
+def _adaptive_from(entry: Any, current: AdaptiveState | None) -> AdaptiveState | None:
+    """The adaptive state of a state dict's ``"adaptive"`` entry (``current`` without one;
+    a ValueError when only one of the two has an adaptive part)."""
+    if (entry is None) != (current is None):
+        have = "has" if entry is not None else "has no"
+        want = "takes" if current is not None else "does not take"
+        raise ValueError(
+            f"the state_dict {have} an adaptive part, and this preconditioner {want} "
+            "adaptive steps (adaptive=)"
+        )
+    if entry is None:
+        return current
+    fields = dict(entry)
+    previous = fields.get("previous")
+    if previous is not None:
+        fields["previous"] = {k: v.clone() for k, v in previous.items()}
+    fields["history"] = tuple(AdaptiveRecord(*r) for r in fields.get("history", ()))
+    return AdaptiveState(**fields)
+
+
 def _decomposition_class(method: str) -> Any:
     classes = {"eigen": EigenDecomposition, "ekfac": EKFACDecomposition}
     return classes.get(method, InverseDecomposition)
@@ -132,6 +153,8 @@ class StateDictMixin(PreconditionerBase):
                 sd[key] = value
         if include_factors:
             sd["layers"] = layer_entries(self._state, self.plan, self.comm)
+        if self._state.adaptive is not None:  # the adaptive step's damping and history
+            sd["adaptive"] = dataclasses.asdict(self._state.adaptive)
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any], compute_inverses: bool = True) -> None:
@@ -140,6 +163,7 @@ class StateDictMixin(PreconditionerBase):
         sd = dict(state_dict)
         steps = int(sd.pop("steps"))
         layers_sd = sd.pop("layers", None)
+        adaptive = _adaptive_from(sd.pop("adaptive", None), self._state.adaptive)
         old = {key: getattr(self, key) for key in HYPER}
         for key in HYPER:
             if key in sd and not callable(getattr(self, key)):
@@ -169,4 +193,4 @@ class StateDictMixin(PreconditionerBase):
             for key, value in old.items():  # a refused state dict changes nothing
                 setattr(self, key, value)
             raise
-        self._state = self._state.replace(layers=layers, step=steps)
+        self._state = self._state.replace(layers=layers, step=steps, adaptive=adaptive)

@@ -11,13 +11,14 @@ ranks, and rewrites ``.grad`` in place. The adapter owns no math and keeps one i
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import nn
 
+from kfac_func.adapter.adaptive import AdaptiveStepper
 from kfac_func.adapter.arguments import (
     HYPER,
     ComputeMethod,
@@ -32,6 +33,7 @@ from kfac_func.distributed.ekfac import check_ekfac_plan
 from kfac_func.distributed.kaisa import update_distributed
 from kfac_func.distributed.plan import AssignmentStrategy, DistributedStrategy, make_plan
 from kfac_func.state import KFACState, init
+from kfac_func.step.adaptive import AdaptiveInfo, init_adaptive
 from kfac_func.step.basis import BasisMoments
 from kfac_func.step.precondition import Grafting
 from kfac_func.step.update import update
@@ -65,6 +67,10 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
     that optimizer's step; ``eigenbasis_moments=True`` divides each layer's gradient in
     K-FAC's eigenbasis by the root of its running second moment there, as Adam does
     (``moment_beta2``, ``moment_eps``; see :func:`kfac_func.update`).
+    ``adaptive=AdaptiveStepper(model, loss=...)`` (one process, ``kl_clip=None``) makes
+    :meth:`step` update the preconditioned parameters itself, with the learning rate and
+    momentum of the quadratic model and Levenberg–Marquardt damping starting at
+    ``damping`` (see :meth:`step`).
     ``eigenbasis_refresh="qr"`` replaces the exact eigendecompositions after the first by
     one warm-started QR iteration each (approximate, much cheaper; see
     :func:`kfac_func.core.decomposition.refresh_eigh`).
@@ -121,6 +127,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
         eigenbasis_moments: bool = False,
         moment_beta2: float = 0.999,
         moment_eps: float = 1e-8,
+        adaptive: AdaptiveStepper | None = None,
     ) -> None:
         self._set_arguments(
             model,
@@ -161,6 +168,15 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
         self.eigenbasis_moments = eigenbasis_moments
         self.moment_beta2 = moment_beta2
         self.moment_eps = moment_eps
+        self.adaptive = adaptive
+        if adaptive is not None:
+            if adaptive.model is not model:
+                raise ValueError("adaptive= must be an AdaptiveStepper of the same model")
+            if kl_clip is not None:
+                raise ValueError(
+                    "adaptive steps choose their own length (the quadratic model's learning "
+                    "rate): pass kl_clip=None"
+                )
         if not self.layers:
             raise ValueError(
                 f"no layer of {type(model).__name__} can be preconditioned:\n{self.layers}"
@@ -177,6 +193,10 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
             compute_method=self.compute_method.name.lower(),
             compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
         )
+        if adaptive is not None and comm_world > 1:
+            raise ValueError(
+                f"adaptive= runs on one process; this process group has {comm_world} ranks"
+            )
         if self.compute_method is ComputeMethod.EKFAC and comm_world > 1:
             check_ekfac_plan(self.plan)
         self.colocate_factors = self.plan.colocate_factors
@@ -217,6 +237,10 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
             device=weight.device,
             eigenbasis_refresh=eigenbasis_refresh,
         )
+        self.last_adaptive: AdaptiveInfo | None = None
+        """What the latest adaptive step computed (learning rate, momentum, model change)."""
+        if adaptive is not None:
+            self._state = init_adaptive(self._state, damping=float(self._value(damping)))
         self._micro = []
         self._rows = {}
         self._handles = []
@@ -242,12 +266,28 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
             )
         self._state = value
 
-    def step(self) -> None:
+    def step(
+        self,
+        *,
+        inputs: Any = None,
+        loss: torch.Tensor | float | None = None,
+        loss_closure: Callable[[], torch.Tensor | float] | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> None:
         """Precondition the registered layers' ``.grad`` in place (before ``optimizer.step()``).
 
         Updates the factors from the statistics collected since the last step (every
         ``factor_update_steps``; all micro-batches of the window form one update) and
         recomputes the decompositions every ``inv_update_steps``.
+
+        With ``adaptive=`` (an :class:`~kfac_func.adapter.adaptive.AdaptiveStepper`), the
+        step also *updates the preconditioned parameters itself*: by the learning rate and
+        momentum that minimise the quadratic model of this batch (exact curvature products
+        through the model called on ``inputs``, and ``kwargs``), and it adapts the damping
+        from ``loss`` (this batch's loss before the update) and ``loss_closure`` (the same
+        batch's loss at the current parameters, called once every few steps): see
+        :func:`kfac_func.adaptive_step`. Step an optimizer only over the other parameters
+        then (:meth:`kfac_func.LayerTable.split_parameters`).
 
         On one process the state is donated to :func:`kfac_func.update` (``donate=True``),
         so each layer's old factors and decomposition are freed as soon as their
@@ -256,6 +296,12 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
         a copy with its own ``layers`` dict, and layer states are immutable); it keeps the
         old tensors alive for as long as it is held.
         """
+        given = {"inputs": inputs, "loss": loss, "loss_closure": loss_closure}
+        if self.adaptive is None and any(v is not None for v in (*given.values(), kwargs)):
+            raise ValueError("inputs=, loss=, loss_closure= and kwargs= need adaptive=")
+        missing = [k for k, v in given.items() if v is None]
+        if self.adaptive is not None and missing:
+            raise ValueError(f"adaptive steps need {missing} (see KFACPreconditioner.step)")
         captures = self._take_captures() if self._ekfac and self._micro else None
         batch = self._batch_factors() if self._micro and captures is None else {}
         reducer, self._reducer = self._reducer, None
@@ -272,6 +318,11 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
                     )
                 grads[pname] = p.grad
         update_inverses = self.steps % int(self._value(self.inv_update_steps)) == 0
+        damping: Any = self.damping
+        raw: dict[str, torch.Tensor] = {}
+        if self._state.adaptive is not None:
+            damping = self._state.adaptive.damping
+            raw = {k: g.clone() for k, g in grads.items()}
         if self.comm.world_size == 1 and reducer is None:
             # a copy with a dict of its own, so that a state read from .state earlier
             # keeps its layers; once self._state points at the copy nothing else holds
@@ -285,7 +336,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
                 captures=captures,
                 batch_factors=batch if batch else None,
                 rows=rows,
-                damping=self.damping,
+                damping=damping,
                 factor_decay=self.factor_decay,
                 kl_clip=self.kl_clip,
                 lr=self.lr,
@@ -303,7 +354,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
                 captures=captures,
                 batch_factors=batch if batch else None,
                 factor_reducer=reducer,
-                damping=self.damping,
+                damping=damping,
                 factor_decay=self.factor_decay,
                 kl_clip=self.kl_clip,
                 lr=self.lr,
@@ -316,6 +367,21 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
             for pname, g in grads.items():
                 if new_grads[pname] is not g:
                     g.copy_(new_grads[pname])
+        if self.adaptive is not None:
+            assert loss_closure is not None and loss is not None
+            # the extra forward passes (forward-mode products, the closure) run without
+            # autograd, which the torch.func transforms do not need, so the hooks, which
+            # collect only with gradients enabled, record nothing of them
+            with torch.no_grad():
+                self._state, self.last_adaptive = self.adaptive.step(
+                    self._state,
+                    raw,
+                    {k: new_grads[k] for k in raw},
+                    args=inputs,
+                    loss_closure=loss_closure,
+                    old_loss=loss,
+                    kwargs=kwargs,
+                )
 
     def _rule_kwargs(self) -> dict[str, Any]:
         return {

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kfac_func.core.output_hessian import OutputLoss, Reduction, output_hvp
 from kfac_func.core.quadratic import inner
@@ -83,7 +84,9 @@ def curvature_gram(
     jvs, hvs = [], []
     for v in vectors:
         tangent = {k: v[k].detach().to(primals[k].dtype) for k in names}
-        out, jv = torch.func.jvp(forward, (primals,), (tangent,))  # type: ignore[misc]
+        # attention's fused kernels have no forward-mode derivative; its math kernel has
+        with sdpa_kernel(SDPBackend.MATH):
+            out, jv = torch.func.jvp(forward, (primals,), (tangent,))  # type: ignore[misc]
         jvs.append(jv)
         hvs.append(output_hvp(loss, out.detach(), jv, reduction=loss_reduction))
     k = len(vectors)
