@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{data.describe()}; target test accuracy {args.target:.1%}, max {args.max_epochs} epochs"
     )
     print(
-        f"batch {settings.batch_size}, momentum {settings.momentum} (SGD, K-FAC), weight decay "
+        f"batch {settings.batch_size}, momentum {settings.momentum} (SGD), "
+        f"{settings.kfac_momentum} (K-FAC), weight decay "
         f"{settings.weight_decay}; K-FAC: scaling {settings.scaling!r}, damping "
         f"{settings.damping}, factor_decay {settings.factor_decay}, kl_clip {settings.kl_clip}, "
         f"factors every {settings.factor_every} step(s), decompositions every "

@@ -19,8 +19,12 @@ the hidden layers, AdamW on embeddings, norms, biases and the output layer: its 
 recipe), ``soap`` and ``kron`` (``heavyball.SOAP`` / ``heavyball.PSGDKron``, every
 parameter; skipped with a note when heavyball is not installed: it is a benchmark-only
 extra) and K-FAC in front of SGD with momentum: ``kfac`` (eigen, kl_clip following the
-schedule as in the example), ``kfac-ekfac`` (corrected eigenvalues) and
-``kfac-ekfac-adam`` (EKFAC with Adam grafting, no kl_clip). Every optimizer gets the same
+schedule as in the example), ``kfac-ekfac`` (corrected eigenvalues),
+``kfac-ekfac-adam`` (EKFAC with Adam grafting, no kl_clip), ``kfac-moments`` (Adam's
+step in K-FAC's eigenbasis, SGD's momentum averaged as Adam's first moment, factors every
+5 steps, eigenbases every 10) and ``kfac-adaptive`` (no optimizer: the quadratic model's
+learning rate and momentum, Levenberg–Marquardt damping; its "learning rates" are the
+starting dampings). Every optimizer gets the same
 schedule (linear warm-up, cosine decay to 10 %), the same initialisation and the same
 batches per seed, and the same tuning budget: the learning rates of its sweep (a factor
 of about 3 apart around a value found beforehand) on seed 0; the best (lowest final test
@@ -85,6 +89,7 @@ LRS: dict[str, tuple[float, ...]] = {
     "kfac-ekfac": (0.1, 0.3),
     "kfac-ekfac-adam": (1e-3, 3e-3),
     "kfac-moments": (3e-3, 1e-2),
+    "kfac-adaptive": (0.1, 1.0),  # the starting damping: no learning rate to sweep
 }
 """Learning-rate sweep per optimizer (Muon's is for its matrices; its AdamW part uses
 AdamW's middle value)."""
@@ -169,20 +174,44 @@ def _heavyball() -> Any | None:
     return heavyball
 
 
+KFAC = {
+    # name: (compute method, SGD momentum, dampening, kl_clip, factor/inverse update
+    # steps, factor decay, settings of the preconditioner)
+    "kfac": ("eigen", 0.9, 0.0, 3e-5, (1, 5), 0.95, {}),
+    "kfac-ekfac": ("ekfac", 0.9, 0.0, 3e-5, (1, 5), 0.95, {}),
+    "kfac-ekfac-adam": ("ekfac", 0.0, 0.0, None, (1, 5), 0.95, {"grafting": "adam"}),
+    # Adam in K-FAC's eigenbasis: SGD's momentum as Adam's first moment (an average)
+    "kfac-moments": (
+        "eigen",
+        0.9,
+        0.9,
+        None,
+        (5, 10),
+        0.8,
+        {"eigenbasis_moments": True, "moment_beta2": 0.95},
+    ),
+    # the quadratic model's learning rate and momentum, adaptive damping ("lr": its start)
+    "kfac-adaptive": ("eigen", 0.0, 0.0, None, (1, 5), 0.95, {}),
+}
+"""The K-FAC variants, all with ``scaling="fisher"``."""
+
+
 class Stepper:
     """One optimizer (and preconditioner) over a model: ``zero_grad``, ``step``, and the
-    learning-rate scheduler stepping."""
+    learning-rate scheduler stepping. K-FAC's variants follow the recipe: SGD on the
+    parameters it preconditions, AdamW on the others (none in these workloads)."""
 
     def __init__(self, name: str, model: nn.Module, lr: float, w: Workload, steps: int) -> None:
         self.pre: kf.KFACPreconditioner | None = None
         self.opts: list[torch.optim.Optimizer] = []
+        self.loss = w.loss
+        self.model = model
         schedule = lm.lr_schedule(max(1, steps // 10), steps)
         params = list(model.parameters())
-        if name == "kfac-moments":  # Adam's first moment: an average, not a sum
-            self.opts = [torch.optim.SGD(params, lr=lr, momentum=0.9, dampening=0.9)]
-        elif name == "sgd" or name.startswith("kfac"):
-            momentum = 0.0 if name == "kfac-ekfac-adam" else 0.9
-            self.opts = [torch.optim.SGD(params, lr=lr, momentum=momentum)]
+        if name in KFAC:
+            self._kfac(name, model, lr, schedule)
+        elif name == "sgd":
+            self.opts = [torch.optim.SGD(params, lr=lr, momentum=0.9)]
         elif name == "adamw":
             self.opts = [torch.optim.AdamW(params, lr=lr, weight_decay=0.0)]
         elif name == "muon":
@@ -203,31 +232,38 @@ class Stepper:
             cls = hb.SOAP if name == "soap" else hb.PSGDKron
             self.opts = [cls(params, lr=lr)]
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in self.opts]
-        if name.startswith("kfac"):
-            opt = self.opts[0]
-            ekfac = "ekfac" in name
-            graft = name.endswith("-adam")
-            moments = name == "kfac-moments"
-            kl_clip = 3e-5
-            self.pre = kf.KFACPreconditioner(
-                model,
-                damping=1e-3,
-                factor_decay=0.95,
-                inv_update_steps=5,
-                kl_clip=None if graft or moments else (lambda step: kl_clip * schedule(step) ** 2),
-                lr=lambda step: opt.param_groups[0]["lr"],
-                scaling="fisher",
-                compute_method="ekfac" if ekfac else "eigen",
-                grafting="adam" if graft else None,
-                eigenbasis_moments=moments,
-            )
+
+    def _kfac(
+        self, name: str, model: nn.Module, lr: float, schedule: Callable[[int], float]
+    ) -> None:
+        method, momentum, dampening, clip, (fac, inv), decay, extra = KFAC[name]
+        adaptive = name == "kfac-adaptive"
+        mine, rest = kf.register(model).split_parameters(model)
+        sgd = torch.optim.SGD(mine, lr=lr, momentum=momentum, dampening=dampening)
+        self.opts = [] if adaptive else [sgd]
+        if rest:
+            self.opts.append(torch.optim.AdamW(rest, lr=LRS["adamw"][-1], weight_decay=0.0))
+        self.pre = kf.KFACPreconditioner(
+            model,
+            damping=lr if adaptive else 1e-3,
+            factor_decay=decay,
+            factor_update_steps=fac,
+            inv_update_steps=inv,
+            kl_clip=None if clip is None else (lambda step: clip * schedule(step) ** 2),
+            lr=lambda step: sgd.param_groups[0]["lr"],
+            scaling="fisher",
+            compute_method=method,
+            adaptive=kf.AdaptiveStepper(model, loss="cross_entropy") if adaptive else None,
+            **extra,
+        )
 
     def zero_grad(self) -> None:
-        for o in self.opts:
-            o.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
 
-    def step(self) -> None:
-        if self.pre is not None:
+    def step(self, x: torch.Tensor, y: torch.Tensor, loss: torch.Tensor) -> None:
+        if self.pre is not None and self.pre.adaptive is not None:
+            self.pre.step(inputs=x, loss=loss, loss_closure=lambda: self.loss(self.model(x), y))
+        elif self.pre is not None:
             self.pre.step()
         for o, s in zip(self.opts, self.schedulers):
             o.step()
@@ -246,8 +282,9 @@ def run(name: str, lr: float, w: Workload, seed: int, eval_every: int) -> list[d
         x, y = w.batch(batches)
         start = time.perf_counter()
         stepper.zero_grad()
-        w.loss(model(x), y).backward()
-        stepper.step()
+        loss = w.loss(model(x), y)
+        loss.backward()
+        stepper.step(x, y, loss.detach())
         elapsed += time.perf_counter() - start
         if step % eval_every == 0 or step == w.steps:
             loss = w.test_loss(model)

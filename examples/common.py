@@ -229,12 +229,13 @@ def progress(iterable: Iterable[T], total: int | None = None, desc: str = "") ->
 
 def _fmt(v: object) -> str:
     if isinstance(v, float):
-        return f"{v:.4f}" if abs(v) < 1e4 else f"{v:.4g}"
+        return f"{v:.4f}" if 1e-3 <= abs(v) < 1e4 or v == 0 else f"{v:.4g}"
     return str(v)
 
 
 def format_table(rows: Sequence[dict[str, object]], columns: Sequence[str] | None = None) -> str:
-    """``rows`` as a whitespace-aligned table with a header (floats to 4 decimals)."""
+    """``rows`` as a whitespace-aligned table with a header (floats to 4 decimals, or 4
+    significant digits when below 1e-3 or above 1e4)."""
     columns = list(columns or (rows[0] if rows else []))
     cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]

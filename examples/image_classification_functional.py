@@ -8,7 +8,10 @@ that each step replaces. ``kf.capture`` runs the forward and backward pass throu
 weight decay is three tensor expressions; evaluation uses ``torch.func.functional_call``.
 
 The factors use the library's default ``"fisher"`` convention (per-example Fisher), as
-the adapter does in ``image_classification.py``; the hyperparameters are that example's.
+the adapter does in ``image_classification.py``; the hyperparameters are that example's,
+K-FAC's step included: no momentum, and a step length whose learning rate follows a
+cosine decay to ``--decay-to`` of its first value and whose ``kl_clip`` that decay's
+square (that example's module docstring says why).
 
 At the end, a check trains a few steps twice from the same initialisation and batches,
 once with this loop and once with ``kf.KFACPreconditioner(..., scaling="fisher")`` and
@@ -42,7 +45,14 @@ from common import (
     progress,
     save_curves,
 )
-from image_classification import DEFAULT_LR, Settings, batch_seed, make_model, make_optimizer
+from image_classification import (
+    DEFAULT_LR,
+    Settings,
+    batch_seed,
+    make_model,
+    make_optimizer,
+    step_decay,
+)
 
 import kfac_func as kf
 
@@ -64,10 +74,16 @@ def sgd_step(
 
 
 class FunctionalTrainer:
-    """Parameters, momentum buffers and K-FAC state of one run, replaced step by step."""
+    """Parameters, momentum buffers and K-FAC state of one run, replaced step by step.
 
-    def __init__(self, model: nn.Module, lr: float, s: Settings) -> None:
+    K-FAC's step length decays over ``total_steps`` steps (None: it stays constant), as
+    :func:`image_classification.make_optimizer` makes it."""
+
+    def __init__(
+        self, model: nn.Module, lr: float, s: Settings, total_steps: int | None = None
+    ) -> None:
         self.model, self.lr, self.s = model, lr, s
+        self.decay = step_decay(total_steps, s.kfac_decay_to)
         self.layers = kf.register(model)
         self.state = kf.init(self.layers)  # "fisher" convention, float32 factors
         self.params: Params = {n: p.detach() for n, p in model.named_parameters()}
@@ -76,6 +92,7 @@ class FunctionalTrainer:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One training step on ``(x, y)``; returns the batch loss."""
         s, step = self.s, self.state.step
+        lr = self.lr * self.decay(step)
         loss, grads, caps = kf.capture(
             self.model, self.params, x, lambda out: F.cross_entropy(out, y), layers=self.layers
         )
@@ -85,8 +102,8 @@ class FunctionalTrainer:
             captures=caps,
             damping=s.damping,
             factor_decay=s.factor_decay,
-            kl_clip=s.kl_clip,
-            lr=self.lr,
+            kl_clip=s.kl_clip * self.decay(step) ** 2 if s.kl_clip > 0 else None,
+            lr=lr,
             update_factors=step % s.factor_every == 0,
             update_inverses=step % s.inverse_every == 0,
         )
@@ -94,8 +111,8 @@ class FunctionalTrainer:
             self.params,
             grads,
             self.bufs,
-            lr=self.lr,
-            momentum=s.momentum,
+            lr=lr,
+            momentum=s.kfac_momentum,
             wd=s.weight_decay,
         )
         return float(loss)
@@ -112,8 +129,9 @@ def train(
 ) -> list[dict[str, float]]:
     """Per-epoch rows (``epoch``, ``train_loss``, ``test_loss``, ``test_accuracy``,
     ``seconds``) of the functional K-FAC loop."""
-    trainer = FunctionalTrainer(make_model(data, seed), lr, settings)
     n, rows, seconds = len(data.y_train), [], 0.0
+    total_steps = epochs * -(-n // settings.batch_size)
+    trainer = FunctionalTrainer(make_model(data, seed), lr, settings, total_steps)
     for epoch in range(1, epochs + 1):
         start = time.perf_counter()
         total = 0.0
@@ -139,13 +157,15 @@ def compare_with_adapter(
     data: ImageData, *, steps: int, lr: float, seed: int, settings: Settings
 ) -> float:
     """Train ``steps`` steps with this loop and with the adapter (``scaling="fisher"``,
-    ``torch.optim.SGD``) from the same model and batches; the largest absolute difference
-    of any parameter afterwards."""
+    ``torch.optim.SGD``) from the same model and batches, the step length decaying over
+    the ``steps``; the largest absolute difference of any parameter afterwards."""
     s = settings
-    functional = FunctionalTrainer(make_model(data, seed), lr, s)
+    functional = FunctionalTrainer(make_model(data, seed), lr, s, total_steps=steps)
     model = make_model(data, seed)
     # the adapter as example 1 builds it, with the functional path's convention
-    opt, pre = make_optimizer("kfac", model, lr, dataclasses.replace(s, scaling="fisher"))
+    opt, pre = make_optimizer(
+        "kfac", model, lr, dataclasses.replace(s, scaling="fisher"), total_steps=steps
+    )
     assert pre is not None
     n, done, epoch = len(data.y_train), 0, 0
     while done < steps:
@@ -184,11 +204,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--lr", type=float, default=DEFAULT_LR["kfac"], help="learning rate")
     p.add_argument("--batch-size", type=int, default=s.batch_size, help="images per step")
-    p.add_argument("--momentum", type=float, default=s.momentum, help="SGD momentum")
+    p.add_argument(
+        "--momentum", type=float, default=s.kfac_momentum, help="SGD momentum under K-FAC"
+    )
     p.add_argument("--weight-decay", type=float, default=s.weight_decay, help="SGD")
     p.add_argument("--damping", type=float, default=s.damping, help="'fisher' convention")
     p.add_argument("--factor-decay", type=float, default=s.factor_decay, help="running average")
-    p.add_argument("--kl-clip", type=float, default=s.kl_clip, help="step clipping")
+    p.add_argument(
+        "--kl-clip", type=float, default=s.kl_clip, help="step clipping at the start; 0: none"
+    )
+    p.add_argument(
+        "--decay-to",
+        type=float,
+        default=s.kfac_decay_to,
+        help="final step length, a fraction of the first (cosine); 1 keeps it constant",
+    )
     p.add_argument(
         "--factor-every", type=int, default=s.factor_every, help="factor update interval"
     )
@@ -205,11 +235,12 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     settings = Settings(
         batch_size=args.batch_size,
-        momentum=args.momentum,
         weight_decay=args.weight_decay,
         damping=args.damping,
         factor_decay=args.factor_decay,
         kl_clip=args.kl_clip,
+        kfac_momentum=args.momentum,
+        kfac_decay_to=args.decay_to,
         factor_every=args.factor_every,
         inverse_every=args.inverse_every,
     )

@@ -156,6 +156,40 @@ def test_image_classification_functional_runs_and_matches_adapter(tmp_path: Path
     assert float(match.group(1)) < 1e-6
 
 
+def test_image_classification_kfac_step_decays() -> None:
+    """K-FAC's SGD takes no momentum and its learning rate follows the cosine decay
+    (1 at the first step, ``kfac_decay_to`` at the last); the preconditioner's ``lr`` and
+    ``kl_clip`` follow it (``kl_clip`` by its square)."""
+    saved = list(sys.path)
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import image_classification as ic
+    finally:
+        sys.path[:] = saved
+    s = ic.Settings()
+    assert s.kfac_momentum == 0.0 and 0 < s.kfac_decay_to < 1
+    decay = ic.step_decay(4, s.kfac_decay_to)
+    assert decay(0) == 1.0 and decay(2) == pytest.approx((1 + s.kfac_decay_to) / 2)
+    assert decay(4) == pytest.approx(s.kfac_decay_to) and decay(9) == decay(4)
+    assert ic.step_decay(None, s.kfac_decay_to)(3) == 1.0
+
+    torch.manual_seed(0)
+    model = ic.SmallCNN(1, 3)
+    opt, pre = ic.make_optimizer("kfac", model, 0.1, s, total_steps=4)
+    assert pre is not None and opt.param_groups[0]["momentum"] == 0.0
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 3, (8,))
+    lrs = []
+    for step in range(5):
+        assert pre.lr(step) == pytest.approx(0.1 * decay(step))
+        assert pre.kl_clip(step) == pytest.approx(s.kl_clip * decay(step) ** 2)
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        pre.step()
+        opt.step()
+    assert lrs == pytest.approx([0.1 * decay(k) for k in range(5)])
+
+
 def _import_common() -> Any:
     """The examples' shared module ``examples/common.py``."""
     sys.path.insert(0, str(ROOT / "examples"))
