@@ -39,7 +39,7 @@ from kfac_func.core.factors import a_factor, g_factor
 from kfac_func.core.layer_decomposition import eigen_decompose, inverse_decompose
 from kfac_func.core.preconditioning import kl_clip_scale, precondition
 from kfac_func.core.quadratic import QuadraticSolution, lm_damping, solve_quadratic
-from kfac_func.distributed.communicator import Communicator, RankMismatchError
+from kfac_func.distributed.communicator import AllreduceMethod, Communicator, RankMismatchError
 from kfac_func.distributed.kaisa import update_distributed
 from kfac_func.distributed.plan import (
     AssignmentStrategy,
@@ -63,7 +63,7 @@ from kfac_func.step.adaptive import (
 from kfac_func.step.curvature import curvature_gram
 from kfac_func.step.decompose import decompose
 from kfac_func.step.ekfac import correct_eigenvalues
-from kfac_func.step.hyper import NonFiniteError
+from kfac_func.step.hyper import NonFiniteError, exp_decay_factor_averaging
 from kfac_func.step.precondition import precondition_grads
 from kfac_func.step.update import update
 
@@ -75,6 +75,7 @@ __all__ = [
     "AdaptiveRecord",
     "AdaptiveState",
     "AdaptiveStepper",
+    "AllreduceMethod",
     "AssignmentStrategy",
     "Captures",
     "CheckpointError",
@@ -116,6 +117,7 @@ __all__ = [
     "damping_due",
     "decompose",
     "eigen_decompose",
+    "exp_decay_factor_averaging",
     "g_factor",
     "grads_to_matrix",
     "init",

@@ -180,8 +180,12 @@ def _scenario(deepspeed: Any, scenario: tuple[int, int, int], tmp: str) -> dict[
     def train(steps: int) -> list[float]:
         return [float(engine.train_batch(data_iter=iter(mine))) for _ in range(steps)]
 
+    # the dense reference preconditions every linear: so must the pipeline
+    # (GPTNeoXKFACPreconditioner registers only the column/row-parallel ones by default)
     with pytest.warns(ExperimentalFeatureWarning):
-        pre = GPTNeoXKFACPreconditioner(pipe, factor_checkpoint_dir=factor_dir, **HYPER)
+        pre = GPTNeoXKFACPreconditioner(
+            pipe, factor_checkpoint_dir=factor_dir, include_plain_linear=True, **HYPER
+        )
     record: list[dict[str, torch.Tensor]] = []
     handles = attach(pre, record)
     losses = train(STEPS)
@@ -197,7 +201,9 @@ def _scenario(deepspeed: Any, scenario: tuple[int, int, int], tmp: str) -> dict[
         h.remove()
     pre.remove()
     with pytest.warns(ExperimentalFeatureWarning):
-        pre2 = GPTNeoXKFACPreconditioner(pipe, factor_checkpoint_dir=factor_dir, **HYPER)
+        pre2 = GPTNeoXKFACPreconditioner(
+            pipe, factor_checkpoint_dir=factor_dir, include_plain_linear=True, **HYPER
+        )
     pre2.load_state_dict(sd)
     resumed: list[dict[str, torch.Tensor]] = []
     handles = attach(pre2, resumed)
@@ -205,6 +211,9 @@ def _scenario(deepspeed: Any, scenario: tuple[int, int, int], tmp: str) -> dict[
     for h in handles:
         h.remove()
     pre2.remove()
+    with pytest.warns(ExperimentalFeatureWarning):
+        default = GPTNeoXKFACPreconditioner(pipe, **HYPER)
+    default.remove()
     return {
         "stage": grid.get_stage_id(),
         "data": d,
@@ -213,6 +222,7 @@ def _scenario(deepspeed: Any, scenario: tuple[int, int, int], tmp: str) -> dict[
         "grads": grads,
         "layers": sorted(pre.layers),
         "splits": dict(pre.splits),
+        "default_layers": sorted(default.layers),
         "sd_keys": sorted(sd),
         "steps_after_load": pre2.steps,
         "resume_diff": max(
@@ -376,6 +386,8 @@ def test_each_stage_registers_its_own_layers(spawned: tuple[int, list[dict[str, 
             assert r["layers"] == stage_layers[r["stage"]], name
             want = {n: SPLITS.get(n) for n in r["layers"]}
             assert r["splits"] == want, name  # split classes are recognised even at mp=1
+            # by default only the column- and row-parallel linears
+            assert r["default_layers"] == [n for n in stage_layers[r["stage"]] if n in SPLITS]
 
 
 def test_factor_files_hold_the_reference_factors(

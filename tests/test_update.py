@@ -259,7 +259,7 @@ def test_shape_mismatches_name_layer_and_shapes() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"factor_decay": 0.0}, "factor_decay must be in"),
+        ({"factor_decay": -0.1}, "factor_decay must be in"),
         ({"factor_decay": 1.5}, "factor_decay must be in"),
         ({"damping": -1.0}, "damping must be >= 0"),
         ({"lr": -0.1}, "lr must be >= 0"),

@@ -9,13 +9,16 @@ the hyperparameters that are saved in state dicts and printed.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from kfac_func.blocks import LayerSpec
 from kfac_func.captures import check_loss_divisor
+from kfac_func.distributed.communicator import AllreduceMethod
 from kfac_func.distributed.plan import AssignmentStrategy
 from kfac_func.state import KFACState
 
@@ -26,6 +29,7 @@ __all__ = [
     "IntOrFn",
     "KFACArguments",
     "PreconditionerBase",
+    "log_registered",
     "parse_enum",
 ]
 
@@ -62,6 +66,44 @@ def parse_enum(cls: type[enum.Enum], value: Any, arg: str) -> Any:
     raise ValueError(f"{arg} must be one of {names} (or {cls.__name__}), got {value!r}")
 
 
+def log_registered(
+    logger: logging.Logger,
+    level: int,
+    model: nn.Module,
+    layers: Mapping[str, LayerSpec],
+    where: str = "",
+) -> None:
+    """Log one line per registered layer, ``Registered name="fc1": ...`` at ``level``
+    (``where`` is appended, e.g. the pipeline stage).
+
+    Example:
+        >>> from kfac_func.blocks import register
+        >>> model = nn.Sequential(nn.Linear(3, 2))
+        >>> seen = []
+        >>> class Keep(logging.Handler):
+        ...     def emit(self, record: logging.LogRecord) -> None:
+        ...         seen.append(record.getMessage())
+        >>> log = logging.getLogger("kfac_func.demo")
+        >>> log.addHandler(Keep())
+        >>> log.setLevel(logging.INFO)
+        >>> log_registered(log, logging.INFO, model, register(model))
+        >>> seen
+        ['Registered name="0": Linear, linear, A 4x4, G 2x2']
+    """
+    for name, spec in layers.items():
+        module = type(model.get_submodule(spec.module)).__name__
+        sides = ("x".join(map(str, shape)) for shape in spec.factor_shapes)
+        logger.log(
+            level,
+            'Registered name="%s": %s, %s, A %s, G %s%s',
+            name,
+            module,
+            spec.kind,
+            *sides,
+            where,
+        )
+
+
 def _check_number(name: str, value: Any, ok: Callable[[float], bool], expected: str) -> None:
     if callable(value):
         return
@@ -82,6 +124,7 @@ class KFACArguments:
     lr: FloatOrFn
     accumulation_steps: int
     allreduce_bucket_cap_mb: float
+    allreduce_method: AllreduceMethod
     assignment_strategy: AssignmentStrategy
     compute_method: ComputeMethod
     compute_eigenvalue_outer_product: bool
@@ -119,9 +162,20 @@ class KFACArguments:
         scaling: str,
         loss_reduction: str,
         loss_divisor: float = 1.0,
+        allreduce_method: AllreduceMethod | str | None = None,
     ) -> None:
         if allreduce_bucket_cap_mb < 0:
             raise ValueError("allreduce_bucket_cap_mb must be >= 0")
+        reduce_method: AllreduceMethod = (
+            AllreduceMethod.for_bucket_cap(allreduce_bucket_cap_mb)
+            if allreduce_method is None
+            else parse_enum(AllreduceMethod, allreduce_method, "allreduce_method")
+        )
+        if reduce_method is AllreduceMethod.ALLREDUCE_BUCKETED and allreduce_bucket_cap_mb == 0:
+            raise ValueError(
+                "allreduce_method=ALLREDUCE_BUCKETED needs allreduce_bucket_cap_mb > 0 "
+                "(a cap of 0 means one collective per tensor: ALLREDUCE)"
+            )
         method = parse_enum(ComputeMethod, compute_method, "compute_method")
         strategy = parse_enum(AssignmentStrategy, assignment_strategy, "assignment_strategy")
         for name, value in (
@@ -148,6 +202,7 @@ class KFACArguments:
         self.lr = lr
         self.accumulation_steps = accumulation_steps
         self.allreduce_bucket_cap_mb = allreduce_bucket_cap_mb
+        self.allreduce_method = reduce_method
         self.assignment_strategy = strategy
         self.compute_method = method
         self.compute_eigenvalue_outer_product = compute_eigenvalue_outer_product
@@ -161,6 +216,14 @@ class KFACArguments:
         self.loss_reduction = loss_reduction
         self.loss_divisor = float(loss_divisor)
 
+    @property
+    def _bucket_cap_mb(self) -> float:
+        """The bucket cap the communicator uses: 0 (one collective per tensor) for
+        ``ALLREDUCE``, else ``allreduce_bucket_cap_mb``."""
+        if self.allreduce_method is AllreduceMethod.ALLREDUCE:
+            return 0.0
+        return self.allreduce_bucket_cap_mb
+
     def _loss_scale(self, batch_size: int) -> float:
         """``c`` with the backpropagated loss ``= c · Σ_n ℓ_n`` for a micro-batch of
         ``batch_size`` examples (see :attr:`kfac_func.Captures.loss_scale`)."""
@@ -172,6 +235,7 @@ class PreconditionerBase(KFACArguments):
     hyperparameter's current value, and whether this step collects statistics."""
 
     _state: KFACState
+    eigenbasis_moments: bool = False
 
     @property
     def steps(self) -> int:

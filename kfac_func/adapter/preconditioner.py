@@ -24,11 +24,12 @@ from kfac_func.adapter.arguments import (
     ComputeMethod,
     FloatOrFn,
     IntOrFn,
+    log_registered,
 )
 from kfac_func.adapter.checkpointing import StateDictMixin
 from kfac_func.adapter.recording import HookRecorder
 from kfac_func.blocks import Gram, register
-from kfac_func.distributed.communicator import Communicator
+from kfac_func.distributed.communicator import AllreduceMethod, Communicator
 from kfac_func.distributed.ekfac import check_ekfac_plan
 from kfac_func.distributed.kaisa import update_distributed
 from kfac_func.distributed.plan import AssignmentStrategy, DistributedStrategy, make_plan
@@ -38,7 +39,7 @@ from kfac_func.step.basis import BasisMoments
 from kfac_func.step.precondition import Grafting
 from kfac_func.step.update import update
 
-__all__ = ["ComputeMethod", "KFACPreconditioner"]
+__all__ = ["AllreduceMethod", "ComputeMethod", "KFACPreconditioner"]
 
 logger = logging.getLogger("kfac_func")
 
@@ -61,6 +62,12 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
     construction the ranks verify that they built the same plan with the same
     hyperparameters (:class:`kfac_func.distributed.communicator.RankMismatchError` on every rank
     otherwise); ``collective_timeout`` bounds each of the preconditioner's collectives.
+    Factor sums travel in buckets of up to ``allreduce_bucket_cap_mb``
+    (``allreduce_method=AllreduceMethod.ALLREDUCE_BUCKETED``) or one collective per tensor
+    (``ALLREDUCE``); left as None, the method follows the cap (``ALLREDUCE`` at 0).
+    ``grad_worker_fraction=DistributedStrategy.MEM_OPT`` is kept as
+    :attr:`distributed_strategy` even on one process, and turns ``colocate_factors`` on
+    with a warning.
     ``max_factor_dim`` keeps every factor side wider than it diagonal and ``kfac_approx``
     picks expand or reduce for weight-sharing layers (see :func:`kfac_func.register`).
     ``grafting="sgd"`` or ``"adam"`` gives each layer's preconditioned gradient the norm of
@@ -128,6 +135,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
         moment_beta2: float = 0.999,
         moment_eps: float = 1e-8,
         adaptive: AdaptiveStepper | None = None,
+        allreduce_method: AllreduceMethod | str | None = None,
     ) -> None:
         self._set_arguments(
             model,
@@ -151,6 +159,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
             scaling=scaling,
             loss_reduction=loss_reduction,
             loss_divisor=loss_divisor,
+            allreduce_method=allreduce_method,
         )
 
         self.layers = register(
@@ -201,7 +210,13 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
             check_ekfac_plan(self.plan)
         self.colocate_factors = self.plan.colocate_factors
         self.grad_worker_fraction = self.plan.grad_worker_fraction
-        self.distributed_strategy = self.plan.strategy
+        # a strategy asked by name is kept (MEM_OPT on one rank, whose plan is also
+        # COMM_OPT's); a fraction is described by the plan it gives
+        self.distributed_strategy = (
+            grad_worker_fraction
+            if isinstance(grad_worker_fraction, DistributedStrategy)
+            else self.plan.strategy
+        )
         # every rank must agree on these, or its collectives would not match the others'
         agreed = (
             "accumulation_steps",
@@ -212,6 +227,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
         )
         settings = {k: getattr(self, k) for k in (*HYPER, *agreed)}
         settings.update(
+            bucket_cap_mb=self._bucket_cap_mb,
             inv_dtype=inv_dtype,
             symmetry_aware=symmetry_aware,
             eigenbasis_refresh=eigenbasis_refresh,
@@ -222,7 +238,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
         )
         self.comm = Communicator(
             self.plan,
-            bucket_cap_mb=allreduce_bucket_cap_mb,
+            bucket_cap_mb=self._bucket_cap_mb,
             symmetry_aware=symmetry_aware,
             settings=settings,
             timeout=collective_timeout,
@@ -244,13 +260,15 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
         self._micro = []
         self._rows = {}
         self._handles = []
+        self._parameter_modules: dict[str, tuple[nn.Module, str]] = {}
         # with several ranks and update_factors_in_hook, each layer's factor reduction
         # starts in the backward pass, overlapping communication with computation
         self._stream = update_factors_in_hook and self.comm.world_size > 1 and not self._ekfac
         self._reducer = None
         self._register_hooks()
+        log_registered(logger, loglevel, model, self.layers)
         logger.log(loglevel, "K-FAC registered layers:\n%s", self.layers)
-        logger.log(loglevel, "%s", self.plan)
+        logger.log(loglevel, "K-FAC layer assignments: %s", self.plan)
 
     @property
     def state(self) -> KFACState:
@@ -310,7 +328,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
         grads: dict[str, torch.Tensor] = {}
         for name, spec in self.layers.items():
             for pname in spec.param_names():
-                p = self.model.get_parameter(pname)
+                p = self._parameter(pname)
                 if p.grad is None:
                     raise RuntimeError(
                         f"layer {name!r}: parameter {pname!r} has no gradient; call "
@@ -382,6 +400,18 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
                     old_loss=loss,
                     kwargs=kwargs,
                 )
+
+    def _parameter(self, name: str) -> nn.Parameter:
+        """The model's parameter ``name``. Its module is looked up once (lookups by dotted
+        name are a noticeable part of a small model's step; the hooks hold the modules
+        too), the parameter itself every time (it may have been replaced)."""
+        place = self._parameter_modules.get(name)
+        if place is None:
+            prefix, _, attr = name.rpartition(".")
+            place = self._parameter_modules[name] = (self.model.get_submodule(prefix), attr)
+        p = getattr(place[0], place[1])
+        assert isinstance(p, nn.Parameter), name
+        return p
 
     def _rule_kwargs(self) -> dict[str, Any]:
         return {

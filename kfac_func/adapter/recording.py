@@ -136,6 +136,7 @@ class HookRecorder(PreconditionerBase):
         return (
             spec.block.has_rows
             and not any(spec.diagonal)
+            and not self.eigenbasis_moments  # which needs the gradient in the eigenbasis
             and self.comm.world_size == 1
             and self.model.training
             and torch.is_grad_enabled()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,9 @@ class LambdaParamScheduler:
     Like ``torch.optim.lr_scheduler.MultiplicativeLR``, for the preconditioner's
     ``factor_update_steps``, ``inv_update_steps`` (kept integers, at least 1), ``damping``,
     ``factor_decay``, ``kl_clip`` and ``lr``. A hyperparameter that is already a callable
-    cannot also be scheduled (ValueError).
+    cannot also be scheduled (ValueError). An update interval that a lambda would take
+    below 1 (e.g. a lambda yielding 0) is kept at 1, with a warning naming it the first
+    time this happens to it.
 
     Example:
         >>> from torch import nn
@@ -59,6 +62,7 @@ class LambdaParamScheduler:
             if current is None:
                 raise ValueError(f"preconditioner.{name} is None; there is nothing to scale")
         self._preconditioner = preconditioner
+        self._clamped: set[str] = set()
 
     def step(self, step: int | None = None) -> None:
         """Apply every lambda at ``step`` (default: the preconditioner's step count)."""
@@ -66,4 +70,14 @@ class LambdaParamScheduler:
         k = pre.steps if step is None else step
         for name, fn in self._lambdas.items():
             value = getattr(pre, name) * fn(k)
-            setattr(pre, name, max(1, int(value)) if name in _INTS else value)
+            if name in _INTS:
+                if int(value) < 1 and name not in self._clamped:
+                    self._clamped.add(name)
+                    warnings.warn(
+                        f"LambdaParamScheduler: {name}_lambda took {name} to {value!r} at "
+                        f"step {k}; {name} is kept at 1",
+                        UserWarning,
+                        stacklevel=2,
+                    )
+                value = max(1, int(value))
+            setattr(pre, name, value)

@@ -11,13 +11,15 @@ traffic KAISA needs, both asynchronous:
 - :meth:`Communicator.broadcast`: from one rank to a group of ranks.
 
 Without an initialized process group (or with one rank) every operation is local.
-Bytes are counted per rank and per kind of traffic, modelled on bandwidth-optimal ring
+Collectives (:attr:`Communicator.calls`) and bytes are counted per rank and per kind of
+traffic, the bytes modelled on bandwidth-optimal ring
 algorithms: of an all-reduce of ``S`` bytes over ``n`` ranks each rank sends
 ``2(n−1)S/n``, of a reduce or a broadcast ``(n−1)S/n``.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -30,7 +32,7 @@ import torch.distributed as dist
 
 from kfac_func.distributed.plan import Plan
 
-__all__ = ["Communicator", "Pending", "RankMismatchError"]
+__all__ = ["AllreduceMethod", "Communicator", "Pending", "RankMismatchError"]
 
 Group = Any  # dist.ProcessGroup | None (None: the default group)
 
@@ -57,6 +59,25 @@ def _unpack(flat: torch.Tensor, like: torch.Tensor, symmetric: bool) -> torch.Te
     out[..., iu[0], iu[1]] = vals
     out[..., iu[1], iu[0]] = vals
     return out
+
+
+class AllreduceMethod(enum.Enum):
+    """How factor sums travel: ``ALLREDUCE`` issues one collective per tensor,
+    ``ALLREDUCE_BUCKETED`` packs consecutive tensors into buckets of up to
+    ``allreduce_bucket_cap_mb``.
+
+    Example:
+        >>> AllreduceMethod.for_bucket_cap(25.0), AllreduceMethod.for_bucket_cap(0)
+        (<AllreduceMethod.ALLREDUCE_BUCKETED: 2>, <AllreduceMethod.ALLREDUCE: 1>)
+    """
+
+    ALLREDUCE = 1
+    ALLREDUCE_BUCKETED = 2
+
+    @classmethod
+    def for_bucket_cap(cls, bucket_cap_mb: float) -> AllreduceMethod:
+        """The method a bucket cap implies: bucketed when positive, one tensor each at 0."""
+        return cls.ALLREDUCE_BUCKETED if bucket_cap_mb > 0 else cls.ALLREDUCE
 
 
 class RankMismatchError(ValueError):
@@ -135,6 +156,8 @@ class Communicator:
         self.bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
         self.symmetry_aware = symmetry_aware
         self.bytes: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
+        """Collectives issued so far, per kind of traffic (same keys as :attr:`bytes`)."""
         self._groups: dict[tuple[int, ...], Group] = {}
         self._factor_group: Group = None
         self.timeout = timeout
@@ -239,11 +262,13 @@ class Communicator:
                 buf, op=dist.ReduceOp.SUM, group=self._factor_group, async_op=True
             )
             self.bytes[f"{kind} (all-reduce)"] += 2 * (n - 1) * nbytes // n
+            self.calls[f"{kind} (all-reduce)"] += 1
         else:
             work = dist.reduce(
                 buf, dst=dst, op=dist.ReduceOp.SUM, group=self._factor_group, async_op=True
             )
             self.bytes[f"{kind} (reduce)"] += (n - 1) * nbytes // n
+            self.calls[f"{kind} (reduce)"] += 1
         pending.works.append(work)
 
         def finish() -> list[torch.Tensor]:
@@ -292,6 +317,7 @@ class Communicator:
         work = dist.broadcast(buf, src=src, group=self.group(ranks), async_op=True)
         n = len(ranks)
         self.bytes[f"{kind} (broadcast)"] += (n - 1) * buf.numel() * buf.element_size() // n
+        self.calls[f"{kind} (broadcast)"] += 1
 
         def finish() -> list[torch.Tensor]:
             if self.rank == src and not any(sym):

@@ -328,7 +328,7 @@ def update_distributed(
         if captures is None and batch_factors is None and factor_reducer is None:
             raise ValueError("update_factors=True needs captures= (from kfac_func.capture)")
         decay = resolve(factor_decay, step)
-        check_hyper("factor_decay", decay, lambda v: 0 < v <= 1, "in (0, 1]")
+        check_hyper("factor_decay", decay, lambda v: 0 <= v <= 1, "in [0, 1]")
         local = batch_factors or {}
         if captures is not None:
             local = local_batch_factors(state, captures)

@@ -261,9 +261,11 @@ def make_plan(
             (0 means ``1/world_size``).
         assignment_strategy: ``"compute"`` (n³), ``"memory"`` (n²) or ``size -> cost``.
         colocate_factors: decompose A and G of a layer on the same rank. Forced on
-            (with a warning) for ``MEM_OPT``.
+            (with a warning) for ``MEM_OPT``, whether it is asked by name (also on one
+            rank) or results from the fraction.
         compute_method, compute_eigenvalue_outer_product: the eigenvalue outer product
-            is computed where both factors are, so it needs ``colocate_factors``.
+            is computed where both factors are, so it needs ``colocate_factors``
+            (ValueError when ``colocate_factors=False``, before ``MEM_OPT`` forces it).
 
     Example:
         >>> print(make_plan({"a": (3, 2), "b": (5, 4)}, world_size=2))
@@ -275,7 +277,14 @@ def make_plan(
         load per rank: 0: 84.4%, 1: 15.6%
     """
     fraction, k, strategy = resolve_grad_workers(grad_worker_fraction, world_size)
-    if strategy is DistributedStrategy.MEM_OPT and not colocate_factors:
+    # checked as asked, before MEM_OPT turns colocation on
+    if compute_method == "eigen" and compute_eigenvalue_outer_product and not colocate_factors:
+        raise ValueError("colocate_factors must be True to use compute_eigenvalue_outer_product")
+    # MEM_OPT asked by name counts on one rank too, where the groups are also COMM_OPT's
+    mem_opt = strategy is DistributedStrategy.MEM_OPT or (
+        grad_worker_fraction is DistributedStrategy.MEM_OPT
+    )
+    if mem_opt and not colocate_factors:
         warnings.warn(
             "grad_worker_fraction=1/world_size (MEM_OPT) requires colocate_factors=True; "
             "enabling colocate_factors",
@@ -283,8 +292,6 @@ def make_plan(
             stacklevel=2,
         )
         colocate_factors = True
-    if compute_method == "eigen" and compute_eigenvalue_outer_product and not colocate_factors:
-        raise ValueError("colocate_factors must be True to use compute_eigenvalue_outer_product")
     cost = _cost_fn(assignment_strategy)
 
     worker_groups = tuple(tuple(range(i, i + k)) for i in range(0, world_size, k))

@@ -26,13 +26,14 @@ optimizer runs the preconditioner at exactly that point, on every rank::
     for _ in range(steps):
         loss = engine.train_batch(data_iter=batches)
 
-Each stage registers the layers it holds, under the module's names (the global layer
-index, then the path inside the layer: ``"3.mlp.dense_h_to_4h"``), so the names do not
-depend on how the layers are partitioned into stages. :meth:`~GPTNeoXKFACPreconditioner.
-state_dict` and :meth:`~GPTNeoXKFACPreconditioner.load_state_dict` are collectives of
-every rank; with ``factor_checkpoint_dir`` the factors go to one file per layer there,
-written by the layer's owner, and ``state_dict`` holds only the step and the
-hyperparameters.
+Each stage registers the column- and row-parallel linears it holds
+(``include_plain_linear=True`` adds its other supported layers), under the module's names
+(the global layer index, then the path inside the layer: ``"3.mlp.dense_h_to_4h"``), so
+the names do not depend on how the layers are partitioned into stages.
+:meth:`~GPTNeoXKFACPreconditioner.state_dict` and
+:meth:`~GPTNeoXKFACPreconditioner.load_state_dict` are collectives of every rank; with
+``factor_checkpoint_dir`` the factors go to one file per layer there, written by the
+layer's owner, and ``state_dict`` holds only the step and the hyperparameters.
 
 Limitations: training in float32 with the client optimizer stepping the model's own
 parameters (DeepSpeed's ZeRO and its fp16/bf16 optimizer wrappers step master copies of
@@ -84,7 +85,9 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
     (kfac-pytorch's, plus the three groups and ``factor_checkpoint_dir``). Groups left as
     None are taken from the module's DeepSpeed grid when it has one. ``loss_divisor``
     defaults to ``accumulation_steps``: DeepSpeed's engine backpropagates the loss divided
-    by its gradient accumulation steps. Call :meth:`step`
+    by its gradient accumulation steps. Only the column- and row-parallel linears are
+    registered, as in kfac-pytorch; ``include_plain_linear=True`` adds the pipeline's other
+    supported layers (``nn.Linear`` projections and heads, ...). Call :meth:`step`
     after DeepSpeed averaged the gradients and before the optimizer steps: from a step
     pre-hook of the optimizer given to ``deepspeed.initialize`` (see the module
     docstring).
@@ -124,6 +127,7 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
         scaling: str = "kfac-pytorch",
         loss_reduction: str = "mean",
         loss_divisor: float | None = None,
+        include_plain_linear: bool = False,
     ) -> None:
         pipeline_module = _pipeline_module()
         warnings.warn(
@@ -174,4 +178,5 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
             loss_reduction=loss_reduction,
             # DeepSpeed's engine backpropagates loss / gradient_accumulation_steps
             loss_divisor=accumulation_steps if loss_divisor is None else loss_divisor,
+            include_plain_linear=include_plain_linear,
         )

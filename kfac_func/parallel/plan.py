@@ -100,12 +100,16 @@ def register_parallel(
     model: nn.Module,
     model_parallel_size: int = 1,
     skip_layers: Iterable[str] | str | None = None,
+    *,
+    include_plain: bool = True,
 ) -> tuple[LayerTable, dict[str, Split | None]]:
     """The layers of ``model`` (one pipeline stage) that K-FAC preconditions.
 
     Returns ``(table, splits)``: ``table`` maps names to the specs of the full layers (in
     module order; unsupported modules are listed in ``table.skipped``), ``splits`` maps
     names to ``"column"``, ``"row"`` or None (replicated on every model-parallel rank).
+    ``include_plain=False`` keeps only the column- and row-parallel linears (the other
+    layers are listed as skipped).
 
     Example:
         >>> from torch import nn
@@ -114,6 +118,9 @@ def register_parallel(
         ...                                                 nn.Linear(4, 2)))
         >>> [(n, s.in_dim, s.out_dim, splits[n]) for n, s in table.items()]
         [('0', 3, 4, 'column'), ('1', 4, 2, None)]
+        >>> list(register_parallel(nn.Sequential(ColumnParallelLinear(3, 4), nn.Linear(4, 2)),
+        ...                        include_plain=False)[0])
+        ['0']
     """
     if not isinstance(model_parallel_size, int) or model_parallel_size < 1:
         raise ValueError(f"model_parallel_size must be a positive int, got {model_parallel_size!r}")
@@ -127,6 +134,9 @@ def register_parallel(
     for name, module in model.named_modules():
         if name in base:
             if not base[name].block.model_parallel:
+                continue
+            if not include_plain:
+                skipped[name] = "not a column- or row-parallel linear (include_plain=False)"
                 continue
             specs.append(base[name])
             splits[name] = None

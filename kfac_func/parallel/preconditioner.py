@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kfac_func.adapter.arguments import ComputeMethod
+from kfac_func.adapter.arguments import ComputeMethod, log_registered
 from kfac_func.distributed.plan import AssignmentStrategy
 from kfac_func.parallel.base import Group
 from kfac_func.parallel.checkpointing import ParallelCheckpointing
@@ -75,7 +75,10 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
     :meth:`state_dict` and :meth:`load_state_dict` together (they are collectives).
     Gradients must be averaged over the data-parallel group before :meth:`step`.
     ``allreduce_bucket_cap_mb`` and ``symmetry_aware`` are accepted for compatibility;
-    each collective here carries one layer's tensors.
+    each collective here carries one layer's tensors. ``include_plain_linear=False``
+    registers only the column- and row-parallel linears (as
+    :class:`~kfac_func.parallel.gpt_neox.GPTNeoXKFACPreconditioner` does by default);
+    with True (the default here) the other supported layers (``nn.Linear``, ...) too.
 
     Example:
         >>> import torch
@@ -119,6 +122,7 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         scaling: str = "kfac-pytorch",
         loss_reduction: str = "mean",
         loss_divisor: float = 1.0,
+        include_plain_linear: bool = True,
     ) -> None:
         self._set_arguments(
             model,
@@ -156,7 +160,10 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         self.comm = ParallelCommunicator(data_parallel_group, model_parallel_group)
         pipe = ParallelCommunicator(pipeline_parallel_group, None)
         self.stage = pipe.dp_rank
-        self.layers, self.splits = register_parallel(model, self.comm.mp_size, self.skip_layers)
+        self.include_plain_linear = include_plain_linear
+        self.layers, self.splits = register_parallel(
+            model, self.comm.mp_size, self.skip_layers, include_plain=include_plain_linear
+        )
         self.plan = make_parallel_plan(
             self.layers,
             self.splits,
@@ -181,8 +188,10 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         self._micro = []
         self._handles = []
         self._register_hooks()
+        where = f" on global-rank={self.comm.rank} and pipeline-rank={self.stage}"
+        log_registered(logger, loglevel, model, self.layers, where)
         logger.log(loglevel, "K-FAC registered layers (stage %d):\n%s", self.stage, self.layers)
-        logger.log(loglevel, "%s", self.plan)
+        logger.log(loglevel, "K-FAC layer assignments: %s", self.plan)
 
     def _directory(self) -> None:
         """Learn every rank's stage, coordinates and layers (one object all-gather)."""

@@ -180,7 +180,7 @@ def accumulate_factors(
         1
     """
     decay = resolve(factor_decay, state.step)
-    check_hyper("factor_decay", decay, lambda v: 0 < v <= 1, "in (0, 1]")
+    check_hyper("factor_decay", decay, lambda v: 0 <= v <= 1, "in [0, 1]")
     micro = as_list(captures)
     layers = dict(state.layers)
     fold_layers(

@@ -136,7 +136,7 @@ def correct_eigenvalues(
         torch.Size([2, 4])
     """
     decay = resolve(factor_decay, state.step)
-    check_hyper("factor_decay", decay, lambda v: 0 < v <= 1, "in (0, 1]")
+    check_hyper("factor_decay", decay, lambda v: 0 <= v <= 1, "in [0, 1]")
     layers = dict(state.layers)
     update_scales(layers, as_list(captures), decay, nonfinite)
     return state.replace(layers=layers)

@@ -19,6 +19,7 @@ __all__ = [
     "NonFiniteError",
     "as_list",
     "check_hyper",
+    "exp_decay_factor_averaging",
     "non_finite",
     "resolve",
     "take",
@@ -47,6 +48,36 @@ def check_hyper(name: str, value: float | None, ok: Callable[[float], bool], exp
         raise TypeError(f"{name} must be a number, got {value!r}")
     if math.isnan(value) or not ok(value):
         raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def exp_decay_factor_averaging(min_value: float = 0.95) -> Callable[[int], float]:
+    """A ``factor_decay`` schedule: ``min(1 - 1/k, min_value)`` at step ``k``.
+
+    Early on, the running averages of the factors weigh every batch so far equally
+    (``1 - 1/k`` is the decay of a plain mean of ``k`` batches); once that decay reaches
+    ``min_value`` they become exponential averages with decay ``min_value``. Step 0 is
+    treated as step 1 (decay 0: the first factors replace the initial ones). Pass the
+    result as ``factor_decay`` to a preconditioner or to :func:`kfac_func.update`.
+
+    Raises:
+        ValueError: ``min_value <= 0`` (at construction), or a negative step.
+
+    Example:
+        >>> decay = exp_decay_factor_averaging(0.9)
+        >>> [round(decay(k), 3) for k in (0, 1, 2, 4, 10, 100)]
+        [0.0, 0.0, 0.5, 0.75, 0.9, 0.9]
+    """
+    if isinstance(min_value, bool) or not isinstance(min_value, (int, float)):
+        raise TypeError(f"min_value must be a number, got {min_value!r}")
+    if not min_value > 0:
+        raise ValueError(f"min_value must be greater than 0, got {min_value!r}")
+
+    def factor_decay(step: int) -> float:
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return min(1.0 - 1.0 / max(step, 1), float(min_value))
+
+    return factor_decay
 
 
 def as_list(captures: Captures | Sequence[Captures]) -> list[Captures]:

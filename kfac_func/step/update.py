@@ -69,7 +69,8 @@ def update(
         rows: ``{layer: [(input rows, output-gradient rows), ...]}`` of Linear layers (see
             :func:`precondition_layer`); taken from ``captures`` when not given.
         damping: Tikhonov damping λ.
-        factor_decay: running-average coefficient in (0, 1].
+        factor_decay: running-average coefficient in [0, 1] (0: the batch factors replace
+            the average).
         kl_clip: gradient-scale clipping; None disables it.
         lr: learning rate used by the kl_clip scale.
         update_factors: fold the captures into the factors this step.
@@ -146,7 +147,7 @@ def update(
         if captures is None and batch_factors is None:
             raise ValueError("update_factors=True needs captures= (from kfac_func.capture)")
         decay = resolve(factor_decay, step)
-        check_hyper("factor_decay", decay, lambda v: 0 < v <= 1, "in (0, 1]")
+        check_hyper("factor_decay", decay, lambda v: 0 <= v <= 1, "in [0, 1]")
         micro = as_list(captures) if captures is not None else None
 
         def batch_of(name: str, ls: LayerState) -> LayerFactors | None:
