@@ -21,14 +21,14 @@ parameter; skipped with a note when heavyball is not installed: it is a benchmar
 extra) and K-FAC in front of SGD with momentum: ``kfac`` (eigen, kl_clip following the
 schedule as in the example), ``kfac-ekfac`` (corrected eigenvalues),
 ``kfac-ekfac-adam`` (EKFAC with Adam grafting, no kl_clip), ``kfac-moments`` (Adam's
-step in K-FAC's eigenbasis, SGD's momentum averaged as Adam's first moment, factors every
-5 steps, eigenbases every 10) and ``kfac-adaptive`` (no optimizer: the quadratic model's
-learning rate and momentum, Levenberg–Marquardt damping; its "learning rates" are the
-starting dampings). Every optimizer gets the same
-schedule (linear warm-up, cosine decay to 10 %), the same initialisation and the same
-batches per seed, and the same tuning budget: the learning rates of its sweep (a factor
-of about 3 apart around a value found beforehand) on seed 0; the best (lowest final test
-loss) is then run on every seed.
+step, first and second moments, in K-FAC's eigenbasis — SOAP's update with K-FAC's bases
+— in front of SGD without momentum, factors every 5 steps, eigenbases every 10) and
+``kfac-adaptive`` (no optimizer: the quadratic model's learning rate and momentum,
+Levenberg–Marquardt damping; its "learning rates" are the starting dampings). Every
+optimizer gets the same schedule (linear warm-up, cosine decay to 10 %), the same
+initialisation and the same batches per seed, and the same tuning budget: the learning
+rates of its sweep (a factor of about 2–3 apart around a value found beforehand) on
+seed 0; the best (lowest final test loss) is then run on every seed.
 
 What is printed
 ---------------
@@ -88,7 +88,7 @@ LRS: dict[str, tuple[float, ...]] = {
     "kfac": (0.1, 0.3),
     "kfac-ekfac": (0.1, 0.3),
     "kfac-ekfac-adam": (1e-3, 3e-3),
-    "kfac-moments": (3e-3, 1e-2),
+    "kfac-moments": (1e-2, 2e-2),
     "kfac-adaptive": (0.1, 1.0),  # the starting damping: no learning rate to sweep
 }
 """Learning-rate sweep per optimizer (Muon's is for its matrices; its AdamW part uses
@@ -180,15 +180,16 @@ KFAC = {
     "kfac": ("eigen", 0.9, 0.0, 3e-5, (1, 5), 0.95, {}),
     "kfac-ekfac": ("ekfac", 0.9, 0.0, 3e-5, (1, 5), 0.95, {}),
     "kfac-ekfac-adam": ("ekfac", 0.0, 0.0, None, (1, 5), 0.95, {"grafting": "adam"}),
-    # Adam in K-FAC's eigenbasis: SGD's momentum as Adam's first moment (an average)
+    # Adam in K-FAC's eigenbasis (SOAP's update with K-FAC's bases): the first moment
+    # inside the preconditioner, so SGD takes no momentum
     "kfac-moments": (
         "eigen",
-        0.9,
-        0.9,
+        0.0,
+        0.0,
         None,
         (5, 10),
         0.8,
-        {"eigenbasis_moments": True, "moment_beta2": 0.95},
+        {"eigenbasis_moments": True, "moment_beta2": 0.95, "moment_beta1": 0.9},
     ),
     # the quadratic model's learning rate and momentum, adaptive damping ("lr": its start)
     "kfac-adaptive": ("eigen", 0.0, 0.0, None, (1, 5), 0.95, {}),

@@ -52,7 +52,7 @@ OPTIMIZERS = ("sgd", "adam", "kfac", "kfac-moments")
 KFAC_DEFAULTS = {
     # (learning rate, factor_update_steps, inv_update_steps, factor_decay), from sweeps
     "kfac": (0.3, 1, 5, 0.95),
-    "kfac-moments": (0.01, 5, 10, 0.8),
+    "kfac-moments": (0.02, 5, 10, 0.8),
 }
 HEADER = "   optimizer  epoch  train_loss  test_loss  test_bpc  seconds"
 ROW = (
@@ -277,9 +277,9 @@ def train(
         sgd = torch.optim.SGD(
             kfac_params,
             lr=args.kfac_lr or lr,
-            momentum=args.momentum,
-            # with eigenbasis moments the momentum is Adam's first moment: an average
-            dampening=args.momentum if moments else 0.0,
+            # with eigenbasis moments the momentum is Adam's first moment, kept by the
+            # preconditioner (averaged before the division, as Adam and SOAP do)
+            momentum=0.0 if moments else args.momentum,
             weight_decay=args.weight_decay,
         )
         optimizers.append(sgd)
@@ -305,6 +305,7 @@ def train(
             compute_method=args.kfac_method,
             eigenbasis_moments=moments,
             moment_beta2=args.moment_beta2,
+            moment_beta1=args.momentum,
         )
         if args.verbose:
             print(preconditioner.layers)
@@ -368,14 +369,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--test-windows", type=int, default=256, help="test windows evaluated per epoch")
     add("--warmup", type=float, default=0.05, help="share of all steps spent warming up")
     add("--weight-decay", type=float, default=0.0)
-    add("--momentum", type=float, default=0.9, help="SGD momentum (sgd and kfac)")
+    add(
+        "--momentum",
+        type=float,
+        default=0.9,
+        help="SGD momentum (sgd and kfac); kfac-moments: Adam's beta1 in the eigenbasis",
+    )
     add("--sgd-lr", type=float, default=0.2)
     add("--adam-lr", type=float, default=2e-3)
     add(
         "--kfac-lr",
         type=float,
         default=None,
-        help="learning rate of SGD under K-FAC (default: 0.3 kfac, 0.01 kfac-moments)",
+        help="learning rate of SGD under K-FAC (default: 0.3 kfac, 0.02 kfac-moments)",
     )
     add("--damping", type=float, default=0.001)
     add(

@@ -97,6 +97,8 @@ class LayerState:
         basis_moment: the running second moment of the layer's gradient in its
             eigenbasis (``update(..., eigenbasis_moments=True)``, see
             :mod:`kfac_func.core.basis_moments`), or None.
+        basis_momentum: the running first moment of the layer's gradient matrix kept by
+            eigenbasis moments with ``moment_beta1 > 0``, or None.
         moment_count: how many gradients ``basis_moment`` holds (static; its bias
             correction).
     """
@@ -110,6 +112,7 @@ class LayerState:
     decomposition_failures: int = 0
     graft_moment: torch.Tensor | None = None
     basis_moment: torch.Tensor | None = None
+    basis_momentum: torch.Tensor | None = None
     moment_count: int = 0
 
     def replace(self, **changes: object) -> LayerState:
@@ -182,7 +185,14 @@ class KFACState:
 
 register_dataclass(
     LayerState,
-    data=("a_factor", "g_factor", "decomposition", "graft_moment", "basis_moment"),
+    data=(
+        "a_factor",
+        "g_factor",
+        "decomposition",
+        "graft_moment",
+        "basis_moment",
+        "basis_momentum",
+    ),
     static=(
         "spec",
         "factor_updates",

@@ -38,15 +38,17 @@ def _matrix(spec: kf.LayerSpec, grads: dict[str, torch.Tensor]) -> torch.Tensor:
     return kf.grads_to_matrix(spec, grads[spec.weight], grads[spec.bias] if spec.bias else None)
 
 
-def test_identity_basis_is_adam() -> None:
-    """All sides diagonal: each layer's step is Adam's (β₁ = 0) on ``[W | b]``."""
+@pytest.mark.parametrize("beta1", [0.0, 0.8])
+def test_identity_basis_is_adam(beta1: float) -> None:
+    """All sides diagonal: each layer's step is Adam's (β₁ = ``moment_beta1``) on
+    ``[W | b]``."""
     model = _model()
     table = kf.register(model, max_factor_dim=1)
     assert all(ls.diagonal == (True, True) for ls in table.values())
     state = kf.init(table, factor_dtype=DT, inv_dtype=DT)
     params = dict(model.named_parameters())
     mats = {n: torch.zeros_like(_matrix(s, params), requires_grad=True) for n, s in table.items()}
-    adam = torch.optim.Adam(mats.values(), lr=1.0, betas=(0.0, B2), eps=EPS)
+    adam = torch.optim.Adam(mats.values(), lr=1.0, betas=(beta1, B2), eps=EPS)
     for step in range(4):
         x, y = _batch(step)
         _, grads, caps = kf.capture(model, params, x, lambda o, y=y: F.cross_entropy(o, y))
@@ -58,6 +60,7 @@ def test_identity_basis_is_adam() -> None:
             eigenbasis_moments=True,
             moment_beta2=B2,
             moment_eps=EPS,
+            moment_beta1=beta1,
         )
         before = {name: m.detach().clone() for name, m in mats.items()}
         for name, spec in table.items():
@@ -67,6 +70,7 @@ def test_identity_basis_is_adam() -> None:
             want = before[name] - mats[name].detach()
             torch.testing.assert_close(_matrix(spec, out), want, rtol=1e-12, atol=1e-15)
             assert state.layers[name].moment_count == step + 1
+            assert (state.layers[name].basis_momentum is None) == (beta1 == 0)
 
 
 def _carried_dense(
@@ -90,14 +94,17 @@ def test_carry_is_the_diagonal_of_the_rotated_moment() -> None:
     torch.testing.assert_close(carry_moment(v, eye, (flip, eye[1])), v[:, [1, 0, 3, 2]])
 
 
-def test_dense_bases_against_eigh_and_carried_moments() -> None:
+@pytest.mark.parametrize("beta1", [0.0, 0.7])
+def test_dense_bases_against_eigh_and_carried_moments(beta1: float) -> None:
     """The step recomputed here from eigh of the state's factors, decompositions every
-    other step (the moment carried into each new basis)."""
+    other step (the second moment carried into each new basis; the first moment, in the
+    layer's coordinates, is not)."""
     model = _model()
     table = kf.register(model)
     state = kf.init(table, factor_dtype=DT, inv_dtype=DT)
     params = dict(model.named_parameters())
     moments: dict[str, torch.Tensor] = {}
+    firsts: dict[str, torch.Tensor] = {}
     bases: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for step in range(5):
         x, y = _batch(10 + step)
@@ -111,6 +118,7 @@ def test_dense_bases_against_eigh_and_carried_moments() -> None:
             eigenbasis_moments=True,
             moment_beta2=B2,
             moment_eps=EPS,
+            moment_beta1=beta1,
         )
         for name, spec in table.items():
             ls = state.layers[name]
@@ -123,6 +131,10 @@ def test_dense_bases_against_eigh_and_carried_moments() -> None:
             v = qg.T @ _matrix(spec, grads) @ qa
             moments[name] = B2 * moments.get(name, torch.zeros_like(v)) + (1 - B2) * v**2
             v_hat = moments[name] / (1 - B2 ** (step + 1))
+            if beta1 > 0:
+                m = _matrix(spec, grads)
+                firsts[name] = beta1 * firsts.get(name, torch.zeros_like(m)) + (1 - beta1) * m
+                v = qg.T @ (firsts[name] / (1 - beta1 ** (step + 1))) @ qa
             want = qg @ (v / (v_hat.sqrt() + EPS)) @ qa.T
             torch.testing.assert_close(_matrix(spec, out), want, rtol=1e-9, atol=1e-12)
             torch.testing.assert_close(ls.basis_moment, moments[name], rtol=1e-9, atol=1e-14)
@@ -138,6 +150,7 @@ def _adapter(model: nn.Module, **kw: object) -> kf.KFACPreconditioner:
         inv_update_steps=2,
         eigenbasis_moments=True,
         moment_beta2=B2,
+        moment_beta1=0.5,
         **kw,  # type: ignore[arg-type]
     )
 
@@ -168,7 +181,7 @@ def test_adapter_equals_update_and_resumes_from_checkpoints() -> None:
     comm = kf.Communicator(plan)
     dstate = state
     params = {k: v.detach().clone() for k, v in ref.named_parameters()}
-    kw = {"kl_clip": None, "eigenbasis_moments": True, "moment_beta2": B2}
+    kw = {"kl_clip": None, "eigenbasis_moments": True, "moment_beta2": B2, "moment_beta1": 0.5}
     got = _train(model, pre, range(3))
     for step in range(3):
         x, y = _batch(step)
@@ -192,6 +205,7 @@ def test_adapter_equals_update_and_resumes_from_checkpoints() -> None:
     back = kf.state_from_dict(kf.state_to_dict(state, include_decompositions=True), like=state)
     for n, ls in state.layers.items():
         assert torch.equal(back.layers[n].basis_moment, ls.basis_moment)  # type: ignore[arg-type]
+        assert torch.equal(back.layers[n].basis_momentum, ls.basis_momentum)  # type: ignore[arg-type]
         assert back.layers[n].moment_count == ls.moment_count == 3
     saved = pre.state_dict()
     resumed_model = _model()
@@ -210,6 +224,8 @@ def test_refused_settings() -> None:
         kf.KFACPreconditioner(_model(), compute_method="inverse", eigenbasis_moments=True)
     with pytest.raises(ValueError, match="moment_beta2"):
         kf.KFACPreconditioner(_model(), eigenbasis_moments=True, moment_beta2=1.0)
+    with pytest.raises(ValueError, match="moment_beta1"):
+        kf.KFACPreconditioner(_model(), eigenbasis_moments=True, moment_beta1=-0.1)
     state = kf.init(kf.register(_model()), compute_method="inverse")
     with pytest.raises(ValueError, match="needs an eigenbasis"):
         kf.update(state, {}, update_factors=False, eigenbasis_moments=True)

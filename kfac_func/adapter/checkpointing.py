@@ -47,7 +47,11 @@ def layer_entries(state: KFACState, plan: Plan, comm: Communicator) -> dict[str,
             ).wait()
             updates = int(count.item())
         entry: dict[str, Any] = {"A": a, "G": g, "factor_updates": updates}
-        for moment in ("graft_moment", "basis_moment"):  # the grad workers' running moments
+        for moment in (
+            "graft_moment",
+            "basis_moment",
+            "basis_momentum",
+        ):  # the grad workers' running moments
             if getattr(ls, moment) is not None:
                 entry[moment] = getattr(ls, moment)
         if ls.basis_moment is not None:
@@ -80,7 +84,7 @@ def load_layer(
         if not all_finite(f):
             raise ValueError(f"layer {ls.spec.name!r}: state_dict factor {which} holds NaN/Inf")
     moments: dict[str, Any] = {}
-    for moment in ("graft_moment", "basis_moment"):
+    for moment in ("graft_moment", "basis_moment", "basis_momentum"):
         t = entry.get(moment)
         if t is None:
             continue

@@ -73,7 +73,8 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
     ``grafting="sgd"`` or ``"adam"`` gives each layer's preconditioned gradient the norm of
     that optimizer's step; ``eigenbasis_moments=True`` divides each layer's gradient in
     K-FAC's eigenbasis by the root of its running second moment there, as Adam does
-    (``moment_beta2``, ``moment_eps``; see :func:`kfac_func.update`).
+    (``moment_beta2``, ``moment_eps``, and ``moment_beta1`` for Adam's first moment; see
+    :func:`kfac_func.update`).
     ``adaptive=AdaptiveStepper(model, loss=...)`` (one process, ``kl_clip=None``) makes
     :meth:`step` update the preconditioned parameters itself, with the learning rate and
     momentum of the quadratic model and Levenberg–Marquardt damping starting at
@@ -134,6 +135,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
         eigenbasis_moments: bool = False,
         moment_beta2: float = 0.999,
         moment_eps: float = 1e-8,
+        moment_beta1: float = 0.0,
         adaptive: AdaptiveStepper | None = None,
         allreduce_method: AllreduceMethod | str | None = None,
     ) -> None:
@@ -173,10 +175,13 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
         self.graft_beta2 = graft_beta2
         self.graft_eps = graft_eps
         if eigenbasis_moments:
-            BasisMoments(moment_beta2, moment_eps).check(self.compute_method.name.lower())
+            BasisMoments(moment_beta2, moment_eps, moment_beta1).check(
+                self.compute_method.name.lower()
+            )
         self.eigenbasis_moments = eigenbasis_moments
         self.moment_beta2 = moment_beta2
         self.moment_eps = moment_eps
+        self.moment_beta1 = moment_beta1
         self.adaptive = adaptive
         if adaptive is not None:
             if adaptive.model is not model:
@@ -234,7 +239,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
             max_factor_dim=max_factor_dim,
             kfac_approx=kfac_approx,
             grafting=(grafting, graft_beta2, graft_eps),
-            eigenbasis_moments=(eigenbasis_moments, moment_beta2, moment_eps),
+            eigenbasis_moments=(eigenbasis_moments, moment_beta2, moment_eps, moment_beta1),
         )
         self.comm = Communicator(
             self.plan,
@@ -421,6 +426,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
             "eigenbasis_moments": self.eigenbasis_moments,
             "moment_beta2": self.moment_beta2,
             "moment_eps": self.moment_eps,
+            "moment_beta1": self.moment_beta1,
         }
 
     def memory_usage(self) -> dict[str, int]:

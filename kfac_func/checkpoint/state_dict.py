@@ -148,7 +148,7 @@ def _layer_problems(
         (f, d[_layer_key(name, f)], _shape(getattr(ls, f).shape), getattr(ls, f).dtype)
         for f in ("a_factor", "g_factor")
     ]
-    for moment in ("graft_moment", "basis_moment"):
+    for moment in ("graft_moment", "basis_moment", "basis_momentum"):
         if entry.get(moment):
             key = _layer_key(name, moment)
             checks.append((moment, d[key], ls.spec.matrix_shape, like.config.factor_dtype))
@@ -248,6 +248,7 @@ def _build_layer(
         g_factor=get("g_factor"),
         graft_moment=get("graft_moment") if entry.get("graft_moment") else None,
         basis_moment=get("basis_moment") if entry.get("basis_moment") else None,
+        basis_momentum=get("basis_momentum") if entry.get("basis_momentum") else None,
         moment_count=entry["moment_count"],
         decomposition=decomposition,
         spec=ls.spec,

@@ -141,6 +141,7 @@ def _metadata(
                 "decomposition_failures": ls.decomposition_failures,
                 "graft_moment": ls.graft_moment is not None,
                 "basis_moment": ls.basis_moment is not None,
+                "basis_momentum": ls.basis_momentum is not None,
                 "moment_count": ls.moment_count,
                 "spec": {k: _json_value(getattr(ls.spec, k)) for k in _SPEC_FIELDS},
                 "decomposition": dec,
@@ -302,6 +303,8 @@ def _decode_meta(d: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         _get(entry, "graft_moment", bool, f"layer {name!r} ")
         entry.setdefault("basis_moment", False)  # files written before eigenbasis moments
         _get(entry, "basis_moment", bool, f"layer {name!r} ")
+        entry.setdefault("basis_momentum", False)
+        _get(entry, "basis_momentum", bool, f"layer {name!r} ")
         entry.setdefault("moment_count", 0)
         _get(entry, "moment_count", int, f"layer {name!r} ")
         _get(entry, "spec", dict, f"layer {name!r} ")
@@ -328,7 +331,7 @@ def _expected_keys(meta: dict[str, Any]) -> list[str]:
     for entry in meta["layers"]:
         name = entry["name"]
         keys += [_layer_key(name, "a_factor"), _layer_key(name, "g_factor")]
-        for moment in ("graft_moment", "basis_moment"):
+        for moment in ("graft_moment", "basis_moment", "basis_momentum"):
             if entry.get(moment):
                 keys.append(_layer_key(name, moment))
         if entry.get("decomposition") is not None:

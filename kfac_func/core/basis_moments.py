@@ -8,6 +8,11 @@ gradients scale it, and the result is projected back:
 
     P = Qg [V / (sqrt(v̂) + ε)] Qaᵀ.
 
+With ``β₁ > 0`` the gradient is first averaged as Adam's first moment, in the layer's own
+coordinates (so it needs no carrying into a new basis): ``m ← β₁ m + (1 − β₁) M``,
+``m̂ = m / (1 − β₁ᵏ)``, and ``P = Qg [(Qgᵀ m̂ Qa) / (sqrt(v̂) + ε)] Qaᵀ`` — SOAP's update with
+K-FAC's bases; the optimizer that consumes ``P`` then takes no momentum of its own.
+
 Where EKFAC divides by the second moment of *per-example* gradients plus damping (the
 Fisher's diagonal in that basis, see :mod:`kfac_func.core.ekfac`), this divides by the root
 of the second moment of the *batch* gradient, as Adam does. When the eigenbasis is
@@ -59,22 +64,27 @@ def adam_in_basis(
     *,
     beta2: float,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    first: torch.Tensor | None = None,
+    beta1: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Precondition ``m`` with the running second moment in the eigenbasis.
 
     Args:
         m: the gradient matrix, ``(*batch, g_dim, a_dim)``, in the bases' dtype.
         qa, qg: the eigenbases (None: the identity).
-        moment: the running moment of the ``count`` previous gradients, or None.
+        moment: the running second moment of the ``count`` previous gradients, or None.
         count: how many gradients ``moment`` holds (0 with None).
         beta2, eps: Adam's ``β₂`` and ``ε``.
+        first: the running first moment (layer coordinates) when ``beta1 > 0``, or None.
+        beta1: Adam's ``β₁``; 0 preconditions ``m`` itself.
 
     Returns:
-        ``(P, new moment)``, the new moment holding ``count + 1`` gradients.
+        ``(P, new second moment, new first moment or None)``, the moments holding
+        ``count + 1`` gradients.
 
     Example:
-        >>> p, v = adam_in_basis(torch.tensor([[2.0, -3.0]]), None, None, None, 0,
-        ...                      beta2=0.9, eps=0.0)
+        >>> p, v, _ = adam_in_basis(torch.tensor([[2.0, -3.0]]), None, None, None, 0,
+        ...                         beta2=0.9, eps=0.0)
         >>> p, v
         (tensor([[ 1., -1.]]), tensor([[0.4000, 0.9000]]))
     """
@@ -82,8 +92,13 @@ def adam_in_basis(
     sq = projected.pow(2).mul_(1 - beta2)
     new = sq if moment is None else moment.mul(beta2).add_(sq.to(moment.dtype))
     v_hat = new / (1 - beta2 ** (count + 1))
+    new_first = None
+    if beta1 > 0:
+        step = m.mul(1 - beta1)
+        new_first = step if first is None else first.mul(beta1).add_(step.to(first.dtype))
+        projected = to_basis(new_first / (1 - beta1 ** (count + 1)), qa, qg)
     scaled = projected / v_hat.sqrt().add_(eps).to(projected.dtype)
-    return from_basis(scaled, qa, qg), new
+    return from_basis(scaled, qa, qg), new, new_first
 
 
 def _rotation(new: torch.Tensor | None, old: torch.Tensor | None) -> torch.Tensor | None:

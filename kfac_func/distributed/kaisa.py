@@ -276,6 +276,7 @@ def update_distributed(
     eigenbasis_moments: bool = False,
     moment_beta2: float = 0.999,
     moment_eps: float = 1e-8,
+    moment_beta1: float = 0.0,
 ) -> tuple[dict[str, torch.Tensor], KFACState]:
     """:func:`kfac_func.update` across ranks, with the communication of ``plan``.
 
@@ -315,7 +316,9 @@ def update_distributed(
         graft_settings = Grafting(grafting, graft_beta2, graft_eps).check()
     basis_settings = None
     if eigenbasis_moments:
-        basis_settings = BasisMoments(moment_beta2, moment_eps).check(state.config.compute_method)
+        basis_settings = BasisMoments(moment_beta2, moment_eps, moment_beta1).check(
+            state.config.compute_method
+        )
     changes: dict[str, dict[str, object]] = {}
     step = state.step
     lam = resolve(damping, step)

@@ -20,10 +20,11 @@ __all__ = ["BasisMoments", "basis_of", "carry_moments", "moment_bases", "precond
 
 class BasisMoments(NamedTuple):
     """Settings of eigenbasis moments (see :mod:`kfac_func.core.basis_moments`): Adam's
-    ``beta2`` and ``eps``."""
+    ``beta2``, ``eps`` and ``beta1`` (0: no first moment)."""
 
     beta2: float = 0.999
     eps: float = 1e-8
+    beta1: float = 0.0
 
     def check(self, compute_method: str) -> BasisMoments:
         """This, validated for a state of ``compute_method`` (a ValueError names the bad
@@ -35,6 +36,7 @@ class BasisMoments(NamedTuple):
             )
         check_hyper("moment_beta2", self.beta2, lambda v: 0 <= v < 1, "in [0, 1)")
         check_hyper("moment_eps", self.eps, lambda v: v >= 0, ">= 0")
+        check_hyper("moment_beta1", self.beta1, lambda v: 0 <= v < 1, "in [0, 1)")
         return self
 
 
@@ -54,7 +56,7 @@ def precondition_in_basis(
     assert ls.decomposition is not None
     qa, qg = basis_of(ls.decomposition)
     dtype = ls.a_factor.dtype
-    p, moment = adam_in_basis(
+    p, moment, first = adam_in_basis(
         m.to(dtype),
         None if qa is None else qa.to(dtype),
         None if qg is None else qg.to(dtype),
@@ -62,8 +64,13 @@ def precondition_in_basis(
         ls.moment_count,
         beta2=settings.beta2,
         eps=settings.eps,
+        first=ls.basis_momentum,
+        beta1=settings.beta1,
     )
-    return p.to(m.dtype), {"basis_moment": moment, "moment_count": ls.moment_count + 1}
+    changes: dict[str, object] = {"basis_moment": moment, "moment_count": ls.moment_count + 1}
+    if first is not None:
+        changes["basis_momentum"] = first
+    return p.to(m.dtype), changes
 
 
 def moment_bases(

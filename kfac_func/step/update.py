@@ -53,6 +53,7 @@ def update(
     eigenbasis_moments: bool = False,
     moment_beta2: float = 0.999,
     moment_eps: float = 1e-8,
+    moment_beta1: float = 0.0,
 ) -> tuple[dict[str, torch.Tensor], KFACState]:
     """One K-FAC step: returns ``(preconditioned_grads, new_state)``; inputs are untouched
     (unless donated).
@@ -108,6 +109,9 @@ def update(
             each new eigenbasis, and start with a layer's first decomposition. Usually
             with ``kl_clip=None`` and the learning rate of Adam.
         moment_beta2, moment_eps: the moments' ``β₂`` and ``ε``.
+        moment_beta1: Adam's ``β₁`` for eigenbasis moments: the gradient is averaged
+            first (``LayerState.basis_momentum``) and the average preconditioned, as
+            SOAP does; use the consuming optimizer without momentum then. 0: none.
 
     All hyperparameters may be ``step -> value`` callables, evaluated at ``state.step``.
 
@@ -136,7 +140,9 @@ def update(
     step, config = state.step, state.config
     basis_settings = None
     if eigenbasis_moments:
-        basis_settings = BasisMoments(moment_beta2, moment_eps).check(config.compute_method)
+        basis_settings = BasisMoments(moment_beta2, moment_eps, moment_beta1).check(
+            config.compute_method
+        )
     validate_grads(state.layers, grads)  # before anything changes, donated or not
     layers = state.layers if donate else dict(state.layers)
     micro: list[Captures] | None = None  # this step's statistics, when factors update
