@@ -24,11 +24,12 @@ Runs are interleaved (seed by seed, every optimizer and learning rate in turn) s
 load from other processes hits all of them alike; the wall times are still only as steady
 as the machine. One intra-op thread (``--threads``).
 
-Outputs (``--out`` prefix, default ``benchmarks/results/convergence``; in quick mode a
-temporary folder): ``.csv`` (one row per run), ``.png`` (the sweep and the per-seed
+Outputs (``--out`` prefix, default ``benchmarks/out/convergence``, a folder git ignores;
+in quick mode a temporary folder): ``.csv`` (one row per run), ``.png`` (the sweep and the per-seed
 epochs and seconds at the chosen learning rates) and ``_curves.csv``/``_curves.png``
 (test accuracy and losses per epoch of seed 0 at the chosen learning rates, trained for
-``--max-epochs`` without stopping).
+``--max-epochs`` without stopping). The committed results in ``benchmarks/results/`` are
+refreshed only when asked for by name: ``--out benchmarks/results/convergence``.
 """
 
 from __future__ import annotations
@@ -86,7 +87,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=None, help="training images (default all)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-curves", action="store_true", help="skip the per-epoch curve runs")
-    p.add_argument("--out", default=None, help="output prefix (see the module docstring)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output prefix of the CSVs and plots (default benchmarks/out/convergence, "
+        "untracked; --quick: a temporary folder); pass benchmarks/results/convergence to "
+        "refresh the committed results",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.target, args.max_epochs, args.seeds, args.samples = 0.4, 4, 2, 384
@@ -177,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.quick:
         out = Path(tempfile.mkdtemp(prefix="convergence-")) / "convergence"
     else:
-        out = ROOT / "benchmarks" / "results" / "convergence"
+        out = ROOT / "benchmarks" / "out" / "convergence"
     out.parent.mkdir(parents=True, exist_ok=True)
 
     data = load_images("digits", samples=args.samples)

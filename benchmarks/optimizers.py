@@ -37,8 +37,10 @@ over seeds), the steps and seconds at which it first reaches AdamW's mean final 
 (mean over seeds; "never" if a seed does not), the same as ratios to AdamW's, and its
 seconds per step relative to AdamW. The test loss is evaluated every ``--eval-every`` steps
 (evaluation time excluded from the seconds). Outputs (``--out`` prefix, default
-``benchmarks/results/optimizers``): ``.csv`` (one row per evaluation of every run) and
-``.png`` (test loss against seconds, best learning rates, seed 0).
+``benchmarks/out/optimizers``, a folder git ignores): ``.csv`` (one row per evaluation of
+every run) and ``.png`` (test loss against seconds, best learning rates, seed 0). The
+committed results in ``benchmarks/results/`` are refreshed only when asked for by name:
+``--out benchmarks/results/optimizers``.
 """
 
 from __future__ import annotations
@@ -367,7 +369,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "optimizers"))
+    p.add_argument(
+        "--out",
+        default=str(ROOT / "benchmarks" / "out" / "optimizers"),
+        help="output prefix of the CSV and plots (default benchmarks/out/optimizers, "
+        "untracked; --quick: a temporary folder); pass benchmarks/results/optimizers to "
+        "refresh the committed results",
+    )
     p.add_argument(
         "--replot", metavar="CSV", help="print the tables and draw the plots of a saved run"
     )
@@ -409,6 +417,7 @@ def replot(path: str, out: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.replot:
         replot(args.replot, args.out)
         return

@@ -181,8 +181,13 @@ def train(
         sampler.set_epoch(epoch)
         start = time.perf_counter()
         total, count = 0.0, 0
-        batches = progress(loader, total=len(loader), desc=f"{run} epoch {epoch}")
-        for x, y in batches if rank == 0 else loader:
+        # a bar on rank 0 only: the other ranks create none (a tqdm bar draws when created)
+        batches = (
+            progress(loader, total=len(loader), desc=f"{run} epoch {epoch}")
+            if rank == 0
+            else loader
+        )
+        for x, y in batches:
             x, y = x.to(device), y.to(device)
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(x), y)

@@ -8,6 +8,10 @@ schedule a K-FAC hyperparameter with ``LambdaParamScheduler``, and checkpoint th
 optimizer and preconditioner state dicts after every epoch. Run it again with a larger
 ``--epochs`` and the same ``--checkpoint`` and it resumes where it stopped.
 
+It prints a row per epoch (a progress bar over the batches when stderr is a terminal) and
+writes the curves of every epoch so far, those before a resume included, to ``OUT.csv``
+and ``OUT.png`` (``--out``).
+
     python examples/kfac_pytorch_loop.py --epochs 5
     python examples/kfac_pytorch_loop.py --epochs 3 --checkpoint /tmp/kfac.pt  # then 6
 """
@@ -19,6 +23,7 @@ import os
 import tempfile
 
 import torch
+from common import progress, save_curves
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -62,30 +67,40 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=5, help="total epochs (default: 5)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--epochs", type=int, default=5, help="total epochs, resumed ones included")
     parser.add_argument("--samples", type=int, default=2048, help="training examples")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--classes", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=64, help="examples per step")
+    parser.add_argument("--classes", type=int, default=5, help="classes (one template each)")
     parser.add_argument("--noise", type=float, default=2.0, help="noise std of the images")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--damping", type=float, default=0.003)
-    parser.add_argument("--factor-update-steps", type=int, default=5)
-    parser.add_argument("--inv-update-steps", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9)")
+    parser.add_argument("--damping", type=float, default=0.003, help="K-FAC's damping")
+    parser.add_argument(
+        "--factor-update-steps", type=int, default=5, help="update the factors every N steps"
+    )
+    parser.add_argument(
+        "--inv-update-steps", type=int, default=20, help="decompose the factors every N steps"
+    )
     parser.add_argument(
         "--kl-clip-decay",
         type=float,
         default=0.98,
-        help="LambdaParamScheduler multiplies kl_clip by this after every step (default: "
-        "0.98); kl_clip bounds the step size of K-FAC, so this anneals it",
+        help="LambdaParamScheduler multiplies kl_clip by this after every step; kl_clip "
+        "bounds the step size of K-FAC, so this anneals it",
     )
     parser.add_argument(
         "--checkpoint",
         default=None,
         help="checkpoint file, written after every epoch and resumed from if it exists "
-        "(default: a file in a temporary directory)",
+        "(None: a file in a temporary directory)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data and the model")
+    parser.add_argument(
+        "--out", default="kfac_pytorch_loop", help="prefix of the CSV and PNG files"
+    )
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
@@ -114,6 +129,7 @@ def main() -> None:
 
     checkpoint = args.checkpoint or os.path.join(tempfile.mkdtemp(), "checkpoint.pt")
     start_epoch = 1
+    history: list[dict[str, float]] = []  # a row per epoch, for the curves
     if os.path.exists(checkpoint):
         # Restore state from a file
         state = torch.load(checkpoint)
@@ -121,13 +137,15 @@ def main() -> None:
         optimizer.load_state_dict(state["optimizer"])
         preconditioner.load_state_dict(state["preconditioner"])
         start_epoch = state["epoch"] + 1
+        history = state.get("history", [])
         print(f"resumed from {checkpoint} after epoch {state['epoch']}")
 
     print("epoch  loss      accuracy  kl_clip")
     for epoch in range(start_epoch, args.epochs + 1):
         shuffle.manual_seed(args.seed + epoch)  # like DistributedSampler.set_epoch(epoch)
         total, count = 0.0, 0
-        for data, target in train_loader:
+        batches = progress(train_loader, total=len(train_loader), desc=f"epoch {epoch}")
+        for data, target in batches:
             optimizer.zero_grad()
             output = model(data)
 
@@ -142,16 +160,22 @@ def main() -> None:
             total += loss.item() * len(target)
             count += len(target)
 
+        accuracy = evaluate(model, x_val, y_val)
+        kl_clip = preconditioner.kl_clip
+        history.append({"epoch": epoch, "train_loss": total / count, "val_accuracy": accuracy})
         # Save state to a file
         state = {
             "epoch": epoch,
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "preconditioner": preconditioner.state_dict(),
+            "history": history,
         }
         torch.save(state, checkpoint)
-        accuracy = evaluate(model, x_val, y_val)
-        print(f"{epoch:<5d}  {total / count:<8.4f}  {accuracy:<8.4f}  {preconditioner.kl_clip:.3g}")
+        print(f"{epoch:<5d}  {total / count:<8.4f}  {accuracy:<8.4f}  {kl_clip:.3g}", flush=True)
+
+    csv_path, png_path = save_curves({"SGD + K-FAC": history}, args.out, title="kfac-pytorch loop")
+    print(f"wrote {csv_path} and {png_path}")
 
 
 if __name__ == "__main__":

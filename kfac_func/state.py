@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from kfac_func.blocks import LayerSpec
+from kfac_func.blocks.table import no_layers_error
 from kfac_func.core.conventions import Convention, check_convention, initial_factor
 from kfac_func.core.decomposition import COMPUTE_METHODS, EIGENBASIS_REFRESH, Decomposition
 from kfac_func.core.pytree import register_dataclass
@@ -219,11 +220,17 @@ def init(
     inv_dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
     eigenbasis_refresh: str = "eigh",
+    allow_empty: bool = False,
 ) -> KFACState:
     """A fresh state for ``layers`` (as returned by :func:`kfac_func.register`).
 
     Factors start at the convention's initial value (zeros that the first update replaces
     for ``"fisher"``, the identity for ``"kfac-pytorch"``); there is no decomposition yet.
+
+    Raises:
+        ValueError: ``layers`` is empty (no layer of the model can be preconditioned; the
+            message names the model's class and shows the table of skipped modules),
+            unless ``allow_empty`` (a pipeline stage may hold no preconditioned layer).
 
     Example:
         >>> import torch
@@ -233,6 +240,8 @@ def init(
         >>> state.layers[""].a_factor.shape, state.step
         (torch.Size([4, 4]), 0)
     """
+    if not layers and not allow_empty:
+        raise no_layers_error(layers)
     config = KFACConfig(
         convention,
         compute_method,

@@ -392,7 +392,7 @@ def small() -> nn.Module:
         (dict(lr=-0.1), r"lr must be >= 0, got -0.1"),
         (dict(damping=-1e-3), r"damping must be >= 0, got -0.001"),
         (dict(kl_clip=0.0), r"kl_clip must be > 0 \(or None to disable\)"),
-        (dict(scaling="natural"), r"convention must be one of"),
+        (dict(scaling="natural"), r"scaling must be one of \(.fisher., .kfac-pytorch.\)"),
         (dict(loss_reduction="max"), r"loss_reduction must be 'mean' or 'sum'"),
     ],
 )

@@ -19,7 +19,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_functional_loop_runs() -> None:
+def test_functional_loop_runs(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
             sys.executable,
@@ -28,6 +28,8 @@ def test_functional_loop_runs() -> None:
             "2",
             "--samples",
             "256",
+            "--out",
+            str(tmp_path / "functional"),
         ],
         cwd=ROOT,
         capture_output=True,
@@ -35,9 +37,28 @@ def test_functional_loop_runs() -> None:
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [line.split() for line in proc.stdout.splitlines()[1:]]
+    lines = proc.stdout.splitlines()
+    # a line per epoch of each run as it trains, then the table
+    for run in ("SGD", "K-FAC"):
+        assert [line.split(":")[0] for line in lines if line.startswith(f"{run} epoch")] == [
+            f"{run} epoch 1",
+            f"{run} epoch 2",
+        ], proc.stdout
+    start = next(i for i, line in enumerate(lines) if line.split()[:1] == ["epoch"])
+    assert lines[start].split() == ["epoch", "SGD_loss", "K-FAC_loss"]
+    rows = [line.split() for line in lines[start + 1 : start + 3]]
     assert [r[0] for r in rows] == ["1", "2"]
     assert all(float(v) > 0 for r in rows for v in r[1:])
+    assert lines[-1] == f"wrote {tmp_path / 'functional.csv'} and {tmp_path / 'functional.png'}"
+    with open(tmp_path / "functional.csv", newline="") as f:
+        curves = list(csv.DictReader(f))
+    assert [(r["optimizer"], r["epoch"]) for r in curves] == [
+        ("SGD", "1"),
+        ("SGD", "2"),
+        ("K-FAC", "1"),
+        ("K-FAC", "2"),
+    ]
+    assert (tmp_path / "functional.png").stat().st_size > 0
 
 
 def test_kfac_pytorch_loop_runs_and_resumes(tmp_path: Path) -> None:
@@ -55,6 +76,8 @@ def test_kfac_pytorch_loop_runs_and_resumes(tmp_path: Path) -> None:
                 "256",
                 "--checkpoint",
                 str(checkpoint),
+                "--out",
+                str(checkpoint.with_suffix("")),
             ],
             cwd=ROOT,
             capture_output=True,
@@ -64,7 +87,9 @@ def test_kfac_pytorch_loop_runs_and_resumes(tmp_path: Path) -> None:
         assert proc.returncode == 0, proc.stdout + proc.stderr
         lines = proc.stdout.splitlines()
         start = lines.index("epoch  loss      accuracy  kl_clip")
-        return [line.split() for line in lines[start + 1 :]]
+        prefix = checkpoint.with_suffix("")
+        assert lines[-1] == f"wrote {prefix}.csv and {prefix}.png"
+        return [line.split() for line in lines[start + 1 : -1]]
 
     straight = run(3, tmp_path / "straight.pt")
     assert [r[0] for r in straight] == ["1", "2", "3"]
@@ -73,6 +98,11 @@ def test_kfac_pytorch_loop_runs_and_resumes(tmp_path: Path) -> None:
     assert float(straight[2][3]) < float(straight[0][3])  # the scheduler anneals kl_clip
     assert run(2, tmp_path / "resumed.pt") == straight[:2]
     assert run(3, tmp_path / "resumed.pt") == straight[2:]
+    # the curves of the resumed run hold every epoch, those before the restart included
+    for name in ("straight", "resumed"):
+        with open(tmp_path / f"{name}.csv", newline="") as f:
+            assert [r["epoch"] for r in csv.DictReader(f)] == ["1", "2", "3"]
+        assert (tmp_path / f"{name}.png").stat().st_size > 0
 
 
 # --------------------------------------------------------------------------- image classification

@@ -18,6 +18,7 @@ from torch import nn
 
 from kfac_func.blocks import LayerSpec
 from kfac_func.captures import check_loss_divisor
+from kfac_func.core.conventions import CONVENTIONS
 from kfac_func.distributed.communicator import AllreduceMethod
 from kfac_func.distributed.plan import AssignmentStrategy
 from kfac_func.state import KFACState
@@ -105,9 +106,16 @@ def log_registered(
 
 
 def _check_number(name: str, value: Any, ok: Callable[[float], bool], expected: str) -> None:
+    """A TypeError unless ``value`` is a number (or a ``step -> value`` callable), a
+    ValueError unless it is ``expected``; both name the argument and show the value."""
     if callable(value):
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{name} must be a number ({expected}) or a step -> value callable, got "
+            f"{value!r} of type {type(value).__name__}"
+        )
+    if not ok(value):
         raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
@@ -189,6 +197,8 @@ class KFACArguments:
         _check_number("lr", lr, lambda v: v >= 0, ">= 0")
         if kl_clip is not None:
             _check_number("kl_clip", kl_clip, lambda v: v > 0, "> 0 (or None to disable)")
+        if scaling not in CONVENTIONS:
+            raise ValueError(f"scaling must be one of {CONVENTIONS}, got {scaling!r}")
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         check_loss_divisor(loss_divisor)

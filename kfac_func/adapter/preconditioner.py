@@ -29,6 +29,7 @@ from kfac_func.adapter.arguments import (
 from kfac_func.adapter.checkpointing import StateDictMixin
 from kfac_func.adapter.recording import HookRecorder
 from kfac_func.blocks import Gram, register
+from kfac_func.blocks.table import no_layers_error
 from kfac_func.distributed.communicator import AllreduceMethod, Communicator
 from kfac_func.distributed.ekfac import check_ekfac_plan
 from kfac_func.distributed.kaisa import update_distributed
@@ -192,9 +193,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
                     "rate): pass kl_clip=None"
                 )
         if not self.layers:
-            raise ValueError(
-                f"no layer of {type(model).__name__} can be preconditioned:\n{self.layers}"
-            )
+            raise no_layers_error(self.layers, type(model).__name__)
         weight = model.get_parameter(next(iter(self.layers.values())).weight)
         self.factor_dtype = factor_dtype or torch.promote_types(weight.dtype, torch.float32)
         comm_world = Communicator.current_world_size()

@@ -18,19 +18,27 @@ from torch import nn
 from kfac_func.blocks.registry import blocks
 from kfac_func.blocks.spec import LayerSpec
 
-__all__ = ["KFAC_APPROX", "LayerTable", "register"]
+__all__ = ["KFAC_APPROX", "LayerTable", "no_layers_error", "register"]
 
 
 class LayerTable(dict[str, LayerSpec]):
     """``{name: LayerSpec}`` of registered layers, plus the modules that were skipped.
 
     ``str(table)`` renders one row per module with parameters: name, kind, A and G
-    shapes, or why it was skipped.
+    shapes, or why it was skipped. ``model_name`` is the class name of the registered
+    model (None when unknown), for error messages.
     """
 
-    def __init__(self, specs: Iterable[LayerSpec] = (), skipped: dict[str, str] | None = None):
+    def __init__(
+        self,
+        specs: Iterable[LayerSpec] = (),
+        skipped: dict[str, str] | None = None,
+        *,
+        model_name: str | None = None,
+    ):
         super().__init__((s.name, s) for s in specs)
         self.skipped: dict[str, str] = dict(skipped or {})
+        self.model_name = model_name
 
     def __str__(self) -> str:
         rows = [("name", "kind", "A", "G", "note")]
@@ -205,7 +213,19 @@ def register(
     tied = _tied(model, specs)
     for name, why in tied.items():
         skipped[name] = why
-    return LayerTable([s for s in specs if s.name not in tied], skipped)
+    kept = [s for s in specs if s.name not in tied]
+    return LayerTable(kept, skipped, model_name=type(model).__name__)
+
+
+def no_layers_error(layers: Mapping[str, LayerSpec], model_name: str | None = None) -> ValueError:
+    """The error for a model with no layer to precondition: it names the model's class
+    (``model_name``, else the table's) and shows the table of what was skipped and why."""
+    name = model_name or getattr(layers, "model_name", None) or "the model"
+    table = str(layers) if isinstance(layers, LayerTable) else "(an empty mapping of layers)"
+    return ValueError(
+        f"no layer of {name} can be preconditioned (kfac_func.register found none; the "
+        f"table of its modules says why each was skipped):\n{table}"
+    )
 
 
 def _tied(model: nn.Module, specs: list[LayerSpec]) -> dict[str, str]:

@@ -49,7 +49,7 @@ from kfac_func.distributed.reducer import OrderedReducer
 from kfac_func.state import KFACState, LayerState
 from kfac_func.step.accumulate import fold_checked, layer_batch_factors
 from kfac_func.step.basis import BasisMoments, carry_moments, moment_bases
-from kfac_func.step.checks import check_layers, layer_matrix
+from kfac_func.step.checks import check_grads_mapping, check_layers, layer_matrix
 from kfac_func.step.decompose import decomposition_failed, needs_decomposition, warm_start
 from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, resolve
 from kfac_func.step.precondition import (
@@ -319,6 +319,7 @@ def update_distributed(
         basis_settings = BasisMoments(moment_beta2, moment_eps, moment_beta1).check(
             state.config.compute_method
         )
+    check_grads_mapping(grads)  # before any collective
     changes: dict[str, dict[str, object]] = {}
     step = state.step
     lam = resolve(damping, step)

@@ -183,6 +183,7 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
             factor_dtype=self.factor_dtype,
             inv_dtype=inv_dtype,
             device=weight.device,
+            allow_empty=True,  # a pipeline stage may hold no preconditioned layer
         )
         self._directory()
         self._micro = []

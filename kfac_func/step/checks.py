@@ -20,6 +20,7 @@ from kfac_func.step.hyper import NonFinite, non_finite
 
 __all__ = [
     "LayerCheck",
+    "check_grads_mapping",
     "check_layers",
     "grads_finite",
     "layer_grads",
@@ -60,9 +61,20 @@ def rows_cheaper(spec: LayerSpec, rows: Rows | None) -> bool:
     return n * (o * o + i * i + o * i) < o * i * (o + i)
 
 
+def check_grads_mapping(grads: object) -> None:
+    """Raise a TypeError unless ``grads`` is a mapping (``{parameter name: tensor}``)."""
+    if not isinstance(grads, Mapping):
+        raise TypeError(
+            "grads must be a mapping of parameter name -> gradient tensor (as "
+            f"kfac_func.capture returns it), got {type(grads).__name__}"
+        )
+
+
 def validate_grads(layers: Mapping[str, LayerState], grads: Mapping[str, torch.Tensor]) -> None:
     """Raise a ValueError naming the layer unless ``grads`` holds every layer's gradients
-    with the layer's shapes (no computation, no host synchronisation)."""
+    with the layer's shapes (no computation, no host synchronisation); a TypeError unless
+    ``grads`` is a mapping."""
+    check_grads_mapping(grads)
     for ls in layers.values():
         layer_grads(ls.spec, grads)
 

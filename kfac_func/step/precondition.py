@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -13,6 +15,7 @@ import torch
 
 from kfac_func.blocks import LayerSpec, Rows, matrix_to_grads
 from kfac_func.captures import Captures
+from kfac_func.core.decomposition import EigenDecomposition, InverseDecomposition
 from kfac_func.core.factors import rows_reproduce
 from kfac_func.core.grafting import GRAFTING, graft_moment, graft_scale
 from kfac_func.core.preconditioning import (
@@ -43,7 +46,7 @@ def precondition_grads(
     state: KFACState,
     grads: Mapping[str, torch.Tensor],
     *,
-    damping: Hyper = 1e-3,
+    damping: Hyper | None = None,
     kl_clip: Hyper | None = 1e-3,
     lr: Hyper = 0.1,
     nonfinite: NonFinite = "skip",
@@ -64,6 +67,17 @@ def precondition_grads(
     None. ``rows`` (``{layer: [(input rows, output-gradient rows), ...]}``, see
     :func:`precondition_layer`) lets Linear layers skip dense products.
 
+    ``damping`` λ divides by ``dg daᵀ + λ`` in the eigenbasis (``"eigen"``, ``"ekfac"``).
+    Not given (None), it is the damping of the decomposition where the decomposition holds
+    one (the inverse method's damped inverses, the eigen method's precomputed ``dgda``,
+    :attr:`kfac_func.KFACConfig.compute_eigenvalue_outer_product`) and ``1e-3`` elsewhere.
+    Given, it applies to every layer it can: an eigen decomposition's ``dgda`` is set aside
+    and the division recomputed from ``dg`` and ``da`` with this λ (an elementwise outer
+    product per layer). The inverse method's inverses cannot be re-damped: their layers
+    keep the damping they were decomposed with, and a UserWarning names them (decompose
+    again with :func:`kfac_func.decompose` at the new damping to change it).
+    :func:`kfac_func.update` decomposes with its own ``damping`` and does not warn.
+
     Returns:
         A new dict with the keys of ``grads``.
 
@@ -77,12 +91,15 @@ def precondition_grads(
         >>> kf.precondition_grads(state, g, damping=1.0, kl_clip=None)["weight"]
         tensor([[0.5000]])
     """
-    lam = resolve(damping, state.step)
+    lam = resolve(DEFAULT_DAMPING if damping is None else damping, state.step)
     check_hyper("damping", lam, lambda v: v >= 0, ">= 0")
+    layers: Mapping[str, LayerState] = state.layers
     if basis_moments is not None:
         basis_moments.check(state.config.compute_method)
+    elif damping is not None:
+        layers = _damped_by(layers, lam)
     return precondition_layers(
-        state.layers,
+        layers,
         grads,
         lam,
         kl_clip=kl_clip,
@@ -93,6 +110,33 @@ def precondition_grads(
         grafting=grafting,
         basis_moments=basis_moments,
     )
+
+
+DEFAULT_DAMPING = 1e-3
+
+
+def _damped_by(layers: Mapping[str, LayerState], damping: float) -> Mapping[str, LayerState]:
+    """``layers`` preconditioned with ``damping``: eigen decompositions without their
+    precomputed ``dgda`` (the division is recomputed with ``damping``); a UserWarning names
+    the layers whose inverses hold the damping they were decomposed with."""
+    out = dict(layers)
+    fixed: list[str] = []
+    for name, ls in layers.items():
+        dec = ls.decomposition
+        if isinstance(dec, EigenDecomposition) and dec.dgda is not None:
+            out[name] = ls.replace(decomposition=dataclasses.replace(dec, dgda=None))
+        elif isinstance(dec, InverseDecomposition):
+            fixed.append(name)
+    if fixed:
+        warnings.warn(
+            f"precondition_grads(damping={damping!r}): layers {fixed} hold damped inverses "
+            "(compute_method='inverse'), so the damping of their decomposition applies, "
+            "not this one; decompose again (kfac_func.decompose) with this damping to "
+            "change it",
+            UserWarning,
+            stacklevel=3,
+        )
+    return out
 
 
 class Grafting(NamedTuple):

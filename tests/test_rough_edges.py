@@ -1,0 +1,171 @@
+"""Error messages that name what the user passed, explicit damping in
+``precondition_grads``, and benchmark outputs that leave the committed results alone."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kfac_func as kf
+from kfac_func import KFACPreconditioner
+
+ROOT = Path(__file__).resolve().parents[1]
+F64 = {"factor_dtype": torch.float64, "inv_dtype": torch.float64}
+
+
+def _setup(**init: Any) -> tuple[kf.KFACState, dict[str, torch.Tensor], kf.Captures]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4)).double()
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 4, (8,))
+    _, grads, caps = kf.capture(
+        model, dict(model.named_parameters()), x, lambda o: F.cross_entropy(o, y)
+    )
+    return kf.init(kf.register(model), **{**F64, **init}), grads, caps
+
+
+# --------------------------------------------------------------- nothing to precondition
+
+
+def test_empty_model_same_error_functional_and_adapter() -> None:
+    model = nn.Sequential(nn.ReLU(), nn.Embedding(4, 3))
+    table = kf.register(model, skip_layers=["Embedding"])
+    # register still returns a printable table
+    assert not table and "skipped: matched skip_layers 'Embedding'" in str(table)
+    with pytest.raises(ValueError) as functional:
+        kf.init(table)
+    with pytest.raises(ValueError) as adapter:
+        KFACPreconditioner(model, skip_layers=["Embedding"])
+    assert str(functional.value) == str(adapter.value)
+    message = str(functional.value)
+    assert message.startswith("no layer of Sequential can be preconditioned")
+    assert "skipped: matched skip_layers 'Embedding'" in message  # the table
+
+
+def test_empty_mapping_is_refused_unless_allowed() -> None:
+    with pytest.raises(ValueError, match="no layer of the model can be preconditioned"):
+        kf.init({})
+    assert kf.init({}, allow_empty=True).layers == {}
+
+
+# --------------------------------------------------------------- messages naming arguments
+
+
+def test_scaling_is_named() -> None:
+    with pytest.raises(ValueError, match=r"scaling must be one of \('fisher', 'kfac-pytorch'\)"):
+        KFACPreconditioner(nn.Linear(2, 2), scaling="bogus")
+
+
+@pytest.mark.parametrize("name", ["damping", "lr", "factor_decay", "kl_clip"])
+def test_non_numbers_are_named(name: str) -> None:
+    with pytest.raises(TypeError, match=rf"{name} must be a number .*got 'abc' of type str"):
+        KFACPreconditioner(nn.Linear(2, 2), **{name: "abc"})
+
+
+def test_functional_damping_not_a_number() -> None:
+    state, grads, caps = _setup()
+    with pytest.raises(TypeError, match="damping must be a number, got 'abc'"):
+        kf.update(state, grads, captures=caps, damping="abc")  # type: ignore[arg-type]
+
+
+def test_grads_must_be_a_mapping() -> None:
+    state, _, caps = _setup()
+    match = "grads must be a mapping of parameter name -> gradient tensor.*got NoneType"
+    with pytest.raises(TypeError, match=match):
+        kf.update(state, None, captures=caps)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=match):
+        kf.precondition_grads(state, None)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------- explicit damping
+
+
+def _decomposed(**init: Any) -> tuple[kf.KFACState, dict[str, torch.Tensor]]:
+    state, grads, caps = _setup(**init)
+    state = kf.decompose(kf.accumulate_factors(state, caps), damping=1e-1)
+    return state, grads
+
+
+def test_explicit_damping_applies_to_precomputed_outer_product() -> None:
+    """With ``dgda`` (made at damping 0.1), an explicit damping of 1.0 gives what a
+    decomposition without ``dgda`` gives at 1.0, without a warning."""
+    with_outer, grads = _decomposed(compute_eigenvalue_outer_product=True)
+    without, _ = _decomposed(compute_eigenvalue_outer_product=False)
+    assert with_outer.layers["0"].decomposition.dgda is not None  # type: ignore[union-attr]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = kf.precondition_grads(with_outer, grads, damping=1.0, kl_clip=None)
+        want = kf.precondition_grads(without, grads, damping=1.0, kl_clip=None)
+        stale = kf.precondition_grads(with_outer, grads, kl_clip=None)  # dgda's own
+        same = kf.precondition_grads(without, grads, damping=0.1, kl_clip=None)
+    for name in grads:
+        torch.testing.assert_close(got[name], want[name])
+        torch.testing.assert_close(stale[name], same[name])
+    assert not torch.allclose(got["0.weight"], stale["0.weight"])
+
+
+def test_explicit_damping_warns_for_inverses() -> None:
+    state, grads = _decomposed(compute_method="inverse")
+    with pytest.warns(UserWarning, match=r"damping=1\.0.*layers \['0', '2'\].*decompose again"):
+        out = kf.precondition_grads(state, grads, damping=1.0, kl_clip=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        default = kf.precondition_grads(state, grads, kl_clip=None)  # not given: no warning
+    for name in grads:
+        torch.testing.assert_close(out[name], default[name])
+
+
+def test_update_does_not_warn_about_damping() -> None:
+    for init in ({"compute_method": "inverse"}, {"compute_eigenvalue_outer_product": True}):
+        state, grads, caps = _setup(**init)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(2):
+                _, state = kf.update(state, grads, captures=caps, damping=0.5)
+
+
+# --------------------------------------------------------------- benchmark outputs
+
+
+def _load(script: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"bench_{script}", ROOT / "benchmarks" / script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
+
+def _ignored(path: Path) -> bool:
+    proc = subprocess.run(
+        ["git", "check-ignore", "-q", str(path)], cwd=ROOT, capture_output=True, check=False
+    )
+    return proc.returncode == 0
+
+
+def test_benchmarks_write_untracked_outputs_by_default() -> None:
+    optimizers = _load("optimizers.py")
+    out = Path(optimizers.parse_args([]).out)
+    assert out == ROOT / "benchmarks" / "out" / "optimizers"
+    explicit = optimizers.parse_args(["--out", "benchmarks/results/optimizers"]).out
+    assert explicit == "benchmarks/results/optimizers"
+    source = (ROOT / "benchmarks" / "convergence.py").read_text()
+    assert 'ROOT / "benchmarks" / "out" / "convergence"' in source
+    assert '"results" / "convergence"' not in source
+    for name in ("convergence", "optimizers"):
+        assert _ignored(ROOT / "benchmarks" / "out" / f"{name}.csv")
+        assert _ignored(ROOT / "benchmarks" / "out" / f"{name}_lm.png")
+        assert not _ignored(ROOT / "benchmarks" / "results" / f"{name}.csv")
