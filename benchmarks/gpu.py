@@ -81,7 +81,6 @@ import argparse
 import contextlib
 import copy
 import gc
-import importlib.util
 import json
 import math
 import os
@@ -106,7 +105,7 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_time import cpu_model  # noqa: E402
+from step_time import cpu_model, load_example  # noqa: E402
 
 try:
     import kfac_func as kf
@@ -134,16 +133,7 @@ KIND_NAMES: dict[Kind, str] = {
 }
 
 
-def _example(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-lm_example = _example("transformer_lm")
+lm_example = load_example("transformer_lm")
 
 
 # --------------------------------------------------------------------------- budget

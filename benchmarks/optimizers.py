@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import math
 import statistics
 import sys
@@ -65,21 +64,11 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_time import cpu_model  # noqa: E402
+from step_time import cpu_model, load_example  # noqa: E402
 
 import kfac_func as kf  # noqa: E402
 
-
-def _example(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-lm = _example("transformer_lm")
+lm = load_example("transformer_lm")
 
 LRS: dict[str, tuple[float, ...]] = {
     "sgd": (0.1, 0.3),

@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
+import importlib.util
 import io
 import math
 import os
@@ -71,6 +72,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -393,6 +395,18 @@ def _trim_pstats(text: str) -> str:
 
 
 # --------------------------------------------------------------------------- output
+
+
+def load_example(name: str) -> ModuleType:
+    """The module of ``examples/<name>.py`` (registered in ``sys.modules`` under ``name``),
+    so that benchmarks use the examples' data, models and schedules instead of copies."""
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def cpu_model() -> str:

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from kfac_func.core.grafting import graft_moment
+
 __all__ = ["adam_in_basis", "carry_moment", "from_basis", "to_basis"]
 
 
@@ -89,8 +91,7 @@ def adam_in_basis(
         (tensor([[ 1., -1.]]), tensor([[0.4000, 0.9000]]))
     """
     projected = to_basis(m, qa, qg)
-    sq = projected.pow(2).mul_(1 - beta2)
-    new = sq if moment is None else moment.mul(beta2).add_(sq.to(moment.dtype))
+    new = graft_moment(moment, projected, beta2)  # the running average of the squares
     v_hat = new / (1 - beta2 ** (count + 1))
     new_first = None
     if beta1 > 0:

@@ -347,7 +347,9 @@ def update_distributed(
         reduce_scales(layers, names, statistics, comm, decay, nonfinite, fresh)
 
     rank = comm.rank
-    if rows is None and captures is not None and comm.world_size == 1:
+    if basis_settings is not None:
+        rows = {}  # eigenbasis moments need the gradient matrix itself
+    elif rows is None and captures is not None and comm.world_size == 1:
         rows = captured_rows(state, captures)
     rows = rows or {}
     mine = [

@@ -229,7 +229,10 @@ def precondition_layers(
     done: list[tuple[LayerSpec, torch.Tensor]] = []
     terms: dict[str, torch.Tensor] = {}
     decomposed = [name for name, ls in layers.items() if ls.decomposition is not None]
-    checks = check_layers(layers, grads, decomposed, nonfinite, rows)
+    # eigenbasis moments need the gradient matrix itself: rows are not checked or used
+    checks = check_layers(
+        layers, grads, decomposed, nonfinite, rows if basis_moments is None else None
+    )
     for name, ls in layers.items():
         taken = take(rows, name, consume_rows)
         check = checks.get(name)
