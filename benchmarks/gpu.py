@@ -120,6 +120,9 @@ TEST_FILES = (
     "tests/test_adapter.py",
     "tests/test_basis_moments.py",
     "tests/test_ekfac.py",
+    "tests/test_device.py",
+    "tests/test_decompose_gpu.py",
+    "tests/test_reliability.py",
 )
 QUICK_TEST_FILES = ("tests/test_decomposition.py",)
 PART_ORDER = ("environment", "tests", "step_time", "eigh_vs_qr", "process_group")

@@ -65,6 +65,7 @@ from kfac_func.step.decompose import decompose
 from kfac_func.step.ekfac import correct_eigenvalues
 from kfac_func.step.hyper import NonFiniteError, exp_decay_factor_averaging
 from kfac_func.step.precondition import precondition_grads
+from kfac_func.step.sync_free import report_skipped
 from kfac_func.step.update import update
 
 __version__ = "0.1.0"
@@ -136,6 +137,7 @@ __all__ = [
     "read_factor_manifest",
     "register",
     "register_parallel",
+    "report_skipped",
     "save_factor_dir",
     "save_state",
     "solve_quadratic",

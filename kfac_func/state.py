@@ -98,10 +98,17 @@ class LayerState:
         basis_moment: the running second moment of the layer's gradient in its
             eigenbasis (``update(..., eigenbasis_moments=True)``, see
             :mod:`kfac_func.core.basis_moments`), or None.
-        basis_momentum: the running first moment of the layer's gradient matrix kept by
-            eigenbasis moments with ``moment_beta1 > 0``, or None.
+        basis_momentum: the running first moment of the layer's gradient kept by
+            eigenbasis moments with ``moment_beta1 > 0``, in the eigenbasis (rotated
+            exactly into each new one), or None.
         moment_count: how many gradients ``basis_moment`` holds (static; its bias
             correction).
+        grad_skips: the steps whose gradient of this layer was non-finite and passed
+            unchanged under ``sync_free=True`` (see :func:`kfac_func.update`): a 0-d
+            int64 tensor on the layer's device, counted without reading it on the host;
+            None before the first such step.
+        grad_skips_reported: how many of ``grad_skips`` were already warned about
+            (static; see :func:`kfac_func.report_skipped`).
     """
 
     a_factor: torch.Tensor
@@ -115,6 +122,8 @@ class LayerState:
     basis_moment: torch.Tensor | None = None
     basis_momentum: torch.Tensor | None = None
     moment_count: int = 0
+    grad_skips: torch.Tensor | None = None
+    grad_skips_reported: int = 0
 
     def replace(self, **changes: object) -> LayerState:
         """A copy with ``changes`` applied."""
@@ -193,6 +202,7 @@ register_dataclass(
         "graft_moment",
         "basis_moment",
         "basis_momentum",
+        "grad_skips",
     ),
     static=(
         "spec",
@@ -200,6 +210,7 @@ register_dataclass(
         "skipped_updates",
         "decomposition_failures",
         "moment_count",
+        "grad_skips_reported",
     ),
 )
 register_dataclass(

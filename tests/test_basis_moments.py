@@ -97,8 +97,10 @@ def test_carry_is_the_diagonal_of_the_rotated_moment() -> None:
 @pytest.mark.parametrize("beta1", [0.0, 0.7])
 def test_dense_bases_against_eigh_and_carried_moments(beta1: float) -> None:
     """The step recomputed here from eigh of the state's factors, decompositions every
-    other step (the second moment carried into each new basis; the first moment, in the
-    layer's coordinates, is not)."""
+    other step (the second moment carried into each new basis). The oracle keeps the first
+    moment in the layer's coordinates; the state keeps it in the eigenbasis, rotated into
+    each new one: the two agree up to rounding, which the division by small second moments
+    amplifies (hence the looser tolerance of the step with a first moment)."""
     model = _model()
     table = kf.register(model)
     state = kf.init(table, factor_dtype=DT, inv_dtype=DT)
@@ -135,8 +137,12 @@ def test_dense_bases_against_eigh_and_carried_moments(beta1: float) -> None:
                 m = _matrix(spec, grads)
                 firsts[name] = beta1 * firsts.get(name, torch.zeros_like(m)) + (1 - beta1) * m
                 v = qg.T @ (firsts[name] / (1 - beta1 ** (step + 1))) @ qa
+                kept = ls.basis_momentum
+                assert kept is not None
+                torch.testing.assert_close(qg @ kept @ qa.T, firsts[name], rtol=1e-10, atol=1e-13)
             want = qg @ (v / (v_hat.sqrt() + EPS)) @ qa.T
-            torch.testing.assert_close(_matrix(spec, out), want, rtol=1e-9, atol=1e-12)
+            rtol, atol = (1e-7, 1e-8) if beta1 > 0 else (1e-9, 1e-12)
+            torch.testing.assert_close(_matrix(spec, out), want, rtol=rtol, atol=atol)
             torch.testing.assert_close(ls.basis_moment, moments[name], rtol=1e-9, atol=1e-14)
 
 

@@ -54,13 +54,14 @@ def _failing(
         yield calls
 
 
-def test_eigh_retries_in_float64(monkeypatch: pytest.MonkeyPatch) -> None:
-    f = _spd(6, dtype=torch.float32)
+def test_eigh_retries_in_float64(monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
+    f = _spd(6, dtype=torch.float32).to(device)
     with _failing(monkeypatch, "eigh", lambda x, i: x.dtype == torch.float32) as calls:
         q, d = eigh_factor(f, dtype=torch.float32)
     assert calls == [torch.float32, torch.float64]
     d64 = _EIGH(f.double())[0]
     assert q.dtype == d.dtype == torch.float32
+    assert q.device == d.device == f.device
     torch.testing.assert_close(d, d64.float())
     torch.testing.assert_close(q @ torch.diag(d) @ q.T, f, rtol=1e-5, atol=1e-6)
 
@@ -76,17 +77,17 @@ def test_eigh_retries_with_jitter_and_removes_it(monkeypatch: pytest.MonkeyPatch
     torch.testing.assert_close(d, _EIGH(f)[0].clamp(min=0), rtol=0, atol=1e-12)
 
 
-def test_real_singular_inverse_is_retried_with_jitter() -> None:
+def test_real_singular_inverse_is_retried_with_jitter(device: torch.device) -> None:
     """A genuinely singular factor with zero damping: inv raises in float32 and float64;
     the jittered retry returns a finite inverse of ``F + εI``."""
-    f = torch.zeros(3, 3)
+    f = torch.zeros(3, 3, device=device)
     f[0, 0] = 2.0
     with pytest.raises(torch.linalg.LinAlgError):
         _INV(f)
     inv = damped_inverse(f, 0.0, dtype=torch.float32)
-    assert torch.isfinite(inv).all()
+    assert torch.isfinite(inv).all() and inv.device == f.device
     jitter = 1e-10 * float(f.diagonal().abs().mean())
-    expected = _INV(f.double() + jitter * torch.eye(3, dtype=torch.float64))
+    expected = _INV(f.double() + jitter * torch.eye(3, dtype=torch.float64, device=device))
     torch.testing.assert_close(inv, expected.float())
 
 
@@ -128,10 +129,16 @@ def test_condition_estimate() -> None:
 # --- the step ------------------------------------------------------------------------
 
 
-def _problem(seed: int = 0) -> tuple[nn.Module, dict[str, torch.Tensor], kf.Captures]:
+CPU = torch.device("cpu")
+
+
+def _problem(
+    seed: int = 0, device: torch.device = CPU
+) -> tuple[nn.Module, dict[str, torch.Tensor], kf.Captures]:
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 7)).double()
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 7)).double().to(device)
     x, y = torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 7, (8,))
+    x, y = x.to(device), y.to(device)
     _, grads, caps = kf.capture(
         model, dict(model.named_parameters()), x, lambda o: F.cross_entropy(o, y)
     )
@@ -144,10 +151,12 @@ def _fail_width(n: int) -> Callable[[torch.Tensor, int], bool]:
 
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
 def test_failed_decomposition_keeps_the_previous_one(
-    monkeypatch: pytest.MonkeyPatch, method: str
+    monkeypatch: pytest.MonkeyPatch, method: str, device: torch.device
 ) -> None:
-    model, grads, caps = _problem()
-    state = kf.init(kf.register(model), compute_method=method, inv_dtype=torch.float64)
+    model, grads, caps = _problem(device=device)
+    state = kf.init(
+        kf.register(model), compute_method=method, inv_dtype=torch.float64, device=device
+    )
     _, state = kf.update(state, grads, captures=caps, damping=1e-2)
     before = state.layers["2"].decomposition
     assert before is not None
@@ -176,10 +185,10 @@ def test_failed_decomposition_keeps_the_previous_one(
 
 
 def test_failure_before_the_first_decomposition_passes_gradients(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, device: torch.device
 ) -> None:
-    model, grads, caps = _problem()
-    state = kf.init(kf.register(model), inv_dtype=torch.float64)
+    model, grads, caps = _problem(device=device)
+    state = kf.init(kf.register(model), inv_dtype=torch.float64, device=device)
     with (
         _failing(monkeypatch, "eigh", lambda x, i: True),
         pytest.warns(RuntimeWarning, match="keeping no preconditioning"),
@@ -233,16 +242,18 @@ def test_failure_counter_survives_a_checkpoint(
 # --- approximate eigenbasis refresh ---------------------------------------------------
 
 
-def test_refresh_is_exact_from_the_eigenvectors() -> None:
-    f = _spd(6)
+def test_refresh_is_exact_from_the_eigenvectors(device: torch.device) -> None:
+    f = _spd(6).to(device)
     d, q = _EIGH(f)
     # any order and signs of the exact eigenvectors: the refresh returns them back
-    perm = torch.tensor([3, 0, 5, 1, 4, 2])
-    signs = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, 1.0], dtype=torch.float64)
+    perm = torch.tensor([3, 0, 5, 1, 4, 2], device=device)
+    signs = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, 1.0], dtype=torch.float64, device=device)
     qn, dn = refresh_eigh(f, q[:, perm] * signs, dtype=torch.float64)
+    assert qn.device == f.device
     torch.testing.assert_close(dn, d.flip(0), rtol=1e-12, atol=1e-14)  # largest first
     torch.testing.assert_close(qn @ torch.diag(dn) @ qn.T, f, rtol=0, atol=1e-12)
-    torch.testing.assert_close((qn.T @ q).abs(), torch.eye(6, dtype=torch.float64).flip(0))
+    eye = torch.eye(6, dtype=torch.float64, device=device).flip(0)
+    torch.testing.assert_close((qn.T @ q).abs(), eye)
 
 
 def test_refresh_keeps_null_directions_out_of_the_basis() -> None:

@@ -5,7 +5,8 @@ On a GPU every read of a device value on the host (``.item()``, ``bool(t)``,
 ``aten::_local_scalar_dense`` (or ``aten::is_nonzero``), which :class:`SyncCount`
 counts. A step that only preconditions reads its layers' checks (finite gradients,
 whether the kept Linear rows reproduce the gradient) in one synchronisation, whatever
-the number of layers; so does a distributed step on one rank.
+the number of layers; so does a distributed step on one rank. With ``sync_free=True``
+such a step reads nothing at all.
 """
 
 from __future__ import annotations
@@ -143,3 +144,87 @@ def test_update_distributed_one_rank_reads_the_device_once() -> None:
             update_inverses=False,
         )
     assert sc.count == 1
+
+
+# ------------------------------------------------- sync_free=True: none at all
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+@pytest.mark.parametrize("kl_clip", [1e-3, None])
+@pytest.mark.parametrize("grafting", [None, "adam"])
+def test_sync_free_update_reads_nothing(
+    method: str, kl_clip: float | None, grafting: str | None
+) -> None:
+    """A precondition-only step with ``sync_free=True`` reads nothing on the host, for any
+    number of layers; the default reads once (its checks); a factor step still reads."""
+    model = _mlp(3)
+    layers = kf.register(model)
+    state = kf.init(layers, compute_method=method)
+    params = dict(model.named_parameters())
+    x, y = _batch(model)
+    _, grads, caps = kf.capture(model, params, x, lambda out: F.cross_entropy(out, y))
+    kw: dict[str, Any] = {"kl_clip": kl_clip, "grafting": grafting, "sync_free": True}
+    _, state = kf.update(state, grads, captures=caps, **kw)
+    counts = []
+    for _ in range(3):
+        with SyncCount() as sc:
+            out, state = kf.update(
+                state, grads, captures=caps, update_factors=False, update_inverses=False, **kw
+            )
+        counts.append(sc.count)
+    assert counts == [0, 0, 0]
+    assert not torch.equal(out["0.weight"], grads["0.weight"])
+    with SyncCount() as sc:
+        kf.precondition_grads(state, grads, kl_clip=kl_clip, sync_free=True)
+    assert sc.count == 0
+    with SyncCount() as sc:
+        kf.update(state, grads, captures=caps, update_inverses=False, **kw)
+    assert sc.count > 0  # the factor step checks its factors (and reports skips)
+
+
+def test_sync_free_update_distributed_one_rank_reads_nothing() -> None:
+    model = _mlp(3)
+    layers = kf.register(model)
+    params = dict(model.named_parameters())
+    x, y = _batch(model)
+    _, grads, caps = kf.capture(model, params, x, lambda out: F.cross_entropy(out, y))
+    plan = kf.make_plan(layers, world_size=1)
+    comm = kf.Communicator(plan)
+    _, state = kf.update_distributed(kf.init(layers), grads, plan=plan, comm=comm, captures=caps)
+    with SyncCount() as sc:
+        kf.update_distributed(
+            state,
+            grads,
+            plan=plan,
+            comm=comm,
+            update_factors=False,
+            update_inverses=False,
+            sync_free=True,
+        )
+    assert sc.count == 0
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"compute_method": "inverse"}, {"kl_clip": None}, {"grafting": "sgd"}],
+    ids=["eigen", "inverse", "no-kl-clip", "graft-sgd"],
+)
+@pytest.mark.parametrize("make", [lambda: _mlp(2), _cnn], ids=["mlp2", "cnn"])
+def test_sync_free_adapter_precondition_steps_read_nothing(make: Any, kw: dict[str, Any]) -> None:
+    model = make()
+    pre = kf.KFACPreconditioner(
+        model, factor_update_steps=4, inv_update_steps=4, lr=0.1, sync_free=True, **kw
+    )
+    x, y = _batch(model)
+    counts = []
+    for _ in range(5):  # steps 0 and 4 update factors; steps 1-3 only precondition
+        F.cross_entropy(model(x), y).backward()
+        with SyncCount() as sc:
+            pre.step()
+        counts.append(sc.count)
+        model.zero_grad()
+    assert counts[1:4] == [0, 0, 0], counts
+    assert counts[0] > 0 and counts[4] > 0
+    with SyncCount() as sc:
+        assert pre.report_skipped() == {}
+    assert sc.count == 1  # one read of all counters

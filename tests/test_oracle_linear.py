@@ -30,6 +30,7 @@ from torch.func import functional_call, grad, jacrev, vmap
 import kfac_func as kf
 
 DT = torch.float64
+CPU = torch.device("cpu")
 TOL_EXACT = 1e-10  # factor identities that hold exactly (only float64 rounding)
 TOL_SOLVE = 1e-9  # relative error of a preconditioned gradient vs a dense solve
 
@@ -41,8 +42,11 @@ REDUCTIONS = ("mean", "sum")
 # --------------------------------------------------------------------------- helpers
 
 
-def make_model(arch: str, dims: tuple[int, ...] = (3, 4, 5, 3), seed: int = 0) -> nn.Sequential:
-    """Stacked float64 Linear layers; ``"tanh"`` puts a Tanh between consecutive layers."""
+def make_model(
+    arch: str, dims: tuple[int, ...] = (3, 4, 5, 3), seed: int = 0, device: torch.device = CPU
+) -> nn.Sequential:
+    """Stacked float64 Linear layers on ``device``; ``"tanh"`` puts a Tanh between
+    consecutive layers."""
     torch.manual_seed(seed)
     bias = arch != "linear_nobias"
     mods: list[nn.Module] = []
@@ -50,7 +54,7 @@ def make_model(arch: str, dims: tuple[int, ...] = (3, 4, 5, 3), seed: int = 0) -
         if i and arch == "tanh":
             mods.append(nn.Tanh())
         mods.append(nn.Linear(d_in, d_out, bias=bias, dtype=DT))
-    return nn.Sequential(*mods)
+    return nn.Sequential(*mods).to(device)
 
 
 def linear_names(model: nn.Sequential) -> list[str]:
@@ -58,15 +62,16 @@ def linear_names(model: nn.Sequential) -> list[str]:
 
 
 def make_data(
-    loss: str, shape: tuple[int, ...], n_out: int, seed: int = 1
+    loss: str, shape: tuple[int, ...], n_out: int, seed: int = 1, device: torch.device = CPU
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs of ``shape`` and targets for ``loss`` over the leading dims of ``shape``."""
+    """Inputs of ``shape`` and targets for ``loss`` over the leading dims of ``shape``
+    (drawn on the CPU, then moved to ``device``: the same numbers on every device)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g, dtype=DT)
     lead = shape[:-1]
     if loss == "ce":
-        return x, torch.randint(0, n_out, lead, generator=g)
-    return x, torch.randn((*lead, n_out), generator=g, dtype=DT)
+        return x.to(device), torch.randint(0, n_out, lead, generator=g).to(device)
+    return x.to(device), torch.randn((*lead, n_out), generator=g, dtype=DT).to(device)
 
 
 def user_loss(loss: str, reduction: str, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -126,7 +131,7 @@ def with_ones(a: torch.Tensor, bias: bool) -> torch.Tensor:
     """Rows ``a`` of shape ``(rows, in)``, with a column of ones appended for a bias."""
     if not bias:
         return a
-    return torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype)], dim=1)
+    return torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype, device=a.device)], dim=1)
 
 
 def flat_layer(grads: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -153,7 +158,13 @@ def kfac_state(
     **capture_kw,
 ) -> tuple[kf.KFACState, dict[str, torch.Tensor], kf.Captures]:
     """Library under test: capture one batch and fold it into a fresh float64 state."""
-    state = kf.init(kf.register(model), convention=convention, factor_dtype=DT, inv_dtype=DT)
+    state = kf.init(
+        kf.register(model),
+        convention=convention,
+        factor_dtype=DT,
+        inv_dtype=DT,
+        device=x.device,
+    )
     _, grads, caps = kf.capture(
         model, plain_params(model), x, loss_fn, loss_reduction=reduction, **capture_kw
     )
@@ -184,9 +195,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what:
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_single_datum_kron_equals_dense_empirical_fisher(arch, loss, reduction):
-    model = make_model(arch)
-    x, t = make_data(loss, (1, 3), 3)
+def test_single_datum_kron_equals_dense_empirical_fisher(arch, loss, reduction, device):
+    model = make_model(arch, device=device)
+    x, t = make_data(loss, (1, 3), 3, device=device)
     loss_fn = lambda out: user_loss(loss, reduction, out, t)  # noqa: E731
     state, grads, _ = kfac_state(model, x, loss_fn, reduction=reduction)
 
@@ -227,10 +238,10 @@ def per_example_output_grads(
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_batch_factors_match_per_example_formulas(arch, loss, reduction):
+def test_batch_factors_match_per_example_formulas(arch, loss, reduction, device):
     n = 5
-    model = make_model(arch)
-    x, t = make_data(loss, (n, 3), 3)
+    model = make_model(arch, device=device)
+    x, t = make_data(loss, (n, 3), 3, device=device)
     state, _, _ = kfac_state(
         model, x, lambda out: user_loss(loss, reduction, out, t), reduction=reduction
     )
@@ -290,10 +301,10 @@ def test_rank3_input_rows_average_in_a_and_sum_in_g(loss, reduction):
 
 @pytest.mark.parametrize("shape", [(5, 3), (2, 3, 3)], ids=["rank2", "rank3"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_kfac_pytorch_convention_from_plain_autograd(arch, shape):
+def test_kfac_pytorch_convention_from_plain_autograd(arch, shape, device):
     decay = 0.9
-    model = make_model(arch)
-    x, t = make_data("ce", shape, 3)
+    model = make_model(arch, device=device)
+    x, t = make_data("ce", shape, 3, device=device)
     loss_fn = lambda out: user_loss("ce", "mean", out, t)  # noqa: E731
     state, _, _ = kfac_state(
         model, x, loss_fn, reduction="mean", convention="kfac-pytorch", factor_decay=decay
@@ -310,8 +321,8 @@ def test_kfac_pytorch_convention_from_plain_autograd(arch, shape):
         r = r.reshape(-1, spec.out_dim)
         rows = a.shape[0]
         a_batch, g_batch = a.T @ a / rows, r.T @ r / rows
-        a_ref = decay * torch.eye(a.shape[1], dtype=DT) + (1 - decay) * a_batch
-        g_ref = decay * torch.eye(r.shape[1], dtype=DT) + (1 - decay) * g_batch
+        a_ref = decay * torch.eye(a.shape[1], dtype=DT, device=device) + (1 - decay) * a_batch
+        g_ref = decay * torch.eye(r.shape[1], dtype=DT, device=device) + (1 - decay) * g_batch
         ls = state.layers[name]
         assert_close(ls.a_factor, a_ref, TOL_EXACT, f"A of {name}")
         assert_close(ls.g_factor, g_ref, TOL_EXACT, f"G of {name}")
@@ -333,9 +344,9 @@ def test_kfac_pytorch_convention_from_plain_autograd(arch, shape):
 # ----------------------------------------------------------- 5. preconditioning
 
 
-def _precond_setup(arch: str = "tanh", n: int = 6):
-    model = make_model(arch)
-    x, t = make_data("ce", (n, 3), 3)
+def _precond_setup(arch: str = "tanh", n: int = 6, device: torch.device = CPU):
+    model = make_model(arch, device=device)
+    x, t = make_data("ce", (n, 3), 3, device=device)
     loss_fn = lambda out: F.cross_entropy(out, t)  # noqa: E731
     _, grads, caps = kf.capture(model, plain_params(model), x, loss_fn)
     return model, grads, caps
@@ -344,27 +355,29 @@ def _precond_setup(arch: str = "tanh", n: int = 6):
 def dense_eigen_solution(state, grads, name, damping):
     ls = state.layers[name]
     k = torch.kron(ls.g_factor, ls.a_factor)
-    eye = torch.eye(k.shape[0], dtype=DT)
+    eye = torch.eye(k.shape[0], dtype=DT, device=k.device)
     return torch.linalg.solve(k + damping * eye, flat_layer(grads, name))
 
 
 def dense_inverse_solution(state, grads, name, damping):
     ls = state.layers[name]
-    ga = ls.g_factor + damping * torch.eye(ls.g_factor.shape[0], dtype=DT)
-    aa = ls.a_factor + damping * torch.eye(ls.a_factor.shape[0], dtype=DT)
+    dev = ls.a_factor.device
+    ga = ls.g_factor + damping * torch.eye(ls.g_factor.shape[0], dtype=DT, device=dev)
+    aa = ls.a_factor + damping * torch.eye(ls.a_factor.shape[0], dtype=DT, device=dev)
     return torch.kron(torch.linalg.inv(ga), torch.linalg.inv(aa)) @ flat_layer(grads, name)
 
 
 @pytest.mark.parametrize("damping", [1e-3, 1e-1])
 @pytest.mark.parametrize("outer_product", [True, False])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_eigen_preconditioning_equals_dense_solve(arch, outer_product, damping):
-    model, grads, caps = _precond_setup(arch)
+def test_eigen_preconditioning_equals_dense_solve(arch, outer_product, damping, device):
+    model, grads, caps = _precond_setup(arch, device=device)
     state = kf.init(
         kf.register(model),
         factor_dtype=DT,
         inv_dtype=DT,
         compute_eigenvalue_outer_product=outer_product,
+        device=device,
     )
     before = copy.deepcopy(grads)
     out, new = kf.update(state, grads, captures=caps, damping=damping, kl_clip=None)
@@ -383,9 +396,11 @@ def test_eigen_preconditioning_equals_dense_solve(arch, outer_product, damping):
 
 @pytest.mark.parametrize("damping", [1e-3, 1e-1])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_inverse_preconditioning_equals_kron_of_damped_inverses(arch, damping):
-    model, grads, caps = _precond_setup(arch)
-    state = kf.init(kf.register(model), compute_method="inverse", factor_dtype=DT, inv_dtype=DT)
+def test_inverse_preconditioning_equals_kron_of_damped_inverses(arch, damping, device):
+    model, grads, caps = _precond_setup(arch, device=device)
+    state = kf.init(
+        kf.register(model), compute_method="inverse", factor_dtype=DT, inv_dtype=DT, device=device
+    )
     out, new = kf.update(state, grads, captures=caps, damping=damping, kl_clip=None)
     for name in linear_names(model):
         assert isinstance(new.layers[name].decomposition, kf.InverseDecomposition)
@@ -399,10 +414,12 @@ def test_inverse_preconditioning_equals_kron_of_damped_inverses(arch, damping):
 
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
 @pytest.mark.parametrize("active", [True, False], ids=["clipping", "not-clipping"])
-def test_kl_clip_scale_from_unclipped_preconditioned_grads(active, method):
+def test_kl_clip_scale_from_unclipped_preconditioned_grads(active, method, device):
     lr, damping = 0.3, 1e-2
-    model, grads, caps = _precond_setup("tanh")
-    state = kf.init(kf.register(model), compute_method=method, factor_dtype=DT, inv_dtype=DT)
+    model, grads, caps = _precond_setup("tanh", device=device)
+    state = kf.init(
+        kf.register(model), compute_method=method, factor_dtype=DT, inv_dtype=DT, device=device
+    )
     p, _ = kf.update(state, grads, captures=caps, damping=damping, kl_clip=None, lr=lr)
     names = linear_names(model)
     vg = lr**2 * sum(torch.dot(flat_layer(p, n), flat_layer(grads, n)) for n in names)
@@ -594,8 +611,8 @@ def _leaves_with_versions(tree):
     [("eigen", True), ("eigen", False), ("inverse", False)],
 )
 @pytest.mark.parametrize("convention", ["fisher", "kfac-pytorch"])
-def test_update_is_pure(convention, method, outer_product):
-    model, grads, caps = _precond_setup("tanh")
+def test_update_is_pure(convention, method, outer_product, device):
+    model, grads, caps = _precond_setup("tanh", device=device)
     state = kf.init(
         kf.register(model),
         convention=convention,
@@ -603,6 +620,7 @@ def test_update_is_pure(convention, method, outer_product):
         compute_eigenvalue_outer_product=outer_product,
         factor_dtype=DT,
         inv_dtype=DT,
+        device=device,
     )
     # Take one step first so that the state holds factors and decompositions.
     _, state = kf.update(state, grads, captures=caps, damping=1e-2, kl_clip=1e-4)

@@ -105,6 +105,7 @@ from torch import nn
 import kfac_func as kf
 
 NAN, INF = float("nan"), float("inf")
+CPU = torch.device("cpu")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -381,7 +382,7 @@ HIT = {"input": ("0",), "output_grad": ("0", "3"), "grad": ("3",), "factor": ("3
 HYPER: dict[str, Any] = dict(damping=0.01, factor_decay=0.9, kl_clip=1e-2, lr=0.1)
 
 
-def fault_net(scale_head: bool = False) -> nn.Sequential:
+def fault_net(scale_head: bool = False, device: torch.device = CPU) -> nn.Sequential:
     torch.manual_seed(0)
     net = nn.Sequential(
         nn.Linear(6, 10),
@@ -396,13 +397,18 @@ def fault_net(scale_head: bool = False) -> nn.Sequential:
         with torch.no_grad():
             net[6].weight.mul_(8.0)
             net[3].weight.mul_(4.0)
-    return net
+    return net.to(device)
 
 
-def fault_batches(n: int, steps: int, seed: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def fault_batches(
+    n: int, steps: int, seed: int = 3, device: torch.device = CPU
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [
-        (torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+        (
+            torch.randn(n, 6, generator=g).to(device),
+            torch.randint(0, 3, (n,), generator=g).to(device),
+        )
         for _ in range(steps)
     ]
 
@@ -438,7 +444,8 @@ class Trainer:
             )
             self._state = self.pre.state
         else:
-            self._state = kf.init(kf.register(net), convention="kfac-pytorch")
+            device = next(net.parameters()).device
+            self._state = kf.init(kf.register(net), convention="kfac-pytorch", device=device)
 
     @property
     def state(self) -> kf.KFACState:
@@ -526,13 +533,13 @@ FAULTS = [
 
 
 def run_fault(
-    path: str, scaler: bool, kind: str, value: float
+    path: str, scaler: bool, kind: str, value: float, device: torch.device = CPU
 ) -> tuple[Trainer, dict[str, Any], list[str], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One clean step, then the faulty one. Returns the trainer, the layers before the
     fault, the RuntimeWarning messages and the gradients before/after K-FAC."""
-    sc = torch.amp.GradScaler("cpu", init_scale=2.0**16) if scaler else None
-    t = Trainer(path, fault_net(), sc)
-    (x0, y0), (x, y) = fault_batches(8, 2)
+    sc = torch.amp.GradScaler(device.type, init_scale=2.0**16) if scaler else None
+    t = Trainer(path, fault_net(device=device), sc)
+    (x0, y0), (x, y) = fault_batches(8, 2, device=device)
     t.step(x0, y0)  # every layer has factors and a decomposition now
     if kind == "factor":
         t.state = poison_factor(t.state, "3", value)
@@ -566,8 +573,10 @@ def contained_cases() -> list[Any]:
 
 
 @pytest.mark.parametrize(("path", "scaler", "kind", "value"), contained_cases())
-def test_fault_is_contained(path: str, scaler: bool, kind: str, value: float) -> None:
-    t, before, messages, raw, new = run_fault(path, scaler, kind, value)
+def test_fault_is_contained(
+    path: str, scaler: bool, kind: str, value: float, device: torch.device
+) -> None:
+    t, before, messages, raw, new = run_fault(path, scaler, kind, value, device)
     hit = HIT[kind]
     for name in LAYERS:
         named = any(f"layer {name!r}" in m for m in messages)
@@ -596,7 +605,7 @@ def test_fault_is_contained(path: str, scaler: bool, kind: str, value: float) ->
     counts = {n: ls.factor_updates for n, ls in state.layers.items()}
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
-        raw, new = t.step(*fault_batches(8, 1, seed=9)[0])
+        raw, new = t.step(*fault_batches(8, 1, seed=9, device=device)[0])
     assert all(finite(g) for g in new.values())
     for name, ls in t.state.layers.items():
         if name not in poisoned:
@@ -613,12 +622,14 @@ def hit_cases() -> list[Any]:
 
 
 @pytest.mark.parametrize(("path", "scaler", "kind", "value"), hit_cases())
-def test_hit_layers_state_after_the_fault(path: str, scaler: bool, kind: str, value: float) -> None:
+def test_hit_layers_state_after_the_fault(
+    path: str, scaler: bool, kind: str, value: float, device: torch.device
+) -> None:
     """Poisoned inputs or output-gradients: the hit layers' factors are untouched and the
     update counts as skipped. A poisoned gradient: the captures were finite, so their
     factors are folded in as usual (the gradient itself passes unchanged, see
     test_fault_is_contained). A poisoned running factor: restarted from the batch."""
-    t, before, _, _, _ = run_fault(path, scaler, kind, value)
+    t, before, _, _, _ = run_fault(path, scaler, kind, value, device)
     for name in HIT[kind]:
         ls = t.state.layers[name]
         a, g, updates, skipped = before[name]
@@ -631,13 +642,15 @@ def test_hit_layers_state_after_the_fault(path: str, scaler: bool, kind: str, va
 
 
 @pytest.mark.parametrize("path", ["adapter", "functional"])
-def test_grad_scaler_overflow_skips_steps_and_keeps_factors_finite(path: str) -> None:
+def test_grad_scaler_overflow_skips_steps_and_keeps_factors_finite(
+    path: str, device: torch.device
+) -> None:
     """A scale of 2**127 with a summed loss: weight gradients and, on the first steps,
     output-gradients overflow; the scaler backs off and regrows (growth_interval=1)."""
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, growth_interval=1)
-    t = Trainer(path, fault_net(scale_head=True), scaler, reduction="sum")
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**127, growth_interval=1)
+    t = Trainer(path, fault_net(scale_head=True, device=device), scaler, reduction="sum")
     overflowed = taken = 0
-    for step, (x, y) in enumerate(fault_batches(32, 12, seed=0)):
+    for step, (x, y) in enumerate(fault_batches(32, 12, seed=0, device=device)):
         scale = scaler.get_scale()
         params = [p.detach().clone() for p in t.net.parameters()]
         before = {n: layer_snapshot(ls) for n, ls in t.state.layers.items()}

@@ -169,3 +169,79 @@ def test_benchmarks_write_untracked_outputs_by_default() -> None:
         assert _ignored(ROOT / "benchmarks" / "out" / f"{name}.csv")
         assert _ignored(ROOT / "benchmarks" / "out" / f"{name}_lm.png")
         assert not _ignored(ROOT / "benchmarks" / "results" / f"{name}.csv")
+
+
+def _token_model_step(
+    scaling: str, tokens: int, damping: float, dtype: torch.dtype = torch.float32
+) -> list[str]:
+    """One adapter step on a per-token model whose loss is the mean over every token."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 5))
+    pre = kf.KFACPreconditioner(
+        model, scaling=scaling, damping=damping, kl_clip=None, factor_dtype=dtype
+    )
+    x = torch.randn(4, tokens, 8)
+    y = torch.randint(0, 5, (4, tokens))
+    loss = F.cross_entropy(model(x).reshape(-1, 5), y.reshape(-1))
+    loss.backward()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        pre.step()
+        pre.step()  # once: the second decomposition step says nothing
+    return [str(w.message) for w in seen if "curvature" in str(w.message)]
+
+
+def test_damping_that_drowns_the_factors_warns_once_naming_the_fix() -> None:
+    # kfac-pytorch's scaling on a loss averaged over 4 x 256 tokens: G ~ 1 / rows^2
+    messages = _token_model_step("kfac-pytorch", 256, 1e-3)
+    assert len(messages) == 1, messages
+    assert "scaling='fisher'" in messages[0] and "layer '" in messages[0]
+    # the same model and batch in the Fisher convention: curvature comparable to damping
+    assert _token_model_step("fisher", 256, 1e-3) == []
+    # a damping below the curvature: nothing to say (float64 factors: in float32 the
+    # batch part, ~1e-7, is below the resolution of the identity the factors start from)
+    assert _token_model_step("kfac-pytorch", 256, 1e-12, torch.float64) == []
+    assert len(_token_model_step("kfac-pytorch", 256, 1e-3, torch.float64)) == 1
+
+
+def test_damping_dominance_matches_the_mean_eigenvalue_of_the_kronecker_product() -> None:
+    from kfac_func.step.diagnostics import DOMINANCE, damping_dominance
+
+    torch.manual_seed(1)
+    state = kf.init(kf.register(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))))
+    layers = {}
+    for name, layer in state.layers.items():
+        n, m = layer.a_factor.shape[-1], layer.g_factor.shape[-1]
+        a, g = torch.randn(n, n), torch.randn(m, m)
+        layers[name] = layer.replace(a_factor=a @ a.T, g_factor=g @ g.T, factor_updates=1)
+    means = {
+        name: torch.linalg.eigvalsh(torch.kron(s.a_factor, s.g_factor)).mean().item()
+        for name, s in layers.items()
+    }
+    top = max(means, key=means.__getitem__)
+    state = state.replace(layers=layers)
+    found = damping_dominance(state, DOMINANCE * means[top] * 1.01)
+    assert found is not None and found[0] == top
+    assert found[1] == pytest.approx(means[top], rel=1e-5)
+    assert damping_dominance(state, DOMINANCE * means[top] * 0.99) is None
+
+
+@pytest.mark.parametrize("method", ["eigen", "ekfac"])
+def test_forward_without_backward_is_not_a_micro_batch(method: str) -> None:
+    """A loss evaluated in training mode with gradients enabled and never backpropagated
+    leaves the step as it would be without it."""
+    results = []
+    for evaluate in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        pre = KFACPreconditioner(model, compute_method=method, scaling="fisher", kl_clip=None)
+        x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+        for step in range(3):
+            if evaluate:
+                F.cross_entropy(model(torch.randn(5, 6)), y[:5])  # no backward
+            model.zero_grad()
+            F.cross_entropy(model(x + step), y).backward()
+            pre.step()
+        results.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from kfac_func.adapter.arguments import HYPER, PreconditionerBase
+from kfac_func.adapter.replicated import complete_entries, entry_for_rank
 from kfac_func.core.decomposition import (
     EigenDecomposition,
     EKFACDecomposition,
@@ -23,6 +24,7 @@ from kfac_func.core.decomposition import (
 )
 from kfac_func.distributed.communicator import Communicator
 from kfac_func.distributed.plan import DistributedStrategy, Plan
+from kfac_func.distributed.sharded import release_unowned
 from kfac_func.state import AdaptiveRecord, AdaptiveState, KFACConfig, KFACState, LayerState
 from kfac_func.step.decompose import redecompose
 
@@ -56,6 +58,9 @@ def layer_entries(state: KFACState, plan: Plan, comm: Communicator) -> dict[str,
                 entry[moment] = getattr(ls, moment)
         if ls.basis_moment is not None:
             entry["moment_count"] = ls.moment_count
+        if ls.grad_skips is not None:  # sync_free=True skip counters
+            entry["grad_skips"] = ls.grad_skips
+            entry["grad_skips_reported"] = ls.grad_skips_reported
         if ls.decomposition is not None:
             entry["decomposition"] = {
                 k: v for k, v in vars(ls.decomposition).items() if isinstance(v, torch.Tensor)
@@ -83,6 +88,7 @@ def load_layer(
     for which, f in (("A", a), ("G", g)):
         if not all_finite(f):
             raise ValueError(f"layer {ls.spec.name!r}: state_dict factor {which} holds NaN/Inf")
+    device = ls.a_factor.device  # the model's: a state dict saved elsewhere comes here
     moments: dict[str, Any] = {}
     for moment in ("graft_moment", "basis_moment", "basis_momentum"):
         t = entry.get(moment)
@@ -93,12 +99,16 @@ def load_layer(
                 f"layer {ls.spec.name!r}: state_dict {moment} of shape {tuple(t.shape)} must "
                 f"be finite and of shape {tuple(ls.spec.matrix_shape)}"
             )
-        moments[moment] = t.to(config.factor_dtype, copy=True).contiguous()
+        moments[moment] = t.to(device, config.factor_dtype, copy=True).contiguous()
     if "basis_moment" in moments:
         moments["moment_count"] = int(entry.get("moment_count", 1))
+    if entry.get("grad_skips") is not None:
+        skips = torch.as_tensor(entry["grad_skips"])
+        moments["grad_skips"] = skips.to(device, torch.int64, copy=True).reshape(())
+        moments["grad_skips_reported"] = int(entry.get("grad_skips_reported", 0))
     new = ls.replace(
-        a_factor=a.to(config.factor_dtype, copy=True).contiguous(),
-        g_factor=g.to(config.factor_dtype, copy=True).contiguous(),
+        a_factor=a.to(device, config.factor_dtype, copy=True).contiguous(),
+        g_factor=g.to(device, config.factor_dtype, copy=True).contiguous(),
         factor_updates=int(entry.get("factor_updates", max(1, ls.factor_updates))),
         decomposition=None,
         **moments,
@@ -107,14 +117,16 @@ def load_layer(
     if dec is not None:
         kind = type(ls.decomposition) if ls.decomposition is not None else None
         cls = kind or _decomposition_class(config.compute_method)
-        fields = {k: v.clone() for k, v in dec.items()}
+        fields = {k: v.to(device, copy=True) for k, v in dec.items()}
         return new.replace(decomposition=decomposition_from_fields(cls, fields))
     if damping is not None:
         return redecompose(new, damping, config)
     return new
 
 
-def _adaptive_from(entry: Any, current: AdaptiveState | None) -> AdaptiveState | None:
+def _adaptive_from(
+    entry: Any, current: AdaptiveState | None, device: torch.device | None = None
+) -> AdaptiveState | None:
     """The adaptive state of a state dict's ``"adaptive"`` entry (``current`` without one;
     a ValueError when only one of the two has an adaptive part)."""
     if (entry is None) != (current is None):
@@ -129,7 +141,7 @@ def _adaptive_from(entry: Any, current: AdaptiveState | None) -> AdaptiveState |
     fields = dict(entry)
     previous = fields.get("previous")
     if previous is not None:
-        fields["previous"] = {k: v.clone() for k, v in previous.items()}
+        fields["previous"] = {k: v.to(device, copy=True) for k, v in previous.items()}
     fields["history"] = tuple(AdaptiveRecord(*r) for r in fields.get("history", ()))
     return AdaptiveState(**fields)
 
@@ -157,6 +169,8 @@ class StateDictMixin(PreconditionerBase):
                 sd[key] = value
         if include_factors:
             sd["layers"] = layer_entries(self._state, self.plan, self.comm)
+            if getattr(self, "_sharded", False):  # the same tensors on every rank, for DCP
+                complete_entries(sd["layers"], self._state, self.plan, self.comm)
         if self._state.adaptive is not None:  # the adaptive step's damping and history
             sd["adaptive"] = dataclasses.asdict(self._state.adaptive)
         return sd
@@ -167,7 +181,8 @@ class StateDictMixin(PreconditionerBase):
         sd = dict(state_dict)
         steps = int(sd.pop("steps"))
         layers_sd = sd.pop("layers", None)
-        adaptive = _adaptive_from(sd.pop("adaptive", None), self._state.adaptive)
+        device = next(iter(self._state.layers.values())).a_factor.device
+        adaptive = _adaptive_from(sd.pop("adaptive", None), self._state.adaptive, device)
         old = {key: getattr(self, key) for key in HYPER}
         for key in HYPER:
             if key in sd and not callable(getattr(self, key)):
@@ -184,9 +199,9 @@ class StateDictMixin(PreconditionerBase):
                     )
                 for name, entry in layers_sd.items():
                     ls = layers[name]
-                    compute = (
-                        compute_inverses and self.comm.rank in self.plan.layers[name].grad_workers
-                    )
+                    worker = self.comm.rank in self.plan.layers[name].grad_workers
+                    entry = entry_for_rank(entry, worker)
+                    compute = compute_inverses and worker
                     lam = (
                         self._value(self.damping)
                         if compute and "decomposition" not in entry
@@ -198,3 +213,5 @@ class StateDictMixin(PreconditionerBase):
                 setattr(self, key, value)
             raise
         self._state = self._state.replace(layers=layers, step=steps, adaptive=adaptive)
+        sharded = getattr(self, "_sharded", False)  # MEM_OPT: only the owned factors stay
+        self._state = release_unowned(self._state, self.plan, self.comm.rank, sharded)

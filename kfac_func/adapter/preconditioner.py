@@ -27,62 +27,119 @@ from kfac_func.adapter.arguments import (
     log_registered,
 )
 from kfac_func.adapter.checkpointing import StateDictMixin
+from kfac_func.adapter.inspection import InspectionMixin
 from kfac_func.adapter.recording import HookRecorder
-from kfac_func.blocks import Gram, register
+from kfac_func.adapter.sync_free import SyncFreeMixin
+from kfac_func.blocks import register
 from kfac_func.blocks.table import no_layers_error
 from kfac_func.distributed.communicator import AllreduceMethod, Communicator
+from kfac_func.distributed.dtensor import describe_parameters, is_dtensor
 from kfac_func.distributed.ekfac import check_ekfac_plan
 from kfac_func.distributed.kaisa import update_distributed
 from kfac_func.distributed.plan import AssignmentStrategy, DistributedStrategy, make_plan
+from kfac_func.distributed.sharded import release_unowned
 from kfac_func.state import KFACState, init
 from kfac_func.step.adaptive import AdaptiveInfo, init_adaptive
 from kfac_func.step.basis import BasisMoments
+from kfac_func.step.decompose import check_eigh_device
 from kfac_func.step.precondition import Grafting
-from kfac_func.step.update import update
 
 __all__ = ["AllreduceMethod", "ComputeMethod", "KFACPreconditioner"]
 
 logger = logging.getLogger("kfac_func")
 
 
-class KFACPreconditioner(HookRecorder, StateDictMixin):
+class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, InspectionMixin):
     """K-FAC preconditioner for an ``nn.Module``, with kfac-pytorch's arguments and defaults.
 
     Call :meth:`step` after ``loss.backward()`` and before ``optimizer.step()``: it
-    preconditions the gradients of the registered layers in place. Every hyperparameter
-    may be a number or a ``step -> value`` callable. ``kl_clip=None`` disables clipping.
-    ``scaling`` picks the factor convention (``"kfac-pytorch"``, the default, so tuned
-    hyperparameters carry over, or ``"fisher"``); ``loss_reduction`` tells the
-    ``"fisher"`` convention how the loss reduces the batch, and ``loss_divisor`` what the
-    loss was divided by besides (``k`` when ``loss / k`` is backpropagated for each of ``k``
-    accumulated micro-batches).
+    preconditions the ``.grad`` of the registered layers in place. Under DDP the work is
+    spread over the ranks by a KAISA plan (:attr:`plan`), after the ranks checked that they
+    agree on it (:class:`kfac_func.RankMismatchError` otherwise). The arguments up to
+    ``loglevel`` are kfac-pytorch 0.4.2's, with its defaults and checks. Every
+    hyperparameter may be a number or a ``step -> value`` callable.
 
-    Under DistributedDataParallel (gradients averaged across ranks) the work is spread
-    over the ranks by a KAISA plan (``grad_worker_fraction``, ``colocate_factors``,
-    ``assignment_strategy``); without a process group it runs on one process. At
-    construction the ranks verify that they built the same plan with the same
-    hyperparameters (:class:`kfac_func.distributed.communicator.RankMismatchError` on every rank
-    otherwise); ``collective_timeout`` bounds each of the preconditioner's collectives.
-    Factor sums travel in buckets of up to ``allreduce_bucket_cap_mb``
-    (``allreduce_method=AllreduceMethod.ALLREDUCE_BUCKETED``) or one collective per tensor
-    (``ALLREDUCE``); left as None, the method follows the cap (``ALLREDUCE`` at 0).
-    ``grad_worker_fraction=DistributedStrategy.MEM_OPT`` is kept as
-    :attr:`distributed_strategy` even on one process, and turns ``colocate_factors`` on
-    with a warning.
-    ``max_factor_dim`` keeps every factor side wider than it diagonal and ``kfac_approx``
-    picks expand or reduce for weight-sharing layers (see :func:`kfac_func.register`).
-    ``grafting="sgd"`` or ``"adam"`` gives each layer's preconditioned gradient the norm of
-    that optimizer's step; ``eigenbasis_moments=True`` divides each layer's gradient in
-    K-FAC's eigenbasis by the root of its running second moment there, as Adam does
-    (``moment_beta2``, ``moment_eps``, and ``moment_beta1`` for Adam's first moment; see
-    :func:`kfac_func.update`).
-    ``adaptive=AdaptiveStepper(model, loss=...)`` (one process, ``kl_clip=None``) makes
-    :meth:`step` update the preconditioned parameters itself, with the learning rate and
-    momentum of the quadratic model and Levenberg–Marquardt damping starting at
-    ``damping`` (see :meth:`step`).
-    ``eigenbasis_refresh="qr"`` replaces the exact eigendecompositions after the first by
-    one warm-started QR iteration each (approximate, much cheaper; see
-    :func:`kfac_func.core.decomposition.refresh_eigh`).
+    Args:
+        model: the module (under DDP, its wrapper); its layers are registered with
+            :func:`kfac_func.register` (``print(pre.layers)``).
+        factor_update_steps: collect statistics on steps ``k % factor_update_steps == 0``.
+        inv_update_steps: recompute the decompositions every this many steps.
+        damping: Tikhonov damping λ >= 0 (with ``adaptive=``, the starting λ).
+        factor_decay: the factors' running-average coefficient, in (0, 1] (see
+            :func:`kfac_func.exp_decay_factor_averaging`).
+        kl_clip: bound of the scale ``min(1, sqrt(kl_clip / |lr² Σ P ⊙ grad|))`` of the
+            preconditioned gradients (> 0); None disables it.
+        lr: the learning rate in the ``kl_clip`` scale (only there: keep it the
+            optimizer's, e.g. ``lambda k: optimizer.param_groups[0]["lr"]``).
+        accumulation_steps: micro-batches (forward/backward passes) per optimizer step;
+            a window's statistics form one factor update.
+        allreduce_bucket_cap_mb: largest bucket (MB) of the factor all-reduces; 0: one
+            collective per tensor.
+        assignment_strategy: balance decompositions over ranks by ``COMPUTE`` (``n³``)
+            or ``MEMORY`` (``n²``) cost (an :class:`~kfac_func.AssignmentStrategy` or name).
+        colocate_factors: decompose a layer's A and G on one rank; forced on, with a
+            warning, for ``MEM_OPT``.
+        compute_method: ``"eigen"``, ``"inverse"`` or ``"ekfac"`` (``scaling="fisher"``
+            only), or a :class:`ComputeMethod`.
+        compute_eigenvalue_outer_product: eigen: precompute ``1 / (dg daᵀ + λ)``; needs
+            ``colocate_factors``.
+        grad_worker_fraction: fraction of ranks preconditioning each layer, in [0, 1] (0:
+            ``1/world``), or a :class:`~kfac_func.DistributedStrategy` (``COMM_OPT`` 1,
+            ``HYBRID_OPT`` 0.5, ``MEM_OPT`` 1/world), kept as :attr:`distributed_strategy`.
+        symmetry_aware: send only the upper triangle of symmetric factors.
+        grad_scaler: a ``GradScaler`` or a ``() -> scale`` callable; the hooks unscale
+            the output-gradients with it (call ``scaler.unscale_`` before :meth:`step`).
+        factor_dtype: the factors' dtype (default: the weights' promoted to at least
+            float32; kfac-pytorch uses the autocast dtype).
+        inv_dtype: the dtype decompositions are stored in.
+        skip_layers: regexes searched in module names and class names; matches are not
+            registered.
+        update_factors_in_hook: build each call's statistics in the hooks (and, on several
+            ranks, start the factor all-reduces in the backward pass) instead of keeping
+            the raw tensors until :meth:`step`; the results are the same.
+        loglevel: the :mod:`logging` level of the construction report on the
+            ``"kfac_func"`` logger: a ``Registered name="...": ...`` line per layer, the
+            layer table and the KAISA assignment (DEBUG: silent unless shown).
+        scaling: the factors' convention, ``"kfac-pytorch"`` (hyperparameters carry
+            over) or ``"fisher"`` (for new models); see :mod:`kfac_func.core.conventions`.
+        loss_reduction: ``"mean"`` or ``"sum"``, how the loss reduces the batch.
+        loss_divisor: what the loss was divided by besides (``k`` for ``loss / k`` over
+            ``k`` accumulated micro-batches).
+        collective_timeout: a ``timedelta`` bounding each collective (None: the group's).
+        eigenbasis_refresh: ``"eigh"``, or ``"qr"`` (one warm-started QR iteration per
+            refresh after the first; see :func:`kfac_func.core.decomposition.refresh_eigh`).
+        max_factor_dim: factor sides wider than this keep only their diagonal.
+        kfac_approx: ``"expand"`` or ``"reduce"`` for weight-sharing layers, or
+            ``{regex: approx}`` (see :func:`kfac_func.register`).
+        grafting: None, ``"sgd"`` or ``"adam"``: each layer's step takes that optimizer's
+            norm.
+        graft_beta2: Adam grafting's ``β₂``.
+        graft_eps: Adam grafting's ``ε``.
+        eigenbasis_moments: Adam's step in K-FAC's eigenbasis (see
+            :func:`kfac_func.update`).
+        moment_beta2: the eigenbasis moments' ``β₂``.
+        moment_eps: the eigenbasis moments' ``ε``.
+        moment_beta1: the eigenbasis moments' ``β₁`` (0: no first moment).
+        adaptive: an :class:`~kfac_func.AdaptiveStepper` of ``model`` (one process,
+            ``kl_clip=None``): :meth:`step` then updates the parameters itself.
+        allreduce_method: ``ALLREDUCE_BUCKETED`` or ``ALLREDUCE`` (an
+            :class:`~kfac_func.AllreduceMethod` or name); None: ``ALLREDUCE`` iff the cap
+            is 0.
+        sync_free: precondition without reading the device on the host (finiteness
+            decided by ``torch.where``; skipped layers counted in the state and reported
+            at the next factor update or by :meth:`report_skipped`); see
+            :mod:`kfac_func.step.sync_free`.
+        compile: with ``sync_free=True`` on one process, run the precondition-only steps
+            through ``torch.compile(fullgraph=True)``.
+        batched_eigh: decompose factors of equal shape, dtype and device with one
+            stacked ``eigh`` call per group.
+        eigh_device: run ``eigh`` on this device (e.g. ``"cpu"``) and move the results
+            back to the factors' device; None: the factors' own.
+
+    Raises:
+        ValueError: an argument out of range (named), no layer to precondition, or a
+            combination kfac-pytorch refuses.
+        TypeError: a hyperparameter that is neither a number nor a callable.
 
     Example:
         >>> import torch
@@ -139,7 +196,13 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
         moment_beta1: float = 0.0,
         adaptive: AdaptiveStepper | None = None,
         allreduce_method: AllreduceMethod | str | None = None,
+        sync_free: bool = False,
+        compile: bool = False,
+        batched_eigh: bool = False,
+        eigh_device: torch.device | str | None = None,
     ) -> None:
+        self._set_sync_free(sync_free, compile)
+        self.batched_eigh, self.eigh_device = batched_eigh, check_eigh_device(eigh_device)
         self._set_arguments(
             model,
             factor_update_steps=factor_update_steps,
@@ -239,6 +302,8 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
             kfac_approx=kfac_approx,
             grafting=(grafting, graft_beta2, graft_eps),
             eigenbasis_moments=(eigenbasis_moments, moment_beta2, moment_eps, moment_beta1),
+            # FSDP2 / tensor parallelism: every rank must see the same meshes and placements
+            parameters=describe_parameters(model, self.layers),
         )
         self.comm = Communicator(
             self.plan,
@@ -257,6 +322,9 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
             device=weight.device,
             eigenbasis_refresh=eigenbasis_refresh,
         )
+        # sharded models under MEM_OPT hold factors only for the layers each rank owns
+        self._sharded = any(is_dtensor(p) for p in model.parameters())
+        self._state = release_unowned(self._state, self.plan, self.comm.rank, self._sharded)
         self.last_adaptive: AdaptiveInfo | None = None
         """What the latest adaptive step computed (learning rate, momentum, model change)."""
         if adaptive is not None:
@@ -265,6 +333,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
         self._rows = {}
         self._handles = []
         self._parameter_modules: dict[str, tuple[nn.Module, str]] = {}
+        self._damping_checked = False
         # with several ranks and update_factors_in_hook, each layer's factor reduction
         # starts in the backward pass, overlapping communication with computation
         self._stream = update_factors_in_hook and self.comm.world_size > 1 and not self._ekfac
@@ -324,35 +393,30 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
         missing = [k for k, v in given.items() if v is None]
         if self.adaptive is not None and missing:
             raise ValueError(f"adaptive steps need {missing} (see KFACPreconditioner.step)")
+        self._drop_forward_only()
         captures = self._take_captures() if self._ekfac and self._micro else None
         batch = self._batch_factors() if self._micro and captures is None else {}
         reducer, self._reducer = self._reducer, None
         self._micro = []
         rows = self._take_rows()
-        grads: dict[str, torch.Tensor] = {}
-        for name, spec in self.layers.items():
-            for pname in spec.param_names():
-                p = self._parameter(pname)
-                if p.grad is None:
-                    raise RuntimeError(
-                        f"layer {name!r}: parameter {pname!r} has no gradient; call "
-                        "loss.backward() before step()"
-                    )
-                grads[pname] = p.grad
+        grads = self._layer_grads()
         update_inverses = self.steps % int(self._value(self.inv_update_steps)) == 0
         damping: Any = self.damping
         raw: dict[str, torch.Tensor] = {}
         if self._state.adaptive is not None:
             damping = self._state.adaptive.damping
             raw = {k: g.clone() for k, g in grads.items()}
-        if self.comm.world_size == 1 and reducer is None:
+        # the state before the first factor update, to judge that update's factors
+        factors_now = bool(batch) or reducer is not None or captures is not None
+        before = self._state if factors_now and not self._damping_checked else None
+        if self.comm.world_size == 1 and reducer is None and not self._sharded:
             # a copy with a dict of its own, so that a state read from .state earlier
             # keeps its layers; once self._state points at the copy nothing else holds
             # the old layer states. If the step raises, each layer of self._state is as
             # it was or as the step left it.
             donated = self._state.replace(layers=dict(self._state.layers))
             self._state = donated
-            new_grads, self._state = update(
+            new_grads, self._state = self._stepper(not factors_now and not update_inverses)(
                 donated,
                 grads,
                 captures=captures,
@@ -389,6 +453,9 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
             for pname, g in grads.items():
                 if new_grads[pname] is not g:
                     g.copy_(new_grads[pname])
+        if before is not None:
+            self._damping_checked = True
+            self._warn_if_damping_dominates(before, float(self._value(damping)))
         if self.adaptive is not None:
             assert loss_closure is not None and loss is not None
             # the extra forward passes (forward-mode products, the closure) run without
@@ -405,18 +472,6 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
                     kwargs=kwargs,
                 )
 
-    def _parameter(self, name: str) -> nn.Parameter:
-        """The model's parameter ``name``. Its module is looked up once (lookups by dotted
-        name are a noticeable part of a small model's step; the hooks hold the modules
-        too), the parameter itself every time (it may have been replaced)."""
-        place = self._parameter_modules.get(name)
-        if place is None:
-            prefix, _, attr = name.rpartition(".")
-            place = self._parameter_modules[name] = (self.model.get_submodule(prefix), attr)
-        p = getattr(place[0], place[1])
-        assert isinstance(p, nn.Parameter), name
-        return p
-
     def _rule_kwargs(self) -> dict[str, Any]:
         return {
             "grafting": self.grafting,
@@ -426,27 +481,10 @@ class KFACPreconditioner(HookRecorder, StateDictMixin):
             "moment_beta2": self.moment_beta2,
             "moment_eps": self.moment_eps,
             "moment_beta1": self.moment_beta1,
+            "sync_free": self.sync_free,
+            "batched_eigh": self.batched_eigh,
+            "eigh_device": self.eigh_device,
         }
-
-    def memory_usage(self) -> dict[str, int]:
-        """Bytes held, per category, and their total."""
-
-        def nbytes(t: Any) -> int:
-            if isinstance(t, Gram):
-                t = t.gram
-            return int(t.numel() * t.element_size()) if isinstance(t, torch.Tensor) else 0
-
-        usage = {"a_factors": 0, "g_factors": 0, "decompositions": 0, "hook_buffers": 0}
-        for ls in self._state.layers.values():
-            usage["a_factors"] += nbytes(ls.a_factor)
-            usage["g_factors"] += nbytes(ls.g_factor)
-            if ls.decomposition is not None:
-                usage["decompositions"] += sum(nbytes(v) for v in vars(ls.decomposition).values())
-        for mb in self._micro:
-            for items in (*mb.a.values(), *mb.g.values()):
-                usage["hook_buffers"] += sum(nbytes(i) for i in items)
-        usage["total"] = sum(usage.values())
-        return usage
 
     def __repr__(self) -> str:
         hyper = ", ".join(f"{k}={getattr(self, k)!r}" for k in HYPER)

@@ -24,6 +24,7 @@ from kfac_func.blocks import LayerSpec, LayerTable, Rows, a_gram, call_grams, g_
 from kfac_func.blocks.taps import Site, call_sites, tap_hooks
 from kfac_func.captures import Captures, LayerCapture
 from kfac_func.distributed.communicator import Communicator
+from kfac_func.distributed.dtensor import whole_input, whole_output_grad
 from kfac_func.distributed.kaisa import offer_factors, start_factor_reduction
 from kfac_func.distributed.plan import Plan
 from kfac_func.distributed.reducer import OrderedReducer
@@ -117,6 +118,15 @@ class HookRecorder(PreconditionerBase):
         (joint statistics, EKFAC's per-example rows)."""
         return spec.block.joint or self._ekfac
 
+    def _drop_forward_only(self) -> None:
+        """Forget the micro-batches whose forward pass had no backward pass (a loss
+        evaluated in training mode with gradients enabled): they contributed nothing to
+        the gradients, so they contribute nothing to the factors either. A micro-batch
+        that got some output-gradients is kept whole (an incomplete one is an error
+        later, naming the layer)."""
+        if any(not mb.g and (mb.a or mb.calls) for mb in self._micro):
+            self._micro = [mb for mb in self._micro if mb.g or not (mb.a or mb.calls)]
+
     def _take_captures(self) -> list[Captures]:
         """The micro-batches' raw inputs and output-gradients as :class:`Captures` (for
         EKFAC), taken out of the micro-batches."""
@@ -146,7 +156,9 @@ class HookRecorder(PreconditionerBase):
         collect, keep = self._collecting(), self._keeps_rows(spec)
         if not (collect or keep):
             return
-        x = args[0].detach()
+        # tensor parallelism hands the hook a DTensor: its shards are gathered (over the
+        # mesh it came on, which also gathers a column-parallel output-gradient)
+        x, mesh = whole_input(args[0].detach())
         micro = None
         if collect:
             if not self._micro:
@@ -169,7 +181,7 @@ class HookRecorder(PreconditionerBase):
             # a hook on this call's output sees its gradient even when later ops
             # modify the output in place (and needs no input that requires grad)
             joint_input = x if micro is not None and self._paired(spec) else None
-            hook = self._grad_hook(spec, micro, pair, joint_input)
+            hook = self._grad_hook(spec, micro, pair, joint_input, mesh)
             out.register_hook(hook)  # type: ignore[no-untyped-call]
 
     def _grad_hook(
@@ -178,9 +190,10 @@ class HookRecorder(PreconditionerBase):
         micro: _MicroBatch | None,
         pair: list[torch.Tensor | None] | None,
         joint_input: torch.Tensor | None = None,
+        mesh: Any = None,
     ) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            gy = grad.detach()
+            gy = whole_output_grad(spec, grad.detach(), mesh)
             if self.grad_scaler is not None:
                 # unscaled, as the gradients are when step() runs (after unscale_)
                 gy = gy.to(self.factor_dtype) / self._grad_scale()

@@ -152,6 +152,8 @@ def _layer_problems(
         if entry.get(moment):
             key = _layer_key(name, moment)
             checks.append((moment, d[key], ls.spec.matrix_shape, like.config.factor_dtype))
+    if entry.get("grad_skips"):
+        checks.append(("grad_skips", d[_layer_key(name, "grad_skips")], (), torch.int64))
     dec = entry.get("decomposition")
     if dec is not None:
         shapes = _decomposition_shapes(ls.spec)
@@ -250,6 +252,8 @@ def _build_layer(
         basis_moment=get("basis_moment") if entry.get("basis_moment") else None,
         basis_momentum=get("basis_momentum") if entry.get("basis_momentum") else None,
         moment_count=entry["moment_count"],
+        grad_skips=get("grad_skips") if entry.get("grad_skips") else None,
+        grad_skips_reported=entry["grad_skips_reported"],
         decomposition=decomposition,
         spec=ls.spec,
         factor_updates=entry["factor_updates"],

@@ -11,6 +11,9 @@ with dots, exactly ``".".join(path)`` for ``optree.tree_flatten_with_path(state)
 - with ``include_decompositions=True``, ``layers.<layer name>.decomposition.<field>``
   (``qa``, ``da``, ``qg``, ``dg`` and, when precomputed, ``dgda`` for the eigen method;
   ``a_inv``, ``g_inv`` for the inverse method);
+- ``layers.<layer name>.grad_skips`` (a 0-d int64 tensor) once ``sync_free=True`` steps
+  counted the layer's skipped gradients; the metadata flags it (``"grad_skips"``) and
+  holds ``"grad_skips_reported"`` (files written before these counters load without them);
 - with an adaptive part (:class:`~kfac_func.state.AdaptiveState`) that holds a previous
   update, ``adaptive.previous.<parameter name>``. Its numbers (damping, counters, the last
   coefficients, the history) are in the metadata under ``"adaptive"`` (absent or null
@@ -143,6 +146,8 @@ def _metadata(
                 "basis_moment": ls.basis_moment is not None,
                 "basis_momentum": ls.basis_momentum is not None,
                 "moment_count": ls.moment_count,
+                "grad_skips": ls.grad_skips is not None,
+                "grad_skips_reported": ls.grad_skips_reported,
                 "spec": {k: _json_value(getattr(ls.spec, k)) for k in _SPEC_FIELDS},
                 "decomposition": dec,
             }
@@ -307,6 +312,10 @@ def _decode_meta(d: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         _get(entry, "basis_momentum", bool, f"layer {name!r} ")
         entry.setdefault("moment_count", 0)
         _get(entry, "moment_count", int, f"layer {name!r} ")
+        entry.setdefault("grad_skips", False)  # files written before sync_free counters
+        _get(entry, "grad_skips", bool, f"layer {name!r} ")
+        entry.setdefault("grad_skips_reported", 0)
+        _get(entry, "grad_skips_reported", int, f"layer {name!r} ")
         _get(entry, "spec", dict, f"layer {name!r} ")
         dec = entry.get("decomposition")
         if dec is not None:
@@ -331,7 +340,7 @@ def _expected_keys(meta: dict[str, Any]) -> list[str]:
     for entry in meta["layers"]:
         name = entry["name"]
         keys += [_layer_key(name, "a_factor"), _layer_key(name, "g_factor")]
-        for moment in ("graft_moment", "basis_moment", "basis_momentum"):
+        for moment in ("graft_moment", "basis_moment", "basis_momentum", "grad_skips"):
             if entry.get(moment):
                 keys.append(_layer_key(name, moment))
         if entry.get("decomposition") is not None:

@@ -28,7 +28,7 @@ import torch
 
 from kfac_func.core.grafting import graft_moment
 
-__all__ = ["adam_in_basis", "carry_moment", "from_basis", "to_basis"]
+__all__ = ["adam_in_basis", "carry_moment", "from_basis", "rotate_moment", "to_basis"]
 
 
 def to_basis(m: torch.Tensor, qa: torch.Tensor | None, qg: torch.Tensor | None) -> torch.Tensor:
@@ -77,7 +77,8 @@ def adam_in_basis(
         moment: the running second moment of the ``count`` previous gradients, or None.
         count: how many gradients ``moment`` holds (0 with None).
         beta2, eps: Adam's ``β₂`` and ``ε``.
-        first: the running first moment (layer coordinates) when ``beta1 > 0``, or None.
+        first: the running first moment, kept in the eigenbasis like ``moment``, when
+            ``beta1 > 0``, or None.
         beta1: Adam's ``β₁``; 0 preconditions ``m`` itself.
 
     Returns:
@@ -94,23 +95,48 @@ def adam_in_basis(
     new = graft_moment(moment, projected, beta2)  # the running average of the squares
     v_hat = new / (1 - beta2 ** (count + 1))
     new_first = None
-    if beta1 > 0:
-        step = m.mul(1 - beta1)
+    if beta1 > 0:  # the first moment is kept in the basis: no second projection
+        step = projected.mul(1 - beta1)
         new_first = step if first is None else first.mul(beta1).add_(step.to(first.dtype))
-        projected = to_basis(new_first / (1 - beta1 ** (count + 1)), qa, qg)
+        projected = new_first.to(projected.dtype) / (1 - beta1 ** (count + 1))
     scaled = projected / v_hat.sqrt().add_(eps).to(projected.dtype)
     return from_basis(scaled, qa, qg), new, new_first
 
 
-def _rotation(new: torch.Tensor | None, old: torch.Tensor | None) -> torch.Tensor | None:
-    """``(Q_newᵀ Q_old)²`` elementwise; None when both bases are the identity."""
+def _overlap(new: torch.Tensor | None, old: torch.Tensor | None) -> torch.Tensor | None:
+    """``Q_newᵀ Q_old``; None when both bases are the identity."""
     if new is None and old is None:
         return None
     if new is None:
         assert old is not None
-        return old.pow(2)
-    r = new.mT if old is None else new.mT @ old.to(new.dtype)
-    return r.pow(2)
+        return old
+    return new.mT if old is None else new.mT @ old.to(new.dtype)
+
+
+def _rotation(new: torch.Tensor | None, old: torch.Tensor | None) -> torch.Tensor | None:
+    """``(Q_newᵀ Q_old)²`` elementwise; None when both bases are the identity."""
+    r = _overlap(new, old)
+    return None if r is None else r.pow(2)
+
+
+def rotate_moment(
+    first: torch.Tensor,
+    old: tuple[torch.Tensor | None, torch.Tensor | None],
+    new: tuple[torch.Tensor | None, torch.Tensor | None],
+) -> torch.Tensor:
+    """A matrix kept in the bases ``old = (qa, qg)`` expressed in ``new = (qa, qg)``:
+    ``Rg F Raᵀ`` with ``R = Q_newᵀ Q_old``, exact for orthogonal bases (the first moment,
+    unlike the diagonal second moment, rotates without loss).
+
+    Example:
+        >>> swap = torch.tensor([[0.0, 1.0], [1.0, 0.0]])
+        >>> rotate_moment(torch.tensor([[1.0, 2.0]]), (None, None), (swap, None))
+        tensor([[2., 1.]])
+    """
+    ra = _overlap(new[0], old[0])
+    rg = _overlap(new[1], old[1])
+    out = first if rg is None else rg.to(first.dtype) @ first
+    return out if ra is None else out @ ra.to(first.dtype).mT
 
 
 def carry_moment(

@@ -24,6 +24,9 @@ from kfac_func.core.decomposition import (
     eigh_or_refresh,
 )
 
+# (eigenvectors, eigenvalues) of one factor
+Eigenpair = tuple[torch.Tensor, torch.Tensor]
+
 __all__ = [
     "decomposition_shapes",
     "diagonal_eigenvalues",
@@ -81,12 +84,17 @@ def eigh_side(
     diagonal: bool,
     dtype: torch.dtype,
     compute_dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    label: str | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """``(eigenvectors or None, eigenvalues)`` of one factor: :func:`diagonal_eigenvalues`
-    for a diagonal one, else :func:`eigh_or_refresh` (warm-started from ``previous``)."""
+    for a diagonal one, else :func:`eigh_or_refresh` (warm-started from ``previous``; eigh
+    on ``device``, warnings starting with ``label``)."""
     if diagonal:
         return None, diagonal_eigenvalues(factor, dtype=dtype)
-    return eigh_or_refresh(factor, previous, dtype=dtype, compute_dtype=compute_dtype)
+    return eigh_or_refresh(
+        factor, previous, dtype=dtype, compute_dtype=compute_dtype, device=device, label=label
+    )
 
 
 def inverse_side(
@@ -96,12 +104,13 @@ def inverse_side(
     diagonal: bool,
     dtype: torch.dtype,
     compute_dtype: torch.dtype | None = None,
+    label: str | None = None,
 ) -> torch.Tensor:
     """The damped inverse of one factor: :func:`diagonal_inverse` for a diagonal one, else
-    :func:`damped_inverse`."""
+    :func:`damped_inverse` (warnings starting with ``label``)."""
     if diagonal:
         return diagonal_inverse(factor, damping, dtype=dtype, compute_dtype=compute_dtype)
-    return damped_inverse(factor, damping, dtype=dtype, compute_dtype=compute_dtype)
+    return damped_inverse(factor, damping, dtype=dtype, compute_dtype=compute_dtype, label=label)
 
 
 def decomposition_shapes(
@@ -132,6 +141,9 @@ def eigen_decompose(
     outer_product: bool = False,
     warm_start: EigenDecomposition | EKFACDecomposition | None = None,
     diagonal: tuple[bool, bool] = (False, False),
+    eigh_device: torch.device | str | None = None,
+    eigenpairs: tuple[Eigenpair | None, Eigenpair | None] = (None, None),
+    name: str | None = None,
 ) -> EigenDecomposition:
     """Eigendecompose both factors.
 
@@ -145,6 +157,12 @@ def eigen_decompose(
             factor, see :func:`precompute_outer`).
         warm_start: a previous decomposition to refresh with :func:`refresh_eigh`
             instead of decomposing from scratch.
+        eigh_device: where eigh runs (``"cpu"``: offload it; default: the factors'
+            device); the results are on the factors' device.
+        eigenpairs: ``(eigenvectors, eigenvalues)`` of A and of G already computed (by
+            :func:`~kfac_func.core.decomposition.eigh_factors`), used instead of
+            decomposing that factor; None: decompose it here.
+        name: the layer, named in warnings.
 
     Example:
         >>> import torch
@@ -153,10 +171,15 @@ def eigen_decompose(
         (tensor([1., 1., 1.]), tensor([2., 2.]))
     """
     w = warm_start
-    kw: dict[str, Any] = {"dtype": dtype, "compute_dtype": compute_dtype}
+    kw: dict[str, Any] = {"dtype": dtype, "compute_dtype": compute_dtype, "device": eigh_device}
     pa, pg = (w.qa, w.qg) if w is not None else (None, None)
-    qa, da = _named("A", eigh_side, a, pa, diagonal=diagonal[0], **kw)
-    qg, dg = _named("G", eigh_side, g, pg, diagonal=diagonal[1], **kw)
+    ea, eg = eigenpairs
+    qa, da = ea or _named(
+        "A", eigh_side, a, pa, diagonal=diagonal[0], **kw, label=_label(name, "A")
+    )
+    qg, dg = eg or _named(
+        "G", eigh_side, g, pg, diagonal=diagonal[1], **kw, label=_label(name, "G")
+    )
     dgda = eigenvalue_outer(dg, da, damping) if precompute_outer(outer_product, diagonal) else None
     return EigenDecomposition(qa, da, qg, dg, dgda)
 
@@ -176,8 +199,10 @@ def inverse_decompose(
     dtype: torch.dtype = torch.float32,
     compute_dtype: torch.dtype | None = None,
     diagonal: tuple[bool, bool] = (False, False),
+    name: str | None = None,
 ) -> InverseDecomposition:
-    """Damped inverses of both factors (vectors for the ``diagonal`` ones).
+    """Damped inverses of both factors (vectors for the ``diagonal`` ones); ``name`` (the
+    layer) is named in warnings.
 
     Example:
         >>> import torch
@@ -188,9 +213,14 @@ def inverse_decompose(
     """
     kw: dict[str, Any] = {"dtype": dtype, "compute_dtype": compute_dtype}
     return InverseDecomposition(
-        _named("A", inverse_side, a, damping, diagonal=diagonal[0], **kw),
-        _named("G", inverse_side, g, damping, diagonal=diagonal[1], **kw),
+        _named("A", inverse_side, a, damping, diagonal=diagonal[0], **kw, label=_label(name, "A")),
+        _named("G", inverse_side, g, damping, diagonal=diagonal[1], **kw, label=_label(name, "G")),
     )
+
+
+def _label(name: str | None, factor: str) -> str:
+    """How warnings name a factor: ``"layer 'fc', the A factor"``."""
+    return f"layer {name!r}, the {factor} factor" if name is not None else f"the {factor} factor"
 
 
 R = TypeVar("R")

@@ -233,6 +233,12 @@ class Communicator:
             return dist.get_world_size()
         return 1
 
+    @property
+    def world_group(self) -> Group:
+        """The group of every rank that K-FAC's world-wide collectives use (its own group,
+        created once; None without a process group)."""
+        return self._factor_group
+
     def group(self, ranks: tuple[int, ...]) -> Group:
         """The process group of ``ranks`` (one of the plan's groups)."""
         return self._groups[tuple(ranks)]

@@ -22,6 +22,7 @@ the layers it owns, and decompositions live only on grad workers.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -43,20 +44,37 @@ from kfac_func.core.layer_decomposition import (
     precompute_outer,
 )
 from kfac_func.distributed.communicator import Communicator, Pending
+from kfac_func.distributed.dtensor import has_dtensors
 from kfac_func.distributed.ekfac import check_ekfac_plan, reduce_scales
 from kfac_func.distributed.plan import DistributedStrategy, Plan
 from kfac_func.distributed.reducer import OrderedReducer
+from kfac_func.distributed.sharded import precondition_sharded, sharded_layouts
 from kfac_func.state import KFACState, LayerState
 from kfac_func.step.accumulate import fold_checked, layer_batch_factors
+from kfac_func.step.autocast import without_autocast
 from kfac_func.step.basis import BasisMoments, carry_moments, moment_bases
-from kfac_func.step.checks import check_grads_mapping, check_layers, layer_matrix
-from kfac_func.step.decompose import decomposition_failed, needs_decomposition, warm_start
+from kfac_func.step.checks import check_grads_mapping, check_layers, layer_matrix, validate_grads
+from kfac_func.step.decompose import (
+    batched_eigenpairs,
+    check_eigh_device,
+    decomposition_failed,
+    needs_decomposition,
+    warm_start,
+)
 from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, resolve
 from kfac_func.step.precondition import (
     Grafting,
     apply_preconditioned,
     captured_rows,
     precondition_with,
+)
+from kfac_func.step.sync_free import (
+    apply_selected,
+    check_sync_free,
+    count_skips,
+    keep_where,
+    layer_finite,
+    report_layers,
 )
 
 __all__ = [
@@ -167,15 +185,24 @@ def _decompose(
     comm: Communicator,
     damping: float,
     update_inverses: bool,
+    batched_eigh: bool = False,
+    eigh_device: torch.device | None = None,
 ) -> tuple[dict[str, LayerState], set[str]]:
     """The layers with the decompositions of this step, and the names of those that got a
-    new one on this rank."""
+    new one on this rank (``batched_eigh``: the factors this rank owns, together)."""
     cfg = state.config
     cdt = decomposition_dtype(cfg.convention, cfg.inv_dtype)
     eigen = cfg.compute_method in ("eigen", "ekfac")
     outer = cfg.compute_method == "eigen" and cfg.compute_eigenvalue_outer_product
     rank = comm.rank
     todo: list[tuple[str, Pending, Pending, str | None]] = []
+    owned = [  # (layer, 0 for A or 1 for G) this rank decomposes, with batched_eigh
+        (n, side)
+        for n in (names if batched_eigh else ())
+        for side, owner in enumerate((plan.layers[n].a_owner, plan.layers[n].g_owner))
+        if owner == rank and needs_decomposition(layers[n], cfg, update_inverses=update_inverses)
+    ]
+    pairs = batched_eigenpairs(layers, cfg, owned, eigh_device=eigh_device)
     for name in names:
         lp, ls = plan.layers[name], layers[name]
         if rank not in lp.grad_workers or not needs_decomposition(
@@ -184,10 +211,14 @@ def _decompose(
             continue
         parts, failure = [], None
         warm = warm_start(ls, cfg)
-        for which, owner, factor, previous, diag in (
-            ("A", lp.a_owner, ls.a_factor, None if warm is None else warm.qa, ls.spec.a_diagonal),
-            ("G", lp.g_owner, ls.g_factor, None if warm is None else warm.qg, ls.spec.g_diagonal),
+        diag_a, diag_g = ls.spec.diagonal
+        for side, (which, owner, factor, previous, diag) in enumerate(
+            (
+                ("A", lp.a_owner, ls.a_factor, None if warm is None else warm.qa, diag_a),
+                ("G", lp.g_owner, ls.g_factor, None if warm is None else warm.qg, diag_g),
+            )
         ):
+            label = f"layer {name!r}, the {which} factor"
             dev = factor.device
             sent = [
                 torch.empty(s, dtype=cfg.inv_dtype, device=dev)
@@ -197,17 +228,15 @@ def _decompose(
             if rank == owner:
                 try:
                     dt = cfg.inv_dtype
+                    kw: dict[str, Any] = {"diagonal": diag, "dtype": dt, "compute_dtype": cdt}
                     if eigen:
-                        q, d = eigh_side(
-                            factor, previous, diagonal=diag, dtype=dt, compute_dtype=cdt
+                        got = pairs.pop((name, side), None)
+                        q, d = got or eigh_side(
+                            factor, previous, device=eigh_device, label=label, **kw
                         )
                         sent = [d] if q is None else [q, d]
                     else:
-                        sent = [
-                            inverse_side(
-                                factor, damping, diagonal=diag, dtype=dt, compute_dtype=cdt
-                            )
-                        ]
+                        sent = [inverse_side(factor, damping, label=label, **kw)]
                     ok.fill_(1.0)
                 except DecompositionError as err:  # workers keep their previous one
                     failure = f"the {which} factor: {err}"
@@ -253,6 +282,7 @@ def _basis(received: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Ten
     return (None, received[0]) if len(received) == 1 else (received[0], received[1])
 
 
+@without_autocast
 def update_distributed(
     state: KFACState,
     grads: Mapping[str, torch.Tensor],
@@ -277,6 +307,9 @@ def update_distributed(
     moment_beta2: float = 0.999,
     moment_eps: float = 1e-8,
     moment_beta1: float = 0.0,
+    sync_free: bool = False,
+    batched_eigh: bool = False,
+    eigh_device: torch.device | str | None = None,
 ) -> tuple[dict[str, torch.Tensor], KFACState]:
     """:func:`kfac_func.update` across ranks, with the communication of ``plan``.
 
@@ -289,7 +322,16 @@ def update_distributed(
     :func:`start_factor_reduction`) holding layers whose reduction already started, and
     ``rows`` (see :func:`kfac_func.step.precondition.precondition_layer`; on one rank they are taken
     from ``captures``; with several ranks the gradients are averages, which local rows
-    never reproduce).
+    never reproduce). With ``sync_free=True`` (see :func:`kfac_func.update`) the grad
+    workers check the gradients on the device and the flags that travel with broadcast
+    gradients select on the receivers' devices: a step that only preconditions reads
+    nothing on the host. DTensor gradients (FSDP2, HSDP, tensor parallelism: each rank's
+    shards, as ``param.grad`` holds them) are gathered onto each layer's grad workers and
+    come back as DTensors of the same placements (:mod:`kfac_func.distributed.sharded`);
+    the captures must then hold the whole layers' inputs and output-gradients (the
+    adapter's hooks gather tensor-parallel shards), and ``sync_free`` does not apply.
+    ``batched_eigh`` and ``eigh_device`` (see
+    :func:`kfac_func.decompose`) apply to the factors each owner decomposes.
 
     Example:
         >>> import torch
@@ -308,6 +350,7 @@ def update_distributed(
     """
     if nonfinite not in ("skip", "raise"):
         raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
+    check_sync_free(sync_free, nonfinite)
     if state.config.compute_method == "ekfac":
         check_ekfac_plan(plan)
     names = _check_plan(state, plan)
@@ -320,13 +363,18 @@ def update_distributed(
             state.config.compute_method
         )
     check_grads_mapping(grads)  # before any collective
+    # DTensor gradients (FSDP2, tensor parallelism): placements checked before any other
+    # collective; their preconditioning stage is kfac_func.distributed.sharded's
+    layouts = sharded_layouts(state.layers, grads, names, comm) if has_dtensors(grads) else None
+    eigh_device = check_eigh_device(eigh_device)
     changes: dict[str, dict[str, object]] = {}
     step = state.step
     lam = resolve(damping, step)
     check_hyper("damping", lam, lambda v: v >= 0, ">= 0")
     layers = dict(state.layers)
     decay, statistics = 1.0, None  # this step's captures, when factors update
-    if resolve(update_factors, step):
+    factors_now = bool(resolve(update_factors, step))
+    if factors_now:
         if captures is not None and batch_factors is not None:
             raise ValueError("give captures= or batch_factors=, not both")
         if captures is None and batch_factors is None and factor_reducer is None:
@@ -339,15 +387,21 @@ def update_distributed(
             statistics = as_list(captures)
         layers = _reduce_factors(state, names, local, plan, comm, decay, nonfinite, factor_reducer)
     before = moment_bases(layers)
+    inverses = bool(resolve(update_inverses, step))
     layers, fresh = _decompose(
-        state, layers, names, plan, comm, lam, bool(resolve(update_inverses, step))
+        state, layers, names, plan, comm, lam, inverses, batched_eigh, eigh_device
     )
     carry_moments(layers, before, fresh)
     if state.config.compute_method == "ekfac" and statistics is not None:
         reduce_scales(layers, names, statistics, comm, decay, nonfinite, fresh)
 
+    if layouts is not None:  # DTensor gradients: see kfac_func.distributed.sharded
+        args = (lam, kl_clip, lr, step, nonfinite, graft_settings, basis_settings, changes)
+        out = precondition_sharded(layers, grads, layouts, names, plan, comm, *args)
+        layers.update({n: layers[n].replace(**c) for n, c in changes.items()})
+        return out, state.replace(layers=layers, step=step + 1)
     rank = comm.rank
-    if basis_settings is not None:
+    if basis_settings is not None or sync_free:
         rows = {}  # eigenbasis moments need the gradient matrix itself
     elif rows is None and captures is not None and comm.world_size == 1:
         rows = captured_rows(state, captures)
@@ -357,13 +411,31 @@ def update_distributed(
         for name in names
         if rank in plan.layers[name].grad_workers and layers[name].decomposition is not None
     ]
-    checks = check_layers(layers, grads, mine, nonfinite, rows)
+    if sync_free:
+        validate_grads(layers, grads)  # before any gradient travels
+    checks = {} if sync_free else check_layers(layers, grads, mine, nonfinite, rows)
+    finite: dict[str, torch.Tensor] = {}  # sync_free: the grad workers' checks, on device
     results: list[tuple[str, torch.Tensor, Pending]] = []
     for name in names:
         ls = layers[name]
         m = layer_matrix(ls, grads)
         check = checks.get(name)
-        if check is not None and check.finite:
+        if sync_free and name in mine:
+            finite[name] = layer_finite(ls.spec, grads)
+            new: dict[str, dict[str, object]] = {}
+            p = precondition_with(
+                ls,
+                m,
+                lam,
+                None,
+                step=step,
+                grafting=graft_settings,
+                basis_moments=basis_settings,
+                changes=new,
+            )
+            changes[name] = keep_where(ls, new.get(ls.spec.name, {}), finite[name])
+            changes[name]["grad_skips"] = count_skips(ls, finite[name])
+        elif check is not None and check.finite:
             p = precondition_with(
                 ls,
                 m,
@@ -379,6 +451,8 @@ def update_distributed(
         if plan.broadcast_gradients:
             # the sender's flag says whether it preconditioned the layer
             flag = torch.full((1,), float(p is not m), dtype=m.dtype, device=m.device)
+            if name in finite:
+                flag = finite[name].to(m.dtype).reshape(1)
             src = plan.src_of(name, rank)
             sent = [p, flag] if rank == src else [torch.empty_like(m), flag]
             pending = comm.broadcast(
@@ -388,6 +462,18 @@ def update_distributed(
             pending = Pending(finish=[lambda p=p: [p]])
         results.append((name, m, pending))
     received = [(name, m, pending.wait()) for name, m, pending in results]
+    if sync_free:
+        done_flags = [
+            (layers[n].spec, got[0], m, got[1][0] > 0 if plan.broadcast_gradients else finite[n])
+            for n, m, got in received
+            if plan.broadcast_gradients or n in finite
+        ]
+        out = apply_selected(grads, done_flags, kl_clip=kl_clip, lr=lr, step=step)
+        for name, change in changes.items():
+            layers[name] = layers[name].replace(**change)
+        if factors_now:  # this step reads the device anyway
+            report_layers(layers)
+        return out, state.replace(layers=layers, step=step + 1)
     if plan.broadcast_gradients:  # the senders' flags, read in one host synchronisation
         flags = [got[1] for *_, got in received]
         ok = torch.cat([f.to(flags[0].device) for f in flags]).tolist() if flags else []

@@ -81,16 +81,70 @@ def _pipeline_module() -> type:
 class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
     """K-FAC for a ``deepspeed.pipe.PipelineModule`` under data × pipeline × model parallelism.
 
-    Arguments are those of :class:`~kfac_func.parallel.preconditioner.ParallelKFACPreconditioner`
-    (kfac-pytorch's, plus the three groups and ``factor_checkpoint_dir``). Groups left as
-    None are taken from the module's DeepSpeed grid when it has one. ``loss_divisor``
-    defaults to ``accumulation_steps``: DeepSpeed's engine backpropagates the loss divided
-    by its gradient accumulation steps. Only the column- and row-parallel linears are
-    registered, as in kfac-pytorch; ``include_plain_linear=True`` adds the pipeline's other
-    supported layers (``nn.Linear`` projections and heads, ...). Call :meth:`step`
-    after DeepSpeed averaged the gradients and before the optimizer steps: from a step
-    pre-hook of the optimizer given to ``deepspeed.initialize`` (see the module
-    docstring).
+    kfac-pytorch's GPT-NeoX preconditioner: each pipeline stage registers and
+    preconditions its own layers (see
+    :class:`~kfac_func.parallel.preconditioner.ParallelKFACPreconditioner` for the step).
+    Call :meth:`step` after DeepSpeed averaged the gradients and before the optimizer
+    steps: from a step pre-hook of the optimizer given to ``deepspeed.initialize`` (see
+    the module docstring). Every rank constructs it, and calls :meth:`step`,
+    :meth:`state_dict` and :meth:`load_state_dict`, at the same point (they are
+    collectives). Warns :class:`ExperimentalFeatureWarning` at construction.
+
+    Args:
+        model: the ``deepspeed.pipe.PipelineModule`` (this rank's stage of it).
+        factor_update_steps: steps between factor updates (positive int or
+            ``step -> int`` callable), as in :class:`kfac_func.KFACPreconditioner`.
+        inv_update_steps: steps between recomputations of the eigendecompositions.
+        damping: Tikhonov damping λ (>= 0, or a callable).
+        factor_decay: coefficient of the factors' running averages, in (0, 1].
+        kl_clip: the bound of the kl_clip scale (> 0), whose sum runs over every layer
+            of every stage; None disables it.
+        lr: the learning rate in the ``kl_clip`` scale (keep it equal to the
+            optimizer's).
+        accumulation_steps: micro-batches per optimizer step (DeepSpeed's
+            ``gradient_accumulation_steps``); their statistics form one factor update.
+        allreduce_bucket_cap_mb: accepted for compatibility (each collective here
+            carries one layer's tensors).
+        assignment_strategy: how the layers' factors are balanced over the
+            data-parallel ranks: ``"compute"`` (``n³``) or ``"memory"`` (``n²``).
+        compute_method: must be eigen (the default; ValueError otherwise, as in
+            kfac-pytorch).
+        compute_eigenvalue_outer_product: precompute ``1 / (outer(dg, da) + λ)`` when
+            decomposing (default False, as kfac-pytorch's GPT-NeoX preconditioner).
+        symmetry_aware: accepted for compatibility.
+        data_parallel_group: this rank's data-parallel group (None: the grid's, or no
+            data parallelism without a grid).
+        model_parallel_group: this rank's tensor (model) parallel group (None: the
+            grid's slice-parallel group, or none).
+        pipeline_parallel_group: this rank's pipeline group, whose rank is the stage
+            (None: the grid's, or a single stage).
+        grad_scaler: a ``GradScaler`` or a callable returning the loss scale; the
+            output-gradients seen by the hooks are divided by it.
+        factor_dtype: dtype of the factors (default: the weights' dtype promoted to at
+            least float32).
+        inv_dtype: dtype the decompositions are stored in.
+        factor_checkpoint_dir: with it, :meth:`state_dict` writes the factors to one
+            file per layer there (written by the layer's owner;
+            :func:`kfac_func.save_factor_dir`'s format) and returns only the step and the
+            hyperparameters; :meth:`load_state_dict` reads them back.
+        skip_layers: regular expressions searched in module names and class names;
+            matching modules are not registered.
+        update_factors_in_hook: build each call's Gram statistics in the hooks (True)
+            or keep the raw tensors until :meth:`step` (False); the results are the
+            same.
+        loglevel: the :mod:`logging` level at which construction reports on the
+            ``"kfac_func"`` logger: one ``Registered name="...": ...`` line per layer of
+            this stage (with the global and pipeline rank), the stage's layer table and
+            the assignment. DEBUG (the default) is silent unless that logger shows DEBUG.
+        scaling: ``"kfac-pytorch"`` (default) or ``"fisher"`` (see
+            :mod:`kfac_func.core.conventions`).
+        loss_reduction: ``"mean"`` or ``"sum"``: how the loss reduces the batch.
+        loss_divisor: what the backpropagated loss was divided by besides the reduction;
+            None (default): ``accumulation_steps``, since DeepSpeed's engine
+            backpropagates the loss divided by its gradient accumulation steps.
+        include_plain_linear: False (default, as kfac-pytorch): register only the
+            column- and row-parallel linears; True: also the pipeline's other supported
+            layers (``nn.Linear`` projections and heads, ...).
 
     Raises:
         ImportError: DeepSpeed is not installed.

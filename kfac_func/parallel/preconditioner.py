@@ -70,15 +70,15 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         factor_checkpoint_dir: with it, :meth:`state_dict` writes the factors to one file
             per layer there (:func:`kfac_func.save_factor_dir`) instead of returning them,
             and :meth:`load_state_dict` reads them back.
+        include_plain_linear: also register the supported layers that are not
+            column- or row-parallel (``nn.Linear``, ...); True by default here, False in
+            :class:`~kfac_func.parallel.gpt_neox.GPTNeoXKFACPreconditioner`.
 
     Every rank of the world constructs it at the same point, and calls :meth:`step`,
     :meth:`state_dict` and :meth:`load_state_dict` together (they are collectives).
     Gradients must be averaged over the data-parallel group before :meth:`step`.
     ``allreduce_bucket_cap_mb`` and ``symmetry_aware`` are accepted for compatibility;
-    each collective here carries one layer's tensors. ``include_plain_linear=False``
-    registers only the column- and row-parallel linears (as
-    :class:`~kfac_func.parallel.gpt_neox.GPTNeoXKFACPreconditioner` does by default);
-    with True (the default here) the other supported layers (``nn.Linear``, ...) too.
+    each collective here carries one layer's tensors.
 
     Example:
         >>> import torch

@@ -18,6 +18,7 @@ from kfac_func.core.conventions import micro_batch_weights
 from kfac_func.core.decomposition import all_finite
 from kfac_func.core.factors import factor_from_grams
 from kfac_func.state import KFACConfig, KFACState, LayerState
+from kfac_func.step.autocast import without_autocast
 from kfac_func.step.hyper import (
     Hyper,
     NonFinite,
@@ -153,6 +154,7 @@ def fold_factors(
     return ls.replace(a_factor=new_a, g_factor=new_g, factor_updates=ls.factor_updates + 1)
 
 
+@without_autocast
 def accumulate_factors(
     state: KFACState,
     captures: Captures | Sequence[Captures],

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from kfac_func.core.basis_moments import adam_in_basis, carry_moment
+from kfac_func.core.basis_moments import adam_in_basis, carry_moment, rotate_moment
 from kfac_func.core.decomposition import Decomposition, EigenDecomposition, EKFACDecomposition
 from kfac_func.state import LayerState
 from kfac_func.step.hyper import check_hyper
@@ -90,8 +90,10 @@ def carry_moments(
     before: Mapping[str, tuple[torch.Tensor | None, torch.Tensor | None]],
     fresh: Collection[str],
 ) -> None:
-    """Carry the moment of every layer in ``fresh`` (decomposed anew) from its basis in
-    ``before`` into its new one (in place; the count is kept)."""
+    """Carry the moments of every layer in ``fresh`` (decomposed anew) from its basis in
+    ``before`` into its new one (in place; the count is kept): the second moment's
+    diagonal approximately (:func:`~kfac_func.core.basis_moments.carry_moment`), the
+    first moment exactly (:func:`~kfac_func.core.basis_moments.rotate_moment`)."""
     for name in fresh:
         ls = layers[name]
         if name not in before or ls.basis_moment is None or ls.decomposition is None:
@@ -101,4 +103,8 @@ def carry_moments(
         if all(o is n for o, n in zip(old, new)):
             continue
         moment = carry_moment(ls.basis_moment, old, new)
-        layers[name] = ls.replace(basis_moment=moment)
+        first = ls.basis_momentum
+        layers[name] = ls.replace(
+            basis_moment=moment,
+            basis_momentum=None if first is None else rotate_moment(first, old, new),
+        )

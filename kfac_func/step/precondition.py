@@ -25,9 +25,11 @@ from kfac_func.core.preconditioning import (
     precondition_rows,
 )
 from kfac_func.state import KFACState, LayerState
+from kfac_func.step.autocast import without_autocast
 from kfac_func.step.basis import BasisMoments, precondition_in_basis
-from kfac_func.step.checks import check_layers, layer_matrix, rows_cheaper
+from kfac_func.step.checks import check_layers, layer_matrix, rows_cheaper, validate_grads
 from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, resolve, take
+from kfac_func.step.sync_free import apply_selected, count_skips, keep_where, layer_finite
 
 __all__ = [
     "Grafting",
@@ -37,11 +39,13 @@ __all__ = [
     "precondition_grads",
     "precondition_layer",
     "precondition_layers",
+    "precondition_layers_sync_free",
     "precondition_with",
     "write_preconditioned",
 ]
 
 
+@without_autocast
 def precondition_grads(
     state: KFACState,
     grads: Mapping[str, torch.Tensor],
@@ -53,6 +57,7 @@ def precondition_grads(
     rows: Mapping[str, Rows] | None = None,
     grafting: Grafting | None = None,
     basis_moments: BasisMoments | None = None,
+    sync_free: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Precondition the gradients of every decomposed layer; others pass unchanged.
 
@@ -78,6 +83,13 @@ def precondition_grads(
     again with :func:`kfac_func.decompose` at the new damping to change it).
     :func:`kfac_func.update` decomposes with its own ``damping`` and does not warn.
 
+    ``sync_free=True`` checks the gradients on the device (see
+    :mod:`kfac_func.step.sync_free`): no host synchronisation, and a layer with a NaN or
+    Inf passes its gradient unchanged without a warning (:func:`kfac_func.update` counts
+    and reports those skips); ``rows`` are not used then. With every gradient finite the
+    result equals the default's without rows. Traceable by
+    ``torch.compile(fullgraph=True)``.
+
     Returns:
         A new dict with the keys of ``grads``.
 
@@ -98,6 +110,18 @@ def precondition_grads(
         basis_moments.check(state.config.compute_method)
     elif damping is not None:
         layers = _damped_by(layers, lam)
+    if sync_free:
+        validate_grads(layers, grads)
+        return precondition_layers_sync_free(
+            layers,
+            grads,
+            lam,
+            kl_clip=kl_clip,
+            lr=lr,
+            step=state.step,
+            grafting=grafting,
+            basis_moments=basis_moments,
+        )
     return precondition_layers(
         layers,
         grads,
@@ -256,6 +280,48 @@ def precondition_layers(
     return write_preconditioned(grads, done, terms, kl_clip=kl_clip, lr=lr, step=step)
 
 
+def precondition_layers_sync_free(
+    layers: Mapping[str, LayerState],
+    grads: Mapping[str, torch.Tensor],
+    damping: float,
+    *,
+    kl_clip: Hyper | None,
+    lr: Hyper,
+    step: int,
+    grafting: Grafting | None = None,
+    basis_moments: BasisMoments | None = None,
+    changes: dict[str, dict[str, object]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """:func:`precondition_layers` without host synchronisation (see
+    :mod:`kfac_func.step.sync_free`): every decomposed layer is preconditioned, and its
+    gradient's finiteness, a tensor, selects the result or the raw gradient. Its new
+    running moments (kept where it was not finite) and its ``grad_skips`` counter go into
+    ``changes[layer]``. The caller validates ``grads`` (:func:`validate_grads`)."""
+    done: list[tuple[LayerSpec, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for name, ls in layers.items():
+        if ls.decomposition is None:
+            continue
+        finite = layer_finite(ls.spec, grads)
+        m = layer_matrix(ls, grads)
+        mine: dict[str, dict[str, object]] = {}
+        p = precondition_with(
+            ls,
+            m,
+            damping,
+            None,
+            step=step,
+            grafting=grafting,
+            basis_moments=basis_moments,
+            changes=mine,
+        )
+        if changes is not None:
+            change = keep_where(ls, mine.get(ls.spec.name, {}), finite)
+            change["grad_skips"] = count_skips(ls, finite)
+            changes[name] = change
+        done.append((ls.spec, p, m, finite))
+    return apply_selected(grads, done, kl_clip=kl_clip, lr=lr, step=step)
+
+
 def precondition_layer(
     ls: LayerState,
     m: torch.Tensor,
@@ -348,8 +414,9 @@ def write_preconditioned(
     if clip is not None and done:
         # summed in name order, so that ranks whose states list layers in another order
         # round it the same
-        first = min(done, key=lambda t: t[0].name)[1]
-        names = sorted(spec.name for spec, _ in done)
+        by_name = {spec.name: p for spec, p in done}
+        names = sorted(by_name)
+        first = by_name[names[0]]
         scale = kl_clip_scale_of_terms([terms[n] for n in names], clip, rate, dtype=first.dtype)
         for _, p in done:
             p.mul_(scale.to(p.dtype))

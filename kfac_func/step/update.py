@@ -22,16 +22,24 @@ from kfac_func.blocks import Rows
 from kfac_func.captures import Captures
 from kfac_func.state import KFACState, LayerState
 from kfac_func.step.accumulate import LayerFactors, fold_layers, layer_batch_factors
+from kfac_func.step.autocast import without_autocast
 from kfac_func.step.basis import BasisMoments, carry_moments, moment_bases
 from kfac_func.step.checks import validate_grads
-from kfac_func.step.decompose import decompose_layers
+from kfac_func.step.decompose import check_eigh_device, decompose_layers
 from kfac_func.step.ekfac import update_scales
 from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, resolve, take
-from kfac_func.step.precondition import Grafting, captured_rows, precondition_layers
+from kfac_func.step.precondition import (
+    Grafting,
+    captured_rows,
+    precondition_layers,
+    precondition_layers_sync_free,
+)
+from kfac_func.step.sync_free import check_sync_free, report_layers
 
 __all__ = ["update"]
 
 
+@without_autocast
 def update(
     state: KFACState,
     grads: Mapping[str, torch.Tensor],
@@ -54,6 +62,9 @@ def update(
     moment_beta2: float = 0.999,
     moment_eps: float = 1e-8,
     moment_beta1: float = 0.0,
+    sync_free: bool = False,
+    batched_eigh: bool = False,
+    eigh_device: torch.device | str | None = None,
 ) -> tuple[dict[str, torch.Tensor], KFACState]:
     """One K-FAC step: returns ``(preconditioned_grads, new_state)``; inputs are untouched
     (unless donated).
@@ -112,6 +123,21 @@ def update(
         moment_beta1: Adam's ``β₁`` for eigenbasis moments: the gradient is averaged
             first (``LayerState.basis_momentum``) and the average preconditioned, as
             SOAP does; use the consuming optimizer without momentum then. 0: none.
+        sync_free: precondition without host synchronisation (see
+            :mod:`kfac_func.step.sync_free`): each layer's gradient is checked for NaN/Inf
+            on the device and ``torch.where`` selects its preconditioned or its raw
+            gradient; the kl_clip scale stays a tensor. A step with
+            ``update_factors=False, update_inverses=False`` then reads nothing on the
+            host, and ``torch.compile(update, fullgraph=True)`` traces it whole. Skipped
+            layers are counted in the state (``LayerState.grad_skips``) and warned
+            about at the next step that updates the factors, or by
+            :func:`kfac_func.report_skipped`. With every gradient finite the results
+            equal the default's dense path exactly (the rows of ``captures``/``rows``
+            are not used). Needs ``nonfinite="skip"``. Under ``eigenbasis_moments`` a
+            skipped step still counts in ``moment_count`` (the moments themselves keep
+            their values).
+        batched_eigh, eigh_device: one batched eigh per factor shape across layers, and
+            the device eigh runs on (``"cpu"``: offload it); see :func:`kfac_func.decompose`.
 
     All hyperparameters may be ``step -> value`` callables, evaluated at ``state.step``.
 
@@ -134,6 +160,7 @@ def update(
     """
     if nonfinite not in ("skip", "raise"):
         raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
+    check_sync_free(sync_free, nonfinite)
     graft_settings = None
     if grafting is not None:
         graft_settings = Grafting(grafting, graft_beta2, graft_eps).check()
@@ -144,10 +171,12 @@ def update(
             config.compute_method
         )
     validate_grads(state.layers, grads)  # before anything changes, donated or not
+    eigh_device = check_eigh_device(eigh_device)
     layers = state.layers if donate else dict(state.layers)
     micro: list[Captures] | None = None  # this step's statistics, when factors update
     decay = 1.0
-    if resolve(update_factors, step):
+    factors_now = bool(resolve(update_factors, step))
+    if factors_now:
         if captures is not None and batch_factors is not None:
             raise ValueError("give captures= or batch_factors=, not both")
         if captures is None and batch_factors is None:
@@ -166,29 +195,49 @@ def update(
     check_hyper("damping", lam, lambda v: v >= 0, ">= 0")
     before = moment_bases(layers)
     fresh = decompose_layers(
-        layers, lam, config, update_inverses=bool(resolve(update_inverses, step))
+        layers,
+        lam,
+        config,
+        update_inverses=bool(resolve(update_inverses, step)),
+        batched_eigh=batched_eigh,
+        eigh_device=eigh_device,
     )
     carry_moments(layers, before, fresh)
     if config.compute_method == "ekfac" and micro is not None:
         # EKFAC: this step's per-example moments in the current eigenbases
         update_scales(layers, micro, decay, nonfinite, fresh)
-    if rows is None and captures is not None and basis_settings is None:
-        rows = captured_rows(state, captures)
     changes: dict[str, dict[str, object]] = {}
-    out = precondition_layers(
-        layers,
-        grads,
-        lam,
-        kl_clip=kl_clip,
-        lr=lr,
-        step=step,
-        nonfinite=nonfinite,
-        rows=rows,
-        consume_rows=donate,
-        grafting=graft_settings,
-        basis_moments=basis_settings,
-        changes=changes,
-    )
-    for name, change in changes.items():  # the running moments
+    if sync_free:
+        out = precondition_layers_sync_free(
+            layers,
+            grads,
+            lam,
+            kl_clip=kl_clip,
+            lr=lr,
+            step=step,
+            grafting=graft_settings,
+            basis_moments=basis_settings,
+            changes=changes,
+        )
+    else:
+        if rows is None and captures is not None and basis_settings is None:
+            rows = captured_rows(state, captures)
+        out = precondition_layers(
+            layers,
+            grads,
+            lam,
+            kl_clip=kl_clip,
+            lr=lr,
+            step=step,
+            nonfinite=nonfinite,
+            rows=rows,
+            consume_rows=donate,
+            grafting=graft_settings,
+            basis_moments=basis_settings,
+            changes=changes,
+        )
+    for name, change in changes.items():  # the running moments (and skip counters)
         layers[name] = layers[name].replace(**change)
+    if sync_free and factors_now:  # this step reads the device anyway
+        report_layers(layers)
     return out, state.replace(layers=layers, step=step + 1)

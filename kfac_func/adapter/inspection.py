@@ -1,0 +1,110 @@
+"""What the adapter reads of its model and state besides the step itself: the gradients
+of the registered layers, the bytes it holds, and the warning about a damping that drowns
+the factors. A mixin of :class:`~kfac_func.adapter.preconditioner.KFACPreconditioner`;
+the arithmetic is :mod:`kfac_func.step.diagnostics`'.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from kfac_func.adapter.arguments import PreconditionerBase
+from kfac_func.blocks import Gram, LayerTable
+from kfac_func.state import KFACState
+from kfac_func.step.diagnostics import DOMINANCE, damping_dominance
+
+__all__ = ["InspectionMixin"]
+
+
+class InspectionMixin(PreconditionerBase):
+    """Reads of the model and the state for a preconditioner that keeps its state in
+    ``_state`` (a base class: the preconditioner sets the attributes below).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> pre = kf.KFACPreconditioner(nn.Sequential(nn.Linear(4, 3)))
+        >>> pre.memory_usage()["a_factors"]  # one 5 x 5 float32 factor (with the bias)
+        100
+    """
+
+    layers: LayerTable
+    _micro: list[Any]
+    _parameter_modules: dict[str, tuple[nn.Module, str]]
+
+    def _layer_grads(self) -> dict[str, torch.Tensor]:
+        """The ``.grad`` of every registered layer's parameters, by parameter name (a
+        RuntimeError names the layer and the parameter without one)."""
+        grads: dict[str, torch.Tensor] = {}
+        for name, spec in self.layers.items():
+            for pname in spec.param_names():
+                p = self._parameter(pname)
+                if p.grad is None:
+                    raise RuntimeError(
+                        f"layer {name!r}: parameter {pname!r} has no gradient; call "
+                        "loss.backward() before step()"
+                    )
+                grads[pname] = p.grad
+        return grads
+
+    def _warn_if_damping_dominates(self, before: KFACState, damping: float) -> None:
+        """Warn once when the damping drowns the curvature of every layer's first batch
+        factors (see :func:`kfac_func.step.diagnostics.damping_dominance`)."""
+        decay = float(self._value(self.factor_decay))
+        found = damping_dominance(self._state, damping, before=before, factor_decay=decay)
+        if found is None:
+            return
+        layer, curvature = found
+        fix = (
+            "pass scaling='fisher' (with loss_reduction=) or a smaller damping"
+            if self.scaling == "kfac-pytorch"
+            else "lower the damping"
+        )
+        warnings.warn(
+            f"damping {damping:g} exceeds the mean curvature of every layer's factors more "
+            f"than {DOMINANCE:g}-fold (largest: {curvature:.3g}, layer {layer!r}): K-FAC "
+            f"then steps as SGD with learning rate lr / damping. With scaling="
+            f"{self.scaling!r} on a loss averaged over many rows (tokens, pixels) the "
+            f"factors shrink with the row count; {fix}.",
+            stacklevel=3,
+        )
+
+    def _parameter(self, name: str) -> nn.Parameter:
+        """The model's parameter ``name``. Its module is looked up once (lookups by dotted
+        name are a noticeable part of a small model's step; the hooks hold the modules
+        too), the parameter itself every time (it may have been replaced)."""
+        place = self._parameter_modules.get(name)
+        if place is None:
+            prefix, _, attr = name.rpartition(".")
+            place = self._parameter_modules[name] = (self.model.get_submodule(prefix), attr)
+        p = getattr(place[0], place[1])
+        assert isinstance(p, nn.Parameter), name
+        return p
+
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes held, per category, and their total."""
+
+        def nbytes(t: Any) -> int:
+            if isinstance(t, Gram):
+                t = t.gram
+            if not isinstance(t, torch.Tensor):
+                return 0
+            held = 1 if t.numel() and 0 in t.stride() else t.numel()  # released: expanded
+            return int(held * t.element_size())
+
+        usage = {"a_factors": 0, "g_factors": 0, "decompositions": 0, "hook_buffers": 0}
+        for ls in self._state.layers.values():
+            usage["a_factors"] += nbytes(ls.a_factor)
+            usage["g_factors"] += nbytes(ls.g_factor)
+            if ls.decomposition is not None:
+                usage["decompositions"] += sum(nbytes(v) for v in vars(ls.decomposition).values())
+        for mb in self._micro:
+            for items in (*mb.a.values(), *mb.g.values()):
+                usage["hook_buffers"] += sum(nbytes(i) for i in items)
+        usage["total"] = sum(usage.values())
+        return usage

@@ -1,0 +1,209 @@
+"""The preconditioning stage of :func:`kfac_func.update_distributed` for DTensor gradients.
+
+FSDP2 (``fully_shard``, also HSDP on a 2-D mesh) and tensor parallelism
+(``parallelize_module``) leave each rank a shard of every gradient, already averaged over
+the data-parallel ranks. Under a KAISA :class:`~kfac_func.distributed.plan.Plan`, each
+layer's shards are gathered onto its grad workers, who precondition the whole gradient
+matrix as on one process; every rank then receives its part of the result from the grad
+worker of its receiver group (its own result under ``COMM_OPT``) and gets it as a new
+DTensor of the same mesh and placements. The kl_clip sum is taken over every layer: each
+layer's term comes from its first grad worker, and one all-reduce gives every rank the
+same scale. The math is the step's own (:mod:`kfac_func.step.precondition`); the
+movement is :mod:`kfac_func.distributed.dtensor`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from kfac_func.blocks import matrix_to_grads
+from kfac_func.core.preconditioning import kl_clip_scale_of_terms, kl_clip_term
+from kfac_func.distributed.communicator import Communicator
+from kfac_func.distributed.dtensor import (
+    Layout,
+    as_gradient,
+    gather_whole,
+    layout_of,
+    scatter_parts,
+)
+from kfac_func.distributed.plan import DistributedStrategy, Plan
+from kfac_func.state import KFACState, LayerState
+from kfac_func.step.basis import BasisMoments
+from kfac_func.step.checks import check_layers, layer_matrix
+from kfac_func.step.hyper import Hyper, NonFinite, check_hyper, resolve
+from kfac_func.step.precondition import Grafting, precondition_with
+
+__all__ = ["precondition_sharded", "release_unowned", "sharded_layouts"]
+
+
+def release_unowned(state: KFACState, plan: Plan, rank: int, enable: bool = True) -> KFACState:
+    """Under ``MEM_OPT`` on several ranks, ``state`` with the factors of the layers that
+    ``rank`` does not own replaced by placeholders that hold no memory (a zero expanded to
+    the factor's shape): only the owner reduces, folds and decomposes a layer's factors, and
+    a rank's K-FAC memory falls as ``1/world``. Other plans (or ``enable=False``) return
+    ``state`` as it is.
+
+    Example:
+        >>> import kfac_func as kf
+        >>> from torch import nn
+        >>> layers = kf.register(nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2)))
+        >>> plan = kf.make_plan(layers, 2, grad_worker_fraction=kf.DistributedStrategy.MEM_OPT)
+        >>> state = release_unowned(kf.init(layers), plan, rank=0)
+        >>> sorted(n for n, ls in state.layers.items() if 0 in ls.a_factor.stride())
+        ['1']
+    """
+    if not enable or plan.strategy is not DistributedStrategy.MEM_OPT or plan.world_size == 1:
+        return state
+    layers = dict(state.layers)
+    for name, ls in state.layers.items():
+        if plan.layers[name].a_owner != rank:
+            a, g = ls.a_factor, ls.g_factor
+            layers[name] = ls.replace(
+                a_factor=a.new_zeros(()).expand(a.shape),
+                g_factor=g.new_zeros(()).expand(g.shape),
+                decomposition=None,
+            )
+    return state.replace(layers=layers)
+
+
+def sharded_layouts(
+    layers: Mapping[str, LayerState],
+    grads: Mapping[str, torch.Tensor],
+    names: Sequence[str],
+    comm: Communicator,
+) -> dict[str, Layout]:
+    """``{parameter: Layout}`` of every registered layer's gradients, checked on every rank.
+
+    A rank that refuses a placement (see :func:`kfac_func.distributed.dtensor.layout_of`)
+    raises its error; the others raise a ValueError naming that rank, so that no rank
+    waits in a collective the refusing rank never joins. A DTensor parameter that several
+    layers share (as the packed weights of attention) is refused too.
+    """
+    layouts: dict[str, Layout] = {}
+    error: Exception | None = None
+    users: dict[str, str] = {}
+    try:
+        for name in names:
+            spec = layers[name].spec
+            for pname in spec.param_names():
+                if pname not in grads:
+                    raise ValueError(f"layer {name!r}: no gradient for {pname!r} in grads")
+                if pname in users:
+                    if layouts[pname].sharded:
+                        raise ValueError(
+                            f"layers {users[pname]!r} and {name!r} share the sharded parameter "
+                            f"{pname!r}; K-FAC preconditions sharded parameters of one layer only"
+                        )
+                    continue
+                users[pname] = name
+                layouts[pname] = layout_of(grads[pname], comm.world_size, name=name, pname=pname)
+    except ValueError as err:
+        error = err
+    if comm.active and comm.world_size > 1:
+        flags = torch.zeros(comm.world_size, dtype=torch.int64)
+        flags[comm.rank] = int(error is not None)
+        dist.all_reduce(flags, group=comm.world_group)
+        bad = [r for r, f in enumerate(flags.tolist()) if f]
+        if bad and error is None:
+            raise ValueError(
+                f"rank(s) {bad} refused the placements of the gradients (see their errors); "
+                f"rank {comm.rank} stops too"
+            )
+    if error is not None:
+        raise error
+    return layouts
+
+
+def precondition_sharded(
+    layers: Mapping[str, LayerState],
+    grads: Mapping[str, torch.Tensor],
+    layouts: Mapping[str, Layout],
+    names: Sequence[str],
+    plan: Plan,
+    comm: Communicator,
+    damping: float,
+    kl_clip: Hyper | None,
+    lr: Hyper,
+    step: int,
+    nonfinite: NonFinite,
+    grafting: Grafting | None,
+    basis_moments: BasisMoments | None,
+    changes: dict[str, dict[str, object]],
+) -> dict[str, torch.Tensor]:
+    """The preconditioned gradients (DTensors like ``grads``'); see the module docstring.
+
+    ``layers`` hold this step's decompositions (on the grad workers), ``layouts`` come
+    from :func:`sharded_layouts`; the new running moments of the layers a rank
+    preconditions go into ``changes``.
+    """
+    rank = comm.rank
+    clip = resolve(kl_clip, step) if kl_clip is not None else None
+    rate = resolve(lr, step)
+    check_hyper("lr", rate, lambda v: v >= 0, ">= 0")
+    if clip is not None:
+        check_hyper("kl_clip", clip, lambda v: v > 0, "> 0 (or None to disable)")
+    whole: dict[str, list[torch.Tensor]] = {}
+    for name in names:
+        ps = layers[name].spec.param_names()
+        got = gather_whole(
+            [grads[p] for p in ps],
+            [layouts[p] for p in ps],
+            plan.layers[name].grad_workers,
+            comm,
+        )
+        if got is not None:
+            whole[name] = got
+    full = {p: t for name, ts in whole.items() for p, t in zip(layers[name].spec.param_names(), ts)}
+    mine = [name for name in whole if layers[name].decomposition is not None]
+    checks = check_layers({n: layers[n] for n in whole}, full, mine, nonfinite)
+    done: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name in mine:
+        if not checks[name].finite:
+            continue
+        m = layer_matrix(layers[name], full)
+        p = precondition_with(
+            layers[name],
+            m,
+            damping,
+            None,
+            step=step,
+            grafting=grafting,
+            basis_moments=basis_moments,
+            changes=changes,
+        )
+        done[name] = (p, m)
+    scale = None
+    if clip is not None:
+        terms = torch.zeros(len(names), dtype=torch.float64)
+        for i, name in enumerate(names):
+            if name in done and rank == plan.layers[name].grad_workers[0]:
+                terms[i] = kl_clip_term(*done[name]).cpu()
+        if comm.active and comm.world_size > 1:
+            dist.all_reduce(terms, group=comm.world_group)
+        scale = kl_clip_scale_of_terms(list(terms.unbind()), clip, rate, dtype=torch.float64)
+    out = dict(grads)
+    for name in names:
+        spec = layers[name].spec
+        ps = spec.param_names()
+        new = whole.get(name)
+        if name in done and new is not None:
+            p = done[name][0]
+            if scale is not None:
+                p = p * scale.to(device=p.device, dtype=p.dtype)
+            w, b = matrix_to_grads(spec, p)
+            new = [w.to(new[0].dtype)] + ([] if b is None else [b.to(new[1].dtype)])
+        src = plan.src_of(name, rank)
+        parts = scatter_parts(
+            new if rank == src else None,
+            [grads[p] for p in ps],
+            [layouts[p] for p in ps],
+            src,
+            plan.receiver_group_of(rank),
+            comm,
+        )
+        for pname, part in zip(ps, parts):
+            out[pname] = as_gradient(part, grads[pname], layouts[pname])
+    return out

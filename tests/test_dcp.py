@@ -1,0 +1,198 @@
+"""`torch.distributed.checkpoint` of an FSDP2 model, its optimizer and the preconditioner,
+resharded across world sizes (4 -> 2 -> 1), resumes as the uninterrupted run.
+
+Three spawns on gloo. On 4 ranks the model (float64, sharded per Linear and at the root)
+trains with SGD with momentum on preconditioned gradients (MEM_OPT: each layer's factors
+and decomposition on its owner only); after ``SAVE_AT`` steps ``dcp.save`` writes
+``{"model", "optim", "kfac": pre.state_dict()}`` and the run goes on uninterrupted. On 2
+ranks a fresh model, optimizer and preconditioner load that checkpoint with ``dcp.load``
+(their own state dicts as the templates it loads into), train to ``RESAVE_AT`` and save
+again; one rank loads that and trains to the end. The resumed gradients and parameters
+must equal the uninterrupted run's to 1e-10.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gloo import gloo_group, record_errors, spawn
+from torch import nn
+
+from kfac_func import DistributedStrategy, KFACPreconditioner
+
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch without FSDP2
+    pytest.skip("torch.distributed.fsdp.fully_shard is unavailable", allow_module_level=True)
+
+pytestmark = pytest.mark.slow  # three spawns
+
+STEPS = 6
+SAVE_AT = 2  # saved on 4 ranks after this many steps
+RESAVE_AT = 4  # saved on 2 ranks after this many steps
+GLOBAL_BATCH = 8
+LR = 0.1
+TOL = 1e-10
+F64 = torch.float64
+
+
+def make_model(world: int) -> nn.Sequential:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 7), nn.Tanh(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3)
+    ).to(F64)
+    mesh = init_device_mesh("cpu", (world,))
+    for i in (0, 2, 4):
+        fully_shard(model[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(300 + step)
+    return (
+        torch.randn(GLOBAL_BATCH, 4, generator=g, dtype=F64),
+        torch.randint(0, 3, (GLOBAL_BATCH,), generator=g),
+    )
+
+
+def setup(world: int) -> tuple[nn.Module, torch.optim.Optimizer, KFACPreconditioner]:
+    model = make_model(world)
+    pre = KFACPreconditioner(
+        model,
+        factor_update_steps=1,
+        inv_update_steps=3,  # the decompositions of steps 0 and 3 are used after a load
+        damping=0.01,
+        factor_decay=0.9,
+        kl_clip=1e-2,
+        lr=LR,
+        scaling="fisher",
+        factor_dtype=F64,
+        inv_dtype=F64,
+        grad_worker_fraction=DistributedStrategy.MEM_OPT,
+    )
+    return model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), pre
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    full = getattr(t, "full_tensor", None)
+    return (full() if full is not None else t).detach().clone()
+
+
+def run(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    pre: KFACPreconditioner,
+    steps: range,
+    rank: int,
+    world: int,
+) -> list[dict[str, torch.Tensor]]:
+    grads = []
+    part = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    for step in steps:
+        x, y = global_batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x[part]), y[part]).backward()
+        pre.step()
+        grads.append({n: whole(p.grad) for n, p in model.named_parameters()})
+        opt.step()
+    return grads
+
+
+def state(model: nn.Module, opt: torch.optim.Optimizer, pre: KFACPreconditioner) -> Any:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    return {"model": model_sd, "optim": optim_sd, "kfac": pre.state_dict()}
+
+
+def load(path: Path, model: nn.Module, opt: torch.optim.Optimizer, pre: KFACPreconditioner) -> None:
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    sd = state(model, opt, pre)
+    dcp.load(sd, checkpoint_id=str(path))
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    pre.load_state_dict(sd["kfac"])
+
+
+def _worker(rank: int, world: int, tmp: str) -> None:
+    with (
+        gloo_group(rank, world, tmp, store=f"store{world}", timeout=timedelta(seconds=60)),
+        record_errors(Path(tmp, f"rank{rank}-{world}.error")),
+    ):
+        model, opt, pre = setup(world)
+        if world == 4:
+            grads = run(model, opt, pre, range(SAVE_AT), rank, world)
+            dcp.save(state(model, opt, pre), checkpoint_id=str(Path(tmp, "ckpt4")))
+            grads += run(model, opt, pre, range(SAVE_AT, STEPS), rank, world)
+        elif world == 2:
+            load(Path(tmp, "ckpt4"), model, opt, pre)
+            steps = pre.steps
+            grads = run(model, opt, pre, range(SAVE_AT, RESAVE_AT), rank, world)
+            dcp.save(state(model, opt, pre), checkpoint_id=str(Path(tmp, "ckpt2")))
+        else:
+            load(Path(tmp, "ckpt2"), model, opt, pre)
+            steps = pre.steps
+            grads = run(model, opt, pre, range(RESAVE_AT, STEPS), rank, world)
+        out = {
+            "grads": grads,
+            "params": {n: whole(p) for n, p in model.named_parameters()},
+            "memory": pre.memory_usage(),
+            "steps_after_load": steps if world != 4 else None,
+        }
+        torch.save(out, Path(tmp, f"rank{rank}-{world}.pt"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str, Any]]]:
+    tmp = tmp_path_factory.mktemp("dcp")
+    out = {}
+    for world in (4, 2, 1):
+        t0 = time.perf_counter()
+        spawn(_worker, world, tmp)
+        print(f"\nDCP world {world}: spawn {time.perf_counter() - t0:.1f} s")
+        out[world] = [
+            torch.load(tmp / f"rank{r}-{world}.pt", weights_only=False) for r in range(world)
+        ]
+    return out
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_resume_across_world_sizes_equals_uninterrupted(runs: Any) -> None:
+    full = runs[4][0]
+    assert runs[2][0]["steps_after_load"] == SAVE_AT
+    assert runs[1][0]["steps_after_load"] == RESAVE_AT
+    worst = 0.0
+    for r in range(2):
+        for i, step in enumerate(range(SAVE_AT, RESAVE_AT)):
+            d = max_diff(runs[2][r]["grads"][i], full["grads"][step])
+            worst = max(worst, d)
+            assert d < TOL, (2, r, step, d)
+    for i, step in enumerate(range(RESAVE_AT, STEPS)):
+        d = max_diff(runs[1][0]["grads"][i], full["grads"][step])
+        worst = max(worst, d)
+        assert d < TOL, (1, step, d)
+    assert max_diff(runs[1][0]["params"], full["params"]) < TOL
+    print(f"\nDCP resume: largest gradient difference {worst:.1e}")
+
+
+def test_each_rank_holds_its_layers_after_a_load(runs: Any) -> None:
+    """MEM_OPT on 2 ranks after a load: each rank's factors are its own layers' only."""
+    two = [m["memory"] for m in runs[2]]
+    one = runs[1][0]["memory"]
+    for m in two:
+        assert m["a_factors"] + m["g_factors"] < one["a_factors"] + one["g_factors"]
+    assert sum(m["decompositions"] for m in two) == one["decompositions"]

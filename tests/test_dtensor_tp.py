@@ -1,0 +1,198 @@
+"""`KFACPreconditioner` on DTensor tensor parallelism, alone and under FSDP2, on gloo ranks.
+
+``parallelize_module`` makes the first Linear column-parallel and the second row-parallel
+(the third stays whole); the hooks see the row-parallel input and the column-parallel
+output-gradient as shards, gather them within the tensor-parallel mesh and so build the
+factors of the whole layers. One spawn per world size: tensor parallelism over 2 ranks,
+and on 4 ranks over all 4 and FSDP2 x TP on a 2 x 2 mesh (data-parallel x tensor-parallel);
+every configuration runs COMM_OPT, HYBRID_OPT and MEM_OPT x eigen and inverse. The parent
+trains the dense float64 model with the adapter on one process on the whole global batch;
+gradients after ``step()`` and parameters must agree to 1e-6.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gloo import gloo_group, one_thread, record_errors, spawn
+from torch import nn
+
+from kfac_func import DistributedStrategy, KFACPreconditioner
+
+tp = pytest.importorskip("torch.distributed.tensor.parallel")
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch without FSDP2
+    pytest.skip("torch.distributed.fsdp.fully_shard is unavailable", allow_module_level=True)
+
+pytestmark = pytest.mark.slow  # gloo process groups: one spawn per world size
+
+STEPS = 4
+GLOBAL_BATCH = 8
+LR = 0.1
+TOL = 1e-6
+F64 = torch.float64
+STRATEGIES = ("COMM_OPT", "HYBRID_OPT", "MEM_OPT")
+METHODS = ("eigen", "inverse")
+
+
+def configs(world: int) -> list[dict[str, Any]]:
+    meshes = ["tp"] if world == 2 else ["tp", "fsdp_tp"]
+    return [
+        {"mesh": mesh, "strategy": s, "method": m}
+        for mesh in meshes
+        for s in STRATEGIES
+        for m in METHODS
+    ]
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 3)
+    ).to(F64)
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(200 + step)
+    return (
+        torch.randn(GLOBAL_BATCH, 4, generator=g, dtype=F64),
+        torch.randint(0, 3, (GLOBAL_BATCH,), generator=g),
+    )
+
+
+def make_preconditioner(model: nn.Module, cfg: dict[str, Any]) -> KFACPreconditioner:
+    return KFACPreconditioner(
+        model,
+        factor_update_steps=1,
+        inv_update_steps=2,
+        damping=0.01,
+        factor_decay=0.9,
+        kl_clip=1e-2,
+        lr=LR,
+        scaling="fisher",
+        factor_dtype=F64,
+        inv_dtype=F64,
+        compute_method=cfg["method"],
+        grad_worker_fraction=DistributedStrategy[cfg["strategy"]],
+    )
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    full = getattr(t, "full_tensor", None)
+    return (full() if full is not None else t).detach().clone()
+
+
+def train(model: nn.Module, pre: KFACPreconditioner, part: slice | None) -> dict[str, Any]:
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    grads, raw = [], []
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        if part is not None:
+            x, y = x[part], y[part]
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        raw.append({n: whole(p.grad) for n, p in model.named_parameters()})
+        pre.step()
+        grads.append({n: whole(p.grad) for n, p in model.named_parameters()})
+        opt.step()
+    return {
+        "grads": grads,
+        "raw": raw,
+        "params": {n: whole(p) for n, p in model.named_parameters()},
+        "strategy": pre.plan.strategy.name,
+    }
+
+
+def parallelize(model: nn.Sequential, cfg: dict[str, Any], world: int, rank: int) -> slice:
+    """Shard ``model`` in place; returns this rank's part of the global batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    if cfg["mesh"] == "tp":
+        parallelize_module(model, init_device_mesh("cpu", (world,)), plan)
+        return slice(None)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], plan)
+    for i in (0, 2, 4):
+        fully_shard(model[i], mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    dp = rank // (world // 2)
+    return slice(dp * GLOBAL_BATCH // 2, (dp + 1) * GLOBAL_BATCH // 2)
+
+
+def _worker(rank: int, world: int, tmp: str) -> None:
+    with (
+        gloo_group(rank, world, tmp, timeout=timedelta(seconds=60)),
+        record_errors(Path(tmp, f"rank{rank}.error")),
+    ):
+        results = []
+        for cfg in configs(world):
+            model = make_model()
+            part = parallelize(model, cfg, world, rank)
+            pre = make_preconditioner(model, cfg)
+            results.append(train(model, pre, part))
+            pre.remove()
+        torch.save({"configs": results}, Path(tmp, f"rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def spawned(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    world = request.param
+    tmp = tmp_path_factory.mktemp(f"tp{world}")
+    t0 = time.perf_counter()
+    spawn(_worker, world, tmp)
+    results = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    print(f"\nDTensor TP world {world}: spawn {time.perf_counter() - t0:.1f} s")
+    return world, results
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[tuple[str, str], dict[str, Any]]:
+    with one_thread():
+        out = {}
+        for s in STRATEGIES:
+            for m in METHODS:
+                model = make_model()
+                cfg = {"strategy": s, "method": m}
+                out[s, m] = train(model, make_preconditioner(model, cfg), None)
+        return out
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_equals_one_process(spawned: Any, reference: dict[tuple[str, str], Any]) -> None:
+    world, results = spawned
+    worst = 0.0
+    for i, cfg in enumerate(configs(world)):
+        ref = reference[cfg["strategy"], cfg["method"]]
+        assert max_diff(ref["grads"][-1], ref["raw"][-1]) > 1e-3  # K-FAC changed them
+        for r in range(world):
+            got = results[r]["configs"][i]
+            for step in range(STEPS):
+                d = max_diff(got["grads"][step], ref["grads"][step])
+                worst = max(worst, d)
+                assert d < TOL, (cfg, r, step, d)
+            assert max_diff(got["params"], ref["params"]) < TOL, (cfg, r)
+    print(f"\nDTensor TP world {world}: largest gradient difference {worst:.1e}")
+
+
+def test_strategies(spawned: Any) -> None:
+    world, results = spawned
+    for i, cfg in enumerate(configs(world)):
+        want = "MEM_OPT" if cfg["strategy"] == "HYBRID_OPT" and world == 2 else cfg["strategy"]
+        assert results[0]["configs"][i]["strategy"] == want
