@@ -82,10 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="seconds-long smoke test")
     p.add_argument("--target", type=float, default=0.97, help="test accuracy to reach")
-    p.add_argument("--max-epochs", type=int, default=20)
+    p.add_argument(
+        "--max-epochs", type=int, default=20, help="epochs before a run stops short of the target"
+    )
     p.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 per learning rate")
     p.add_argument("--samples", type=int, default=None, help="training images (default all)")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--no-curves", action="store_true", help="skip the per-epoch curve runs")
     p.add_argument(
         "--out",

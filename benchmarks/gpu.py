@@ -809,16 +809,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-tests", action="store_true", help="skip the test subset")
     p.add_argument("--test-timeout", type=float, default=150.0, help="seconds for pytest")
-    p.add_argument("--models", nargs="+", choices=["lm", "cnn"], default=["lm", "cnn"])
+    p.add_argument(
+        "--models",
+        nargs="+",
+        choices=["lm", "cnn"],
+        default=["lm", "cnn"],
+        help="step_time models: lm (GPT-2-small-sized transformer), cnn (ResNet-50); default both",
+    )
     p.add_argument("--steps", type=int, default=10, help="timed repetitions at most")
     p.add_argument("--warmup", type=int, default=2, help="warm-up repetitions")
     p.add_argument("--lm-vocab", type=int, default=256, help="LM vocabulary (50257: GPT-2's)")
     p.add_argument("--cnn-size", type=int, default=224, help="CNN input side (224 or 112)")
     p.add_argument("--max-factor-dim", type=int, default=4096, help="wider factor sides: diagonal")
-    p.add_argument("--sizes", type=int, nargs="+", default=[256, 768, 1024, 3072, 4096])
+    p.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=[256, 768, 1024, 3072, 4096],
+        help="matrix sides n of the eigh_vs_qr part (--quick: 16 32)",
+    )
     p.add_argument("--linalg-reps", type=int, default=3, help="timed eigh/QR repetitions")
     p.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of weights, batches, matrices")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     if p.parse_args(argv).quick:  # the quick mode's defaults; options given still count
         p.set_defaults(

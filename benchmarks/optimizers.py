@@ -353,11 +353,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--quick", action="store_true", help="smoke test: tiny models, few steps")
-    p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=["lm", "digits"])
-    p.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
-    p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--eval-every", type=int, default=25)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=sorted(WORKLOADS),
+        default=["lm", "digits"],
+        help="tasks to train (default: lm digits)",
+    )
+    p.add_argument(
+        "--optimizers",
+        nargs="+",
+        choices=OPTIMIZERS,
+        default=list(OPTIMIZERS),
+        help="optimizers to compare (default: all; adamw, the reference, is always added)",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=3,
+        help="seeds 0..N-1 (default 3): seed 0 sweeps the learning rates, the rest rerun the best",
+    )
+    p.add_argument(
+        "--eval-every", type=int, default=25, help="test loss every N steps (default 25)"
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument(
         "--out",
         default=str(ROOT / "benchmarks" / "out" / "optimizers"),

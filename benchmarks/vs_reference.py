@@ -627,22 +627,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke test: tiny models, 2 reps")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
-    p.add_argument("--models", nargs="+", choices=["mlp", "cnn"], default=["mlp", "cnn"])
+    p.add_argument(
+        "--models",
+        nargs="+",
+        choices=["mlp", "cnn"],
+        default=["mlp", "cnn"],
+        help="mlp: 4 Linear layers of --width; cnn: 3 Conv2d + Linear on 3x32x32 images",
+    )
     p.add_argument("--intervals", nargs="+", default=["10/100", "1/1"], help="F/I intervals")
     p.add_argument("--no-inverse", dest="inverse", action="store_false", help="skip -inv variants")
     p.add_argument("--reps", type=int, default=9, help="timed repetitions")
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps of each kind")
     p.add_argument("--width", type=int, default=1024, help="MLP width")
-    p.add_argument("--mlp-batch", type=int, default=256)
-    p.add_argument("--cnn-batch", type=int, default=128)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--damping", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mlp-batch", type=int, default=256, help="MLP batch size (rows)")
+    p.add_argument("--cnn-batch", type=int, default=128, help="CNN batch size (images)")
+    p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (momentum 0.9)")
+    p.add_argument("--damping", type=float, default=1e-3, help="damping of every K-FAC variant")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip peak memory")
     p.add_argument("--mem-steps", type=int, default=3, help="steps per memory subprocess")
     p.add_argument("--mem-jobs", type=int, default=2, help="memory subprocesses at once")
     p.add_argument("--profile", action="store_true", help="cProfile the adapter on the MLP")
-    p.add_argument("--profile-steps", type=int, default=20)
+    p.add_argument("--profile-steps", type=int, default=20, help="steps profiled by --profile")
     p.add_argument("--verbose", action="store_true", help="progress on stderr")
     p.add_argument("--_memory-child", nargs=3, metavar=("MODEL", "VARIANT", "STEPS"),
                    help=argparse.SUPPRESS)  # fmt: skip

@@ -227,17 +227,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"KAISA strategy of K-FAC, one of {STRATEGIES} (grad_worker_fraction 1, "
         "1/world, 0.5), or several separated by commas to train K-FAC once with each",
     )
-    add("--epochs", type=int, default=10)
+    add("--epochs", type=int, default=10, help="epochs of each run (the cosine schedule spans all)")
     add("--batch-size", type=int, default=64, help="global batch, split over the ranks")
     add("--samples", type=int, default=None, help="use only this many train/test images")
     add("--lr", type=float, default=0.1, help="SGD learning rate")
     add("--kfac-lr", type=float, default=0.05, help="learning rate of SGD under K-FAC")
-    add("--momentum", type=float, default=0.9)
-    add("--weight-decay", type=float, default=5e-4)
-    add("--damping", type=float, default=0.1)
+    add("--momentum", type=float, default=0.9, help="SGD momentum (both runs)")
+    add("--weight-decay", type=float, default=5e-4, help="SGD weight decay (both runs)")
+    add("--damping", type=float, default=0.1, help="K-FAC damping, relative to --scaling")
     add("--kl-clip", type=float, default=0.001, help="0 disables the KL clip")
-    add("--factor-update-steps", type=int, default=1)
-    add("--inv-update-steps", type=int, default=10)
+    add("--factor-update-steps", type=int, default=1, help="update K-FAC's factors every N steps")
+    add("--inv-update-steps", type=int, default=10, help="decompose the factors every N steps")
     add(
         "--scaling",
         default="fisher",
@@ -245,7 +245,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="factor convention of the preconditioner (damping is relative to it)",
     )
     add("--threads", type=int, default=1, help="CPU threads per process (0: PyTorch's default)")
-    add("--seed", type=int, default=0)
+    add("--seed", type=int, default=0, help="seed of the initial weights and the batch order")
     add("--out", default="ddp_train", help="prefix of the CSV and PNG files written by rank 0")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.optimizers.split(",") if n.strip()]

@@ -47,18 +47,27 @@ STRATEGIES = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
     p.add_argument("--batch-size", type=int, default=32, help="windows per data-parallel rank")
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--context", type=int, default=64, help="characters per window (default 64)")
+    p.add_argument("--d-model", type=int, default=64, help="model width (default 64)")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads per block (default 4)")
     p.add_argument("--tp", type=int, default=1, choices=(1, 2), help="tensor-parallel ranks")
-    p.add_argument("--strategy", choices=sorted(STRATEGIES), default="comm-opt")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--damping", type=float, default=0.01)
-    p.add_argument("--log-every", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--strategy",
+        choices=sorted(STRATEGIES),
+        default="comm-opt",
+        help="KAISA strategy (default comm-opt: every rank preconditions every layer)",
+    )
+    p.add_argument(
+        "--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9; default 0.05)"
+    )
+    p.add_argument("--damping", type=float, default=0.01, help="K-FAC damping (default 0.01)")
+    p.add_argument(
+        "--log-every", type=int, default=20, help="print the loss every N steps (default 20)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
     return p.parse_args(argv)
 
 

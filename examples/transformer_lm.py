@@ -306,6 +306,7 @@ def train(
             eigenbasis_moments=moments,
             moment_beta2=args.moment_beta2,
             moment_beta1=args.momentum,
+            factor_rows=args.factor_rows,
         )
         if args.verbose:
             print(preconditioner.layers)
@@ -359,31 +360,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add = parser.add_argument
     add("--optimizers", default=",".join(OPTIMIZERS), help=f"comma-separated, from {OPTIMIZERS}")
-    add("--epochs", type=int, default=5)
+    add("--epochs", type=int, default=5, help="epochs of each optimizer (--steps batches each)")
     add("--steps", type=int, default=100, help="training batches per epoch")
-    add("--batch-size", type=int, default=32)
+    add("--batch-size", type=int, default=32, help="windows per training batch")
     add("--context", type=int, default=64, help="characters per window")
-    add("--d-model", type=int, default=96)
-    add("--layers", type=int, default=2)
-    add("--heads", type=int, default=4)
+    add("--d-model", type=int, default=96, help="width of the embeddings and blocks")
+    add("--layers", type=int, default=2, help="transformer blocks")
+    add("--heads", type=int, default=4, help="attention heads per block (must divide --d-model)")
     add("--test-windows", type=int, default=256, help="test windows evaluated per epoch")
     add("--warmup", type=float, default=0.05, help="share of all steps spent warming up")
-    add("--weight-decay", type=float, default=0.0)
+    add("--weight-decay", type=float, default=0.0, help="weight decay of every optimizer")
     add(
         "--momentum",
         type=float,
         default=0.9,
         help="SGD momentum (sgd and kfac); kfac-moments: Adam's beta1 in the eigenbasis",
     )
-    add("--sgd-lr", type=float, default=0.2)
-    add("--adam-lr", type=float, default=2e-3)
+    add("--sgd-lr", type=float, default=0.2, help="peak learning rate of the sgd run")
+    add(
+        "--adam-lr",
+        type=float,
+        default=2e-3,
+        help="peak AdamW learning rate (adam, and the parameters K-FAC leaves alone)",
+    )
     add(
         "--kfac-lr",
         type=float,
         default=None,
         help="learning rate of SGD under K-FAC (default: 0.3 kfac, 0.015 kfac-moments)",
     )
-    add("--damping", type=float, default=0.001)
+    add("--damping", type=float, default=0.001, help="K-FAC damping, relative to --scaling")
     add(
         "--factor-decay",
         type=float,
@@ -415,6 +421,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="steps between decompositions (default: 5 kfac, 10 kfac-moments)",
     )
     add(
+        "--factor-rows",
+        type=int,
+        default=None,
+        help="at most this many rows (windows x positions) per layer call enter K-FAC's "
+        "factors: every k-th position, scaled (default: all)",
+    )
+    add(
         "--kfac-method",
         default="eigen",
         choices=("eigen", "inverse", "ekfac"),
@@ -443,9 +456,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="precondition the nn.Linear layers only (embeddings and norms left to SGD)",
     )
-    add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="torch device to train on (cuda when available, else cpu)",
+    )
     add("--threads", type=int, default=1, help="CPU threads (0: PyTorch's default)")
-    add("--seed", type=int, default=0)
+    add("--seed", type=int, default=0, help="seed of the initial weights (batches: seed + 1)")
     add("--out", default="transformer_lm", help="prefix of the CSV and PNG files written")
     add("--verbose", action="store_true", help="print the layers K-FAC registers")
     args = parser.parse_args(argv)

@@ -12,17 +12,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from kfac_func.adapter.arguments import PreconditionerBase
+from kfac_func.adapter.arguments import HYPER, PreconditionerBase
 from kfac_func.blocks import Gram, LayerTable
 from kfac_func.state import KFACState
 from kfac_func.step.diagnostics import DOMINANCE, damping_dominance
 
-__all__ = ["InspectionMixin"]
+__all__ = ["InspectionMixin", "check_factor_rows"]
 
 
 class InspectionMixin(PreconditionerBase):
-    """Reads of the model and the state for a preconditioner that keeps its state in
-    ``_state`` (a base class: the preconditioner sets the attributes below).
+    """Reads of the model and the state, and the keyword arguments the step passes on,
+    for a preconditioner that keeps its state in ``_state`` (a base class: the
+    preconditioner sets the attributes below).
 
     Example:
         >>> import torch
@@ -36,6 +37,16 @@ class InspectionMixin(PreconditionerBase):
     layers: LayerTable
     _micro: list[Any]
     _parameter_modules: dict[str, tuple[nn.Module, str]]
+    grafting: str | None
+    graft_beta2: float
+    graft_eps: float
+    moment_beta2: float
+    moment_eps: float
+    moment_beta1: float
+    sync_free: bool
+    batched_eigh: bool
+    eigh_device: torch.device | None
+    distributed_strategy: Any
 
     def _layer_grads(self) -> dict[str, torch.Tensor]:
         """The ``.grad`` of every registered layer's parameters, by parameter name (a
@@ -108,3 +119,38 @@ class InspectionMixin(PreconditionerBase):
                 usage["hook_buffers"] += sum(nbytes(i) for i in items)
         usage["total"] = sum(usage.values())
         return usage
+
+    def _rule_kwargs(self) -> dict[str, Any]:
+        return {
+            "grafting": self.grafting,
+            "graft_beta2": self.graft_beta2,
+            "graft_eps": self.graft_eps,
+            "eigenbasis_moments": self.eigenbasis_moments,
+            "moment_beta2": self.moment_beta2,
+            "moment_eps": self.moment_eps,
+            "moment_beta1": self.moment_beta1,
+            "sync_free": self.sync_free,
+            "batched_eigh": self.batched_eigh,
+            "eigh_device": self.eigh_device,
+        }
+
+    def __repr__(self) -> str:
+        hyper = ", ".join(f"{k}={getattr(self, k)!r}" for k in HYPER)
+        return (
+            f"KFACPreconditioner({len(self.layers)} layers, {hyper}, "
+            f"accumulation_steps={self.accumulation_steps}, "
+            f"compute_method={self.compute_method.name.lower()}, "
+            f"distributed_strategy={self.distributed_strategy.name}, scaling={self.scaling!r})"
+        )
+
+
+def check_factor_rows(factor_rows: int | None, in_hook: bool) -> int | None:
+    """``factor_rows``, validated: None or a positive integer, with in-hook statistics (a
+    ValueError naming the argument otherwise)."""
+    if factor_rows is None:
+        return None
+    if isinstance(factor_rows, bool) or not isinstance(factor_rows, int) or factor_rows < 1:
+        raise ValueError(f"factor_rows must be None or a positive integer, got {factor_rows!r}")
+    if not in_hook:
+        raise ValueError("factor_rows needs update_factors_in_hook=True")
+    return factor_rows

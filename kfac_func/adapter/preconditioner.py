@@ -27,7 +27,7 @@ from kfac_func.adapter.arguments import (
     log_registered,
 )
 from kfac_func.adapter.checkpointing import StateDictMixin
-from kfac_func.adapter.inspection import InspectionMixin
+from kfac_func.adapter.inspection import InspectionMixin, check_factor_rows
 from kfac_func.adapter.recording import HookRecorder
 from kfac_func.adapter.sync_free import SyncFreeMixin
 from kfac_func.blocks import register
@@ -135,6 +135,11 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
             stacked ``eigh`` call per group.
         eigh_device: run ``eigh`` on this device (e.g. ``"cpu"``) and move the results
             back to the factors' device; None: the factors' own.
+        factor_rows: at most this many rows (examples × positions) of a Linear layer's
+            call enter its factor statistics: every ``k``-th position, the offset turning
+            with each factor update, the sums scaled to estimate all rows (see
+            :func:`kfac_func.blocks.thinned_gram`). Cuts the cost of the factors of long
+            sequences; None (default): every row. Needs ``update_factors_in_hook``.
 
     Raises:
         ValueError: an argument out of range (named), no layer to precondition, or a
@@ -200,9 +205,11 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         compile: bool = False,
         batched_eigh: bool = False,
         eigh_device: torch.device | str | None = None,
+        factor_rows: int | None = None,
     ) -> None:
         self._set_sync_free(sync_free, compile)
         self.batched_eigh, self.eigh_device = batched_eigh, check_eigh_device(eigh_device)
+        self.factor_rows = check_factor_rows(factor_rows, update_factors_in_hook)
         self._set_arguments(
             model,
             factor_update_steps=factor_update_steps,
@@ -300,6 +307,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
             eigenbasis_refresh=eigenbasis_refresh,
             max_factor_dim=max_factor_dim,
             kfac_approx=kfac_approx,
+            factor_rows=factor_rows,
             grafting=(grafting, graft_beta2, graft_eps),
             eigenbasis_moments=(eigenbasis_moments, moment_beta2, moment_eps, moment_beta1),
             # FSDP2 / tensor parallelism: every rank must see the same meshes and placements
@@ -471,26 +479,3 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
                     old_loss=loss,
                     kwargs=kwargs,
                 )
-
-    def _rule_kwargs(self) -> dict[str, Any]:
-        return {
-            "grafting": self.grafting,
-            "graft_beta2": self.graft_beta2,
-            "graft_eps": self.graft_eps,
-            "eigenbasis_moments": self.eigenbasis_moments,
-            "moment_beta2": self.moment_beta2,
-            "moment_eps": self.moment_eps,
-            "moment_beta1": self.moment_beta1,
-            "sync_free": self.sync_free,
-            "batched_eigh": self.batched_eigh,
-            "eigh_device": self.eigh_device,
-        }
-
-    def __repr__(self) -> str:
-        hyper = ", ".join(f"{k}={getattr(self, k)!r}" for k in HYPER)
-        return (
-            f"KFACPreconditioner({len(self.layers)} layers, {hyper}, "
-            f"accumulation_steps={self.accumulation_steps}, "
-            f"compute_method={self.compute_method.name.lower()}, "
-            f"distributed_strategy={self.distributed_strategy.name}, scaling={self.scaling!r})"
-        )

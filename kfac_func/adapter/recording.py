@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from kfac_func.adapter.arguments import ComputeMethod, PreconditionerBase
-from kfac_func.blocks import LayerSpec, LayerTable, Rows, a_gram, call_grams, g_gram
+from kfac_func.blocks import LayerSpec, LayerTable, Rows, call_grams, thinned_gram
 from kfac_func.blocks.taps import Site, call_sites, tap_hooks
 from kfac_func.captures import Captures, LayerCapture
 from kfac_func.distributed.communicator import Communicator
@@ -51,6 +51,7 @@ class HookRecorder(PreconditionerBase):
     plan: Plan
     comm: Communicator
     factor_dtype: torch.dtype
+    factor_rows: int | None = None
     _micro: list[_MicroBatch]
     _rows: dict[str, list[list[torch.Tensor | None]]]
     _handles: list[Any]
@@ -101,6 +102,11 @@ class HookRecorder(PreconditionerBase):
             else:
                 self._handles.append(module.register_forward_hook(forward_hook(specs[0])))
         weakref.finalize(self, remove_handles, self._handles)
+
+    def _turn(self) -> int:
+        """The number of factor updates so far: the offset of the positions that
+        ``factor_rows`` keeps turns with it."""
+        return self.steps // max(1, int(self._value(self.factor_update_steps)))
 
     def _start_micro_batch(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if not self._collecting():
@@ -171,7 +177,9 @@ class HookRecorder(PreconditionerBase):
                     # the hook runs inside the user's autocast region: build the Gram in
                     # factor_dtype, not in the autocast dtype
                     with torch.autocast(x.device.type, enabled=False):
-                        item = a_gram(spec, x, self.factor_dtype)
+                        item = thinned_gram(
+                            spec, x, "a", self.factor_dtype, self.factor_rows, self._turn()
+                        )
                 micro.a.setdefault(spec.name, []).append(item)
         pair: list[torch.Tensor | None] | None = None
         if keep:
@@ -210,7 +218,9 @@ class HookRecorder(PreconditionerBase):
                             spec, joint_input, gy, self.factor_dtype
                         )
                     else:
-                        item = g_gram(spec, gy, self.factor_dtype)
+                        item = thinned_gram(
+                            spec, gy, "g", self.factor_dtype, self.factor_rows, self._turn()
+                        )
             if joint_input is not None:  # the call's input and gradient, kept as a pair
                 micro.a.setdefault(spec.name, []).append(a_item)
             micro.g.setdefault(spec.name, []).append(item)

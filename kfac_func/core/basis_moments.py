@@ -28,7 +28,14 @@ import torch
 
 from kfac_func.core.grafting import graft_moment
 
-__all__ = ["adam_in_basis", "carry_moment", "from_basis", "rotate_moment", "to_basis"]
+__all__ = [
+    "adam_in_basis",
+    "carry_moment",
+    "carry_moments",
+    "from_basis",
+    "rotate_moment",
+    "to_basis",
+]
 
 
 def to_basis(m: torch.Tensor, qa: torch.Tensor | None, qg: torch.Tensor | None) -> torch.Tensor:
@@ -113,10 +120,10 @@ def _overlap(new: torch.Tensor | None, old: torch.Tensor | None) -> torch.Tensor
     return new.mT if old is None else new.mT @ old.to(new.dtype)
 
 
-def _rotation(new: torch.Tensor | None, old: torch.Tensor | None) -> torch.Tensor | None:
-    """``(Q_newᵀ Q_old)²`` elementwise; None when both bases are the identity."""
-    r = _overlap(new, old)
-    return None if r is None else r.pow(2)
+def _sandwich(m: torch.Tensor, ra: torch.Tensor | None, rg: torch.Tensor | None) -> torch.Tensor:
+    """``Rg M Raᵀ`` (a missing side: the identity)."""
+    out = m if rg is None else rg.to(m.dtype) @ m
+    return out if ra is None else out @ ra.to(m.dtype).mT
 
 
 def rotate_moment(
@@ -133,10 +140,7 @@ def rotate_moment(
         >>> rotate_moment(torch.tensor([[1.0, 2.0]]), (None, None), (swap, None))
         tensor([[2., 1.]])
     """
-    ra = _overlap(new[0], old[0])
-    rg = _overlap(new[1], old[1])
-    out = first if rg is None else rg.to(first.dtype) @ first
-    return out if ra is None else out @ ra.to(first.dtype).mT
+    return _sandwich(first, _overlap(new[0], old[0]), _overlap(new[1], old[1]))
 
 
 def carry_moment(
@@ -152,7 +156,24 @@ def carry_moment(
         >>> carry_moment(torch.tensor([[1.0, 2.0]]), (None, None), (swap, None))
         tensor([[2., 1.]])
     """
-    ra = _rotation(new[0], old[0])
-    rg = _rotation(new[1], old[1])
-    out = moment if rg is None else rg.to(moment.dtype) @ moment
-    return out if ra is None else out @ ra.to(moment.dtype).mT
+    return carry_moments(moment, None, old, new)[0]
+
+
+def carry_moments(
+    moment: torch.Tensor,
+    first: torch.Tensor | None,
+    old: tuple[torch.Tensor | None, torch.Tensor | None],
+    new: tuple[torch.Tensor | None, torch.Tensor | None],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`carry_moment` of the second moment and :func:`rotate_moment` of the first
+    (None: none), from one product ``R = Q_newᵀ Q_old`` per side.
+
+    Example:
+        >>> swap = torch.tensor([[0.0, 1.0], [1.0, 0.0]])
+        >>> carry_moments(torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, -4.0]]),
+        ...               (None, None), (swap, None))
+        (tensor([[2., 1.]]), tensor([[-4.,  3.]]))
+    """
+    ra, rg = _overlap(new[0], old[0]), _overlap(new[1], old[1])
+    second = _sandwich(moment, None if ra is None else ra.pow(2), None if rg is None else rg.pow(2))
+    return second, None if first is None else _sandwich(first, ra, rg)

@@ -10,7 +10,8 @@ from typing import NamedTuple
 
 import torch
 
-from kfac_func.core.basis_moments import adam_in_basis, carry_moment, rotate_moment
+from kfac_func.core.basis_moments import adam_in_basis
+from kfac_func.core.basis_moments import carry_moments as carry_both
 from kfac_func.core.decomposition import Decomposition, EigenDecomposition, EKFACDecomposition
 from kfac_func.state import LayerState
 from kfac_func.step.hyper import check_hyper
@@ -102,9 +103,5 @@ def carry_moments(
         new = basis_of(ls.decomposition)
         if all(o is n for o, n in zip(old, new)):
             continue
-        moment = carry_moment(ls.basis_moment, old, new)
-        first = ls.basis_momentum
-        layers[name] = ls.replace(
-            basis_moment=moment,
-            basis_momentum=None if first is None else rotate_moment(first, old, new),
-        )
+        moment, first = carry_both(ls.basis_moment, ls.basis_momentum, old, new)
+        layers[name] = ls.replace(basis_moment=moment, basis_momentum=first)
