@@ -22,7 +22,11 @@ extra) and K-FAC in front of SGD with momentum: ``kfac`` (eigen, kl_clip followi
 schedule as in the example), ``kfac-ekfac`` (corrected eigenvalues),
 ``kfac-ekfac-adam`` (EKFAC with Adam grafting, no kl_clip), ``kfac-moments`` (Adam's
 step, first and second moments, in K-FAC's eigenbasis — SOAP's update with K-FAC's bases
-— in front of SGD without momentum, factors every 5 steps, eigenbases every 10) and
+— in front of SGD without momentum, factors every 5 steps, eigenbases every 10),
+``kfac-moments-fast`` (the same with the factor statistics of each call from at most 512
+of its rows — every k-th position, scaled; on digits, whose calls have no positions, it
+is ``kfac-moments`` with batched eigendecompositions — and equal-shaped factors
+decomposed in one batched ``eigh``) and
 ``kfac-adaptive`` (no optimizer: the quadratic model's learning rate and momentum,
 Levenberg–Marquardt damping; its "learning rates" are the starting dampings). Every
 optimizer gets the same schedule (linear warm-up, cosine decay to 10 %), the same
@@ -80,6 +84,7 @@ LRS: dict[str, tuple[float, ...]] = {
     "kfac-ekfac": (0.1, 0.3),
     "kfac-ekfac-adam": (1e-3, 3e-3),
     "kfac-moments": (1e-2, 2e-2),
+    "kfac-moments-fast": (1e-2, 2e-2),
     "kfac-adaptive": (0.1, 1.0),  # the starting damping: no learning rate to sweep
 }
 """Learning-rate sweep per optimizer (Muon's is for its matrices; its AdamW part uses
@@ -181,6 +186,23 @@ KFAC = {
         (5, 10),
         0.8,
         {"eigenbasis_moments": True, "moment_beta2": 0.95, "moment_beta1": 0.9},
+    ),
+    # the same with cheaper curvature: factor statistics from at most 512 rows of each
+    # call (every k-th position, scaled), equal-shaped factors decomposed in one eigh
+    "kfac-moments-fast": (
+        "eigen",
+        0.0,
+        0.0,
+        None,
+        (5, 10),
+        0.8,
+        {
+            "eigenbasis_moments": True,
+            "moment_beta2": 0.95,
+            "moment_beta1": 0.9,
+            "factor_rows": 512,
+            "batched_eigh": True,
+        },
     ),
     # the quadratic model's learning rate and momentum, adaptive damping ("lr": its start)
     "kfac-adaptive": ("eigen", 0.0, 0.0, None, (1, 5), 0.95, {}),

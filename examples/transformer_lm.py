@@ -52,7 +52,7 @@ OPTIMIZERS = ("sgd", "adam", "kfac", "kfac-moments")
 KFAC_DEFAULTS = {
     # (learning rate, factor_update_steps, inv_update_steps, factor_decay), from sweeps
     "kfac": (0.3, 1, 5, 0.95),
-    "kfac-moments": (0.015, 5, 10, 0.8),
+    "kfac-moments": (0.015, 5, 5, 0.8),
 }
 HEADER = "   optimizer  epoch  train_loss  test_loss  test_bpc  seconds"
 ROW = (
@@ -418,7 +418,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--inv-update-steps",
         type=int,
         default=None,
-        help="steps between decompositions (default: 5 kfac, 10 kfac-moments)",
+        help="steps between decompositions (default: 5)",
     )
     add(
         "--factor-rows",

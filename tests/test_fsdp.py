@@ -44,7 +44,7 @@ METHODS = ("eigen", "inverse")
 def configs(world: int) -> list[dict[str, Any]]:
     out = [{"mesh": "fsdp", "strategy": s, "method": m} for s in STRATEGIES for m in METHODS]
     if world == 4:
-        out += [{"mesh": "hsdp", "strategy": s, "method": "eigen"} for s in STRATEGIES]
+        out += [{"mesh": "hsdp", "strategy": s, "method": m} for s in STRATEGIES for m in METHODS]
     return out
 
 

@@ -245,3 +245,20 @@ def test_forward_without_backward_is_not_a_micro_batch(method: str) -> None:
         results.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_factors_follow_the_batch_device_at_the_first_update_only() -> None:
+    """A state built without ``device=`` takes its starting factors to the batch's device;
+    later, factors on another device than the batch's are an error naming the layer."""
+    from kfac_func.state import KFACConfig
+    from kfac_func.step.accumulate import fold_factors
+
+    state = kf.init(kf.register(nn.Sequential(nn.Linear(3, 2))))
+    ls = state.layers["0"]
+    a = torch.ones(4, 4, device="meta")
+    g = torch.ones(2, 2, device="meta")
+    for convention in ("kfac-pytorch", "fisher"):
+        new = fold_factors(ls, a, g, 0.9, KFACConfig(convention=convention))  # type: ignore[arg-type]
+        assert new.a_factor.device.type == "meta" and new.g_factor.device.type == "meta"
+    with pytest.raises(ValueError, match=r"layer '0'.*cpu.*meta"):
+        fold_factors(ls.replace(factor_updates=1), a, g, 0.9, KFACConfig())

@@ -416,7 +416,9 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
             raw = {k: g.clone() for k, g in grads.items()}
         # the state before the first factor update, to judge that update's factors
         factors_now = bool(batch) or reducer is not None or captures is not None
-        before = self._state if factors_now and not self._damping_checked else None
+        # (the adaptive step tunes the damping itself: nothing to warn about)
+        check = factors_now and not self._damping_checked and self.adaptive is None
+        before = self._state if check else None
         if self.comm.world_size == 1 and reducer is None and not self._sharded:
             # a copy with a dict of its own, so that a state read from .state earlier
             # keeps its layers; once self._state points at the copy nothing else holds

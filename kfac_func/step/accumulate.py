@@ -145,6 +145,16 @@ def fold_factors(
 ) -> LayerState:
     """Running average ``decay·old + (1−decay)·batch`` (the first ``"fisher"`` update
     takes the batch factors as they are)."""
+    if ls.a_factor.device != a.device or ls.g_factor.device != g.device:
+        if ls.factor_updates:
+            raise ValueError(
+                f"layer {ls.spec.name!r}: its factors are on {ls.a_factor.device} but this "
+                f"batch's are on {a.device}; move the state there (optree.tree_map(lambda t: "
+                "t.to(device), state)) or build it with kfac_func.init(..., device=...)"
+            )
+        # a state built without device= for a model elsewhere: its starting factors
+        # (constants) move to the batch's device with the first update
+        ls = ls.replace(a_factor=ls.a_factor.to(a.device), g_factor=ls.g_factor.to(g.device))
     if ls.factor_updates == 0 and config.convention == "fisher":
         new_a, new_g = a, g
     else:
