@@ -52,7 +52,7 @@ OPTIMIZERS = ("sgd", "adam", "kfac", "kfac-moments")
 KFAC_DEFAULTS = {
     # (learning rate, factor_update_steps, inv_update_steps, factor_decay), from sweeps
     "kfac": (0.3, 1, 5, 0.95),
-    "kfac-moments": (0.015, 5, 5, 0.8),
+    "kfac-moments": (0.014, 5, 5, 0.8),
 }
 HEADER = "   optimizer  epoch  train_loss  test_loss  test_bpc  seconds"
 ROW = (
@@ -387,7 +387,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kfac-lr",
         type=float,
         default=None,
-        help="learning rate of SGD under K-FAC (default: 0.3 kfac, 0.015 kfac-moments)",
+        help="learning rate of SGD under K-FAC (default: 0.3 kfac, 0.014 kfac-moments)",
     )
     add("--damping", type=float, default=0.001, help="K-FAC damping, relative to --scaling")
     add(
