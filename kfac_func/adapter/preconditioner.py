@@ -34,7 +34,6 @@ from kfac_func.blocks import register
 from kfac_func.blocks.table import no_layers_error
 from kfac_func.distributed.communicator import AllreduceMethod, Communicator
 from kfac_func.distributed.dtensor import describe_parameters, is_dtensor
-from kfac_func.distributed.ekfac import check_ekfac_plan
 from kfac_func.distributed.kaisa import update_distributed
 from kfac_func.distributed.plan import AssignmentStrategy, DistributedStrategy, make_plan
 from kfac_func.distributed.sharded import release_unowned
@@ -280,8 +279,6 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
             raise ValueError(
                 f"adaptive= runs on one process; this process group has {comm_world} ranks"
             )
-        if self.compute_method is ComputeMethod.EKFAC and comm_world > 1:
-            check_ekfac_plan(self.plan)
         self.colocate_factors = self.plan.colocate_factors
         self.grad_worker_fraction = self.plan.grad_worker_fraction
         # a strategy asked by name is kept (MEM_OPT on one rank, whose plan is also

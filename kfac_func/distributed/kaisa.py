@@ -45,7 +45,7 @@ from kfac_func.core.layer_decomposition import (
 )
 from kfac_func.distributed.communicator import Communicator, Pending
 from kfac_func.distributed.dtensor import has_dtensors
-from kfac_func.distributed.ekfac import check_ekfac_plan, reduce_scales
+from kfac_func.distributed.ekfac import reduce_scales
 from kfac_func.distributed.plan import DistributedStrategy, Plan
 from kfac_func.distributed.reducer import OrderedReducer
 from kfac_func.distributed.sharded import precondition_sharded, sharded_layouts
@@ -351,8 +351,6 @@ def update_distributed(
     if nonfinite not in ("skip", "raise"):
         raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
     check_sync_free(sync_free, nonfinite)
-    if state.config.compute_method == "ekfac":
-        check_ekfac_plan(plan)
     names = _check_plan(state, plan)
     graft_settings = None
     if grafting is not None:
@@ -393,7 +391,9 @@ def update_distributed(
     )
     carry_moments(layers, before, fresh)
     if state.config.compute_method == "ekfac" and statistics is not None:
-        reduce_scales(layers, names, statistics, comm, decay, nonfinite, fresh)
+        reduce_scales(
+            layers, names, statistics, plan, comm, state.config.inv_dtype, decay, nonfinite, fresh
+        )
 
     if layouts is not None:  # DTensor gradients: see kfac_func.distributed.sharded
         args = (lam, kl_clip, lr, step, nonfinite, graft_settings, basis_settings, changes)
