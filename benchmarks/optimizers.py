@@ -22,7 +22,7 @@ extra) and K-FAC in front of SGD with momentum: ``kfac`` (eigen, kl_clip followi
 schedule as in the example), ``kfac-ekfac`` (corrected eigenvalues),
 ``kfac-ekfac-adam`` (EKFAC with Adam grafting, no kl_clip), ``kfac-moments`` (Adam's
 step, first and second moments, in K-FAC's eigenbasis — SOAP's update with K-FAC's bases
-— in front of SGD without momentum, factors every 5 steps, eigenbases every 10),
+— in front of SGD without momentum, factors and eigenbases every 5 steps),
 ``kfac-moments-fast`` (the same with the factor statistics of each call from at most 512
 of its rows — every k-th position, scaled; on digits, whose calls have no positions, it
 is ``kfac-moments`` with batched eigendecompositions — and equal-shaped factors
@@ -83,8 +83,8 @@ LRS: dict[str, tuple[float, ...]] = {
     "kfac": (0.1, 0.3),
     "kfac-ekfac": (0.1, 0.3),
     "kfac-ekfac-adam": (1e-3, 3e-3),
-    "kfac-moments": (1e-2, 2e-2),
-    "kfac-moments-fast": (1e-2, 2e-2),
+    "kfac-moments": (7e-3, 1.4e-2),
+    "kfac-moments-fast": (7e-3, 1.4e-2),
     "kfac-adaptive": (0.1, 1.0),  # the starting damping: no learning rate to sweep
 }
 """Learning-rate sweep per optimizer (Muon's is for its matrices; its AdamW part uses
@@ -183,7 +183,7 @@ KFAC = {
         0.0,
         0.0,
         None,
-        (5, 10),
+        (5, 5),
         0.8,
         {"eigenbasis_moments": True, "moment_beta2": 0.95, "moment_beta1": 0.9},
     ),
@@ -194,7 +194,7 @@ KFAC = {
         0.0,
         0.0,
         None,
-        (5, 10),
+        (5, 5),
         0.8,
         {
             "eigenbasis_moments": True,
