@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gloo import gloo_group, record_errors, spawn
+from sharded import F64, GLOBAL_BATCH, LR, global_batch, whole
 from torch import nn
 
 from kfac_func import DistributedStrategy, KFACPreconditioner
@@ -36,10 +37,8 @@ pytestmark = pytest.mark.slow  # three spawns
 STEPS = 6
 SAVE_AT = 2  # saved on 4 ranks after this many steps
 RESAVE_AT = 4  # saved on 2 ranks after this many steps
-GLOBAL_BATCH = 8
-LR = 0.1
+SEED = 300  # the global batch of step k: global_batch(SEED + k)
 TOL = 1e-10
-F64 = torch.float64
 
 
 def make_model(world: int) -> nn.Sequential:
@@ -55,14 +54,6 @@ def make_model(world: int) -> nn.Sequential:
         fully_shard(model[i], mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
-
-
-def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(300 + step)
-    return (
-        torch.randn(GLOBAL_BATCH, 4, generator=g, dtype=F64),
-        torch.randint(0, 3, (GLOBAL_BATCH,), generator=g),
-    )
 
 
 def setup(world: int) -> tuple[nn.Module, torch.optim.Optimizer, KFACPreconditioner]:
@@ -83,11 +74,6 @@ def setup(world: int) -> tuple[nn.Module, torch.optim.Optimizer, KFACPreconditio
     return model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), pre
 
 
-def whole(t: torch.Tensor) -> torch.Tensor:
-    full = getattr(t, "full_tensor", None)
-    return (full() if full is not None else t).detach().clone()
-
-
 def run(
     model: nn.Module,
     opt: torch.optim.Optimizer,
@@ -99,7 +85,7 @@ def run(
     grads = []
     part = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
     for step in steps:
-        x, y = global_batch(step)
+        x, y = global_batch(SEED + step)
         opt.zero_grad()
         F.cross_entropy(model(x[part]), y[part]).backward()
         pre.step()

@@ -19,11 +19,16 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from gloo import gloo_group, one_thread, record_errors, spawn
+from sharded import (
+    F64,
+    GLOBAL_BATCH,
+    METHODS,
+    STRATEGIES,
+    make_preconditioner,
+    train,
+)
 from torch import nn
-
-from kfac_func import DistributedStrategy, KFACPreconditioner
 
 tp = pytest.importorskip("torch.distributed.tensor.parallel")
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -33,12 +38,8 @@ if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch without FSDP2
 pytestmark = pytest.mark.slow  # gloo process groups: one spawn per world size
 
 STEPS = 4
-GLOBAL_BATCH = 8
-LR = 0.1
+SEED = 200  # the global batch of step k: global_batch(SEED + k)
 TOL = 1e-6
-F64 = torch.float64
-STRATEGIES = ("COMM_OPT", "HYBRID_OPT", "MEM_OPT")
-METHODS = ("eigen", "inverse")
 
 
 def configs(world: int) -> list[dict[str, Any]]:
@@ -56,57 +57,6 @@ def make_model() -> nn.Sequential:
     return nn.Sequential(
         nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 3)
     ).to(F64)
-
-
-def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(200 + step)
-    return (
-        torch.randn(GLOBAL_BATCH, 4, generator=g, dtype=F64),
-        torch.randint(0, 3, (GLOBAL_BATCH,), generator=g),
-    )
-
-
-def make_preconditioner(model: nn.Module, cfg: dict[str, Any]) -> KFACPreconditioner:
-    return KFACPreconditioner(
-        model,
-        factor_update_steps=1,
-        inv_update_steps=2,
-        damping=0.01,
-        factor_decay=0.9,
-        kl_clip=1e-2,
-        lr=LR,
-        scaling="fisher",
-        factor_dtype=F64,
-        inv_dtype=F64,
-        compute_method=cfg["method"],
-        grad_worker_fraction=DistributedStrategy[cfg["strategy"]],
-    )
-
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    full = getattr(t, "full_tensor", None)
-    return (full() if full is not None else t).detach().clone()
-
-
-def train(model: nn.Module, pre: KFACPreconditioner, part: slice | None) -> dict[str, Any]:
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    grads, raw = [], []
-    for step in range(STEPS):
-        x, y = global_batch(step)
-        if part is not None:
-            x, y = x[part], y[part]
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        raw.append({n: whole(p.grad) for n, p in model.named_parameters()})
-        pre.step()
-        grads.append({n: whole(p.grad) for n, p in model.named_parameters()})
-        opt.step()
-    return {
-        "grads": grads,
-        "raw": raw,
-        "params": {n: whole(p) for n, p in model.named_parameters()},
-        "strategy": pre.plan.strategy.name,
-    }
 
 
 def parallelize(model: nn.Sequential, cfg: dict[str, Any], world: int, rank: int) -> slice:
@@ -141,8 +91,8 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         for cfg in configs(world):
             model = make_model()
             part = parallelize(model, cfg, world, rank)
-            pre = make_preconditioner(model, cfg)
-            results.append(train(model, pre, part))
+            pre = make_preconditioner(model, cfg["strategy"], cfg["method"])
+            results.append(train(model, pre, part, STEPS, SEED))
             pre.remove()
         torch.save({"configs": results}, Path(tmp, f"rank{rank}.pt"))
 
@@ -165,8 +115,7 @@ def reference() -> dict[tuple[str, str], dict[str, Any]]:
         for s in STRATEGIES:
             for m in METHODS:
                 model = make_model()
-                cfg = {"strategy": s, "method": m}
-                out[s, m] = train(model, make_preconditioner(model, cfg), None)
+                out[s, m] = train(model, make_preconditioner(model, s, m), None, STEPS, SEED)
         return out
 
 

@@ -22,9 +22,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gloo import gloo_group, one_thread, record_errors, spawn
+from sharded import (
+    F64,
+    GLOBAL_BATCH,
+    METHODS,
+    STRATEGIES,
+    global_batch,
+    make_preconditioner,
+    train,
+)
 from torch import nn
 
-from kfac_func import DistributedStrategy, KFACPreconditioner
+from kfac_func import KFACPreconditioner
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch without FSDP2
@@ -33,12 +42,8 @@ if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch without FSDP2
 pytestmark = pytest.mark.slow  # gloo process groups: one spawn per world size
 
 STEPS = 4
-GLOBAL_BATCH = 8
-LR = 0.1
+SEED = 100  # the global batch of step k: global_batch(SEED + k)
 TOL = 1e-6
-F64 = torch.float64
-STRATEGIES = ("COMM_OPT", "HYBRID_OPT", "MEM_OPT")
-METHODS = ("eigen", "inverse")
 
 
 def configs(world: int) -> list[dict[str, Any]]:
@@ -54,64 +59,6 @@ def make_model() -> nn.Sequential:
     return nn.Sequential(
         nn.Linear(4, 7), nn.Tanh(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3)
     ).to(F64)
-
-
-def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    return (
-        torch.randn(GLOBAL_BATCH, 4, generator=g, dtype=F64),
-        torch.randint(0, 3, (GLOBAL_BATCH,), generator=g),
-    )
-
-
-def make_preconditioner(model: nn.Module, cfg: dict[str, Any]) -> KFACPreconditioner:
-    return KFACPreconditioner(
-        model,
-        factor_update_steps=1,
-        inv_update_steps=2,
-        damping=0.01,
-        factor_decay=0.9,
-        kl_clip=1e-2,
-        lr=LR,
-        scaling="fisher",
-        factor_dtype=F64,
-        inv_dtype=F64,
-        compute_method=cfg["method"],
-        grad_worker_fraction=DistributedStrategy[cfg["strategy"]],
-    )
-
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    full = getattr(t, "full_tensor", None)
-    return (full() if full is not None else t).detach().clone()
-
-
-def train(model: nn.Module, pre: KFACPreconditioner, part: slice | None) -> dict[str, Any]:
-    """STEPS steps of SGD on preconditioned gradients; ``part`` None: the whole batch."""
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    grads, raw = [], []
-    bytes_per_step = []
-    for step in range(STEPS):
-        x, y = global_batch(step)
-        if part is not None:
-            x, y = x[part], y[part]
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        raw.append({n: whole(p.grad) for n, p in model.named_parameters()})
-        before = pre.comm.sum_bytes()
-        pre.step()
-        bytes_per_step.append(pre.comm.sum_bytes() - before)
-        grads.append({n: whole(p.grad) for n, p in model.named_parameters()})
-        opt.step()
-    return {
-        "grads": grads,
-        "raw": raw,
-        "params": {n: whole(p) for n, p in model.named_parameters()},
-        "memory": pre.memory_usage(),
-        "bytes": dict(pre.comm.bytes),
-        "bytes_per_step": bytes_per_step,
-        "strategy": pre.plan.strategy.name,
-    }
 
 
 def shard(model: nn.Sequential, cfg: dict[str, Any], world: int) -> nn.Module:
@@ -137,7 +84,7 @@ def refusals(world: int) -> dict[str, str]:
     out = {}
     mesh = init_device_mesh("cpu", (world,))
     model = make_model()
-    x, y = global_batch(0)
+    x, y = global_batch(SEED)
     pre = KFACPreconditioner(model, factor_dtype=F64)
     F.cross_entropy(model(x), y).backward()
     p = model[2].weight
@@ -167,8 +114,8 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         part = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
         for cfg in configs(world):
             model = shard(make_model(), cfg, world)
-            pre = make_preconditioner(model, cfg)
-            results.append(train(model, pre, part))
+            pre = make_preconditioner(model, cfg["strategy"], cfg["method"])
+            results.append(train(model, pre, part, STEPS, SEED))
             pre.remove()
         torch.save(
             {
@@ -199,8 +146,7 @@ def reference() -> dict[str, dict[str, Any]]:
         for s in STRATEGIES:
             for m in METHODS:
                 model = make_model()
-                cfg = {"strategy": s, "method": m}
-                out[s, m] = train(model, make_preconditioner(model, cfg), None)
+                out[s, m] = train(model, make_preconditioner(model, s, m), None, STEPS, SEED)
         return out
 
 
