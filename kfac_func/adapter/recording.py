@@ -105,7 +105,9 @@ class HookRecorder(PreconditionerBase):
 
     def _turn(self) -> int:
         """The number of factor updates so far: the offset of the positions that
-        ``factor_rows`` keeps turns with it."""
+        ``factor_rows`` keeps turns with it (0 without ``factor_rows``)."""
+        if self.factor_rows is None:
+            return 0
         return self.steps // max(1, int(self._value(self.factor_update_steps)))
 
     def _start_micro_batch(self, module: nn.Module, args: tuple[Any, ...]) -> None:
