@@ -105,7 +105,7 @@ def test_a_kind_cannot_be_registered_twice(monkeypatch: pytest.MonkeyPatch) -> N
 def test_unregistered_module_is_skipped_with_its_reason() -> None:
     table = kf.register(nn.Sequential(Dense(2, 2)))
     assert list(table) == []
-    assert table.skipped == {"0": "unsupported kind Dense"}
+    assert table.skipped == {"0": f"unsupported kind {Dense.__module__}.Dense"}
 
 
 def test_new_kind_matches_linear_through_capture_and_update(dense_kind: None) -> None:

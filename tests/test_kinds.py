@@ -254,3 +254,22 @@ def test_no_layers_error_names_the_class() -> None:
     assert "(the LSTM itself)  -     -  -  skipped: unsupported kind torch.nn.modules.rnn.LSTM" in (
         str(err.value)
     )
+
+
+def test_register_parallel_takes_kinds() -> None:
+    from kfac_func.parallel.plan import register_parallel
+
+    class Dense(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(3, 4))
+            self.bias = nn.Parameter(torch.randn(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.linear(x, self.weight, self.bias)
+
+    model = nn.Sequential(Dense(), LayerNorm(3, True))
+    table, splits = register_parallel(model, kinds={Dense: "linear", LayerNorm: "layer_norm"})
+    assert list(table) == ["0"] and splits == {"0": None}
+    assert table["0"].option("mapped") == f"{Dense.__module__}.{Dense.__qualname__}"
+    assert table.skipped["1"] == "layer_norm: not supported by the model-parallel preconditioner"

@@ -44,8 +44,8 @@ def test_kinds_and_shapes() -> None:
 
 def test_unsupported_modules_are_listed_not_fatal() -> None:
     table = kf.register(Block())
-    assert "unsupported kind Bilinear" in table.skipped["bil"]
-    assert "unsupported kind PReLU" in table.skipped["act"]
+    assert "unsupported kind torch.nn.modules.linear.Bilinear" in table.skipped["bil"]
+    assert "unsupported kind torch.nn.modules.activation.PReLU" in table.skipped["act"]
     # MultiheadAttention's projections are layers of the attention kind; its out_proj
     # child (never called) is one of them, not a Linear of its own
     assert table["attn.out_proj"].kind == "attention"
@@ -87,7 +87,10 @@ def test_table_prints_every_row() -> None:
         line.startswith("conv ") and "2x19x19" in line and "2 groups" in line for line in lines
     )
     assert any(line.startswith("bil ") and "skipped: matched skip_layers" in line for line in lines)
-    assert any(line.startswith("act ") and "unsupported kind PReLU" in line for line in lines)
+    assert any(
+        line.startswith("act ") and "unsupported kind torch.nn.modules.activation.PReLU" in line
+        for line in lines
+    )
 
 
 @pytest.mark.parametrize(
