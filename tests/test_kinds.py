@@ -240,7 +240,7 @@ def test_skip_messages_name_the_class_and_hint_at_kinds() -> None:
     )
     assert table.skipped["2"] == (
         "unsupported kind transformers.models.llama.modeling_llama.LlamaRMSNorm; if it "
-        "computes a rms norm, map it with kinds={LlamaRMSNorm: 'rms_norm'}"
+        "computes an RMS norm, map it with kinds={LlamaRMSNorm: 'rms_norm'}"
     )
     lstm = kf.register(nn.Sequential(nn.LSTM(2, 3)))
     assert lstm.skipped["0"] == "unsupported kind torch.nn.modules.rnn.LSTM"

@@ -121,10 +121,8 @@ def _unsupported(module: nn.Module) -> str:
         kind = "linear"
     if kind is None:
         return why
-    return (
-        f"{why}; if it computes a {kind.replace('_', ' ')}, map it with "
-        f"kinds={{{cls.__name__}: {kind!r}}}"
-    )
+    what = {"layer_norm": "a layer norm", "rms_norm": "an RMS norm", "linear": "x @ weight.T"}
+    return f"{why}; if it computes {what[kind]}, map it with kinds={{{cls.__name__}: {kind!r}}}"
 
 
 def _bounded(spec: LayerSpec, max_factor_dim: int | None) -> LayerSpec:
