@@ -273,3 +273,42 @@ def test_register_parallel_takes_kinds() -> None:
     assert list(table) == ["0"] and splits == {"0": None}
     assert table["0"].option("mapped") == f"{Dense.__module__}.{Dense.__qualname__}"
     assert table.skipped["1"] == "layer_norm: not supported by the model-parallel preconditioner"
+
+
+class Block(nn.Module):
+    """nanoGPT's transformer block (model.py): its LayerNorm, attention and MLP."""
+
+    def __init__(self, d: int, heads: int, bias: bool) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = LayerNorm(d, bias)
+        self.c_attn = nn.Linear(d, 3 * d, bias=bias)
+        self.c_proj = nn.Linear(d, d, bias=bias)
+        self.ln_2 = LayerNorm(d, bias)
+        self.c_fc = nn.Linear(d, 4 * d, bias=bias)
+        self.mlp_proj = nn.Linear(4 * d, d, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_nanogpt_block_every_parameter_preconditioned_under_the_adapter(bias: bool) -> None:
+    torch.manual_seed(0)
+    model = Block(8, 2, bias)
+    table = kf.register(model, kinds={LayerNorm: "layer_norm"})
+    assert not table.skipped and table.split_parameters(model)[1] == []
+    pre = kf.KFACPreconditioner(model, kinds={LayerNorm: "layer_norm"})
+    x = torch.randn(3, 5, 8)
+    for _ in range(2):
+        model.zero_grad()
+        model(x).square().mean().backward()
+        raw = model.ln_1.weight.grad.clone()
+        pre.step()
+        assert not torch.equal(model.ln_1.weight.grad, raw)  # preconditioned
+    assert pre.steps == 2
