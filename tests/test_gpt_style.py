@@ -16,7 +16,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 import torch.nn.functional as F
 from gloo import gloo_group, one_thread, record_errors, spawn
