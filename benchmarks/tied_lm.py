@@ -16,7 +16,7 @@ Writes ``OUT.csv`` (one row per variant, seed and evaluation) and prints the fin
 loss per variant (mean and range over seeds). A few minutes on a 2-core CPU.
 
     python benchmarks/tied_lm.py                     # 3 seeds, 400 steps each
-    python benchmarks/tied_lm.py --steps 40 --seeds 0  # smoke test
+    python benchmarks/tied_lm.py --quick               # smoke test
 """
 
 from __future__ import annotations
@@ -132,16 +132,23 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--steps", type=int, default=400, help="training steps per run")
-    add("--seeds", default="0,1,2", help="comma-separated seeds")
-    add("--batch-size", type=int, default=32)
-    add("--context", type=int, default=32)
+    add("--seeds", default="0,1,2", help="comma-separated seeds (initial weights and batches)")
+    add("--batch-size", type=int, default=32, help="windows per training batch")
+    add("--context", type=int, default=32, help="characters per window (GPT-2's n_positions)")
     add("--lr", type=float, default=0.014, help="peak learning rate of SGD under K-FAC")
     add("--adam-lr", type=float, default=2e-3, help="peak learning rate of AdamW")
-    add("--eval-every", type=int, default=100)
-    add("--test-windows", type=int, default=256)
-    add("--threads", type=int, default=1)
-    add("--out", default=str(ROOT / "benchmarks" / "out" / "tied_lm"))
+    add("--eval-every", type=int, default=100, help="steps between test-loss evaluations")
+    add("--test-windows", type=int, default=256, help="test windows evaluated")
+    add("--threads", type=int, default=1, help="CPU threads (0: PyTorch's default)")
+    add("--quick", action="store_true", help="a smoke test: 20 steps, one seed")
+    add(
+        "--out",
+        default=str(ROOT / "benchmarks" / "out" / "tied_lm"),
+        help="prefix of the CSV written (benchmarks/results/tied_lm: the committed results)",
+    )
     args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.seeds, args.eval_every, args.test_windows = 20, "0", 10, 32
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*token_id.*")

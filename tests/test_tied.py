@@ -151,9 +151,13 @@ def test_update_is_the_damped_fisher_solve_where_exact(method: str) -> None:
     torch.testing.assert_close(new["emb.weight"].reshape(-1), want, rtol=1e-9, atol=1e-10)
 
 
-def test_combination_properties_on_a_real_model() -> None:
+@pytest.mark.parametrize(
+    "convention,max_dim", [("fisher", None), ("kfac-pytorch", None), ("fisher", 2)]
+)
+def test_combination_properties_on_a_real_model(convention: str, max_dim: int | None) -> None:
     """Tied factors against the factors of the same model untied (an Embedding and a
-    Linear head with a diagonal G): trace kept, PSD, and each use alone exact."""
+    Linear head with a diagonal G): trace kept, PSD, and each use alone exact; with
+    ``max_factor_dim`` below the width, the model side is diagonal too."""
     torch.manual_seed(1)
     tied = TiedLM().double()
     untied = TiedLM(tie=False).double()
@@ -163,26 +167,37 @@ def test_combination_properties_on_a_real_model() -> None:
     def loss_fn(out):
         return nn.functional.cross_entropy(out.reshape(-1, V), y.reshape(-1))
 
-    state, _, _ = _factors(tied, ids, loss_fn)
-    layers = kf.register(untied, max_factor_dim=V - 1)  # the head's G (V) diagonal
-    ustate = kf.init(layers, factor_dtype=torch.float64)
-    _, _, caps = kf.capture(untied, dict(untied.named_parameters()), ids, loss_fn, layers=layers)
-    ustate = kf.accumulate_factors(ustate, caps)
+    def batch_factors(model: nn.Module, limit: int | None):
+        layers = kf.register(model, max_factor_dim=limit)
+        state = kf.init(layers, convention=convention, factor_dtype=torch.float64)
+        _, _, caps = kf.capture(model, dict(model.named_parameters()), ids, loss_fn)
+        return kf.accumulate_factors(state, caps, factor_decay=0.0)  # the batch's factors
+
+    state = batch_factors(tied, max_dim)
+    ustate = batch_factors(untied, max_dim or V - 1)  # the head's G (V) diagonal
     e, h = ustate.layers["emb"], ustate.layers["head"]
     assert h.g_factor.dim() == 1 and e.a_factor.dim() == 1
     uses = [(h.g_factor, h.a_factor), (e.a_factor, e.g_factor)]
     ls = state.layers["head"]
+    assert ls.a_factor.dim() == (1 if max_dim else 2)
     d, m = combine_uses(uses)
     torch.testing.assert_close(ls.g_factor, d)
     torch.testing.assert_close(ls.a_factor, m)
-    summed = sum(dd.sum() * mm.trace() for dd, mm in uses)
-    torch.testing.assert_close(ls.g_factor.sum() * ls.a_factor.trace(), summed)
-    assert (ls.g_factor >= 0).all() and torch.linalg.eigvalsh(ls.a_factor).min() > -1e-12
+
+    def tr(x: torch.Tensor) -> torch.Tensor:
+        return x.sum() if x.dim() == 1 else x.trace()
+
+    summed = sum(dd.sum() * tr(mm) for dd, mm in uses)
+    torch.testing.assert_close(ls.g_factor.sum() * tr(ls.a_factor), summed)
+    full = torch.diag(ls.a_factor) if max_dim else ls.a_factor
+    assert (ls.g_factor >= 0).all() and torch.linalg.eigvalsh(full).min() > -1e-12
+
+    def kron(dd: torch.Tensor, mm: torch.Tensor) -> torch.Tensor:
+        return torch.kron(torch.diag(dd), torch.diag(mm) if mm.dim() == 1 else mm)
+
     # the uses are not proportional here: the product is an approximation
-    exact = torch.kron(torch.diag(uses[0][0]), uses[0][1]) + torch.kron(
-        torch.diag(uses[1][0]), uses[1][1]
-    )
-    assert (torch.kron(torch.diag(d), m) - exact).abs().max() > 1e-6
+    exact = kron(*uses[0]) + kron(*uses[1])
+    assert (kron(d, m) - exact).abs().max() > 1e-6
 
 
 def test_combine_uses_properties() -> None:

@@ -34,7 +34,9 @@ so that, for any uses,
 - when the uses are proportional (``D₂ = a D₁``, ``M₂ = b M₁``), ``D ⊗ M = D₁ ⊗ M₁ + D₂ ⊗ M₂``.
 
 The combination is made per micro-batch, from that batch's factors; the running averages
-of ``D`` and ``M`` then proceed as for any layer. Heads with a bias, pairs whose shapes
+of ``D`` and ``M`` then proceed as for any layer. Under data parallelism each rank combines
+its own batch's uses before the factors are averaged over the ranks, so the tied layer's
+factors on several ranks approximate (not equal) one process's on the global batch. Heads with a bias, pairs whose shapes
 disagree, and other shared parameters keep :func:`kfac_func.register`'s warned skip.
 """
 
