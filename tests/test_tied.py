@@ -251,8 +251,8 @@ def test_other_shared_parameters_warn_once_per_model() -> None:
         assert sorted(kf.register(other).skipped) == ["0", "1"]
 
 
-def test_old_code_skipped_the_tied_pair() -> None:
-    """The layer the tied pair now is: the old table skipped both modules."""
+def test_the_pair_is_registered_not_skipped() -> None:
+    """The tied pair is one layer (the table used to skip both modules)."""
     table = kf.register(TiedLM())
     assert "head" in table and "emb" not in table.skipped and "head" not in table.skipped
 
@@ -307,9 +307,7 @@ def test_preconditioner_matches_functional(method: str, moments: bool) -> None:
         assert new["emb.weight"].isfinite().all()
         assert not torch.allclose(new["emb.weight"], grads["emb.weight"])
         torch.testing.assert_close(model.emb.weight.grad, new["emb.weight"], rtol=1e-8, atol=1e-10)
-    ls = pre.state.layers["head"] if hasattr(pre, "state") else None
-    if ls is not None:
-        assert ls.factor_updates == 3
+    assert pre.state.layers["head"].factor_updates == 3
 
 
 def test_state_serializes_by_the_heads_name(tmp_path) -> None:
