@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
+import weakref
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 from kfac_func.blocks.mapped import KindMap, Parsed, class_path, mapped_block, parse_kinds
 from kfac_func.blocks.registry import blocks
 from kfac_func.blocks.spec import LayerSpec
+from kfac_func.blocks.tied import tied_specs
 
 __all__ = ["KFAC_APPROX", "LayerTable", "no_layers_error", "register"]
 
@@ -295,16 +297,27 @@ def no_layers_error(layers: Mapping[str, LayerSpec], model_name: str | None = No
     )
 
 
+# the shared parameters already warned about, per model: the documented recipe registers
+# twice (register(model), then KFACPreconditioner(model)), and says so once
+_WARNED: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+
 def _tied(model: nn.Module, specs: list[LayerSpec]) -> dict[str, str]:
     """``{layer: reason}`` for the layers that share a parameter with another registered
-    layer (a tied embedding and output head): the shared gradient sums both uses, which
-    neither layer's factors describe, so both are skipped, with a warning."""
+    layer and are skipped, with a warning (once per model and parameter): the shared
+    gradient sums the uses of every layer, which the factors of neither describe.
+
+    An embedding and an output head that share their weight (a tied language-model head)
+    are instead made one layer of kind ``"tied"`` (:mod:`kfac_func.blocks.tied`), named
+    after the head: ``specs`` is updated in place (the pair replaced by it).
+    """
     users: dict[int, list[tuple[str, str, str]]] = {}
     for spec in specs:
         for pname in spec.param_names():
             use = (spec.name, spec.module, pname)
             users.setdefault(id(model.get_parameter(pname)), []).append(use)
     canonical = {id(p): n for n, p in model.named_parameters()}
+    by_name = {s.name: s for s in specs}
     out: dict[str, str] = {}
     for key, uses in users.items():
         # the parts of one module (an attention's q, k, v rows) share its parameters by design
@@ -312,13 +325,28 @@ def _tied(model: nn.Module, specs: list[LayerSpec]) -> dict[str, str]:
             continue
         layers = sorted({layer for layer, _, _ in uses})
         shared = canonical.get(key, uses[0][2])
-        warnings.warn(
-            f"parameter {shared!r} is shared by layers {layers}: K-FAC skips them (the "
-            "gradient of a tied parameter sums the uses of every layer, which the factors "
-            "of neither describe); precondition them with another optimizer",
-            UserWarning,
-            stacklevel=3,
-        )
+        why = "not an embedding and a head"
+        if len(layers) == 2:
+            pair = sorted((by_name[n] for n in layers), key=lambda s: s.kind != "embedding")
+            tied = tied_specs(pair[0], pair[1], shared)
+            if not isinstance(tied, str):
+                at = specs.index(pair[1])
+                specs[at] = tied
+                specs.remove(pair[0])
+                continue
+            why = tied
+        warned = _WARNED.setdefault(model, set())
+        if shared not in warned:
+            warned.add(shared)
+            warnings.warn(
+                f"parameter {shared!r} is shared by layers {layers}: K-FAC skips them (the "
+                "gradient of a tied parameter sums the uses of every layer, which the factors "
+                "of neither describe; only an embedding and an output head without bias are "
+                f"preconditioned together, and here {why}); precondition them with another "
+                "optimizer",
+                UserWarning,
+                stacklevel=3,
+            )
         for layer in layers:
             others = [o for o in layers if o != layer]
             out[layer] = f"shares parameter {shared!r} with {others}"
