@@ -33,10 +33,11 @@ so that, for any uses,
   single layer's);
 - when the uses are proportional (``D₂ = a D₁``, ``M₂ = b M₁``), ``D ⊗ M = D₁ ⊗ M₁ + D₂ ⊗ M₂``.
 
-The combination is made per micro-batch, from that batch's factors; the running averages
-of ``D`` and ``M`` then proceed as for any layer. Under data parallelism each rank combines
-its own batch's uses before the factors are averaged over the ranks, so the tied layer's
-factors on several ranks approximate (not equal) one process's on the global batch. Heads with a bias, pairs whose shapes
+The uses are kept apart (stacked) while a window's batch factors are summed over its
+micro-batches and averaged over the ranks, both linear, and combined once the window is
+complete (:func:`kfac_func.core.tied_factors.combine_stacked`); the running averages of
+``D`` and ``M`` then proceed as for any layer. So the factors on several ranks equal one
+process's on the global batch. Heads with a bias, pairs whose shapes
 disagree, and other shared parameters keep :func:`kfac_func.register`'s warned skip.
 """
 

@@ -18,7 +18,7 @@ from kfac_func.blocks.tied import EmbeddingUse, HeadUse
 from kfac_func.core.conventions import Convention
 from kfac_func.core.factors import factor_from_grams
 
-__all__ = ["combine_uses", "is_tied", "tied_batch_factors"]
+__all__ = ["combine_stacked", "combine_uses", "is_tied", "stacked_like", "tied_batch_factors"]
 
 
 def _trace(m: torch.Tensor) -> torch.Tensor:
@@ -75,28 +75,35 @@ def tied_batch_factors(
     loss_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(M, D)``: a tied layer's model-side (its A) and vocabulary-side (its G, diagonal)
-    factors of one batch, from the per-call Grams of both uses (see :func:`combine_uses`).
+    factors of one batch, one per use, stacked: ``M`` is ``(2, d, d)`` (``[M_h, M_e]``) and
+    ``D`` is ``(2, V)`` (``[D_h, D_e]``), zeros for a use without calls.
 
     The head's calls give ``D_h`` = its output-gradients' diagonal Gram, scaled as a G
     factor, and ``M_h`` = its inputs' Gram, scaled as an A factor; the embedding's give
     ``D_e`` = token counts, scaled as an A factor (as the Embedding kind's A), and
-    ``M_e`` = its output-gradients' Gram, scaled as a G factor.
+    ``M_e`` = its output-gradients' Gram, scaled as a G factor. The uses stay apart until
+    the window's factors are complete (summed over micro-batches and averaged over ranks,
+    both linear): :func:`combine_stacked` then makes the layer's ``(M, D)``, so that the
+    factors on several ranks equal one process's on the global batch.
 
     Example:
         >>> from kfac_func.blocks.tied import HeadUse
         >>> a = [HeadUse(torch.eye(2), 4, 1, False)]
         >>> g = [HeadUse(torch.tensor([4.0, 0.0, 8.0]), 4, 1, True)]
         >>> m, d = tied_batch_factors(a, g, "fisher", batch_size=4, loss_scale=1.0)
-        >>> d, m  # the head alone: its own factors
-        (tensor([1., 0., 2.]), tensor([[0.2500, 0.0000],
-                [0.0000, 0.2500]]))
+        >>> d  # the head's use, and no embedding call
+        tensor([[1., 0., 2.],
+                [0., 0., 0.]])
+        >>> combine_stacked(m, d)[1]  # the head alone: its own factors
+        tensor([1., 0., 2.])
     """
-    uses = []
+    uses: list[tuple[torch.Tensor, torch.Tensor] | None] = []
     for embedding in (False, True):
         picked = [
             (a, g) for a, g in zip(a_grams, g_grams) if isinstance(a, EmbeddingUse) == embedding
         ]
         if not picked:
+            uses.append(None)
             continue
         inputs = factor_from_grams([a for a, _ in picked], convention)
         grads = factor_from_grams(
@@ -104,8 +111,39 @@ def tied_batch_factors(
         )
         # in the head's orientation: (vocabulary side, model side)
         uses.append((inputs, grads) if embedding else (grads, inputs))
-    if len(uses) == 1:
-        d, m = uses[0]
-    else:
-        d, m = combine_uses(uses)
-    return m, d
+    some = next(u for u in uses if u is not None)
+    full = [
+        u if u is not None else (torch.zeros_like(some[0]), torch.zeros_like(some[1])) for u in uses
+    ]
+    return torch.stack([m for _, m in full]), torch.stack([d for d, _ in full])
+
+
+def combine_stacked(m: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(M, D)`` of a tied layer from its stacked per-use factors (``m``: ``(uses, d, d)``
+    or ``(uses, d)``, ``d``: ``(uses, V)``; see :func:`tied_batch_factors`), by
+    :func:`combine_uses`.
+
+    Example:
+        >>> m = torch.stack([torch.eye(2), torch.zeros(2, 2)])
+        >>> d = torch.stack([torch.tensor([1.0, 3.0]), torch.zeros(2)])
+        >>> combine_stacked(m, d)[1]
+        tensor([1., 3.])
+    """
+    d_out, m_out = combine_uses([(d[i], m[i]) for i in range(d.shape[0])])
+    return m_out, d_out
+
+
+def stacked_like(
+    a_factor: torch.Tensor, g_factor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero stacked batch factors of a tied layer whose running factors are ``a_factor``
+    and ``g_factor`` (a rank that saw no call of the layer offers these).
+
+    Example:
+        >>> [t.shape for t in stacked_like(torch.eye(2), torch.ones(3))]
+        [torch.Size([2, 2, 2]), torch.Size([2, 3])]
+    """
+    return (
+        torch.zeros((2, *a_factor.shape), dtype=a_factor.dtype, device=a_factor.device),
+        torch.zeros((2, *g_factor.shape), dtype=g_factor.dtype, device=g_factor.device),
+    )

@@ -17,7 +17,7 @@ from kfac_func.captures import Captures
 from kfac_func.core.conventions import micro_batch_weights
 from kfac_func.core.decomposition import all_finite
 from kfac_func.core.factors import factor_from_grams
-from kfac_func.core.tied_factors import is_tied, tied_batch_factors
+from kfac_func.core.tied_factors import combine_stacked, is_tied, tied_batch_factors
 from kfac_func.state import KFACConfig, KFACState, LayerState
 from kfac_func.step.autocast import without_autocast
 from kfac_func.step.hyper import (
@@ -131,6 +131,9 @@ def fold_checked(
     restarted from the batch factor, with a warning, so that it cannot stay poisoned.
     """
     name = ls.spec.name
+    if ls.spec.kind == "tied" and a.dim() == ls.a_factor.dim() + 1:
+        # a tied layer's uses, kept apart until the window is complete (on every rank)
+        a, g = combine_stacked(a, g)
     if not factors_finite(name, a, g, nonfinite):
         return ls.replace(skipped_updates=ls.skipped_updates + 1)
     new = fold_factors(ls, a, g, decay, config)
