@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kfac_func.adapter.arguments import HYPER, PreconditionerBase
-from kfac_func.adapter.replicated import complete_entries, entry_for_rank
+from kfac_func.adapter.replicated import complete_entries, entry_for_rank, kept_moments
 from kfac_func.core.decomposition import (
     EigenDecomposition,
     EKFACDecomposition,
@@ -170,7 +170,9 @@ class StateDictMixin(PreconditionerBase):
         if include_factors:
             sd["layers"] = layer_entries(self._state, self.plan, self.comm)
             if getattr(self, "_sharded", False):  # the same tensors on every rank, for DCP
-                complete_entries(sd["layers"], self._state, self.plan, self.comm)
+                complete_entries(
+                    sd["layers"], self._state, self.plan, self.comm, kept_moments(self)
+                )
         if self._state.adaptive is not None:  # the adaptive step's damping and history
             sd["adaptive"] = dataclasses.asdict(self._state.adaptive)
         return sd
