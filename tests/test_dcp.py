@@ -29,7 +29,7 @@ from gloo import gloo_group, record_errors, spawn
 from sharded import F64, GLOBAL_BATCH, LR, global_batch, whole
 from torch import nn
 
-from kfac_func import DistributedStrategy, KFACPreconditioner
+from kfac_func import AdaptiveStepper, DistributedStrategy, KFACPreconditioner
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -176,7 +176,13 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         gloo_group(rank, world, tmp, store=f"store{world}", timeout=timedelta(seconds=60)),
         record_errors(Path(tmp, f"rank{rank}-{world}.error")),
     ):
-        out = {name: _one(rank, world, tmp, name) for name in CONFIGS}
+        out: dict[str, Any] = {name: _one(rank, world, tmp, name) for name in CONFIGS}
+        if world == 1:  # the adaptive step refuses sharded parameters, even on one rank
+            model = make_model(world)
+            try:
+                KFACPreconditioner(model, kl_clip=None, adaptive=AdaptiveStepper(model))
+            except ValueError as err:
+                out["adaptive_refused"] = str(err)
         torch.save(out, Path(tmp, f"rank{rank}-{world}.pt"))
 
 
@@ -232,3 +238,8 @@ def test_each_rank_holds_its_layers_after_a_load(runs: Any) -> None:
     for m in two:
         assert m["a_factors"] + m["g_factors"] < one["a_factors"] + one["g_factors"]
     assert sum(m["decompositions"] for m in two) == one["decompositions"]
+
+
+def test_adaptive_step_refuses_sharded_parameters(runs: Any) -> None:
+    """On one FSDP2 rank (several ranks are refused before): a clear error at construction."""
+    assert "DTensor parameters" in runs[1][0]["adaptive_refused"]

@@ -119,8 +119,8 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         moment_beta2: the eigenbasis moments' ``β₂``.
         moment_eps: the eigenbasis moments' ``ε``.
         moment_beta1: the eigenbasis moments' ``β₁`` (0: no first moment).
-        adaptive: an :class:`~kfac_func.AdaptiveStepper` of ``model`` (one process,
-            ``kl_clip=None``): :meth:`step` then updates the parameters itself.
+        adaptive: an :class:`~kfac_func.AdaptiveStepper` of ``model`` (one process, plain
+            parameters, ``kl_clip=None``): :meth:`step` then updates the parameters itself.
         allreduce_method: ``ALLREDUCE_BUCKETED`` or ``ALLREDUCE`` (an
             :class:`~kfac_func.AllreduceMethod` or name); None: ``ALLREDUCE`` iff the cap
             is 0.
@@ -278,6 +278,12 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         if adaptive is not None and comm_world > 1:
             raise ValueError(
                 f"adaptive= runs on one process; this process group has {comm_world} ranks"
+            )
+        if adaptive is not None and any(is_dtensor(p) for p in model.parameters()):
+            raise ValueError(
+                "adaptive= needs plain parameters (its curvature products run the model "
+                "under torch.func); this model has DTensor parameters (FSDP2 or tensor "
+                "parallelism)"
             )
         self.colocate_factors = self.plan.colocate_factors
         self.grad_worker_fraction = self.plan.grad_worker_fraction

@@ -19,21 +19,34 @@ that rank has none yet, and ``"moments_held": {moment: 1 or 0}`` saying which ar
 preconditioner with these settings thus saves them and its template asks DCP for them (a
 checkpoint without them is then refused by ``dcp.load`` as missing keys instead of
 restarting the moments silently); on load each rank keeps its grad-worker layers' moments.
+
+The adaptive step (one process) keeps the previous update; its entry
+(:func:`adaptive_entry`) holds zeros of the parameters' shapes before the first step and
+``"previous_held": 0``, so that a fresh preconditioner's state dict is a template DCP loads
+the saved update into (:func:`adaptive_fields` drops what is not held).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from kfac_func.distributed.communicator import Communicator
 from kfac_func.distributed.plan import Plan
-from kfac_func.state import KFACState, LayerState
+from kfac_func.state import AdaptiveState, KFACState, LayerState
 from kfac_func.step.decompose import decompose_layer
 
-__all__ = ["MOMENTS", "complete_entries", "entry_for_rank", "kept_moments"]
+__all__ = [
+    "MOMENTS",
+    "adaptive_entry",
+    "adaptive_fields",
+    "complete_entries",
+    "entry_for_rank",
+    "kept_moments",
+]
 
 MOMENTS = ("graft_moment", "basis_moment", "basis_momentum")
 """The running moments a layer state may hold (all of the gradient matrix's shape)."""
@@ -154,4 +167,35 @@ def entry_for_rank(entry: dict[str, Any], worker: bool) -> dict[str, Any]:
             out.pop(moment, None)
             if moment == "basis_moment":
                 out.pop("moment_count", None)
+    return out
+
+
+def adaptive_entry(adaptive: AdaptiveState, params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The state dict's ``"adaptive"`` entry: the fields of ``adaptive``, its previous
+    update (zeros like ``params`` before the first step) and ``"previous_held"``.
+
+    Example:
+        >>> import torch
+        >>> from kfac_func.state import AdaptiveState
+        >>> entry = adaptive_entry(AdaptiveState(damping=0.1), {"w": torch.ones(2)})
+        >>> entry["previous"], entry["previous_held"]
+        ({'w': tensor([0., 0.])}, 0)
+        >>> adaptive_fields(entry)["previous"] is None
+        True
+    """
+    entry = dataclasses.asdict(adaptive)
+    entry["previous_held"] = int(adaptive.previous is not None)
+    if adaptive.previous is None:
+        entry["previous"] = {k: torch.zeros_like(p.detach()) for k, p in params.items()}
+    return entry
+
+
+def adaptive_fields(entry: Any) -> Any:
+    """The fields of :class:`~kfac_func.state.AdaptiveState` in an ``"adaptive"`` entry
+    (None and entries without the marker pass as they are)."""
+    if not isinstance(entry, Mapping) or "previous_held" not in entry:
+        return entry
+    out = {k: v for k, v in entry.items() if k != "previous_held"}
+    if not int(entry["previous_held"]):
+        out["previous"] = None
     return out

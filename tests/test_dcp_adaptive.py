@@ -1,0 +1,102 @@
+"""`torch.distributed.checkpoint` of the adaptive step's state, on one process.
+
+The adaptive step runs on one process with plain parameters (it refuses several ranks and
+DTensor parameters at construction; see tests/test_dcp.py for the refusal under FSDP2).
+DCP loads *into* the tensors of a template state dict, so a fresh preconditioner's state
+dict must already name the previous update the adaptive step keeps: a checkpoint saved
+after some adaptive steps, loaded into a fresh preconditioner, must resume as the
+uninterrupted run (float64, parameters equal to 1e-10 after every step).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kfac_func import AdaptiveStepper, KFACPreconditioner
+
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+F64 = torch.float64
+STEPS, SAVE_AT = 6, 3
+TOL = 1e-10
+
+
+def setup() -> tuple[nn.Module, KFACPreconditioner]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 7), nn.Tanh(), nn.Linear(7, 3)).to(F64)
+    pre = KFACPreconditioner(
+        model,
+        kl_clip=None,
+        damping=0.1,
+        inv_update_steps=2,
+        factor_dtype=F64,
+        inv_dtype=F64,
+        scaling="fisher",
+        adaptive=AdaptiveStepper(model, interval=2),
+    )
+    return model, pre
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(8, 4, generator=g, dtype=F64), torch.randint(0, 3, (8,), generator=g))
+        for _ in range(STEPS)
+    ]
+
+
+def run(model: nn.Module, pre: KFACPreconditioner, data: list[Any]) -> list[list[torch.Tensor]]:
+    out = []
+    for x, y in data:
+        model.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        closure = lambda x=x, y=y: F.cross_entropy(model(x), y)  # noqa: E731
+        pre.step(inputs=x, loss=loss.detach(), loss_closure=closure)
+        out.append([p.detach().clone() for p in model.parameters()])
+    return out
+
+
+def test_adaptive_state_resumes_through_dcp(tmp_path: Path) -> None:
+    data = batches()
+    model, pre = setup()
+    full = run(model, pre, data)
+    model, pre = setup()
+    run(model, pre, data[:SAVE_AT])
+    saved = pre.state.adaptive
+    assert saved is not None and saved.previous is not None
+    with warnings.catch_warnings():  # DCP warns that it runs without a process group
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": model.state_dict(), "kfac": pre.state_dict()}, checkpoint_id=tmp_path)
+        model, pre = setup()
+        template = {"model": model.state_dict(), "kfac": pre.state_dict()}
+        assert template["kfac"]["adaptive"]["previous_held"] == 0
+        dcp.load(template, checkpoint_id=tmp_path)
+    model.load_state_dict(template["model"])
+    pre.load_state_dict(template["kfac"])
+    got = pre.state.adaptive
+    assert got is not None and got.previous is not None
+    assert (got.damping, got.steps, got.history) == (saved.damping, saved.steps, saved.history)
+    for k, v in saved.previous.items():
+        assert torch.equal(got.previous[k], v), k
+    rest = run(model, pre, data[SAVE_AT:])
+    worst = max(
+        float((a - b).abs().max()) for r, f in zip(rest, full[SAVE_AT:]) for a, b in zip(r, f)
+    )
+    assert worst < TOL
+
+
+def test_a_fresh_adaptive_state_dict_loads_as_fresh() -> None:
+    """The template's zeros are not an update: a state dict of a fresh preconditioner
+    loads without a previous update."""
+    _, pre = setup()
+    _, other = setup()
+    other.load_state_dict(pre.state_dict())
+    assert other.state.adaptive is not None and other.state.adaptive.previous is None
