@@ -21,6 +21,7 @@ import pytest
 import torch
 from gloo import gloo_group, one_thread, record_errors, spawn
 from sharded import (
+    EXTRA_CONFIGS,
     F64,
     GLOBAL_BATCH,
     METHODS,
@@ -43,12 +44,14 @@ TOL = 1e-6
 
 
 def configs(world: int) -> list[dict[str, Any]]:
+    """Every strategy x eigen and inverse, then EKFAC and eigenbasis moments (with a first
+    moment and Adam grafting, :data:`sharded.EXTRA_CONFIGS`), per mesh."""
     meshes = ["tp"] if world == 2 else ["tp", "fsdp_tp"]
+    plain = [(s, m, "") for s in STRATEGIES for m in METHODS]
     return [
-        {"mesh": mesh, "strategy": s, "method": m}
+        {"mesh": mesh, "strategy": s, "method": m, "extra": e}
         for mesh in meshes
-        for s in STRATEGIES
-        for m in METHODS
+        for s, m, e in plain + list(EXTRA_CONFIGS)
     ]
 
 
@@ -91,7 +94,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         for cfg in configs(world):
             model = make_model()
             part = parallelize(model, cfg, world, rank)
-            pre = make_preconditioner(model, cfg["strategy"], cfg["method"])
+            pre = make_preconditioner(model, cfg["strategy"], cfg["method"], extra=cfg["extra"])
             results.append(train(model, pre, part, STEPS, SEED))
             pre.remove()
         torch.save({"configs": results}, Path(tmp, f"rank{rank}.pt"))
@@ -112,10 +115,10 @@ def spawned(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 def reference() -> dict[tuple[str, str], dict[str, Any]]:
     with one_thread():
         out = {}
-        for s in STRATEGIES:
-            for m in METHODS:
-                model = make_model()
-                out[s, m] = train(model, make_preconditioner(model, s, m), None, STEPS, SEED)
+        for s, m, e in [(s, m, "") for s in STRATEGIES for m in METHODS] + list(EXTRA_CONFIGS):
+            model = make_model()
+            pre = make_preconditioner(model, s, m, extra=e)
+            out[s, m, e] = train(model, pre, None, STEPS, SEED)
         return out
 
 
@@ -128,7 +131,7 @@ def test_equals_one_process(spawned: Any, reference: dict[tuple[str, str], Any])
     world, results = spawned
     worst = 0.0
     for i, cfg in enumerate(configs(world)):
-        ref = reference[cfg["strategy"], cfg["method"]]
+        ref = reference[cfg["strategy"], cfg["method"], cfg["extra"]]
         assert max_diff(ref["grads"][-1], ref["raw"][-1]) > 1e-3  # K-FAC changed them
         for r in range(world):
             got = results[r]["configs"][i]
