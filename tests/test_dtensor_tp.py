@@ -85,6 +85,25 @@ def parallelize(model: nn.Sequential, cfg: dict[str, Any], world: int, rank: int
     return slice(dp * GLOBAL_BATCH // 2, (dp + 1) * GLOBAL_BATCH // 2)
 
 
+def packed_refusal(world: int) -> str:
+    """The error of attention's packed weight sharded over a tensor-parallel mesh by hand
+    (torch's parallel styles do not take ``nn.MultiheadAttention``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from kfac_func import KFACPreconditioner
+
+    model = nn.Sequential(nn.MultiheadAttention(4, 2)).to(F64)
+    mesh = init_device_mesh("cpu", (world,))
+    w = model[0].in_proj_weight
+    model[0].in_proj_weight = nn.Parameter(distribute_tensor(w.detach(), mesh, [Shard(0)]))
+    try:
+        KFACPreconditioner(model)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
 def _worker(rank: int, world: int, tmp: str) -> None:
     with (
         gloo_group(rank, world, tmp, timeout=timedelta(seconds=60)),
@@ -97,7 +116,9 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             pre = make_preconditioner(model, cfg["strategy"], cfg["method"], extra=cfg["extra"])
             results.append(train(model, pre, part, STEPS, SEED))
             pre.remove()
-        torch.save({"configs": results}, Path(tmp, f"rank{rank}.pt"))
+        torch.save(
+            {"configs": results, "packed": packed_refusal(world)}, Path(tmp, f"rank{rank}.pt")
+        )
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -148,3 +169,11 @@ def test_strategies(spawned: Any) -> None:
     for i, cfg in enumerate(configs(world)):
         want = "MEM_OPT" if cfg["strategy"] == "HYBRID_OPT" and world == 2 else cfg["strategy"]
         assert results[0]["configs"][i]["strategy"] == want
+
+
+def test_tensor_parallel_packed_attention_is_refused(spawned: Any) -> None:
+    world, results = spawned
+    for r in range(world):
+        err = results[r]["packed"]
+        assert "layer '0.q_proj'" in err and "'0.in_proj_weight'" in err, err
+        assert "not tensor-parallel" in err and "Shard(dim=0)" in err, err

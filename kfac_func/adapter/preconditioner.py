@@ -33,7 +33,11 @@ from kfac_func.adapter.sync_free import SyncFreeMixin
 from kfac_func.blocks import register
 from kfac_func.blocks.table import no_layers_error
 from kfac_func.distributed.communicator import AllreduceMethod, Communicator
-from kfac_func.distributed.dtensor import describe_parameters, is_dtensor
+from kfac_func.distributed.dtensor import (
+    check_packed_parameters,
+    describe_parameters,
+    is_dtensor,
+)
 from kfac_func.distributed.kaisa import update_distributed
 from kfac_func.distributed.plan import AssignmentStrategy, DistributedStrategy, make_plan
 from kfac_func.distributed.sharded import release_unowned
@@ -263,6 +267,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
                 )
         if not self.layers:
             raise no_layers_error(self.layers, type(model).__name__)
+        check_packed_parameters(model, self.layers)  # the same on every rank: no collective
         weight = model.get_parameter(next(iter(self.layers.values())).weight)
         self.factor_dtype = factor_dtype or torch.promote_types(weight.dtype, torch.float32)
         comm_world = Communicator.current_world_size()
