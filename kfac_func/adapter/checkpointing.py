@@ -19,6 +19,7 @@ from kfac_func.adapter.replicated import (
     complete_entries,
     entry_for_rank,
     kept_moments,
+    warn_missing_moments,
 )
 from kfac_func.core.decomposition import (
     EigenDecomposition,
@@ -225,6 +226,8 @@ class StateDictMixin(PreconditionerBase):
             for key, value in old.items():  # a refused state dict changes nothing
                 setattr(self, key, value)
             raise
+        mine = [n for n, lp in self.plan.layers.items() if self.comm.rank in lp.grad_workers]
+        warn_missing_moments(layers_sd, kept_moments(self), mine, steps)
         self._state = self._state.replace(layers=layers, step=steps, adaptive=adaptive)
         sharded = getattr(self, "_sharded", False)  # MEM_OPT: only the owned factors stay
         self._state = release_unowned(self._state, self.plan, self.comm.rank, sharded)

@@ -29,6 +29,7 @@ the saved update into (:func:`adaptive_fields` drops what is not held).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -46,6 +47,7 @@ __all__ = [
     "complete_entries",
     "entry_for_rank",
     "kept_moments",
+    "warn_missing_moments",
 ]
 
 MOMENTS = ("graft_moment", "basis_moment", "basis_momentum")
@@ -199,3 +201,39 @@ def adaptive_fields(entry: Any) -> Any:
     if not int(entry["previous_held"]):
         out["previous"] = None
     return out
+
+
+def warn_missing_moments(
+    layers: Mapping[str, Any] | None, moments: Sequence[str], workers: Sequence[str], steps: int
+) -> None:
+    """Warn (a RuntimeWarning naming the layers) when a state dict of a run that took
+    ``steps > 0`` steps lacks the running ``moments`` (see :func:`kept_moments`) of layers
+    this rank preconditions (``workers``), so that they would restart: a state dict saved
+    without them (by a preconditioner without these settings, or before they were kept
+    in sharded state dicts). Moments the state dict marks as not held yet are no restart.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as seen:
+        ...     warnings.simplefilter("always")
+        ...     warn_missing_moments({"0": {"A": None}}, ("basis_moment",), ["0"], steps=3)
+        >>> "restart" in str(seen[0].message)
+        True
+    """
+    if not layers or not moments or steps <= 0:
+        return
+    missing: dict[str, list[str]] = {}
+    for name in workers:
+        entry = layers.get(name, {})
+        held = entry.get("moments_held", {})
+        for moment in moments:
+            if moment not in entry and moment not in held:
+                missing.setdefault(moment, []).append(name)
+    if missing:
+        lines = "; ".join(f"{m} of layers {names}" for m, names in missing.items())
+        warnings.warn(
+            f"the state_dict (after {steps} steps) holds no {lines}: their running moments "
+            "restart from zero (it was saved without them)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
