@@ -4,7 +4,8 @@ resharded across world sizes (4 -> 2 -> 1), resumes as the uninterrupted run.
 Three spawns on gloo, each running every configuration of :data:`CONFIGS`: plain eigen
 K-FAC under MEM_OPT, eigenbasis moments with Adam grafting under HYBRID_OPT (two grad
 workers per layer on 4 ranks), EKFAC with eigenbasis moments and a first moment
-(``moment_beta1 > 0``) under COMM_OPT, and EKFAC under MEM_OPT. On 4 ranks the model
+(``moment_beta1 > 0``) under COMM_OPT, EKFAC under MEM_OPT, and eigenbasis moments with a
+first moment and Adam grafting under tensor parallelism (MEM_OPT). On 4 ranks the model
 (float64, sharded per Linear and at the root) trains with SGD with momentum on
 preconditioned gradients (MEM_OPT: each layer's factors and decomposition on its owner
 only); after ``SAVE_AT`` steps ``dcp.save`` writes
@@ -45,15 +46,28 @@ SEED = 300  # the global batch of step k: global_batch(SEED + k)
 TOL = 1e-10
 
 
-def make_model(world: int) -> nn.Sequential:
+def make_model(world: int, mesh_kind: str = "fsdp") -> nn.Sequential:
+    """FSDP2 per Linear and at the root, or (``"tp"``) tensor parallelism over every rank:
+    the first Linear column-parallel, the second row-parallel (even widths)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    if mesh_kind == "tp":
+        model = nn.Sequential(
+            nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 3)
+        ).to(F64)
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        return model
     model = nn.Sequential(
         nn.Linear(4, 7), nn.Tanh(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3)
     ).to(F64)
-    mesh = init_device_mesh("cpu", (world,))
     for i in (0, 2, 4):
         fully_shard(model[i], mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -81,6 +95,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "moment_beta1": 0.9,
     },
     "ekfac": {"grad_worker_fraction": DistributedStrategy.MEM_OPT, "compute_method": "ekfac"},
+    "tp_moments_adam": {
+        "mesh": "tp",
+        "grad_worker_fraction": DistributedStrategy.MEM_OPT,
+        "eigenbasis_moments": True,
+        "moment_beta1": 0.9,
+        "moment_eps": EPS,
+        "grafting": "adam",
+        "graft_eps": EPS,
+    },
 }
 """The preconditioner's settings per configuration (besides those of :func:`setup`)."""
 
@@ -88,7 +111,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
 def setup(
     world: int, cfg: dict[str, Any]
 ) -> tuple[nn.Module, torch.optim.Optimizer, KFACPreconditioner]:
-    model = make_model(world)
+    cfg = dict(cfg)
+    model = make_model(world, cfg.pop("mesh", "fsdp"))
     pre = KFACPreconditioner(
         model,
         factor_update_steps=1,
@@ -112,9 +136,12 @@ def run(
     steps: range,
     rank: int,
     world: int,
+    whole_batch: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     grads = []
     part = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    if whole_batch:  # tensor parallelism: every rank sees the global batch
+        part = slice(None)
     for step in steps:
         x, y = global_batch(SEED + step)
         opt.zero_grad()
@@ -144,19 +171,20 @@ def load(path: Path, model: nn.Module, opt: torch.optim.Optimizer, pre: KFACPrec
 def _one(rank: int, world: int, tmp: str, name: str) -> dict[str, Any]:
     """One configuration's part of this world size's run (see the module docstring)."""
     model, opt, pre = setup(world, CONFIGS[name])
+    tp = CONFIGS[name].get("mesh") == "tp"
     if world == 4:
-        grads = run(model, opt, pre, range(SAVE_AT), rank, world)
+        grads = run(model, opt, pre, range(SAVE_AT), rank, world, tp)
         dcp.save(state(model, opt, pre), checkpoint_id=str(Path(tmp, f"{name}4")))
-        grads += run(model, opt, pre, range(SAVE_AT, STEPS), rank, world)
+        grads += run(model, opt, pre, range(SAVE_AT, STEPS), rank, world, tp)
     elif world == 2:
         load(Path(tmp, f"{name}4"), model, opt, pre)
         steps = pre.steps
-        grads = run(model, opt, pre, range(SAVE_AT, RESAVE_AT), rank, world)
+        grads = run(model, opt, pre, range(SAVE_AT, RESAVE_AT), rank, world, tp)
         dcp.save(state(model, opt, pre), checkpoint_id=str(Path(tmp, f"{name}2")))
     else:
         load(Path(tmp, f"{name}2"), model, opt, pre)
         steps = pre.steps
-        grads = run(model, opt, pre, range(RESAVE_AT, STEPS), rank, world)
+        grads = run(model, opt, pre, range(RESAVE_AT, STEPS), rank, world, tp)
     moments = {
         n: int(ls.basis_moment is not None) + 2 * int(ls.graft_moment is not None)
         for n, ls in pre.state.layers.items()
@@ -228,7 +256,8 @@ def test_moments_are_kept(runs: Any) -> None:
     """The configurations with running moments hold them on one rank at the end (and
     those without hold none): the comparison above covers them."""
     kept = {name: set(runs[1][0][name]["moments"].values()) for name in CONFIGS}
-    assert kept == {"eigen": {0}, "moments_adam": {3}, "ekfac_beta1": {1}, "ekfac": {0}}
+    want = {"eigen": {0}, "moments_adam": {3}, "ekfac_beta1": {1}, "ekfac": {0}}
+    assert kept == {**want, "tp_moments_adam": {3}}
 
 
 def test_each_rank_holds_its_layers_after_a_load(runs: Any) -> None:
