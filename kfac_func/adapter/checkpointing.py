@@ -182,7 +182,7 @@ class StateDictMixin(PreconditionerBase):
                     sd["layers"], self._state, self.plan, self.comm, kept_moments(self)
                 )
         if self._state.adaptive is not None:  # the adaptive step's damping and history
-            names = {p for spec in self.layers.values() for p in spec.param_names()}
+            names = {p for ls in self._state.layers.values() for p in ls.spec.param_names()}
             params = {p: self.model.get_parameter(p) for p in sorted(names)}
             sd["adaptive"] = adaptive_entry(self._state.adaptive, params)
         return sd
