@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -256,6 +257,8 @@ def provenance(argv: list[str]) -> dict[str, Any]:
         "commit": commit + ("+uncommitted changes" if dirty else ""),
         "cpu": cpu,
         "threads": torch.get_num_threads(),
+        # other processes on the machine: the seconds compare only within one run
+        "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
