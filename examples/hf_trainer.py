@@ -237,7 +237,18 @@ def provenance(argv: list[str]) -> dict[str, Any]:
         ).stdout.strip()
         dirty = bool(
             subprocess.run(
-                ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                # changes to tracked files, but the committed results this run rewrites
+                [
+                    "git",
+                    "-C",
+                    str(root),
+                    "status",
+                    "--porcelain",
+                    "--untracked-files=no",
+                    "--",
+                    ".",
+                    ":(exclude)examples/results",
+                ],
                 capture_output=True,
                 text=True,
             ).stdout.strip()
