@@ -79,6 +79,13 @@ class LayerBlock(ABC):
     (:meth:`joint_grams`; norms: the scale's gradient is the normalised input times the
     output-gradient) instead of one from each (:meth:`a_gram`, :meth:`g_gram`)."""
 
+    placeholder_a: ClassVar[bool] = False
+    """Whether the A side is a placeholder: the ``1 × 1`` identity by construction (norms,
+    whose unit blocks live wholly in G), not a curvature factor. A placeholder side is
+    neither damped nor inverted: every method applies it as the identity, so that the
+    inverse method solves ``(G + λI) x = m`` as the eigen method does (see
+    :attr:`LayerSpec.placeholder`)."""
+
     # --- registration --------------------------------------------------------------
 
     def matches(self, module: nn.Module) -> bool:

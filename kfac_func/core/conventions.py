@@ -27,7 +27,9 @@ output-gradients of the user's loss, so ``r = c · g`` with ``g`` the per-exampl
     identity. Decompositions run in float32 and are stored in ``inv_dtype``.
 
 Both conventions symmetrise factors (``(M + Mᵀ)/2``), clamp eigenvalues at zero, damp the
-eigen method as ``(G ⊗ A + λI)⁻¹`` and the inverse method as ``(G + λI)⁻¹ ⊗ (A + λI)⁻¹``.
+eigen method as ``(G ⊗ A + λI)⁻¹`` and the inverse method as ``(G + λI)⁻¹ ⊗ (A + λI)⁻¹``,
+except on a placeholder side (a norm layer's ``A = 1``, see
+:attr:`kfac_func.blocks.LayerSpec.placeholder`), which both apply as the undamped identity.
 """
 
 from __future__ import annotations
