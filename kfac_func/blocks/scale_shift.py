@@ -7,11 +7,12 @@ the 2×2 (1×1 without ``β``) Gram of those pairs. In K-FAC's terms each unit i
 with ``g_dim = 2`` (``γ`` and ``β`` are the rows of its gradient matrix ``(units, 2, 1)``)
 and ``a_dim = 1`` with ``A = 1`` (stored diagonal, a placeholder:
 :attr:`~kfac_func.blocks.base.LayerBlock.placeholder_a`, applied as the identity by every
-method, never damped): preconditioning solves each unit's
-``(G_u + λI) x = (dγ_u, dβ_u)`` under the eigen and the inverse method alike, as the
-scale-and-shift blocks of kfac-jax and the unit-wise blocks of ASDL do. The statistics need a call's input and output-gradient
-together (:attr:`~kfac_func.blocks.base.LayerBlock.joint`). The kinds (which units, how ``x̂`` is
-computed) are in :mod:`kfac_func.blocks.layer_norm` and :mod:`kfac_func.blocks.channel_norm`.
+method, never damped): preconditioning solves each unit's ``(G_u + λI) x = (dγ_u, dβ_u)``
+under the eigen and the inverse method alike, as the scale-and-shift blocks of kfac-jax
+and the unit-wise blocks of ASDL do. The statistics need a call's input and
+output-gradient together (:attr:`~kfac_func.blocks.base.LayerBlock.joint`). The kinds
+(which units, how ``x̂`` is computed) are in :mod:`kfac_func.blocks.layer_norm` and
+:mod:`kfac_func.blocks.channel_norm`.
 """
 
 from __future__ import annotations
