@@ -1,9 +1,11 @@
 """kfac-pytorch-shaped state dicts of :class:`KFACPreconditioner`.
 
 ``{"steps", <hyperparameters>, "layers": {name: {"A", "G", "factor_updates",
-"decomposition"}}}``: what :meth:`KFACPreconditioner.state_dict` returns and
-:meth:`KFACPreconditioner.load_state_dict` restores. Under ``MEM_OPT`` on several ranks
-the current factors live on their owners and are fetched with a broadcast.
+"decomposition"}}, "settings": {...}}``: what :meth:`KFACPreconditioner.state_dict`
+returns and :meth:`KFACPreconditioner.load_state_dict` restores. The hyperparameters are
+restored (a warning names those that change); the settings that decide what the factors
+mean must match (see :mod:`kfac_func.adapter.checkpoint_settings`). Under ``MEM_OPT`` on
+several ranks the current factors live on their owners and are fetched with a broadcast.
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ from typing import Any
 import torch
 
 from kfac_func.adapter.arguments import HYPER, PreconditionerBase
+from kfac_func.adapter.checkpoint_settings import (
+    SETTINGS_KEY,
+    check_settings,
+    meaning_settings,
+    warn_replaced,
+)
 from kfac_func.adapter.replicated import complete_entries, entry_for_rank
 from kfac_func.core.decomposition import (
     EigenDecomposition,
@@ -161,12 +169,15 @@ class StateDictMixin(PreconditionerBase):
     def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
         """kfac-pytorch's shape: ``steps``, the non-callable hyperparameters and, with
         ``include_factors``, ``layers: {name: {"A", "G"}}`` (plus this rank's decomposition
-        and update counter, so a resumed run is bit-exact)."""
+        and update counter, so a resumed run is bit-exact); ``settings``: what the factors
+        mean (scaling, compute method, eigenbasis moments, factor dtype, layer kinds and
+        ``kfac_approx``), checked by :meth:`load_state_dict`."""
         sd: dict[str, Any] = {"steps": self.steps}
         for key in HYPER:
             value = getattr(self, key)
             if not callable(value):
                 sd[key] = value
+        sd[SETTINGS_KEY] = meaning_settings(self._state, self.eigenbasis_moments)
         if include_factors:
             sd["layers"] = layer_entries(self._state, self.plan, self.comm)
             if getattr(self, "_sharded", False):  # the same tensors on every rank, for DCP
@@ -177,8 +188,17 @@ class StateDictMixin(PreconditionerBase):
 
     def load_state_dict(self, state_dict: dict[str, Any], compute_inverses: bool = True) -> None:
         """Restore :meth:`state_dict`; decompositions missing from it are recomputed (with
-        ``compute_inverses``) on this rank's grad-worker layers, else at the next step."""
+        ``compute_inverses``) on this rank's grad-worker layers, else at the next step.
+
+        The state dict's hyperparameters replace the constructor's non-callable ones (as
+        in kfac-pytorch), with one UserWarning naming each value that changes. A state
+        dict whose ``settings`` (scaling, compute method, ...) differ from this
+        preconditioner's is refused with a ValueError naming them; nothing changes then.
+        """
         sd = dict(state_dict)
+        check_settings(
+            sd.pop(SETTINGS_KEY, None), meaning_settings(self._state, self.eigenbasis_moments)
+        )
         steps = int(sd.pop("steps"))
         layers_sd = sd.pop("layers", None)
         device = next(iter(self._state.layers.values())).a_factor.device
@@ -213,5 +233,6 @@ class StateDictMixin(PreconditionerBase):
                 setattr(self, key, value)
             raise
         self._state = self._state.replace(layers=layers, step=steps, adaptive=adaptive)
+        warn_replaced(HYPER, old, {key: getattr(self, key) for key in HYPER}, stacklevel=2)
         sharded = getattr(self, "_sharded", False)  # MEM_OPT: only the owned factors stay
         self._state = release_unowned(self._state, self.plan, self.comm.rank, sharded)
