@@ -411,11 +411,16 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         if self._state.adaptive is not None:
             damping = self._state.adaptive.damping
             raw = {k: g.clone() for k, g in grads.items()}
-        # the state before the first factor update, to judge that update's factors
         factors_now = bool(batch) or reducer is not None or captures is not None
-        # (the adaptive step tunes the damping itself: nothing to warn about)
-        check = factors_now and not self._damping_checked and self.adaptive is None
-        before = self._state if check else None
+        # whether the damping may be judged this step (once the factors settle, see
+        # _warn_if_damping_dominates); the adaptive step tunes the damping itself, and the
+        # eigenbasis moments set the step without it: nothing to warn about there
+        check = (
+            factors_now
+            and not self._damping_checked
+            and self.adaptive is None
+            and not self.eigenbasis_moments
+        )
         if self.comm.world_size == 1 and reducer is None and not self._sharded:
             # a copy with a dict of its own, so that a state read from .state earlier
             # keeps its layers; once self._state points at the copy nothing else holds
@@ -460,9 +465,8 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
             for pname, g in grads.items():
                 if new_grads[pname] is not g:
                     g.copy_(new_grads[pname])
-        if before is not None:
-            self._damping_checked = True
-            self._warn_if_damping_dominates(before, float(self._value(damping)))
+        if check:
+            self._damping_checked = self._warn_if_damping_dominates(float(self._value(damping)))
         if self.adaptive is not None:
             assert loss_closure is not None and loss is not None
             # the extra forward passes (forward-mode products, the closure) run without
