@@ -58,6 +58,30 @@ def test_replaced_hyperparameters_are_restored_and_named_once() -> None:
     assert _caught(same, sd) == []
 
 
+def test_resuming_the_same_construction_after_a_schedule_is_silent() -> None:
+    """A scheduler moved kl_clip and damping; the same script, resumed, builds the
+    preconditioner as before and gets the scheduled values back without a warning."""
+    model = _model()
+    pre = kf.KFACPreconditioner(model)
+    sched = kf.LambdaParamScheduler(
+        pre, kl_clip_lambda=lambda step: 0.9, damping_lambda=lambda step: 0.5
+    )
+    for _ in range(2):
+        model.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        pre.step()
+        sched.step()
+    resumed = kf.KFACPreconditioner(_model())
+    assert _caught(resumed, pre.state_dict()) == []
+    assert (resumed.kl_clip, resumed.damping) == (pre.kl_clip, pre.damping)
+    other = kf.KFACPreconditioner(_model(), damping=0.1)  # another construction: named
+    (message,) = _caught(other, pre.state_dict())
+    assert f"damping 0.1 → {pre.damping!r}" in message and "kl_clip" not in message
+    old = {k: v for k, v in pre.state_dict().items() if k != "constructed"}
+    (message,) = _caught(kf.KFACPreconditioner(_model()), old)  # an older checkpoint
+    assert "damping 0.001 → 0.00025" in message and "kl_clip 0.001 → 0.00081" in message
+
+
 @pytest.mark.parametrize(
     ("saved", "loading", "named"),
     [

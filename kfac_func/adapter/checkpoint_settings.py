@@ -4,7 +4,10 @@ Two kinds, treated differently on load:
 
 - the hyperparameters (``damping``, ``factor_update_steps``, ...): restored from the
   checkpoint as kfac-pytorch restores them, with one warning that names every value the
-  checkpoint replaced (``old → new``);
+  checkpoint replaced (``old → new``) where the constructor chose another value than the
+  checkpoint's run was constructed with (saved under ``"constructed"``): resuming a run
+  whose scheduler moved a value is silent, loading it into a preconditioner built with
+  other settings is not;
 - the settings that decide what the stored factors *mean* (:func:`meaning_settings`: the
   scaling convention, the compute method, the eigenbasis moments, the factor dtype, each
   layer's kind and ``kfac_approx``): saved under ``"settings"``, and a checkpoint whose
@@ -20,10 +23,50 @@ from typing import Any
 
 from kfac_func.state import KFACState
 
-__all__ = ["SETTINGS_KEY", "check_settings", "meaning_settings", "warn_replaced"]
+__all__ = [
+    "CONSTRUCTED_KEY",
+    "SETTINGS_KEY",
+    "check_settings",
+    "meaning_settings",
+    "replaced_choices",
+    "warn_replaced",
+]
 
 SETTINGS_KEY = "settings"
 """The state-dict key under which :func:`meaning_settings` are saved."""
+
+CONSTRUCTED_KEY = "constructed"
+"""The state-dict key of the hyperparameters the saving preconditioner was built with."""
+
+
+def replaced_choices(
+    keys: Sequence[str],
+    saved_constructed: Mapping[str, Any] | None,
+    constructed: Mapping[str, Any],
+    state_dict: Mapping[str, Any],
+) -> list[str]:
+    """The hyperparameters of ``keys`` a state dict replaces that this preconditioner's
+    constructor chose otherwise than the checkpoint's run: those whose ``constructed``
+    (non-callable) value differs from ``saved_constructed``'s (without that record, an
+    older checkpoint: from the state dict's value).
+
+    Example:
+        >>> replaced_choices(["damping"], {"damping": 0.01}, {"damping": 1e-3},
+        ...                  {"damping": 0.005})
+        ['damping']
+        >>> replaced_choices(["damping"], {"damping": 1e-3}, {"damping": 1e-3},
+        ...                  {"damping": 0.005})  # the same construction, scheduled
+        []
+    """
+    out = []
+    for key in keys:
+        mine = constructed.get(key)
+        if key not in state_dict or callable(mine):
+            continue
+        theirs = (saved_constructed or {}).get(key, state_dict[key])
+        if theirs != mine:
+            out.append(key)
+    return out
 
 
 def meaning_settings(state: KFACState, eigenbasis_moments: bool) -> dict[str, Any]:

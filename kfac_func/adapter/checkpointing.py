@@ -17,9 +17,11 @@ import torch
 
 from kfac_func.adapter.arguments import HYPER, PreconditionerBase
 from kfac_func.adapter.checkpoint_settings import (
+    CONSTRUCTED_KEY,
     SETTINGS_KEY,
     check_settings,
     meaning_settings,
+    replaced_choices,
     warn_replaced,
 )
 from kfac_func.adapter.replicated import complete_entries, entry_for_rank
@@ -178,6 +180,8 @@ class StateDictMixin(PreconditionerBase):
             if not callable(value):
                 sd[key] = value
         sd[SETTINGS_KEY] = meaning_settings(self._state, self.eigenbasis_moments)
+        made = getattr(self, "_constructed", {})
+        sd[CONSTRUCTED_KEY] = {k: v for k, v in made.items() if not callable(v)}
         if include_factors:
             sd["layers"] = layer_entries(self._state, self.plan, self.comm)
             if getattr(self, "_sharded", False):  # the same tensors on every rank, for DCP
@@ -191,7 +195,9 @@ class StateDictMixin(PreconditionerBase):
         ``compute_inverses``) on this rank's grad-worker layers, else at the next step.
 
         The state dict's hyperparameters replace the constructor's non-callable ones (as
-        in kfac-pytorch), with one UserWarning naming each value that changes. A state
+        in kfac-pytorch), with one UserWarning naming each value that changes where this
+        constructor chose another value than the checkpoint's run was built with
+        (resuming the same script, whose scheduler moved a value, is silent). A state
         dict whose ``settings`` (scaling, compute method, ...) differ from this
         preconditioner's is refused with a ValueError naming them; nothing changes then.
         """
@@ -201,6 +207,9 @@ class StateDictMixin(PreconditionerBase):
         )
         steps = int(sd.pop("steps"))
         layers_sd = sd.pop("layers", None)
+        chosen = replaced_choices(
+            HYPER, sd.pop(CONSTRUCTED_KEY, None), getattr(self, "_constructed", {}), sd
+        )
         device = next(iter(self._state.layers.values())).a_factor.device
         adaptive = _adaptive_from(sd.pop("adaptive", None), self._state.adaptive, device)
         old = {key: getattr(self, key) for key in HYPER}
@@ -233,6 +242,6 @@ class StateDictMixin(PreconditionerBase):
                 setattr(self, key, value)
             raise
         self._state = self._state.replace(layers=layers, step=steps, adaptive=adaptive)
-        warn_replaced(HYPER, old, {key: getattr(self, key) for key in HYPER}, stacklevel=2)
+        warn_replaced(chosen, old, {key: getattr(self, key) for key in HYPER}, stacklevel=2)
         sharded = getattr(self, "_sharded", False)  # MEM_OPT: only the owned factors stay
         self._state = release_unowned(self._state, self.plan, self.comm.rank, sharded)

@@ -64,8 +64,9 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         factor_update_steps: collect statistics on steps ``k % factor_update_steps == 0``.
         inv_update_steps: recompute the decompositions every this many steps.
         damping: Tikhonov damping λ >= 0 (with ``adaptive=``, the starting λ).
-        factor_decay: the factors' running-average coefficient, in (0, 1] (see
-            :func:`kfac_func.exp_decay_factor_averaging`).
+        factor_decay: the factors' running-average coefficient, in [0, 1] (0: the latest
+            batch factors only; 1: frozen factors; see
+            :func:`kfac_func.exp_decay_factor_averaging`, whose first value is 0).
         kl_clip: bound of the scale ``min(1, sqrt(kl_clip / |lr² Σ P ⊙ grad|))`` of the
             preconditioned gradients (> 0); None disables it.
         lr: the learning rate in the ``kl_clip`` scale (only there: keep it the
@@ -99,8 +100,10 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         loglevel: the :mod:`logging` level of the construction report on the
             ``"kfac_func"`` logger: a ``Registered name="...": ...`` line per layer, the
             layer table and the KAISA assignment (DEBUG: silent unless shown).
-        scaling: the factors' convention, ``"kfac-pytorch"`` (hyperparameters carry
-            over) or ``"fisher"`` (for new models); see :mod:`kfac_func.core.conventions`.
+        scaling: the factors' convention, ``"kfac-pytorch"`` (the default: hyperparameters
+            carry over) or ``"fisher"`` (for new models); see
+            :mod:`kfac_func.core.conventions`. ``convention=`` (the functional API's name)
+            is an alias; both given and different: a ValueError.
         loss_reduction: ``"mean"`` or ``"sum"``, how the loss reduces the batch.
         loss_divisor: what the loss was divided by besides (``k`` for ``loss / k`` over
             ``k`` accumulated micro-batches).
@@ -184,7 +187,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         skip_layers: list[str] | None = None,
         update_factors_in_hook: bool = True,
         loglevel: int = logging.DEBUG,
-        scaling: str = "kfac-pytorch",
+        scaling: str | None = None,
         loss_reduction: str = "mean",
         loss_divisor: float = 1.0,
         collective_timeout: timedelta | None = None,
@@ -205,6 +208,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         batched_eigh: bool = False,
         eigh_device: torch.device | str | None = None,
         factor_rows: int | None = None,
+        convention: str | None = None,
     ) -> None:
         self._set_sync_free(sync_free, compile)
         self.batched_eigh, self.eigh_device = batched_eigh, check_eigh_device(eigh_device)
@@ -229,6 +233,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
             update_factors_in_hook=update_factors_in_hook,
             loglevel=loglevel,
             scaling=scaling,
+            convention=convention,
             loss_reduction=loss_reduction,
             loss_divisor=loss_divisor,
             allreduce_method=allreduce_method,
@@ -319,7 +324,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         )
         self._state = init(
             self.layers,
-            convention=scaling,  # type: ignore[arg-type]
+            convention=self.scaling,  # type: ignore[arg-type]
             compute_method=self.compute_method.name.lower(),
             compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
             factor_dtype=self.factor_dtype,
