@@ -301,3 +301,21 @@ def test_factors_follow_the_batch_device_at_the_first_update_only() -> None:
         assert new.a_factor.device.type == "meta" and new.g_factor.device.type == "meta"
     with pytest.raises(ValueError, match=r"layer '0'.*cpu.*meta"):
         fold_factors(ls.replace(factor_updates=1), a, g, 0.9, KFACConfig())
+
+
+def test_a_default_preconditioner_on_an_mlp_classifier_does_not_warn() -> None:
+    """kfac-pytorch's defaults on a small classifier: the factors start at the identity,
+    which sets the early steps; the damping is judged only against the running factors."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 10))
+    pre = kf.KFACPreconditioner(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(64, 20), torch.randint(0, 10, (64,))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(20):
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            pre.step()
+            optimizer.step()
+    assert [str(w.message) for w in seen if "curvature" in str(w.message)] == []
