@@ -877,11 +877,12 @@ def test_state_dict_shape() -> None:
     for x, y in batches("cnn", 4, steps=3):
         adapter_grads(pre, net, x, y)
     sd = pre.state_dict(include_factors=False)
-    # callables are not saved; "settings" says what the factors mean
-    assert set(sd) == {"steps", "settings"} | HYPER_KEYS - {"damping"}
+    # callables are not saved; "settings" says what the factors mean, "constructed" the
+    # hyperparameters as built
+    assert set(sd) == {"steps", "settings", "constructed"} | HYPER_KEYS - {"damping"}
     assert sd["steps"] == 3 and sd["kl_clip"] is None and sd["factor_update_steps"] == 2
     sd = pre.state_dict()
-    assert set(sd) == {"steps", "settings", "layers"} | HYPER_KEYS - {"damping"}
+    assert set(sd) == {"steps", "settings", "constructed", "layers"} | HYPER_KEYS - {"damping"}
     assert list(sd["layers"]) == list(pre.layers)
     for name, entry in sd["layers"].items():
         a_shape, g_shape = pre.layers[name].factor_shapes
