@@ -17,6 +17,7 @@ folder is then on ``sys.path`` and ``import common`` finds this module.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import gzip
 import math
@@ -29,6 +30,19 @@ import numpy as np
 import torch
 
 T = TypeVar("T")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each option's default, appended by argparse only where its help
+    does not state the default itself (``"(default: 5)"`` or ``"%(default)s"``), so that
+    no option reads ``(default: 5) (default: None)``."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default:" in text or "%(default)" in text:
+            return text
+        return super()._get_help_string(action)
+
 
 DATASETS = ("digits", "mnist5k", "mnist", "cifar10")
 """Names accepted by :func:`load_images`."""

@@ -49,7 +49,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from kfac_func import KFACPreconditioner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ImageData, format_table, load_images, progress, save_curves
+from common import HelpFormatter, ImageData, format_table, load_images, progress, save_curves
 
 OPTIMIZERS = ("sgd", "kfac")
 STRATEGIES = ("comm-opt", "mem-opt", "hybrid-opt")
@@ -217,7 +217,7 @@ def train(
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add = parser.add_argument
     add("--optimizers", default=",".join(OPTIMIZERS), help=f"comma-separated, from {OPTIMIZERS}")

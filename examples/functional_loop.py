@@ -16,7 +16,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import format_table, progress, save_curves
+from common import HelpFormatter, format_table, progress, save_curves
 from torch import nn
 
 import kfac_func as kf
@@ -82,7 +82,7 @@ def train(args: argparse.Namespace, use_kfac: bool) -> list[dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add = parser.add_argument
     add("--epochs", type=int, default=10, help="epochs of each run")

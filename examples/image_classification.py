@@ -55,6 +55,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     DATASETS,
+    HelpFormatter,
     ImageData,
     evaluate,
     format_table,
@@ -247,7 +248,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s = Settings()
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--dataset", choices=DATASETS, default="digits", help="which images")
     p.add_argument(

@@ -38,6 +38,7 @@ from torch.func import functional_call
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     DATASETS,
+    HelpFormatter,
     ImageData,
     format_table,
     load_images,
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     s = Settings()
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--dataset", choices=DATASETS, default="digits", help="which images")
     p.add_argument("--data-dir", default=None, help="folder with MNIST IDX / CIFAR-10 binary")

@@ -23,7 +23,7 @@ import os
 import tempfile
 
 import torch
-from common import progress, save_curves
+from common import HelpFormatter, progress, save_curves
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -69,7 +69,7 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--epochs", type=int, default=5, help="total epochs, resumed ones included")
     parser.add_argument("--samples", type=int, default=2048, help="training examples")

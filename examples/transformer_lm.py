@@ -46,7 +46,7 @@ from torch import nn
 import kfac_func as kf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import format_table, progress, save_curves
+from common import HelpFormatter, format_table, progress, save_curves
 
 OPTIMIZERS = ("sgd", "adam", "kfac", "kfac-moments")
 KFAC_DEFAULTS = {
@@ -356,7 +356,7 @@ def train(
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add = parser.add_argument
     add("--optimizers", default=",".join(OPTIMIZERS), help=f"comma-separated, from {OPTIMIZERS}")

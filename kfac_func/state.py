@@ -23,7 +23,12 @@ import torch
 
 from kfac_func.blocks import LayerSpec
 from kfac_func.blocks.table import no_layers_error
-from kfac_func.core.conventions import Convention, check_convention, initial_factor
+from kfac_func.core.conventions import (
+    Convention,
+    check_convention,
+    convention_argument,
+    initial_factor,
+)
 from kfac_func.core.decomposition import COMPUTE_METHODS, EIGENBASIS_REFRESH, Decomposition
 from kfac_func.core.pytree import register_dataclass
 
@@ -224,7 +229,7 @@ register_dataclass(KFACState, data=("layers", "adaptive"), static=("step", "conf
 def init(
     layers: Mapping[str, LayerSpec],
     *,
-    convention: Convention = "fisher",
+    convention: Convention | None = None,
     compute_method: str = "eigen",
     compute_eigenvalue_outer_product: bool = True,
     factor_dtype: torch.dtype = torch.float32,
@@ -232,8 +237,13 @@ def init(
     device: torch.device | str | None = None,
     eigenbasis_refresh: str = "eigh",
     allow_empty: bool = False,
+    scaling: Convention | None = None,
 ) -> KFACState:
     """A fresh state for ``layers`` (as returned by :func:`kfac_func.register`).
+
+    ``convention`` is ``"fisher"`` (the default) or ``"kfac-pytorch"`` (see
+    :mod:`kfac_func.core.conventions`); ``scaling`` is an alias of it (the preconditioners'
+    name for the same setting; both given and different: a ValueError).
 
     Factors start at the convention's initial value (zeros that the first update replaces
     for ``"fisher"``, the identity for ``"kfac-pytorch"``); there is no decomposition yet.
@@ -251,6 +261,7 @@ def init(
         >>> state.layers[""].a_factor.shape, state.step
         (torch.Size([4, 4]), 0)
     """
+    convention = check_convention(convention_argument(convention, scaling, default="fisher"))
     if not layers and not allow_empty:
         raise no_layers_error(layers)
     config = KFACConfig(

@@ -599,6 +599,10 @@ def test_adapter_equals_the_functional_loop_and_resumes() -> None:
         for n in a:
             torch.testing.assert_close(a[n], b[n], rtol=1e-12, atol=1e-15)
     with pytest.raises(ValueError, match="adaptive part"):
+        kf.KFACPreconditioner(
+            _mlp(), kl_clip=None, scaling="fisher", factor_dtype=DT, inv_dtype=DT
+        ).load_state_dict(saved)
+    with pytest.raises(ValueError, match="scaling='fisher' in the state_dict"):
         kf.KFACPreconditioner(_mlp(), kl_clip=None).load_state_dict(saved)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -209,3 +210,17 @@ def test_example_help_lists_its_options(path: Path, help_runs: dict[Path, HelpRu
     assert literal, f"no option found in {path.name}"
     absent = [name for name in literal if name not in result.output]
     assert not absent, f"{path.name} --help does not list {absent}:\n{result.output}"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in EXAMPLES if "ArgumentParser(" in p.read_text()],
+    ids=lambda p: p.name,
+)
+def test_example_help_states_each_default_once(path: Path, help_runs: dict[Path, HelpRun]) -> None:
+    """An option whose help states its default gets no second one appended by the
+    formatter (``(default: 5) (default: None)``)."""
+    text = help_runs[path].output
+    options = re.split(r"\n  (?=-)", text.split("options:", 1)[-1])
+    twice = [o.split()[0] for o in options if len(re.findall(r"\(default:", o)) > 1]
+    assert not twice, f"{path.name} --help states a default twice for {twice}"

@@ -2,8 +2,10 @@
 
 - Every ```python block of ``docs/*.md`` and ``README.md`` runs, the blocks of one page in
   order in one namespace (a page may build on its earlier blocks), in a temporary
-  directory. A block preceded by ``<!-- skip: reason -->`` is not run (it needs a process
-  group, DeepSpeed, or is a fragment); the reason is required and the skips are counted.
+  directory, with the warnings kfac_func raises made errors (``tests/library_warnings.py``:
+  the documented code shows no warning of the library's). A block preceded by
+  ``<!-- skip: reason -->`` is not run (it needs a process group, DeepSpeed, or is a
+  fragment); the reason is required and the skips are counted.
 - ``mkdocs build --strict`` passes (skipped when MkDocs is not installed), and the API
   reference has a page entry for every name of ``kfac_func.__all__``.
 - The README's install and test commands are the ones ``.ci/run`` runs.
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from library_warnings import library_warnings_are_errors
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -86,7 +89,8 @@ def test_python_blocks_run(path: Path, tmp_path: Path, monkeypatch: pytest.Monke
             continue
         code = compile(block.source, f"{_page_id(path)}:{block.line}", "exec")
         try:
-            exec(code, namespace)
+            with library_warnings_are_errors():
+                exec(code, namespace)
         except Exception as e:
             raise AssertionError(
                 f"the block at {_page_id(path)}:{block.line} failed: {type(e).__name__}: {e}"

@@ -1,4 +1,5 @@
-"""Examples run end to end on small settings, so they cannot rot."""
+"""Examples run end to end on small settings, so they cannot rot, and without a warning of
+the library's own (``tests/library_warnings.py``)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+#: runs a script with the warnings kfac_func raises made errors (tests/library_warnings.py)
+STRICT = [sys.executable, str(ROOT / "tests" / "library_warnings.py")]
 
 
 def test_functional_loop_runs(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
-            sys.executable,
+            *STRICT,
             str(ROOT / "examples" / "functional_loop.py"),
             "--epochs",
             "2",
@@ -68,7 +71,7 @@ def test_kfac_pytorch_loop_runs_and_resumes(tmp_path: Path) -> None:
     def run(epochs: int, checkpoint: Path) -> list[list[str]]:
         proc = subprocess.run(
             [
-                sys.executable,
+                *STRICT,
                 str(ROOT / "examples" / "kfac_pytorch_loop.py"),
                 "--epochs",
                 str(epochs),
@@ -110,7 +113,7 @@ def test_kfac_pytorch_loop_runs_and_resumes(tmp_path: Path) -> None:
 
 def _run_example(script: str, *args: str) -> str:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), *args],
+        [*STRICT, str(ROOT / "examples" / script), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -167,7 +167,8 @@ def test_transformer_lm_runs(tmp_path: Path) -> None:
     prefix = tmp_path / "lm"
     proc = run(
         [
-            sys.executable,
+            sys.executable,  # the warnings kfac_func raises are errors
+            str(EXAMPLES.parent / "tests" / "library_warnings.py"),
             str(EXAMPLES / "transformer_lm.py"),
             *("--epochs", "2", "--steps", "3", "--batch-size", "4", "--context", "16"),
             *("--d-model", "32", "--heads", "2", "--layers", "1", "--test-windows", "8"),

@@ -382,7 +382,8 @@ def test_factor_files_round_trip(
         ref = reference[data][i]["state"]
         for r in results:
             c = r["configs"][i]
-            assert c["files_sd"] == sorted(["steps", *HYPER_KEYS])  # no factors inline
+            # no factors inline; the settings and the constructed hyperparameters
+            assert c["files_sd"] == sorted(["steps", "settings", "constructed", *HYPER_KEYS])
             assert c["files_resume_diff"] == 0.0, c["files_resume_diff"]
         directory = results[0]["configs"][i]["factor_dir"]
         manifest = kf.read_factor_manifest(directory)

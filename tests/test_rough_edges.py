@@ -172,22 +172,38 @@ def test_benchmarks_write_untracked_outputs_by_default() -> None:
 
 
 def _token_model_step(
-    scaling: str, tokens: int, damping: float, dtype: torch.dtype = torch.float32
+    scaling: str,
+    tokens: int,
+    damping: float,
+    dtype: torch.dtype = torch.float32,
+    steps: int = 32,
+    **kwargs: Any,
 ) -> list[str]:
-    """One adapter step on a per-token model whose loss is the mean over every token."""
+    """Adapter steps on a per-token model whose loss is the mean over every token, with
+    ``factor_decay=0.5``: the identity the "kfac-pytorch" factors start from weighs
+    ``0.5 ** k`` after ``k`` steps, next to the data's A ≈ 0.3–1 and G ≈ 1.5e-7 (measured):
+    the mean curvature is ≈ 1.5e-5 at the 16th step (above 1e-3 / 100: no warning) and
+    ≈ 4e-8 at the 32nd (the damping dominates: the warning)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 5))
     pre = kf.KFACPreconditioner(
-        model, scaling=scaling, damping=damping, kl_clip=None, factor_dtype=dtype
+        model,
+        scaling=scaling,
+        damping=damping,
+        kl_clip=None,
+        factor_dtype=dtype,
+        factor_decay=0.5,
+        lr=0.0,
+        **kwargs,
     )
     x = torch.randn(4, tokens, 8)
     y = torch.randint(0, 5, (4, tokens))
-    loss = F.cross_entropy(model(x).reshape(-1, 5), y.reshape(-1))
-    loss.backward()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        pre.step()
-        pre.step()  # once: the second decomposition step says nothing
+        for _ in range(steps):  # warned once at most: later steps say nothing
+            model.zero_grad()
+            F.cross_entropy(model(x).reshape(-1, 5), y.reshape(-1)).backward()
+            pre.step()
     return [str(w.message) for w in seen if "curvature" in str(w.message)]
 
 
@@ -202,6 +218,29 @@ def test_damping_that_drowns_the_factors_warns_once_naming_the_fix() -> None:
     # batch part, ~1e-7, is below the resolution of the identity the factors start from)
     assert _token_model_step("kfac-pytorch", 256, 1e-12, torch.float64) == []
     assert len(_token_model_step("kfac-pytorch", 256, 1e-3, torch.float64)) == 1
+
+
+def test_damping_warning_waits_until_the_identity_start_has_decayed() -> None:
+    """Early "kfac-pytorch" factors are mostly the identity they start from, which (not the
+    damping) sets the step: no warning then, though the batch factors are tiny."""
+    assert _token_model_step("kfac-pytorch", 256, 1e-3, steps=31) == []
+    assert len(_token_model_step("kfac-pytorch", 256, 1e-3, steps=32)) == 1
+
+
+def test_no_damping_warning_where_the_damping_does_not_set_the_step() -> None:
+    """With eigenbasis moments the step divides by the running moments, not by the
+    damping: nothing to warn about, whatever the damping."""
+    for scaling in ("kfac-pytorch", "fisher"):
+        assert _token_model_step(scaling, 256, 10.0, eigenbasis_moments=True) == []
+
+
+def test_inverse_method_judges_each_side() -> None:
+    """The inverse method adds the damping to A and to G separately: it drowns the step
+    only when it exceeds both sides' curvature (here A's mean eigenvalue is ~1, G's tiny,
+    their product tiny: the eigen method's criterion would warn)."""
+    assert len(_token_model_step("kfac-pytorch", 256, 1e-3)) == 1
+    assert _token_model_step("kfac-pytorch", 256, 1e-3, compute_method="inverse") == []
+    assert len(_token_model_step("kfac-pytorch", 256, 1e3, compute_method="inverse")) == 1
 
 
 def test_damping_dominance_matches_the_mean_eigenvalue_of_the_kronecker_product() -> None:
@@ -262,3 +301,21 @@ def test_factors_follow_the_batch_device_at_the_first_update_only() -> None:
         assert new.a_factor.device.type == "meta" and new.g_factor.device.type == "meta"
     with pytest.raises(ValueError, match=r"layer '0'.*cpu.*meta"):
         fold_factors(ls.replace(factor_updates=1), a, g, 0.9, KFACConfig())
+
+
+def test_a_default_preconditioner_on_an_mlp_classifier_does_not_warn() -> None:
+    """kfac-pytorch's defaults on a small classifier: the factors start at the identity,
+    which sets the early steps; the damping is judged only against the running factors."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 10))
+    pre = kf.KFACPreconditioner(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(64, 20), torch.randint(0, 10, (64,))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(20):
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            pre.step()
+            optimizer.step()
+    assert [str(w.message) for w in seen if "curvature" in str(w.message)] == []

@@ -18,7 +18,7 @@ from torch import nn
 
 from kfac_func.blocks import LayerSpec
 from kfac_func.captures import check_loss_divisor
-from kfac_func.core.conventions import CONVENTIONS
+from kfac_func.core.conventions import CONVENTIONS, convention_argument
 from kfac_func.distributed.communicator import AllreduceMethod
 from kfac_func.distributed.plan import AssignmentStrategy
 from kfac_func.state import KFACState
@@ -167,11 +167,14 @@ class KFACArguments:
         skip_layers: list[str] | None,
         update_factors_in_hook: bool,
         loglevel: int,
-        scaling: str,
+        scaling: str | None,
         loss_reduction: str,
         loss_divisor: float = 1.0,
         allreduce_method: AllreduceMethod | str | None = None,
+        convention: str | None = None,
     ) -> None:
+        # scaling= is the preconditioners' name, convention= the functional API's
+        scaling = convention_argument(convention, scaling, default="kfac-pytorch")
         if allreduce_bucket_cap_mb < 0:
             raise ValueError("allreduce_bucket_cap_mb must be >= 0")
         reduce_method: AllreduceMethod = (
@@ -193,7 +196,9 @@ class KFACArguments:
         ):
             _check_number(name, value, lambda v: int(v) == v and v > 0, "a positive int")
         _check_number("damping", damping, lambda v: v >= 0, ">= 0")
-        _check_number("factor_decay", factor_decay, lambda v: 0 < v <= 1, "in (0, 1]")
+        # [0, 1] as in kfac_func.update: 0 keeps only the latest batch factors (the first
+        # value exp_decay_factor_averaging gives), 1 freezes the factors
+        _check_number("factor_decay", factor_decay, lambda v: 0 <= v <= 1, "in [0, 1]")
         _check_number("lr", lr, lambda v: v >= 0, ">= 0")
         if kl_clip is not None:
             _check_number("kl_clip", kl_clip, lambda v: v > 0, "> 0 (or None to disable)")
@@ -225,6 +230,10 @@ class KFACArguments:
         self.scaling = scaling
         self.loss_reduction = loss_reduction
         self.loss_divisor = float(loss_divisor)
+        # the hyperparameters as constructed (a scheduler moves them later): a state dict
+        # records them, so that loading it into the same construction replaces nothing
+        # the constructor chose
+        self._constructed = {k: getattr(self, k) for k in HYPER}
 
     @property
     def _bucket_cap_mb(self) -> float:

@@ -1,9 +1,11 @@
 """kfac-pytorch-shaped state dicts of :class:`KFACPreconditioner`.
 
 ``{"steps", <hyperparameters>, "layers": {name: {"A", "G", "factor_updates",
-"decomposition"}}}``: what :meth:`KFACPreconditioner.state_dict` returns and
-:meth:`KFACPreconditioner.load_state_dict` restores. Under ``MEM_OPT`` on several ranks
-the current factors live on their owners and are fetched with a broadcast.
+"decomposition"}}, "settings": {...}}``: what :meth:`KFACPreconditioner.state_dict`
+returns and :meth:`KFACPreconditioner.load_state_dict` restores. The hyperparameters are
+restored (a warning names those that change); the settings that decide what the factors
+mean must match (see :mod:`kfac_func.adapter.checkpoint_settings`). Under ``MEM_OPT`` on
+several ranks the current factors live on their owners and are fetched with a broadcast.
 """
 
 from __future__ import annotations
@@ -13,6 +15,14 @@ from typing import Any
 import torch
 
 from kfac_func.adapter.arguments import HYPER, PreconditionerBase
+from kfac_func.adapter.checkpoint_settings import (
+    CONSTRUCTED_KEY,
+    SETTINGS_KEY,
+    check_settings,
+    meaning_settings,
+    replaced_choices,
+    warn_replaced,
+)
 from kfac_func.adapter.replicated import (
     adaptive_entry,
     adaptive_fields,
@@ -168,12 +178,17 @@ class StateDictMixin(PreconditionerBase):
     def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
         """kfac-pytorch's shape: ``steps``, the non-callable hyperparameters and, with
         ``include_factors``, ``layers: {name: {"A", "G"}}`` (plus this rank's decomposition
-        and update counter, so a resumed run is bit-exact)."""
+        and update counter, so a resumed run is bit-exact); ``settings``: what the factors
+        mean (scaling, compute method, eigenbasis moments, factor dtype, layer kinds and
+        ``kfac_approx``), checked by :meth:`load_state_dict`."""
         sd: dict[str, Any] = {"steps": self.steps}
         for key in HYPER:
             value = getattr(self, key)
             if not callable(value):
                 sd[key] = value
+        sd[SETTINGS_KEY] = meaning_settings(self._state, self.eigenbasis_moments)
+        made = getattr(self, "_constructed", {})
+        sd[CONSTRUCTED_KEY] = {k: v for k, v in made.items() if not callable(v)}
         if include_factors:
             sd["layers"] = layer_entries(self._state, self.plan, self.comm)
             # a template DCP loads into: the same tensors on every rank (no collective on
@@ -190,10 +205,24 @@ class StateDictMixin(PreconditionerBase):
 
     def load_state_dict(self, state_dict: dict[str, Any], compute_inverses: bool = True) -> None:
         """Restore :meth:`state_dict`; decompositions missing from it are recomputed (with
-        ``compute_inverses``) on this rank's grad-worker layers, else at the next step."""
+        ``compute_inverses``) on this rank's grad-worker layers, else at the next step.
+
+        The state dict's hyperparameters replace the constructor's non-callable ones (as
+        in kfac-pytorch), with one UserWarning naming each value that changes where this
+        constructor chose another value than the checkpoint's run was built with
+        (resuming the same script, whose scheduler moved a value, is silent). A state
+        dict whose ``settings`` (scaling, compute method, ...) differ from this
+        preconditioner's is refused with a ValueError naming them; nothing changes then.
+        """
         sd = dict(state_dict)
+        check_settings(
+            sd.pop(SETTINGS_KEY, None), meaning_settings(self._state, self.eigenbasis_moments)
+        )
         steps = int(sd.pop("steps"))
         layers_sd = sd.pop("layers", None)
+        chosen = replaced_choices(
+            HYPER, sd.pop(CONSTRUCTED_KEY, None), getattr(self, "_constructed", {}), sd
+        )
         device = next(iter(self._state.layers.values())).a_factor.device
         adaptive = _adaptive_from(
             adaptive_fields(sd.pop("adaptive", None)), self._state.adaptive, device
@@ -231,5 +260,6 @@ class StateDictMixin(PreconditionerBase):
         mine = [n for n, lp in self.plan.layers.items() if self.comm.rank in lp.grad_workers]
         warn_missing_moments(layers_sd, kept_moments(self), mine, steps)
         self._state = self._state.replace(layers=layers, step=steps, adaptive=adaptive)
+        warn_replaced(chosen, old, {key: getattr(self, key) for key in HYPER}, stacklevel=2)
         sharded = getattr(self, "_sharded", False)  # MEM_OPT: only the owned factors stay
         self._state = release_unowned(self._state, self.plan, self.comm.rank, sharded)

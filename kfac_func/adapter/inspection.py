@@ -14,8 +14,7 @@ from torch import nn
 
 from kfac_func.adapter.arguments import HYPER, PreconditionerBase
 from kfac_func.blocks import Gram, LayerTable
-from kfac_func.state import KFACState
-from kfac_func.step.diagnostics import DOMINANCE, damping_dominance
+from kfac_func.step.diagnostics import DOMINANCE, JUDGE_LIMIT, damping_dominance, judged_at
 
 __all__ = ["InspectionMixin", "check_factor_rows"]
 
@@ -63,27 +62,40 @@ class InspectionMixin(PreconditionerBase):
                 grads[pname] = p.grad
         return grads
 
-    def _warn_if_damping_dominates(self, before: KFACState, damping: float) -> None:
-        """Warn once when the damping drowns the curvature of every layer's first batch
-        factors (see :func:`kfac_func.step.diagnostics.damping_dominance`)."""
-        decay = float(self._value(self.factor_decay))
-        found = damping_dominance(self._state, damping, before=before, factor_decay=decay)
+    def _warn_if_damping_dominates(self, damping: float) -> bool:
+        """Judge the damping at the factor updates of
+        :func:`~kfac_func.step.diagnostics.judged_at`, and warn when it drowns the curvature
+        of every layer's running factors, which the step divides by (see
+        :func:`~kfac_func.step.diagnostics.damping_dominance`). Returns whether judging is
+        over (warned, or past the last update judged)."""
+        updates = [ls.factor_updates for ls in self._state.layers.values() if ls.factor_updates]
+        k = min(updates, default=0)
+        if not judged_at(k):
+            return k > JUDGE_LIMIT
+        found = damping_dominance(self._state, damping)
         if found is None:
-            return
+            return k >= JUDGE_LIMIT
         layer, curvature = found
         fix = (
             "pass scaling='fisher' (with loss_reduction=) or a smaller damping"
             if self.scaling == "kfac-pytorch"
             else "lower the damping"
         )
+        inverse = self._state.config.compute_method == "inverse"
+        what = "each side's mean curvature" if inverse else "the mean curvature"
+        rate = (
+            "lr / damping² (the inverse method damps A and G each)" if inverse else ("lr / damping")
+        )
         warnings.warn(
-            f"damping {damping:g} exceeds the mean curvature of every layer's factors more "
-            f"than {DOMINANCE:g}-fold (largest: {curvature:.3g}, layer {layer!r}): K-FAC "
-            f"then steps as SGD with learning rate lr / damping. With scaling="
-            f"{self.scaling!r} on a loss averaged over many rows (tokens, pixels) the "
-            f"factors shrink with the row count; {fix}.",
+            f"damping {damping:g} exceeds {what} of every layer's factors more than "
+            f"{DOMINANCE:g}-fold (largest: {curvature:.3g}, layer {layer!r}): K-FAC now "
+            f"steps as SGD with learning rate {rate}. With scaling={self.scaling!r} on a "
+            "loss averaged over many rows (tokens, pixels) the factors shrink with the row "
+            f"count; {fix}. (Warned once.)",
+            UserWarning,
             stacklevel=3,
         )
+        return True
 
     def _parameter(self, name: str) -> nn.Parameter:
         """The model's parameter ``name``. Its module is looked up once (lookups by dotted

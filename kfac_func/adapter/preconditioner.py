@@ -69,8 +69,9 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         factor_update_steps: collect statistics on steps ``k % factor_update_steps == 0``.
         inv_update_steps: recompute the decompositions every this many steps.
         damping: Tikhonov damping λ >= 0 (with ``adaptive=``, the starting λ).
-        factor_decay: the factors' running-average coefficient, in (0, 1] (see
-            :func:`kfac_func.exp_decay_factor_averaging`).
+        factor_decay: the factors' running-average coefficient, in [0, 1] (0: the latest
+            batch factors only; 1: frozen factors; see
+            :func:`kfac_func.exp_decay_factor_averaging`, whose first value is 0).
         kl_clip: bound of the scale ``min(1, sqrt(kl_clip / |lr² Σ P ⊙ grad|))`` of the
             preconditioned gradients (> 0); None disables it.
         lr: the learning rate in the ``kl_clip`` scale (only there: keep it the
@@ -104,8 +105,10 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         loglevel: the :mod:`logging` level of the construction report on the
             ``"kfac_func"`` logger: a ``Registered name="...": ...`` line per layer, the
             layer table and the KAISA assignment (DEBUG: silent unless shown).
-        scaling: the factors' convention, ``"kfac-pytorch"`` (hyperparameters carry
-            over) or ``"fisher"`` (for new models); see :mod:`kfac_func.core.conventions`.
+        scaling: the factors' convention, ``"kfac-pytorch"`` (the default: hyperparameters
+            carry over) or ``"fisher"`` (for new models); see
+            :mod:`kfac_func.core.conventions`. ``convention=`` (the functional API's name)
+            is an alias; both given and different: a ValueError.
         loss_reduction: ``"mean"`` or ``"sum"``, how the loss reduces the batch.
         loss_divisor: what the loss was divided by besides (``k`` for ``loss / k`` over
             ``k`` accumulated micro-batches).
@@ -193,7 +196,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         skip_layers: list[str] | None = None,
         update_factors_in_hook: bool = True,
         loglevel: int = logging.DEBUG,
-        scaling: str = "kfac-pytorch",
+        scaling: str | None = None,
         loss_reduction: str = "mean",
         loss_divisor: float = 1.0,
         collective_timeout: timedelta | None = None,
@@ -215,6 +218,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         eigh_device: torch.device | str | None = None,
         factor_rows: int | None = None,
         kinds: KindMap | None = None,
+        convention: str | None = None,
     ) -> None:
         self._set_sync_free(sync_free, compile)
         self.batched_eigh, self.eigh_device = batched_eigh, check_eigh_device(eigh_device)
@@ -239,6 +243,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
             update_factors_in_hook=update_factors_in_hook,
             loglevel=loglevel,
             scaling=scaling,
+            convention=convention,
             loss_reduction=loss_reduction,
             loss_divisor=loss_divisor,
             allreduce_method=allreduce_method,
@@ -323,7 +328,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         )
         self._state = init(
             self.layers,
-            convention=scaling,  # type: ignore[arg-type]
+            convention=self.scaling,  # type: ignore[arg-type]
             compute_method=self.compute_method.name.lower(),
             compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
             factor_dtype=self.factor_dtype,
@@ -416,11 +421,16 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         if self._state.adaptive is not None:
             damping = self._state.adaptive.damping
             raw = {k: g.clone() for k, g in grads.items()}
-        # the state before the first factor update, to judge that update's factors
         factors_now = bool(batch) or reducer is not None or captures is not None
-        # (the adaptive step tunes the damping itself: nothing to warn about)
-        check = factors_now and not self._damping_checked and self.adaptive is None
-        before = self._state if check else None
+        # whether the damping may be judged this step (once the factors settle, see
+        # _warn_if_damping_dominates); the adaptive step tunes the damping itself, and the
+        # eigenbasis moments set the step without it: nothing to warn about there
+        check = (
+            factors_now
+            and not self._damping_checked
+            and self.adaptive is None
+            and not self.eigenbasis_moments
+        )
         if self.comm.world_size == 1 and reducer is None and not self._sharded:
             # a copy with a dict of its own, so that a state read from .state earlier
             # keeps its layers; once self._state points at the copy nothing else holds
@@ -465,9 +475,8 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
             for pname, g in grads.items():
                 if new_grads[pname] is not g:
                     g.copy_(new_grads[pname])
-        if before is not None:
-            self._damping_checked = True
-            self._warn_if_damping_dominates(before, float(self._value(damping)))
+        if check:
+            self._damping_checked = self._warn_if_damping_dominates(float(self._value(damping)))
         if self.adaptive is not None:
             assert loss_closure is not None and loss is not None
             # the extra forward passes (forward-mode products, the closure) run without

@@ -92,6 +92,13 @@ class LayerBlock(ABC):
     mapped_options: ClassVar[tuple[str, ...]] = ()
     """The options ``kinds={cls: (kind, {option: value})}`` may give (a norm's ``eps``)."""
 
+    placeholder_a: ClassVar[bool] = False
+    """Whether the A side is a placeholder: the ``1 × 1`` identity by construction (norms,
+    whose unit blocks live wholly in G), not a curvature factor. A placeholder side is
+    neither damped nor inverted: every method applies it as the identity, so that the
+    inverse method solves ``(G + λI) x = m`` as the eigen method does (see
+    :attr:`LayerSpec.placeholder`)."""
+
     # --- registration --------------------------------------------------------------
 
     def matches(self, module: nn.Module) -> bool:

@@ -5,11 +5,14 @@ The gradient of unit ``u``'s ``(γ_u, β_u)`` from one row (a position) is
 ``(x̂_u g_u, g_u)``, with ``g`` the output-gradient: the exact Fisher block of the unit is
 the 2×2 (1×1 without ``β``) Gram of those pairs. In K-FAC's terms each unit is a group
 with ``g_dim = 2`` (``γ`` and ``β`` are the rows of its gradient matrix ``(units, 2, 1)``)
-and ``a_dim = 1`` with ``A = 1`` (stored diagonal): preconditioning solves each unit's
-``(G_u + λI) x = (dγ_u, dβ_u)``, as the scale-and-shift blocks of kfac-jax and the unit-wise
-blocks of ASDL do. The statistics need a call's input and output-gradient together
-(:attr:`~kfac_func.blocks.base.LayerBlock.joint`). The kinds (which units, how ``x̂`` is
-computed) are in :mod:`kfac_func.blocks.layer_norm` and :mod:`kfac_func.blocks.channel_norm`.
+and ``a_dim = 1`` with ``A = 1`` (stored diagonal, a placeholder:
+:attr:`~kfac_func.blocks.base.LayerBlock.placeholder_a`, applied as the identity by every
+method, never damped): preconditioning solves each unit's ``(G_u + λI) x = (dγ_u, dβ_u)``
+under the eigen and the inverse method alike, as the scale-and-shift blocks of kfac-jax
+and the unit-wise blocks of ASDL do. The statistics need a call's input and
+output-gradient together (:attr:`~kfac_func.blocks.base.LayerBlock.joint`). The kinds
+(which units, how ``x̂`` is computed) are in :mod:`kfac_func.blocks.layer_norm` and
+:mod:`kfac_func.blocks.channel_norm`.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class ScaleShiftBlock(LayerBlock):
 
     joint = True
     model_parallel = False
+    placeholder_a = True
 
     def scale_shift_spec(self, name: str, module: nn.Module, **options: Any) -> LayerSpec | str:
         """The spec of a norm module whose ``weight`` (and ``bias``) hold one entry per unit."""

@@ -108,6 +108,20 @@ class LayerSpec:
         return self.diagonal[1]
 
     @property
+    def placeholder(self) -> tuple[bool, bool]:
+        """Whether the A and the G factor are placeholders: the identity by construction
+        (a norm's ``A = 1``), which every method applies as the identity, undamped. A
+        placeholder side is also :attr:`diagonal`.
+
+        Example:
+            >>> from torch import nn
+            >>> from kfac_func.blocks import register
+            >>> register(nn.Sequential(nn.LayerNorm(3)))["0"].placeholder
+            (True, False)
+        """
+        return (self.block.placeholder_a, False)
+
+    @property
     def a_dim(self) -> int:
         """Side of one A factor (inputs per group, times the kernel area, plus 1 for bias)."""
         return self.block.a_dim(self)

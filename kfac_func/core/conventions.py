@@ -27,7 +27,9 @@ output-gradients of the user's loss, so ``r = c · g`` with ``g`` the per-exampl
     identity. Decompositions run in float32 and are stored in ``inv_dtype``.
 
 Both conventions symmetrise factors (``(M + Mᵀ)/2``), clamp eigenvalues at zero, damp the
-eigen method as ``(G ⊗ A + λI)⁻¹`` and the inverse method as ``(G + λI)⁻¹ ⊗ (A + λI)⁻¹``.
+eigen method as ``(G ⊗ A + λI)⁻¹`` and the inverse method as ``(G + λI)⁻¹ ⊗ (A + λI)⁻¹``,
+except on a placeholder side (a norm layer's ``A = 1``, see
+:attr:`kfac_func.blocks.LayerSpec.placeholder`), which both apply as the undamped identity.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ __all__ = [
     "Convention",
     "a_scales",
     "check_convention",
+    "convention_argument",
     "decomposition_dtype",
     "g_scales",
     "initial_factor",
@@ -57,6 +60,31 @@ def check_convention(convention: str) -> Convention:
     if convention not in CONVENTIONS:
         raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
     return convention  # type: ignore[return-value]
+
+
+def convention_argument(convention: str | None, scaling: str | None, *, default: str) -> str:
+    """The convention asked for by either of its two names: ``convention=`` (the
+    functional API's) or ``scaling=`` (the preconditioners'), each function documenting
+    one and taking the other as an alias; ``default`` when neither is given. Both given
+    and different: a ValueError naming both. The value is not validated here.
+
+    Example:
+        >>> convention_argument(None, "kfac-pytorch", default="fisher")
+        'kfac-pytorch'
+        >>> convention_argument("fisher", "kfac-pytorch", default="fisher")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: convention='fisher' and scaling='kfac-pytorch' name the same setting ...
+    """
+    if convention is not None and scaling is not None and convention != scaling:
+        raise ValueError(
+            f"convention={convention!r} and scaling={scaling!r} name the same setting "
+            "(scaling= is an alias of convention=): pass one of them"
+        )
+    for value in (convention, scaling):
+        if value is not None:
+            return value
+    return default
 
 
 def a_scales(convention: Convention, rows: Sequence[int], spatial: Sequence[int]) -> list[float]:

@@ -4,6 +4,11 @@
 per-factor functions of :mod:`kfac_func.core.decomposition` (with their retries), or, for a
 diagonal factor (a vector: embeddings, sides wider than ``max_factor_dim``), in ``O(n)``:
 its eigenbasis is the identity and its inverse ``1 / (d + λ)``.
+
+A *placeholder* side (a norm layer's ``A = 1``, which stands for no factor at all) is the
+identity by construction: both methods apply it as the identity, undamped, so the layer's
+preconditioning is ``(G + λI)⁻¹`` under the inverse method as under the eigen method
+(the generic inverse ``(G + λI)⁻¹ ⊗ (A + λI)⁻¹`` would divide it by ``1 + λ``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ __all__ = [
     "eigh_side",
     "inverse_decompose",
     "inverse_side",
+    "placeholder_side",
     "precompute_outer",
 ]
 
@@ -77,11 +83,25 @@ def diagonal_inverse(
     return torch.where(den > cutoff, 1.0 / den, zero).to(dtype)
 
 
+def placeholder_side(factor: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:
+    """The decomposition of a placeholder side: ones of the factor's (diagonal) shape, in
+    ``dtype``, whatever the stored factor holds (its eigenvalues and its inverse alike).
+
+    Example:
+        >>> placeholder_side(torch.full((3, 1), 0.999), dtype=torch.float64)
+        tensor([[1.],
+                [1.],
+                [1.]], dtype=torch.float64)
+    """
+    return torch.ones(factor.shape, dtype=dtype, device=factor.device)
+
+
 def eigh_side(
     factor: torch.Tensor,
     previous: torch.Tensor | None,
     *,
     diagonal: bool,
+    placeholder: bool = False,
     dtype: torch.dtype,
     compute_dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
@@ -89,7 +109,10 @@ def eigh_side(
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """``(eigenvectors or None, eigenvalues)`` of one factor: :func:`diagonal_eigenvalues`
     for a diagonal one, else :func:`eigh_or_refresh` (warm-started from ``previous``; eigh
-    on ``device``, warnings starting with ``label``)."""
+    on ``device``, warnings starting with ``label``); a ``placeholder`` side is
+    ``(None, ones)`` (:func:`placeholder_side`)."""
+    if placeholder:
+        return None, placeholder_side(factor, dtype=dtype)
     if diagonal:
         return None, diagonal_eigenvalues(factor, dtype=dtype)
     return eigh_or_refresh(
@@ -102,12 +125,16 @@ def inverse_side(
     damping: float,
     *,
     diagonal: bool,
+    placeholder: bool = False,
     dtype: torch.dtype,
     compute_dtype: torch.dtype | None = None,
     label: str | None = None,
 ) -> torch.Tensor:
     """The damped inverse of one factor: :func:`diagonal_inverse` for a diagonal one, else
-    :func:`damped_inverse` (warnings starting with ``label``)."""
+    :func:`damped_inverse` (warnings starting with ``label``); a ``placeholder`` side is
+    the undamped identity, ones (:func:`placeholder_side`)."""
+    if placeholder:
+        return placeholder_side(factor, dtype=dtype)
     if diagonal:
         return diagonal_inverse(factor, damping, dtype=dtype, compute_dtype=compute_dtype)
     return damped_inverse(factor, damping, dtype=dtype, compute_dtype=compute_dtype, label=label)
@@ -144,6 +171,7 @@ def eigen_decompose(
     eigh_device: torch.device | str | None = None,
     eigenpairs: tuple[Eigenpair | None, Eigenpair | None] = (None, None),
     name: str | None = None,
+    placeholder: tuple[bool, bool] = (False, False),
 ) -> EigenDecomposition:
     """Eigendecompose both factors.
 
@@ -163,6 +191,8 @@ def eigen_decompose(
             :func:`~kfac_func.core.decomposition.eigh_factors`), used instead of
             decomposing that factor; None: decompose it here.
         name: the layer, named in warnings.
+        placeholder: whether A and G are placeholders (the identity by construction, see
+            :func:`placeholder_side`); a placeholder side is also ``diagonal``.
 
     Example:
         >>> import torch
@@ -174,11 +204,12 @@ def eigen_decompose(
     kw: dict[str, Any] = {"dtype": dtype, "compute_dtype": compute_dtype, "device": eigh_device}
     pa, pg = (w.qa, w.qg) if w is not None else (None, None)
     ea, eg = eigenpairs
+    pla, plg = placeholder
     qa, da = ea or _named(
-        "A", eigh_side, a, pa, diagonal=diagonal[0], **kw, label=_label(name, "A")
+        "A", eigh_side, a, pa, diagonal=diagonal[0], placeholder=pla, **kw, label=_label(name, "A")
     )
     qg, dg = eg or _named(
-        "G", eigh_side, g, pg, diagonal=diagonal[1], **kw, label=_label(name, "G")
+        "G", eigh_side, g, pg, diagonal=diagonal[1], placeholder=plg, **kw, label=_label(name, "G")
     )
     dgda = eigenvalue_outer(dg, da, damping) if precompute_outer(outer_product, diagonal) else None
     return EigenDecomposition(qa, da, qg, dg, dgda)
@@ -200,9 +231,10 @@ def inverse_decompose(
     compute_dtype: torch.dtype | None = None,
     diagonal: tuple[bool, bool] = (False, False),
     name: str | None = None,
+    placeholder: tuple[bool, bool] = (False, False),
 ) -> InverseDecomposition:
-    """Damped inverses of both factors (vectors for the ``diagonal`` ones); ``name`` (the
-    layer) is named in warnings.
+    """Damped inverses of both factors (vectors for the ``diagonal`` ones; ones, undamped,
+    for a ``placeholder`` side); ``name`` (the layer) is named in warnings.
 
     Example:
         >>> import torch
@@ -212,10 +244,11 @@ def inverse_decompose(
                 [0.0000, 0.5000]])
     """
     kw: dict[str, Any] = {"dtype": dtype, "compute_dtype": compute_dtype}
-    return InverseDecomposition(
-        _named("A", inverse_side, a, damping, diagonal=diagonal[0], **kw, label=_label(name, "A")),
-        _named("G", inverse_side, g, damping, diagonal=diagonal[1], **kw, label=_label(name, "G")),
-    )
+    sides = [
+        _named(f, inverse_side, x, damping, diagonal=d, placeholder=p, **kw, label=_label(name, f))
+        for f, x, d, p in zip("AG", (a, g), diagonal, placeholder)
+    ]
+    return InverseDecomposition(*sides)
 
 
 def _label(name: str | None, factor: str) -> str:

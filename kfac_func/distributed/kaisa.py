@@ -233,7 +233,12 @@ def _decompose(
             if rank == owner:
                 try:
                     dt = cfg.inv_dtype
-                    kw: dict[str, Any] = {"diagonal": diag, "dtype": dt, "compute_dtype": cdt}
+                    kw: dict[str, Any] = {
+                        "diagonal": diag,
+                        "placeholder": ls.spec.placeholder[side],
+                        "dtype": dt,
+                        "compute_dtype": cdt,
+                    }
                     if eigen:
                         got = pairs.pop((name, side), None)
                         q, d = got or eigh_side(

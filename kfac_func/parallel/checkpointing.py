@@ -15,6 +15,14 @@ from typing import Any
 
 import torch
 
+from kfac_func.adapter.checkpoint_settings import (
+    CONSTRUCTED_KEY,
+    SETTINGS_KEY,
+    check_settings,
+    meaning_settings,
+    replaced_choices,
+    warn_replaced,
+)
 from kfac_func.checkpoint.factor_dir import load_factor_dir, save_factor_dir
 from kfac_func.core.decomposition import EigenDecomposition, InverseDecomposition
 from kfac_func.parallel.base import ParallelBase
@@ -41,6 +49,9 @@ class ParallelCheckpointing(ParallelBase):
             value = getattr(self, key)
             if not callable(value):
                 sd[key] = value
+        sd[SETTINGS_KEY] = meaning_settings(self._world_state(), False)
+        made = getattr(self, "_constructed", {})
+        sd[CONSTRUCTED_KEY] = {k: v for k, v in made.items() if not callable(v)}
         if not include_factors:
             return sd
         if self.factor_checkpoint_dir is not None:
@@ -73,11 +84,20 @@ class ParallelCheckpointing(ParallelBase):
         factors come from there. Owners recompute missing decompositions with
         ``compute_inverses``. A collective: every rank calls it."""
         sd = dict(state_dict)
+        # the settings that decide what the factors mean must match (a ValueError names
+        # them); hyperparameters are restored, with a warning naming those this
+        # constructor chose otherwise than the checkpoint's run
+        check_settings(sd.pop(SETTINGS_KEY, None), meaning_settings(self._world_state(), False))
         steps = int(sd.pop("steps"))
         layers_sd = sd.pop("layers", None)
+        made = getattr(self, "_constructed", {})
+        chosen = replaced_choices(self._HYPER, sd.pop(CONSTRUCTED_KEY, None), made, sd)
+        old = {key: getattr(self, key) for key in self._HYPER}
         for key in self._HYPER:
             if key in sd and not callable(getattr(self, key)):
                 setattr(self, key, sd[key])
+        restored = {key: getattr(self, key) for key in self._HYPER}
+        warn_replaced(chosen, old, restored, stacklevel=2)
         self._state = self._state.replace(step=steps)
         if self.factor_checkpoint_dir is not None:
             self.load_factors_from_dir(compute_inverses)

@@ -97,7 +97,7 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
             ``step -> int`` callable), as in :class:`kfac_func.KFACPreconditioner`.
         inv_update_steps: steps between recomputations of the eigendecompositions.
         damping: Tikhonov damping λ (>= 0, or a callable).
-        factor_decay: coefficient of the factors' running averages, in (0, 1].
+        factor_decay: coefficient of the factors' running averages, in [0, 1].
         kl_clip: the bound of the kl_clip scale (> 0), whose sum runs over every layer
             of every stage; None disables it.
         lr: the learning rate in the ``kl_clip`` scale (keep it equal to the
@@ -138,7 +138,7 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
             this stage (with the global and pipeline rank), the stage's layer table and
             the assignment. DEBUG (the default) is silent unless that logger shows DEBUG.
         scaling: ``"kfac-pytorch"`` (default) or ``"fisher"`` (see
-            :mod:`kfac_func.core.conventions`).
+            :mod:`kfac_func.core.conventions`); ``convention=`` is an alias.
         loss_reduction: ``"mean"`` or ``"sum"``: how the loss reduces the batch.
         loss_divisor: what the backpropagated loss was divided by besides the reduction;
             None (default): ``accumulation_steps``, since DeepSpeed's engine
@@ -181,11 +181,12 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
         skip_layers: list[str] | None = None,
         update_factors_in_hook: bool = True,
         loglevel: int = logging.DEBUG,
-        scaling: str = "kfac-pytorch",
+        scaling: str | None = None,
         loss_reduction: str = "mean",
         loss_divisor: float | None = None,
         include_plain_linear: bool = False,
         kinds: KindMap | None = None,
+        convention: str | None = None,
     ) -> None:
         pipeline_module = _pipeline_module()
         warnings.warn(
@@ -233,6 +234,7 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
             update_factors_in_hook=update_factors_in_hook,
             loglevel=loglevel,
             scaling=scaling,
+            convention=convention,
             loss_reduction=loss_reduction,
             # DeepSpeed's engine backpropagates loss / gradient_accumulation_steps
             loss_divisor=accumulation_steps if loss_divisor is None else loss_divisor,

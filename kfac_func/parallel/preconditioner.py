@@ -123,11 +123,12 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         skip_layers: list[str] | None = None,
         update_factors_in_hook: bool = True,
         loglevel: int = logging.DEBUG,
-        scaling: str = "kfac-pytorch",
+        scaling: str | None = None,
         loss_reduction: str = "mean",
         loss_divisor: float = 1.0,
         include_plain_linear: bool = True,
         kinds: KindMap | None = None,
+        convention: str | None = None,
     ) -> None:
         self._set_arguments(
             model,
@@ -149,6 +150,7 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
             update_factors_in_hook=update_factors_in_hook,
             loglevel=loglevel,
             scaling=scaling,
+            convention=convention,
             loss_reduction=loss_reduction,
             loss_divisor=loss_divisor,
         )
@@ -186,7 +188,7 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         self.factor_dtype = factor_dtype or torch.promote_types(weight.dtype, torch.float32)
         self._state = init(
             self.layers,
-            convention=scaling,  # type: ignore[arg-type]
+            convention=self.scaling,  # type: ignore[arg-type]
             compute_method=self.compute_method.name.lower(),
             compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
             factor_dtype=self.factor_dtype,

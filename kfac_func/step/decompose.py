@@ -208,6 +208,7 @@ def decompose_layer(
             eigh_device=eigh_device,
             eigenpairs=eigenpairs,
             name=ls.spec.name,
+            placeholder=ls.spec.placeholder,
         )
         return from_eigen(eig) if config.compute_method == "ekfac" else eig
     return inverse_decompose(
@@ -218,6 +219,7 @@ def decompose_layer(
         compute_dtype=cdt,
         diagonal=ls.spec.diagonal,
         name=ls.spec.name,
+        placeholder=ls.spec.placeholder,
     )
 
 

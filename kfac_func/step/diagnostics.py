@@ -1,12 +1,21 @@
 """Diagnostics of a state: whether the damping drowns the curvature it is added to.
 
-K-FAC divides each gradient by ``A ⊗ G + damping``. When the damping exceeds every
-eigenvalue of ``A ⊗ G`` by orders of magnitude, that is a division by the damping alone:
-plain SGD with the learning rate ``lr / damping``, at K-FAC's cost. It happens to the
-``"kfac-pytorch"`` scaling on losses averaged over many rows (tokens of a language model,
-pixels): G is built from the gradients of the averaged loss, so its entries shrink with
-the square of the row count, and a damping tuned for a classifier dominates them.
-:func:`damping_dominance` finds that regime; the adapter warns about it once.
+K-FAC divides each gradient by ``A ⊗ G + damping`` (``"eigen"``, ``"ekfac"``), or by
+``A + damping`` and ``G + damping`` one side each (``"inverse"``). When the damping
+exceeds that curvature by orders of magnitude, that is a division by the damping alone
+(by its square under ``"inverse"``): plain SGD with the learning rate ``lr / damping``, at
+K-FAC's cost. It happens to the ``"kfac-pytorch"`` scaling on losses averaged over many
+rows (tokens of a language model, pixels): G is built from the gradients of the averaged
+loss, so its entries shrink with the square of the row count, and a damping tuned for a
+classifier dominates them.
+
+:func:`damping_dominance` finds that regime in the factors the step divides by: the
+running factors, which under ``"kfac-pytorch"`` start at the identity and show the data
+only as that start decays (until then the identity, not the damping, sets the step, and
+there is nothing to warn about). :func:`judged_at` says at which factor updates the adapter
+judges them (the 1st, 2nd, 4th, ...: a bounded number of device synchronisations); it
+warns at the first at which the damping dominates, once. Steps that divide by running
+moments instead (``eigenbasis_moments``) are not judged: the damping sets no step there.
 """
 
 from __future__ import annotations
@@ -15,11 +24,28 @@ import torch
 
 from kfac_func.state import KFACState
 
-__all__ = ["DOMINANCE", "damping_dominance"]
+__all__ = ["DOMINANCE", "JUDGE_LIMIT", "damping_dominance", "judged_at"]
 
-#: how many times the mean eigenvalue of ``A ⊗ G`` the damping must exceed, in every
-#: layer, for :func:`damping_dominance` to report it
+#: how many times the curvature the damping must exceed, in every layer, for
+#: :func:`damping_dominance` to report it
 DOMINANCE = 100.0
+
+
+#: the last factor update at which :func:`judged_at` judges the damping
+JUDGE_LIMIT = 1024
+
+
+def judged_at(factor_updates: int) -> bool:
+    """Whether the damping is judged after this many factor updates: at the powers of two
+    up to :data:`JUDGE_LIMIT` (the running factors then hold the data, an identity start
+    having decayed, or the data moved; a bounded number of checks).
+
+    Example:
+        >>> [k for k in range(1, 20) if judged_at(k)]
+        [1, 2, 4, 8, 16]
+    """
+    k = factor_updates
+    return 0 < k <= JUDGE_LIMIT and k & (k - 1) == 0
 
 
 def damping_dominance(
@@ -31,15 +57,18 @@ def damping_dominance(
 ) -> tuple[str, float] | None:
     """The layer with the largest curvature and that curvature, if ``damping`` drowns all.
 
-    A layer's curvature is the mean eigenvalue of ``A ⊗ G``, ``(tr A / n) (tr G / m)``
-    (averaged over the groups of a grouped convolution). Given ``before``, the state one
-    factor update earlier, the factors judged are that update's batch factors,
-    ``(new − decay·old) / (1 − decay)``, so that the identity the ``"kfac-pytorch"``
-    factors start from does not hide what the data says; only layers whose factors that
-    update changed count. Without it, every layer whose factors were ever updated counts.
-    Returns ``(layer, curvature)`` when ``damping`` exceeds :data:`DOMINANCE` times the
-    curvature of every counted layer, otherwise None (also when no layer counts, or when
-    ``factor_decay`` is 1). One synchronisation with the device.
+    A layer's curvature is what its method adds the damping to: the mean eigenvalue of
+    ``A ⊗ G``, ``(tr A / n) (tr G / m)`` (``"eigen"``, ``"ekfac"``), or the larger of the
+    sides' mean eigenvalues ``tr A / n`` and ``tr G / m`` (``"inverse"``, which damps each
+    side), averaged over the groups of a grouped convolution; a placeholder side (a norm's
+    ``A = 1``, never damped) leaves the other side alone to judge. Given ``before``, the
+    state one factor update earlier, the factors judged are that update's batch factors,
+    ``(new − decay·old) / (1 − decay)``; only layers whose factors that update changed
+    count. Without it, the current (running) factors of every layer whose factors were
+    ever updated count. Returns ``(layer, curvature)`` when ``damping`` exceeds
+    :data:`DOMINANCE` times the curvature of every counted layer, otherwise None (also
+    when no layer counts, or when ``factor_decay`` is 1 with ``before``). One
+    synchronisation with the device.
 
     Example:
         >>> import torch
@@ -76,7 +105,11 @@ def damping_dominance(
             if prev is not None and not replaced:  # the batch part of the running average
                 new = (new - factor_decay * prev) / (1 - factor_decay)
             sides.append((new if diagonal else new.diagonal(dim1=-2, dim2=-1)).mean(-1))
-        means.append((name, (sides[0] * sides[1]).mean()))
+        sides = [s for s, held in zip(sides, spec.placeholder) if not held]
+        if state.config.compute_method == "inverse":
+            means.append((name, torch.stack([s.mean() for s in sides]).amax()))
+        else:
+            means.append((name, torch.stack(sides).prod(dim=0).mean()))
     if not means:
         return None
     first = means[0][1]
