@@ -21,6 +21,7 @@ from torch import nn
 from torch.func import functional_call
 
 from kfac_func.blocks import LayerSpec, register
+from kfac_func.blocks.examples import CallExamples
 from kfac_func.blocks.taps import Sites, call_sites, tap_hooks
 from kfac_func.core.pytree import register_dataclass
 
@@ -216,11 +217,20 @@ def _mc_cotangent(
     return (loss_scale * grad).reshape(y.shape).to(y.dtype)
 
 
-def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    for leaf in torch_pytree.tree_leaves((args, kwargs)):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    raise ValueError("cannot infer batch_size: no tensor input with a batch dimension")
+def _batch_size(specs: Mapping[str, LayerSpec], inputs: Mapping[str, list[torch.Tensor]]) -> int:
+    """What the captured calls say about the number of examples (see
+    :class:`~kfac_func.blocks.examples.CallExamples`)."""
+    seen = CallExamples()
+    for name, xs in inputs.items():
+        for x in xs:
+            seen.add(specs[name], x)
+    return seen.batch_size(what_to_do=_WHAT_TO_DO)
+
+
+_WHAT_TO_DO = (
+    "Pass batch_size= (the number of examples), keep the examples on the leading dimension "
+    "of every registered layer's input, or leave the layers that do not out (layers=)"
+)
 
 
 def check_loss_divisor(value: object) -> None:
@@ -270,8 +280,10 @@ def capture(
             each of ``k`` accumulated micro-batches backpropagates ``loss / k`` (as
             DeepSpeed does with gradient accumulation). The ``"fisher"`` convention divides
             it out of the output-gradients, so G does not shrink ``k²``-fold.
-        batch_size: number of examples (default: first dimension of the first input;
-            pass it for unbatched inputs or layouts whose batch is not dimension 0).
+        batch_size: number of examples (default: what the captured layers' inputs say, see
+            :class:`~kfac_func.blocks.examples.CallExamples`; never guessed from ``args``
+            or ``kwargs``; pass it for layouts whose batch is not the leading dimension
+            of the layers' inputs).
         generator: random generator for ``fisher="mc"``.
 
     Returns:
@@ -304,8 +316,6 @@ def capture(
     modules = call_sites(model, specs)
     params = {k: v.detach() for k, v in params.items()}
     bufs = dict(model.named_buffers()) if buffers is None else dict(buffers)
-    n = _batch_size(args, kwargs) if batch_size is None else int(batch_size)
-    scale = (1.0 / n if loss_reduction == "mean" else 1.0) / loss_divisor
 
     def forward(
         p: dict[str, torch.Tensor], pr: dict[str, list[torch.Tensor]]
@@ -340,6 +350,8 @@ def capture(
                         f"layer {e.args[0]!r} was called a different number of times, or "
                         "gave other output shapes, in two forward passes on the same inputs"
                     ) from None
+    n = _batch_size(specs, inputs) if batch_size is None else int(batch_size)
+    scale = (1.0 / n if loss_reduction == "mean" else 1.0) / loss_divisor
     with torch.no_grad():
         for k, v in new_bufs.items():
             bufs[k].copy_(v)

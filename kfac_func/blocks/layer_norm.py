@@ -26,6 +26,11 @@ class _TrailingNorm(ScaleShiftBlock):
         eps = getattr(module, "eps", None)
         return self.scale_shift_spec(name, module, eps=None if eps is None else float(eps))
 
+    def examples(self, spec: LayerSpec, x: torch.Tensor) -> int | None:
+        """``N`` of an ``(N, ..., *normalized_shape)`` input; 1 for an unbatched
+        ``normalized_shape`` one."""
+        return int(x.shape[0]) if x.dim() > len(spec.weight_shape) else 1
+
     def unit_rows(
         self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

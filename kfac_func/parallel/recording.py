@@ -36,11 +36,8 @@ class ParallelHookRecorder(ParallelBase):
             self._handles.append(module.register_forward_hook(hook))
 
     def _start_micro_batch(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if not self._collecting():
-            return
-        flat = list(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
-        first = next((a for a in flat if isinstance(a, torch.Tensor) and a.dim() > 0), None)
-        self._micro.append(MicroBatchRecord(int(first.shape[0]) if first is not None else 1))
+        if self._collecting():
+            self._micro.append(MicroBatchRecord())
 
     def _keep(self, spec: LayerSpec, t: torch.Tensor, shard: bool, kind: str) -> Any:
         """What to store of a captured tensor on this rank (None: nothing)."""
@@ -62,8 +59,9 @@ class ParallelHookRecorder(ParallelBase):
                 return
             x = args[0].detach()
             if not self._micro:
-                self._micro.append(MicroBatchRecord(int(x.shape[0]) if x.dim() > 1 else 1))
+                self._micro.append(MicroBatchRecord())
             micro = self._micro[-1]
+            micro.examples.add(spec, x)
             shard = is_shard(spec, split, parts, x.shape[-1], "a")
             micro.a_shard[spec.name] = shard
             micro.a.setdefault(spec.name, [])
