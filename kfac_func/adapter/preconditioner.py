@@ -30,6 +30,7 @@ from kfac_func.adapter.checkpointing import StateDictMixin
 from kfac_func.adapter.inspection import InspectionMixin, check_factor_rows
 from kfac_func.adapter.recording import HookRecorder
 from kfac_func.adapter.sync_free import SyncFreeMixin
+from kfac_func.adapter.wrapped_names import unwrapped
 from kfac_func.blocks import register
 from kfac_func.blocks.table import no_layers_error
 from kfac_func.distributed.communicator import AllreduceMethod, Communicator
@@ -234,8 +235,11 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
             allreduce_method=allreduce_method,
         )
 
-        self.layers = register(
-            model, self.skip_layers, max_factor_dim=max_factor_dim, kfac_approx=kfac_approx
+        # named as the model's state dict names them (no checkpoint_wrapper prefixes)
+        self.layers = unwrapped(
+            register(
+                model, self.skip_layers, max_factor_dim=max_factor_dim, kfac_approx=kfac_approx
+            )
         )
         self.max_factor_dim = max_factor_dim
         self.kfac_approx = kfac_approx
