@@ -233,6 +233,24 @@ _WHAT_TO_DO = (
 )
 
 
+def _unsupported(e: RuntimeError) -> RuntimeError:
+    """The error of a model that torch.func cannot differentiate, explained when it is
+    activation checkpointing (measured with torch 2.13: the non-reentrant kind uses
+    saved-tensor hooks, which torch.func refuses; the reentrant kind is an
+    ``autograd.Function`` without ``setup_context``)."""
+    msg = str(e)
+    if "saved tensor hooks" in msg or "setup_context" in msg:
+        return RuntimeError(
+            "kf.capture runs the model under torch.func, which supports neither activation "
+            "checkpointing (torch.utils.checkpoint, checkpoint_wrapper, Hugging Face's "
+            "gradient_checkpointing_enable()) nor other saved-tensor hooks or autograd."
+            "Functions without setup_context. Turn checkpointing off for the capture "
+            "(model.gradient_checkpointing_disable()), or use kfac_func.KFACPreconditioner, "
+            f"whose hooks support it. torch.func said: {msg}"
+        )
+    return e
+
+
 def check_loss_divisor(value: object) -> None:
     """Raise a ValueError unless ``value`` is a positive number."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
@@ -344,6 +362,11 @@ def capture(
                     forward, params, probes, has_aux=True
                 )
                 break
+            except RuntimeError as e:
+                explained = _unsupported(e)
+                if explained is e:
+                    raise
+                raise explained from e
             except _ShapesChanged as e:
                 if attempt:
                     raise RuntimeError(

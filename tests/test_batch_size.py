@@ -15,6 +15,7 @@ model's arguments:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 from collections.abc import Callable
@@ -109,12 +110,24 @@ class TinyGPT(nn.Module):
         return logits, loss
 
 
+_GPT2: dict[str, nn.Module] = {}
+
+
 def _hf_gpt2() -> nn.Module:
+    """GPT-2 from a config (random init, built once: its initialisation takes seconds)."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=2, vocab_size=65, n_positions=32, attn_implementation="eager"
-    )
-    return transformers.GPT2LMHeadModel(config)
+    if "model" not in _GPT2:
+        config = transformers.GPT2Config(
+            n_layer=2,
+            n_embd=64,
+            n_head=2,
+            vocab_size=65,
+            n_positions=32,
+            attn_implementation="eager",
+        )
+        torch.manual_seed(0)
+        _GPT2["model"] = transformers.GPT2LMHeadModel(config)
+    return copy.deepcopy(_GPT2["model"])
 
 
 def _logits(out: Any) -> torch.Tensor:
@@ -138,6 +151,7 @@ def _factors(
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(0)
     model = make().to(F64)
+    torch.manual_seed(0)  # the same dropout masks in every run
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tied weights, damping
         pre = kf.KFACPreconditioner(model, scaling=scaling, **kwargs)

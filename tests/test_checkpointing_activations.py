@@ -242,3 +242,19 @@ def test_hugging_face_gradient_checkpointing(
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
     assert model.is_gradient_checkpointing
     _assert_same(_run(model, batches, call, **kw), want)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_capture_of_a_checkpointed_model_says_torch_func_does_not_support_it(
+    reentrant: bool,
+) -> None:
+    """torch.func (torch 2.13) refuses saved-tensor hooks (non-reentrant checkpointing) and
+    autograd.Functions without setup_context (reentrant): the capture says so."""
+    model = _net(functools.partial(checkpoint, use_reentrant=reentrant))
+    x, y = _batches()[0]
+    params = dict(model.named_parameters())
+    loss_fn = lambda out: F.cross_entropy(out.reshape(-1, 3), y.reshape(-1))  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # reentrant: no input requires grad
+        with pytest.raises(RuntimeError, match="supports neither activation checkpointing"):
+            kf.capture(model, params, x, loss_fn)
