@@ -258,3 +258,46 @@ def test_capture_of_a_checkpointed_model_says_torch_func_does_not_support_it(
         warnings.simplefilter("ignore")  # reentrant: no input requires grad
         with pytest.raises(RuntimeError, match="supports neither activation checkpointing"):
             kf.capture(model, params, x, loss_fn)
+
+
+class MLPBlocks(nn.Module):
+    def __init__(self, ckpt: Callable[..., Any] | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(2))
+        self.head = nn.Linear(D, 3)
+        self.ckpt = ckpt
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x) if self.ckpt is None else self.ckpt(block, x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("in_hook", [True, False])
+def test_parallel_preconditioner_on_a_checkpointed_model(in_hook: bool) -> None:
+    """The parallel preconditioner's hooks (one process) count recomputed calls alike."""
+    from kfac_func.parallel.preconditioner import ParallelKFACPreconditioner
+
+    def run(ckpt: Callable[..., Any] | None) -> tuple[dict[str, Any], list[Any]]:
+        model = MLPBlocks(ckpt).to(F64)
+        pre = ParallelKFACPreconditioner(
+            model,
+            accumulation_steps=2,
+            scaling="fisher",
+            factor_dtype=F64,
+            inv_dtype=F64,
+            update_factors_in_hook=in_hook,
+        )
+        grads = []
+        for step in range(2):
+            model.zero_grad()
+            for x, y in _batches()[2 * step : 2 * step + 2]:
+                F.cross_entropy(model(x).reshape(-1, 3), y.reshape(-1)).div(2).backward()
+            pre.step()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        return {n: (ls.a_factor, ls.g_factor) for n, ls in pre.state.layers.items()}, grads
+
+    want = run(None)
+    for reentrant in (False, True):
+        _assert_same(run(functools.partial(_checkpointed, reentrant=reentrant)), want)
