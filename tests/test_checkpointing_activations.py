@@ -184,6 +184,37 @@ def test_checkpoint_wrapper_layer_names_are_the_models_own() -> None:
     assert "blocks.0.attn.q_proj" in pre.state.layers
 
 
+def test_state_saved_without_wrappers_resumes_with_them() -> None:
+    """A run resumed with checkpoint_wrapper from a state dict saved without it (the
+    layer names agree) continues exactly as the run without wrappers."""
+    batches = _batches()
+    kw: dict[str, Any] = {"accumulation_steps": 2, "scaling": "fisher", "inv_dtype": F64}
+
+    def train(model: nn.Module, pre: Any, part: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        model.zero_grad()
+        for x, y in part:
+            F.cross_entropy(model(x).reshape(-1, 3), y.reshape(-1)).div(2).backward()
+        pre.step()
+
+    plain = MODELS["none"]()
+    pre = kf.KFACPreconditioner(plain, **kw)
+    train(plain, pre, batches[:2])
+    wrapped = MODELS["checkpoint_wrapper"]()
+    wrapped.load_state_dict(plain.state_dict())
+    resumed = kf.KFACPreconditioner(wrapped, **kw)
+    resumed.load_state_dict(pre.state_dict())
+    train(plain, pre, batches[2:])
+    train(wrapped, resumed, batches[2:])
+    for name, ls in pre.state.layers.items():
+        got = resumed.state.layers[name]
+        torch.testing.assert_close(got.a_factor, ls.a_factor, **TOL)
+        torch.testing.assert_close(got.g_factor, ls.g_factor, **TOL)
+    params = {_strip(n): p for n, p in wrapped.named_parameters()}
+    for n, p in plain.named_parameters():
+        assert params[n].grad is not None and p.grad is not None, n
+        torch.testing.assert_close(params[n].grad, p.grad, **TOL)
+
+
 def _checkpointed(model: nn.Module, x: torch.Tensor, reentrant: bool) -> torch.Tensor:
     # (reentrant checkpointing differentiates only through inputs that require grad)
     out = checkpoint(model, x.clone().requires_grad_(), use_reentrant=reentrant)
