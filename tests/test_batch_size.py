@@ -317,6 +317,23 @@ def test_layers_that_disagree_raise_at_step_and_leave_the_state() -> None:
         assert p.grad is not None and torch.equal(p.grad, grads[n])
 
 
+def test_sequence_first_transformer_layers_raise_under_fisher() -> None:
+    """``nn.TransformerEncoderLayer(batch_first=False)``: its attention sees the batch on
+    dimension 1, its linears and norms say the sequence length: which is the batch cannot
+    be known (the old guess took the sequence length)."""
+    layer = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0, batch_first=False).to(F64)
+    x = torch.randn(T, B, D, dtype=F64)
+    pre = kf.KFACPreconditioner(layer, scaling="fisher")
+    layer(x).sum().backward()
+    with pytest.raises(BatchSizeError, match=r"'linear1' saw \(5, 4, 8\) \(5 examples\)"):
+        pre.step()
+    layer = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0, batch_first=True).to(F64)
+    pre = kf.KFACPreconditioner(layer, scaling="fisher")
+    layer(x.transpose(0, 1)).sum().backward()
+    pre.step()
+    assert pre.steps == 1
+
+
 def test_layers_that_disagree_need_no_batch_size_under_kfac_pytorch_scaling() -> None:
     x, y = _data("sequence")
     model = Flattening().to(F64)

@@ -39,8 +39,9 @@ __all__ = ["HookRecorder", "remove_handles"]
 
 _WHAT_TO_DO = (
     "Keep the examples on the leading dimension of every registered layer's input (call "
-    "the layer on (B, T, d), not on the flattened (B*T, d)), or leave the layers that do "
-    "not out (skip_layers=[...]); the K-FAC state is unchanged"
+    "the layer on (B, T, d), not on the flattened (B*T, d); batch_first=True for "
+    "torch.nn.Transformer layers), or leave the layers that do not out "
+    "(skip_layers=[...]); the K-FAC state is unchanged"
 )
 
 

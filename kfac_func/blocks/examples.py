@@ -37,8 +37,8 @@ class BatchSizeError(ValueError):
 
 _WHAT_TO_DO = (
     "Keep the examples on the leading dimension of every registered layer's input (call "
-    "the layer on (B, T, d), not on the flattened (B*T, d)), or leave the layers that do "
-    "not out (skip_layers=[...])"
+    "the layer on (B, T, d), not on the flattened (B*T, d); batch_first=True for "
+    "torch.nn.Transformer layers), or leave the layers that do not out (skip_layers=[...])"
 )
 
 
