@@ -10,6 +10,8 @@ hooks are not used (they do not work inside torch.func transforms).
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ from torch.func import functional_call
 
 from kfac_func.blocks import LayerSpec, register
 from kfac_func.blocks.examples import CallExamples
+from kfac_func.blocks.mapped import checking
 from kfac_func.blocks.taps import Sites, call_sites, tap_hooks
 from kfac_func.core.pytree import register_dataclass
 
@@ -217,6 +220,95 @@ def _mc_cotangent(
     return (loss_scale * grad).reshape(y.shape).to(y.dtype)
 
 
+class _Output:
+    """The model's output as the list of its floating-point tensors, which the VJP
+    differentiates, and the rest (the object's structure and its other leaves: integer
+    tensors, a ``DynamicCache``, strings), kept aside: :meth:`join` rebuilds the object as
+    the model returned it, for ``loss_fn``. Containers are those of torch's pytrees
+    (tuples, lists, dicts, transformers' ``ModelOutput``) and dataclasses."""
+
+    def __init__(self) -> None:
+        self.leaves: list[Any] = []
+        self.where: list[int] = []
+        self.rebuild: Callable[[list[Any]], Any] = lambda leaves: leaves[0]
+
+    def split(self, out: Any) -> list[torch.Tensor]:
+        leaves, self.rebuild = _flatten(out)
+        self.where = [i for i, leaf in enumerate(leaves) if _differentiable(leaf)]
+        if not self.where:
+            raise TypeError(
+                f"the model's output ({type(out).__name__}) holds no floating-point tensor "
+                "to differentiate"
+            )
+        where = set(self.where)
+        self.leaves = [None if i in where else leaf for i, leaf in enumerate(leaves)]
+        return [leaves[i] for i in self.where]
+
+    def join(self, tensors: list[torch.Tensor]) -> Any:
+        leaves = list(self.leaves)
+        for i, t in zip(self.where, tensors):
+            leaves[i] = t
+        return self.rebuild(leaves)
+
+
+def _is_dataclass(x: Any) -> bool:
+    """A dataclass instance that torch's pytrees do not know (a ``ModelOutput`` is one of
+    theirs)."""
+    return (
+        dataclasses.is_dataclass(x)
+        and not isinstance(x, type)
+        and type(x) not in torch_pytree.SUPPORTED_NODES
+    )
+
+
+def _flatten(obj: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    """The leaves of ``obj`` (through torch's pytree containers and dataclasses) and a
+    function that rebuilds ``obj`` from new leaves."""
+    if _is_dataclass(obj):
+        names = [f.name for f in dataclasses.fields(obj)]
+        leaves, rebuild_fields = _flatten([getattr(obj, n) for n in names])
+
+        def rebuild_dataclass(new: list[Any]) -> Any:
+            out = copy.copy(obj)
+            for name, value in zip(names, rebuild_fields(new)):
+                object.__setattr__(out, name, value)
+            return out
+
+        return leaves, rebuild_dataclass
+    top, spec = torch_pytree.tree_flatten(obj, is_leaf=_is_dataclass)
+    if len(top) == 1 and top[0] is obj:
+        return [obj], lambda new: new[0]
+    parts = [_flatten(t) for t in top]
+
+    def rebuild(new: list[Any]) -> Any:
+        children, k = [], 0
+        for leaves, join in parts:
+            children.append(join(new[k : k + len(leaves)]))
+            k += len(leaves)
+        return torch_pytree.tree_unflatten(children, spec)
+
+    return [leaf for leaves, _ in parts for leaf in leaves], rebuild
+
+
+def _differentiable(leaf: Any) -> bool:
+    return isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+
+
+def _scalar(loss: Any) -> torch.Tensor:
+    """``loss`` if it is a one-element tensor (the loss ``loss_fn`` must return)."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise ValueError(
+            f"loss_fn must return a scalar tensor (one element), got shape "
+            f"{tuple(loss.shape)}: reduce it over the batch (e.g. .mean() or .sum(), and "
+            "say which with loss_reduction=)"
+        )
+    if not (loss.is_floating_point() or loss.is_complex()):
+        raise TypeError(f"loss_fn must return a floating-point scalar, got {loss.dtype}")
+    return loss.reshape(())
+
+
 def _batch_size(specs: Mapping[str, LayerSpec], inputs: Mapping[str, list[torch.Tensor]]) -> int:
     """What the captured calls say about the number of examples (see
     :class:`~kfac_func.blocks.examples.CallExamples`)."""
@@ -335,6 +427,8 @@ def capture(
     params = {k: v.detach() for k, v in params.items()}
     bufs = dict(model.named_buffers()) if buffers is None else dict(buffers)
 
+    output = _Output()
+
     def forward(
         p: dict[str, torch.Tensor], pr: dict[str, list[torch.Tensor]]
     ) -> tuple[Any, tuple[dict[str, list[torch.Tensor]], dict[str, torch.Tensor]]]:
@@ -342,8 +436,9 @@ def capture(
         # running statistics) are allowed; they are written back once the call is done.
         b = {k: v.clone() for k, v in bufs.items()}
         calls = _Calls(modules, pr)
-        out = calls.run(modules, lambda: functional_call(model, (p, b), args, kwargs))
-        return out, (calls.inputs, b)
+        with checking(model, specs):
+            out = calls.run(modules, lambda: functional_call(model, (p, b), args, kwargs))
+        return output.split(out), (calls.inputs, b)
 
     device = next(iter(params.values())).device if params else torch.device("cpu")
     with contextlib.ExitStack() as stack:
@@ -378,10 +473,11 @@ def capture(
     with torch.no_grad():
         for k, v in new_bufs.items():
             bufs[k].copy_(v)
-    dloss, loss = torch.func.grad_and_value(loss_fn)(out)
+    dloss, loss = torch.func.grad_and_value(lambda t: _scalar(loss_fn(output.join(t))))(out)
     grads, output_grads = vjp_fn(dloss)
     if fisher == "mc":
-        _, output_grads = vjp_fn(_mc_cotangent(out, likelihood, scale, generator))
+        whole = output.join(out)
+        _, output_grads = vjp_fn([_mc_cotangent(whole, likelihood, scale, generator)])
 
     captured = {
         name: LayerCapture(tuple(inputs[name]), tuple(output_grads[name][: len(inputs[name])]))

@@ -115,3 +115,27 @@ def test_optimizers_quick() -> None:
         assert f"{workload}: target = AdamW's final test loss" in proc.stdout, proc.stdout
     for name in ("sgd", "adamw", "muon", "kfac", "kfac-ekfac", "kfac-ekfac-adam"):
         assert any(line.split()[:1] == [name] for line in proc.stdout.splitlines()), name
+
+
+@pytest.mark.slow
+def test_tied_lm_quick(tmp_path: Path) -> None:
+    """The tied-weight benchmark runs both variants and writes its CSV."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "tied_lm.py"),
+            "--quick",
+            "--out",
+            str(tmp_path / "tied"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = list(csv.DictReader((tmp_path / "tied.csv").open()))
+    assert {r["variant"] for r in rows} == {"tied", "skip"}
+    # the skip variant leaves the shared weight to AdamW: fewer K-FAC parameters
+    kfac = {r["variant"]: int(r["kfac_params"]) for r in rows}
+    assert kfac["tied"] > kfac["skip"]

@@ -105,7 +105,7 @@ def test_a_kind_cannot_be_registered_twice(monkeypatch: pytest.MonkeyPatch) -> N
 def test_unregistered_module_is_skipped_with_its_reason() -> None:
     table = kf.register(nn.Sequential(Dense(2, 2)))
     assert list(table) == []
-    assert table.skipped == {"0": "unsupported kind Dense"}
+    assert table.skipped == {"0": f"unsupported kind {Dense.__module__}.Dense"}
 
 
 def test_new_kind_matches_linear_through_capture_and_update(dense_kind: None) -> None:
@@ -154,8 +154,8 @@ def test_new_kind_in_the_adapter_and_checkpoints(dense_kind: None) -> None:
 
 def test_split_parameters_recipe() -> None:
     """Every parameter lands in exactly one list, in model order; K-FAC's list holds those
-    of the registered layers (attention's packed projection included), tied and skipped
-    ones go to the other list."""
+    of the registered layers (attention's packed projection included; the weight tied by
+    an embedding and a head), skipped ones go to the other list."""
 
     class Tied(nn.Module):
         def __init__(self) -> None:
@@ -168,11 +168,11 @@ def test_split_parameters_recipe() -> None:
             self.out = nn.Linear(4, 2)
 
     model = Tied()
-    with pytest.warns(UserWarning):
-        table = kf.register(model, skip_layers=["LayerNorm"])
+    table = kf.register(model, skip_layers=["LayerNorm"])
     kfac, rest = table.split_parameters(model)
     names = {id(p): n for n, p in model.named_parameters()}
     assert [names[id(p)] for p in kfac] == [
+        "emb.weight",
         "attn.in_proj_weight",
         "attn.in_proj_bias",
         "attn.out_proj.weight",
@@ -180,6 +180,6 @@ def test_split_parameters_recipe() -> None:
         "out.weight",
         "out.bias",
     ]
-    assert [names[id(p)] for p in rest] == ["emb.weight", "norm.weight", "norm.bias"]
+    assert [names[id(p)] for p in rest] == ["norm.weight", "norm.bias"]
     with pytest.raises(ValueError, match="registered from"):
         table.split_parameters(nn.Linear(2, 2))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -44,8 +46,8 @@ def test_kinds_and_shapes() -> None:
 
 def test_unsupported_modules_are_listed_not_fatal() -> None:
     table = kf.register(Block())
-    assert "unsupported kind Bilinear" in table.skipped["bil"]
-    assert "unsupported kind PReLU" in table.skipped["act"]
+    assert "unsupported kind torch.nn.modules.linear.Bilinear" in table.skipped["bil"]
+    assert "unsupported kind torch.nn.modules.activation.PReLU" in table.skipped["act"]
     # MultiheadAttention's projections are layers of the attention kind; its out_proj
     # child (never called) is one of them, not a Linear of its own
     assert table["attn.out_proj"].kind == "attention"
@@ -87,7 +89,10 @@ def test_table_prints_every_row() -> None:
         line.startswith("conv ") and "2x19x19" in line and "2 groups" in line for line in lines
     )
     assert any(line.startswith("bil ") and "skipped: matched skip_layers" in line for line in lines)
-    assert any(line.startswith("act ") and "unsupported kind PReLU" in line for line in lines)
+    assert any(
+        line.startswith("act ") and "unsupported kind torch.nn.modules.activation.PReLU" in line
+        for line in lines
+    )
 
 
 @pytest.mark.parametrize(
@@ -139,15 +144,36 @@ class _TiedLM(nn.Module):
         return self.head(torch.tanh(self.mid(self.emb(x))))
 
 
-def test_tied_parameters_are_skipped_with_a_warning_naming_both_layers() -> None:
+def test_tied_embedding_and_head_are_one_layer_without_a_warning() -> None:
     model = _TiedLM()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        table = kf.register(model)
+        pre = kf.KFACPreconditioner(model)
+    assert list(table) == ["mid", "head"] and not table.skipped
+    assert table["head"].kind == "tied" and table["head"].weight == "emb.weight"
+    # the preconditioner rewrites the shared gradient
+    loss = model(torch.randint(0, 10, (3, 5))).sum()
+    loss.backward()
+    assert model.emb.weight.grad is not None
+    before = model.emb.weight.grad.clone()
+    pre.step()
+    assert not torch.equal(model.emb.weight.grad, before)
+
+
+def test_other_tied_parameters_are_skipped_with_a_warning_naming_both_layers() -> None:
+    model = _TiedLM()
+    model.head = nn.Linear(4, 10)  # a head with a bias: not tied
+    model.head.weight = model.emb.weight
     with pytest.warns(UserWarning, match=r"'emb.weight' is shared by layers \['emb', 'head'\]"):
         table = kf.register(model)
     assert list(table) == ["mid"]
     assert table.skipped["emb"] == "shares parameter 'emb.weight' with ['head']"
     assert table.skipped["head"] == "shares parameter 'emb.weight' with ['emb']"
-    # the preconditioner leaves the shared gradient as the loss made it
-    with pytest.warns(UserWarning, match="shared by layers"):
+    # the preconditioner leaves the shared gradient as the loss made it (and does not
+    # warn again about the same model's parameter)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         pre = kf.KFACPreconditioner(model)
     loss = model(torch.randint(0, 10, (3, 5))).sum()
     loss.backward()

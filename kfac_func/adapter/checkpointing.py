@@ -15,6 +15,7 @@ import torch
 
 from kfac_func.adapter.arguments import HYPER, PreconditionerBase
 from kfac_func.adapter.replicated import complete_entries, entry_for_rank
+from kfac_func.blocks.tied import newly_tied
 from kfac_func.core.decomposition import (
     EigenDecomposition,
     EKFACDecomposition,
@@ -191,7 +192,8 @@ class StateDictMixin(PreconditionerBase):
         try:
             if layers_sd is not None:
                 unknown = sorted(set(layers_sd) - set(layers))
-                missing = sorted(set(layers) - set(layers_sd))
+                fresh = newly_tied(layers, layers_sd)  # saved when tied pairs were skipped
+                missing = sorted(set(layers) - set(layers_sd) - fresh)
                 if unknown or missing:
                     raise ValueError(
                         f"state_dict layers do not match the model: missing {missing}, "

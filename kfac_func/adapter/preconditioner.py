@@ -32,6 +32,7 @@ from kfac_func.adapter.recording import HookRecorder
 from kfac_func.adapter.sync_free import SyncFreeMixin
 from kfac_func.adapter.wrapped_names import unwrapped
 from kfac_func.blocks import register
+from kfac_func.blocks.mapped import KindMap, check_hooks
 from kfac_func.blocks.table import no_layers_error
 from kfac_func.distributed.communicator import AllreduceMethod, Communicator
 from kfac_func.distributed.dtensor import describe_parameters, is_dtensor
@@ -111,6 +112,10 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         max_factor_dim: factor sides wider than this keep only their diagonal.
         kfac_approx: ``"expand"`` or ``"reduce"`` for weight-sharing layers, or
             ``{regex: approx}`` (see :func:`kfac_func.register`).
+        kinds: ``{module class: kind}`` (or ``{cls: (kind, {"eps": ...})}``) for the
+            model's own classes that compute a registered kind, e.g. ``{LlamaRMSNorm:
+            "rms_norm"}`` (see :func:`kfac_func.register`); each mapped module's first
+            call is checked against the kind's computation.
         grafting: None, ``"sgd"`` or ``"adam"``: each layer's step takes that optimizer's
             norm.
         graft_beta2: Adam grafting's ``β₂``.
@@ -206,6 +211,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         batched_eigh: bool = False,
         eigh_device: torch.device | str | None = None,
         factor_rows: int | None = None,
+        kinds: KindMap | None = None,
     ) -> None:
         self._set_sync_free(sync_free, compile)
         self.batched_eigh, self.eigh_device = batched_eigh, check_eigh_device(eigh_device)
@@ -238,7 +244,11 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         # named as the model's state dict names them (no checkpoint_wrapper prefixes)
         self.layers = unwrapped(
             register(
-                model, self.skip_layers, max_factor_dim=max_factor_dim, kfac_approx=kfac_approx
+                model,
+                self.skip_layers,
+                max_factor_dim=max_factor_dim,
+                kfac_approx=kfac_approx,
+                kinds=kinds,
             )
         )
         self.max_factor_dim = max_factor_dim
@@ -348,6 +358,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         self._stream = update_factors_in_hook and self.comm.world_size > 1 and not self._ekfac
         self._reducer = None
         self._register_hooks()
+        self._handles += check_hooks(model, self.layers)  # first calls of kinds= modules
         log_registered(logger, loglevel, model, self.layers)
         logger.log(loglevel, "K-FAC registered layers:\n%s", self.layers)
         logger.log(loglevel, "K-FAC layer assignments: %s", self.plan)

@@ -59,6 +59,7 @@ class AttentionBlock(LinearBlock):
     # the projections see (L, N, E) inputs and a flattened (L·N, E) one: expand only
     reducible = False
     taps = True
+    mappable = False
 
     def spec(self, name: str, module: nn.Module) -> LayerSpec | str:
         specs = self.specs(name, module)

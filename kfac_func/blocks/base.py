@@ -31,7 +31,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from contextlib import AbstractContextManager
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -81,6 +81,14 @@ class LayerBlock(ABC):
     (:meth:`joint_grams`; norms: the scale's gradient is the normalised input times the
     output-gradient) instead of one from each (:meth:`a_gram`, :meth:`g_gram`)."""
 
+    mappable: ClassVar[bool] = False
+    """Whether ``register(..., kinds={cls: kind})`` may map a module class of the user's to
+    this kind (:mod:`kfac_func.blocks.mapped`): the kind implements :meth:`mapped_spec`
+    and :meth:`output`."""
+
+    mapped_options: ClassVar[tuple[str, ...]] = ()
+    """The options ``kinds={cls: (kind, {option: value})}`` may give (a norm's ``eps``)."""
+
     # --- registration --------------------------------------------------------------
 
     def matches(self, module: nn.Module) -> bool:
@@ -90,6 +98,20 @@ class LayerBlock(ABC):
     @abstractmethod
     def spec(self, name: str, module: nn.Module) -> LayerSpec | str:
         """The spec of ``module`` (registered as ``name``), or why it cannot be handled."""
+
+    def mapped_spec(self, name: str, module: nn.Module, options: Mapping[str, Any]) -> LayerSpec:
+        """The spec of a module of a class ``kinds=`` maps to this kind (only if
+        :attr:`mappable`), from its parameters and ``options``; a ValueError names the
+        module unless its parameters are those the kind needs."""
+        raise ValueError(f"layer kind {self.kind!r} cannot be given to a module class")
+
+    def output(
+        self, spec: LayerSpec, params: Mapping[str, torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor:
+        """The output of one call as this kind computes it from the input ``x`` and the
+        layer's ``{"weight": ..., "bias": ...}`` (only if :attr:`mappable`): what the first
+        call of a mapped module is checked against."""
+        raise NotImplementedError(f"layer kind {self.kind!r} has no output")
 
     def specs(self, name: str, module: nn.Module) -> list[LayerSpec] | str:
         """Every layer ``module`` holds (one, but for modules made of several layers whose

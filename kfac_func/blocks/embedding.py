@@ -14,10 +14,15 @@ gradient is rescaled by token frequency) are skipped, with that reason in the ta
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kfac_func.blocks.base import LayerBlock
+from kfac_func.blocks.mapped import mapped_params, mapping_error
 from kfac_func.blocks.registry import register_block
 from kfac_func.blocks.spec import Gram, LayerSpec, row_gram, shape_error
 
@@ -59,6 +64,31 @@ class EmbeddingBlock(LayerBlock):
             module.embedding_dim,
             diagonal=(True, False),
         )
+
+    mappable = True
+
+    def mapped_spec(self, name: str, module: nn.Module, options: Mapping[str, Any]) -> LayerSpec:
+        """A lookup table of a class of the user's: ``weight`` ``(V, d)``, no bias, computing
+        ``weight[x]``."""
+        weight, bias = mapped_params(name, module, self.kind)
+        if bias is not None or weight.dim() != 2:
+            raise mapping_error(
+                name,
+                module,
+                self.kind,
+                f"the kind needs a 2-d weight and no bias, and it has a weight of shape "
+                f"{tuple(weight.shape)}{' and a bias' if bias is not None else ''}",
+            )
+        prefix = f"{name}." if name else ""
+        v, d = (int(s) for s in weight.shape)
+        return LayerSpec(name, self.kind, f"{prefix}weight", None, v, d, diagonal=(True, False))
+
+    def output(
+        self, spec: LayerSpec, params: Mapping[str, torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor:
+        if x.is_floating_point() or x.is_complex():
+            raise shape_error(spec, "input", "integer token indices", x.shape)
+        return F.embedding(x, params["weight"])
 
     def weight_shape(self, spec: LayerSpec) -> tuple[int, ...]:
         return (spec.in_dim, spec.out_dim)

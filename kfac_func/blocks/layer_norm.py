@@ -9,9 +9,13 @@ normalised shape, rows are every leading position (see
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import nn
 
+from kfac_func.blocks.mapped import mapped_params, mapping_error
 from kfac_func.blocks.registry import register_block
 from kfac_func.blocks.scale_shift import ScaleShiftBlock, normalise, resolved_eps
 from kfac_func.blocks.spec import LayerSpec, shape_error
@@ -21,6 +25,11 @@ __all__ = ["LayerNormBlock", "RMSNormBlock"]
 
 class _TrailingNorm(ScaleShiftBlock):
     center = True
+    mappable = True
+    mapped_options = ("eps",)
+    default_eps: float | None = 1e-5
+    """The ``eps`` of a mapped module that has no ``eps`` (nor ``variance_epsilon``)
+    attribute and is given none in ``kinds=``: the default of the kind's torch module."""
 
     def spec(self, name: str, module: nn.Module) -> LayerSpec | str:
         eps = getattr(module, "eps", None)
@@ -30,6 +39,46 @@ class _TrailingNorm(ScaleShiftBlock):
         """``N`` of an ``(N, ..., *normalized_shape)`` input; 1 for an unbatched
         ``normalized_shape`` one."""
         return int(x.shape[0]) if x.dim() > len(spec.weight_shape) else 1
+
+    def mapped_spec(self, name: str, module: nn.Module, options: Mapping[str, Any]) -> LayerSpec:
+        """A norm of a class of the user's: ``weight`` (the normalised shape) and an optional
+        ``bias`` of the same shape; ``eps`` from ``options``, else the module's ``eps`` or
+        ``variance_epsilon`` attribute, else :attr:`default_eps`."""
+        weight, bias = mapped_params(name, module, self.kind)
+        if bias is not None and bias.shape != weight.shape:
+            raise mapping_error(
+                name,
+                module,
+                self.kind,
+                f"its bias has shape {tuple(bias.shape)} and its weight {tuple(weight.shape)}"
+                " (the kind needs one entry of each per normalised element)",
+            )
+        if weight.dim() == 0:
+            raise mapping_error(name, module, self.kind, "its weight is a scalar")
+        if "eps" in options:
+            eps = options["eps"]
+        else:
+            attr = next((a for a in ("eps", "variance_epsilon") if hasattr(module, a)), None)
+            eps = getattr(module, attr) if attr else self.default_eps
+        if eps is not None and (
+            isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0
+        ):
+            raise mapping_error(name, module, self.kind, f"eps must be a number >= 0, got {eps!r}")
+        spec = self.scale_shift_spec(name, module, eps=None if eps is None else float(eps))
+        assert not isinstance(spec, str)
+        return spec
+
+    def output(
+        self, spec: LayerSpec, params: Mapping[str, torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor:
+        shape = spec.weight_shape
+        k = len(shape)
+        if x.dim() < k or tuple(x.shape[-k:]) != shape:
+            raise shape_error(spec, "input", f"trailing dimensions {shape}", x.shape)
+        dims = tuple(range(x.dim() - k, x.dim()))
+        y = normalise(x, dims, resolved_eps(spec.option("eps"), x.dtype), center=self.center)
+        y = y * params["weight"]
+        return y + params["bias"] if "bias" in params else y
 
     def unit_rows(
         self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor
@@ -67,3 +116,4 @@ class RMSNormBlock(_TrailingNorm):
     kind = "rms_norm"
     module_types = (nn.RMSNorm,)
     center = False
+    default_eps = None

@@ -8,12 +8,15 @@ low-rank preconditioning path uses (:attr:`LinearBlock.has_rows`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kfac_func.blocks.base import LayerBlock
+from kfac_func.blocks.mapped import mapped_params, mapping_error
 from kfac_func.blocks.registry import register_block
 from kfac_func.blocks.spec import Gram, LayerSpec, row_gram, shape_error, with_ones
 
@@ -51,6 +54,35 @@ class LinearBlock(LayerBlock):
         return LayerSpec(
             name, self.kind, f"{prefix}weight", bias, module.in_features, module.out_features
         )
+
+    mappable = True
+
+    def mapped_spec(self, name: str, module: nn.Module, options: Mapping[str, Any]) -> LayerSpec:
+        """A linear of a class of the user's: ``weight`` ``(out, in)``, optional ``bias``
+        ``(out,)``, computing ``x @ weight.T + bias``."""
+        weight, bias = mapped_params(name, module, self.kind)
+        d_out, d_in = self._dims(name, module, weight)
+        if bias is not None and tuple(bias.shape) != (d_out,):
+            raise mapping_error(
+                name, module, self.kind, f"its bias has shape {tuple(bias.shape)}, not ({d_out},)"
+            )
+        prefix = f"{name}." if name else ""
+        bias_name = f"{prefix}bias" if bias is not None else None
+        return LayerSpec(name, self.kind, f"{prefix}weight", bias_name, d_in, d_out)
+
+    def _dims(self, name: str, module: nn.Module, weight: torch.Tensor) -> tuple[int, int]:
+        """``(out, in)`` of a mapped module's 2-d weight."""
+        if weight.dim() != 2:
+            raise mapping_error(
+                name, module, self.kind, f"its weight has shape {tuple(weight.shape)}, not 2-d"
+            )
+        return int(weight.shape[0]), int(weight.shape[1])
+
+    def output(
+        self, spec: LayerSpec, params: Mapping[str, torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor:
+        self.a_rows(spec, x)  # the input's shape, checked
+        return F.linear(x, params["weight"], params.get("bias"))
 
     def weight_shape(self, spec: LayerSpec) -> tuple[int, ...]:
         return (spec.out_dim, spec.in_dim)

@@ -11,12 +11,16 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
+import weakref
 from collections.abc import Iterable, Mapping
 
+import torch
 from torch import nn
 
+from kfac_func.blocks.mapped import KindMap, Parsed, class_path, mapped_block, parse_kinds
 from kfac_func.blocks.registry import blocks
 from kfac_func.blocks.spec import LayerSpec
+from kfac_func.blocks.tied import tied_specs
 
 __all__ = ["KFAC_APPROX", "LayerTable", "no_layers_error", "register"]
 
@@ -89,13 +93,38 @@ def _fmt_shape(shape: tuple[int, ...]) -> str:
     return "x".join(str(s) for s in shape)
 
 
-def _specs_for(name: str, module: nn.Module) -> list[LayerSpec] | str:
-    """The specs from the first registered kind that handles ``module``, or the reason the
-    module is not supported."""
+def _specs_for(name: str, module: nn.Module, kinds: Parsed | None = None) -> list[LayerSpec] | str:
+    """The specs from the kind ``kinds`` maps ``module``'s class to (its ``mapped`` option
+    names the class), else from the first registered kind that handles ``module``, or the
+    reason the module is not supported."""
+    mapped = mapped_block(module, kinds or {})
+    if mapped is not None:
+        block, options = mapped
+        spec = block.mapped_spec(name, module, options)
+        opts = {**dict(spec.options), "mapped": class_path(type(module))}
+        return [dataclasses.replace(spec, options=tuple(sorted(opts.items())))]
     for block in blocks():
         if block.matches(module):
             return block.specs(name, module)
-    return f"unsupported kind {type(module).__name__}"
+    return _unsupported(module)
+
+
+def _unsupported(module: nn.Module) -> str:
+    """Why ``module`` is skipped: its class (with the module path), and for a class whose
+    name and parameters look like a norm's or a linear's, how to map it with ``kinds=``."""
+    cls = type(module)
+    why = f"unsupported kind {class_path(cls)}"
+    lower = cls.__name__.lower()
+    weight = module._parameters.get("weight")
+    kind = None
+    if isinstance(weight, torch.Tensor) and "norm" in lower and weight.dim() >= 1:
+        kind = "rms_norm" if "rms" in lower else "layer_norm"
+    elif isinstance(weight, torch.Tensor) and weight.dim() == 2 and "linear" in lower:
+        kind = "linear"
+    if kind is None:
+        return why
+    what = {"layer_norm": "a layer norm", "rms_norm": "an RMS norm", "linear": "x @ weight.T"}
+    return f"{why}; if it computes {what[kind]}, map it with kinds={{{cls.__name__}: {kind!r}}}"
 
 
 def _bounded(spec: LayerSpec, max_factor_dim: int | None) -> LayerSpec:
@@ -129,6 +158,7 @@ def register(
     *,
     max_factor_dim: int | None = None,
     kfac_approx: str | Mapping[str, str] = "expand",
+    kinds: KindMap | None = None,
 ) -> LayerTable:
     """Find the layers of ``model`` that K-FAC preconditions.
 
@@ -153,6 +183,21 @@ def register(
             layer names (the first match wins, others expand). Kinds without a reduce
             form (embeddings, attention projections, norms) keep expand; the table notes
             "reduce" where it applies.
+        kinds: ``{module class: kind}`` for classes of the model's own that compute what a
+            registered kind computes (nanoGPT's ``LayerNorm``, transformers'
+            ``LlamaRMSNorm``): ``{MyLayerNorm: "layer_norm", LlamaRMSNorm: "rms_norm"}``;
+            subclasses follow their class, and a mapping wins over the built-in kinds.
+            ``{cls: (kind, {"eps": 1e-5})}`` gives options: a norm's ``eps``, else read
+            from the module's ``eps`` or ``variance_epsilon`` attribute, else the default
+            of the torch module (``layer_norm`` 1e-5, ``rms_norm`` None: the machine
+            epsilon). Kinds that may be mapped: ``layer_norm``, ``rms_norm``, ``linear``
+            (weight ``(out, in)``), ``transposed_linear`` (weight ``(in, out)``),
+            ``embedding``. The module's parameters are checked here (a ValueError names
+            the module unless they are a ``weight`` and an optional ``bias`` of the
+            shapes the kind needs), its forward on its first call during a capture or
+            under a preconditioner (the kind's computation of the output from the input
+            must equal the module's output up to rounding, else a ValueError names the
+            module, its class and the largest difference).
 
     Returns:
         A :class:`LayerTable` mapping module names to :class:`LayerSpec`.
@@ -169,6 +214,23 @@ def register(
         1     linear  5x5  4x4
         3     linear  5x5  2x2
         0     -       -    -    skipped: matched skip_layers 'Embedding'
+
+        A norm class of the model's own is mapped to the kind it computes:
+
+        >>> import torch
+        >>> class LayerNorm(nn.Module):  # nanoGPT's: no eps attribute (eps 1e-5)
+        ...     def __init__(self, d):
+        ...         super().__init__()
+        ...         self.weight = nn.Parameter(torch.ones(d))
+        ...     def forward(self, x):
+        ...         return nn.functional.layer_norm(x, self.weight.shape, self.weight, None, 1e-5)
+        >>> model = nn.Sequential(nn.Linear(4, 4), LayerNorm(4))
+        >>> print(register(model).skipped["1"])  # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
+        unsupported kind ...LayerNorm; if it computes a layer norm, map it with
+        kinds={LayerNorm: 'layer_norm'}
+        >>> spec = register(model, kinds={LayerNorm: "layer_norm"})["1"]
+        >>> spec.kind, spec.option("eps"), spec.factor_shapes
+        ('layer_norm', 1e-05, ((4, 1), (4, 1, 1)))
     """
     if max_factor_dim is not None and (
         isinstance(max_factor_dim, bool)
@@ -179,6 +241,7 @@ def register(
     for value in [kfac_approx] if isinstance(kfac_approx, str) else kfac_approx.values():
         if value not in KFAC_APPROX:
             raise ValueError(f"kfac_approx must be one of {KFAC_APPROX}, got {value!r}")
+    parsed = parse_kinds(kinds)
     if isinstance(skip_layers, str):
         skip_layers = [skip_layers]
     patterns = [(p, re.compile(p)) for p in (skip_layers or [])]
@@ -199,7 +262,7 @@ def register(
         own_params = list(module.parameters(recurse=False))
         if not own_params:
             continue
-        result = _specs_for(name, module)
+        result = _specs_for(name, module, parsed)
         if isinstance(result, str):
             skipped[name] = result
             continue
@@ -221,23 +284,40 @@ def no_layers_error(layers: Mapping[str, LayerSpec], model_name: str | None = No
     """The error for a model with no layer to precondition: it names the model's class
     (``model_name``, else the table's) and shows the table of what was skipped and why."""
     name = model_name or getattr(layers, "model_name", None) or "the model"
-    table = str(layers) if isinstance(layers, LayerTable) else "(an empty mapping of layers)"
+    if not isinstance(layers, LayerTable):
+        table = "(an empty mapping of layers)"
+    elif not layers and not layers.skipped:
+        table = f"({name} has no parameters)"
+    else:  # the model itself (name "") is shown by its class
+        shown = {(k or f"(the {name} itself)"): v for k, v in layers.skipped.items()}
+        table = str(LayerTable(layers.values(), shown))
     return ValueError(
         f"no layer of {name} can be preconditioned (kfac_func.register found none; the "
         f"table of its modules says why each was skipped):\n{table}"
     )
 
 
+# the shared parameters already warned about, per model: the documented recipe registers
+# twice (register(model), then KFACPreconditioner(model)), and says so once
+_WARNED: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+
 def _tied(model: nn.Module, specs: list[LayerSpec]) -> dict[str, str]:
     """``{layer: reason}`` for the layers that share a parameter with another registered
-    layer (a tied embedding and output head): the shared gradient sums both uses, which
-    neither layer's factors describe, so both are skipped, with a warning."""
+    layer and are skipped, with a warning (once per model and parameter): the shared
+    gradient sums the uses of every layer, which the factors of neither describe.
+
+    An embedding and an output head that share their weight (a tied language-model head)
+    are instead made one layer of kind ``"tied"`` (:mod:`kfac_func.blocks.tied`), named
+    after the head: ``specs`` is updated in place (the pair replaced by it).
+    """
     users: dict[int, list[tuple[str, str, str]]] = {}
     for spec in specs:
         for pname in spec.param_names():
             use = (spec.name, spec.module, pname)
             users.setdefault(id(model.get_parameter(pname)), []).append(use)
     canonical = {id(p): n for n, p in model.named_parameters()}
+    by_name = {s.name: s for s in specs}
     out: dict[str, str] = {}
     for key, uses in users.items():
         # the parts of one module (an attention's q, k, v rows) share its parameters by design
@@ -245,13 +325,28 @@ def _tied(model: nn.Module, specs: list[LayerSpec]) -> dict[str, str]:
             continue
         layers = sorted({layer for layer, _, _ in uses})
         shared = canonical.get(key, uses[0][2])
-        warnings.warn(
-            f"parameter {shared!r} is shared by layers {layers}: K-FAC skips them (the "
-            "gradient of a tied parameter sums the uses of every layer, which the factors "
-            "of neither describe); precondition them with another optimizer",
-            UserWarning,
-            stacklevel=3,
-        )
+        why = "not an embedding and a head"
+        if len(layers) == 2:
+            pair = sorted((by_name[n] for n in layers), key=lambda s: s.kind != "embedding")
+            tied = tied_specs(pair[0], pair[1], shared)
+            if not isinstance(tied, str):
+                at = specs.index(pair[1])
+                specs[at] = tied
+                specs.remove(pair[0])
+                continue
+            why = tied
+        warned = _WARNED.setdefault(model, set())
+        if shared not in warned:
+            warned.add(shared)
+            warnings.warn(
+                f"parameter {shared!r} is shared by layers {layers}: K-FAC skips them (the "
+                "gradient of a tied parameter sums the uses of every layer, which the factors "
+                "of neither describe; only an embedding and an output head without bias are "
+                f"preconditioned together, and here {why}); precondition them with another "
+                "optimizer",
+                UserWarning,
+                stacklevel=3,
+            )
         for layer in layers:
             others = [o for o in layers if o != layer]
             out[layer] = f"shares parameter {shared!r} with {others}"

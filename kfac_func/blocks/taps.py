@@ -28,7 +28,8 @@ def call_sites(
     model: nn.Module, specs: Mapping[str, LayerSpec]
 ) -> dict[str, tuple[nn.Module, list[LayerSpec]]]:
     """The modules whose calls feed the layers ``specs``: a layer's own module, or the
-    module it is a part of (the projections of one attention share theirs).
+    module it is a part of (the projections of one attention share theirs); a tied layer
+    (:mod:`kfac_func.blocks.tied`) is fed by its head and by its embedding.
 
     Example:
         >>> import torch
@@ -39,9 +40,11 @@ def call_sites(
     """
     out: dict[str, tuple[nn.Module, list[LayerSpec]]] = {}
     for spec in specs.values():
-        if spec.module not in out:
-            out[spec.module] = (model.get_submodule(spec.module), [])
-        out[spec.module][1].append(spec)
+        tied = spec.option("tied")  # a tied head's embedding feeds the same layer
+        for module in [spec.module] if tied is None else [spec.module, str(tied)]:
+            if module not in out:
+                out[module] = (model.get_submodule(module), [])
+            out[module][1].append(spec)
     return out
 
 

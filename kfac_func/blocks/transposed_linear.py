@@ -8,6 +8,8 @@ gradient matrix is ``[dWᵀ | db]``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -60,6 +62,17 @@ class TransposedLinearBlock(LinearBlock):
         bias_name = f"{prefix}bias" if isinstance(bias, torch.Tensor) else None
         d_in, d_out = weight.shape
         return LayerSpec(name, self.kind, f"{prefix}weight", bias_name, int(d_in), int(d_out))
+
+    def _dims(self, name: str, module: nn.Module, weight: torch.Tensor) -> tuple[int, int]:
+        d_in, d_out = super()._dims(name, module, weight)
+        return d_out, d_in  # the weight is (in, out)
+
+    def output(
+        self, spec: LayerSpec, params: Mapping[str, torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor:
+        self.a_rows(spec, x)
+        y = x @ params["weight"]
+        return y + params["bias"] if "bias" in params else y
 
     def weight_shape(self, spec: LayerSpec) -> tuple[int, ...]:
         return (spec.in_dim, spec.out_dim)

@@ -24,6 +24,7 @@ import optree
 import torch
 
 from kfac_func.blocks import LayerSpec
+from kfac_func.blocks.tied import newly_tied
 from kfac_func.checkpoint.errors import CheckpointMismatchError, _names
 from kfac_func.checkpoint.state_format import (
     _CONFIG_FIELDS,
@@ -283,6 +284,10 @@ def state_from_dict(d: Mapping[str, torch.Tensor], *, like: KFACState) -> KFACSt
             (convention, compute method, dtypes, ...), every missing and extra layer, and
             every layer whose spec, shapes or dtypes differ. Nothing is half-loaded.
 
+    A checkpoint written before tied embeddings and heads were preconditioned (when both
+    were skipped) loads into a state that has their tied layer, which starts fresh, as
+    ``like`` holds it (see :func:`kfac_func.blocks.tied.newly_tied`).
+
     Example:
         >>> import torch
         >>> from torch import nn
@@ -330,7 +335,8 @@ def state_from_dict(d: Mapping[str, torch.Tensor], *, like: KFACState) -> KFACSt
         if meta["config"][k] != (want := _json_value(getattr(like.config, k)))
     ]
     entries = {e["name"]: e for e in meta["layers"]}
-    missing = [n for n in like.layers if n not in entries]
+    fresh = newly_tied(like.layers, entries)
+    missing = [n for n in like.layers if n not in entries and n not in fresh]
     extra = [n for n in entries if n not in like.layers]
     mismatched = {}
     for name, ls in like.layers.items():
@@ -342,6 +348,9 @@ def state_from_dict(d: Mapping[str, torch.Tensor], *, like: KFACState) -> KFACSt
         raise CheckpointMismatchError(config, missing, extra, mismatched)
 
     strides = meta.get("strides", {})
-    layers = {name: _build_layer(entries[name], ls, d, strides) for name, ls in like.layers.items()}
+    layers = {
+        name: ls if name in fresh else _build_layer(entries[name], ls, d, strides)
+        for name, ls in like.layers.items()
+    }
     adaptive = _build_adaptive(meta["adaptive"], like, d, strides)
     return KFACState(layers=layers, step=meta["step"], config=like.config, adaptive=adaptive)

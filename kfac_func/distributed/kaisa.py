@@ -50,6 +50,7 @@ from kfac_func.distributed.plan import DistributedStrategy, Plan
 from kfac_func.distributed.reducer import OrderedReducer
 from kfac_func.distributed.sharded import precondition_sharded, sharded_layouts
 from kfac_func.state import KFACState, LayerState
+from kfac_func.core.tied_factors import stacked_like
 from kfac_func.step.accumulate import fold_checked, layer_batch_factors
 from kfac_func.step.autocast import without_autocast
 from kfac_func.step.basis import BasisMoments, carry_moments, moment_bases
@@ -137,7 +138,11 @@ def offer_factors(
     symmetric = [not ls.spec.a_diagonal, not ls.spec.g_diagonal, False]
     if batch is None:
         zero = torch.zeros(1, dtype=ls.a_factor.dtype, device=ls.a_factor.device)
-        zeros = [torch.zeros_like(ls.a_factor), torch.zeros_like(ls.g_factor), zero]
+        if ls.spec.kind == "tied":  # its batch factors stack its two uses
+            za, zg = stacked_like(ls.a_factor, ls.g_factor)
+        else:
+            za, zg = torch.zeros_like(ls.a_factor), torch.zeros_like(ls.g_factor)
+        zeros = [za, zg, zero]
         reducer.ready(ls.spec.name, zeros, symmetric)
         return
     a, g, w = batch

@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from kfac_func.adapter.arguments import ComputeMethod, parse_enum
+from kfac_func.blocks.mapped import KindMap
 from kfac_func.distributed.plan import AssignmentStrategy
 from kfac_func.parallel.preconditioner import ParallelKFACPreconditioner
 
@@ -145,6 +146,8 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
         include_plain_linear: False (default, as kfac-pytorch): register only the
             column- and row-parallel linears; True: also the pipeline's other supported
             layers (``nn.Linear`` projections and heads, ...).
+        kinds: ``{module class: kind}`` for the model's own classes that compute a
+            registered kind (see :func:`kfac_func.register`).
 
     Raises:
         ImportError: DeepSpeed is not installed.
@@ -182,6 +185,7 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
         loss_reduction: str = "mean",
         loss_divisor: float | None = None,
         include_plain_linear: bool = False,
+        kinds: KindMap | None = None,
     ) -> None:
         pipeline_module = _pipeline_module()
         warnings.warn(
@@ -233,4 +237,5 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
             # DeepSpeed's engine backpropagates loss / gradient_accumulation_steps
             loss_divisor=accumulation_steps if loss_divisor is None else loss_divisor,
             include_plain_linear=include_plain_linear,
+            kinds=kinds,
         )

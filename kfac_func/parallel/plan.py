@@ -37,6 +37,7 @@ from torch import nn
 
 from kfac_func.blocks import LayerSpec, LayerTable, register
 from kfac_func.blocks.linear import LinearBlock
+from kfac_func.blocks.mapped import KindMap
 from kfac_func.distributed.plan import (
     AssignmentStrategy,
     CostFn,
@@ -102,6 +103,7 @@ def register_parallel(
     skip_layers: Iterable[str] | str | None = None,
     *,
     include_plain: bool = True,
+    kinds: KindMap | None = None,
 ) -> tuple[LayerTable, dict[str, Split | None]]:
     """The layers of ``model`` (one pipeline stage) that K-FAC preconditions.
 
@@ -109,7 +111,8 @@ def register_parallel(
     module order; unsupported modules are listed in ``table.skipped``), ``splits`` maps
     names to ``"column"``, ``"row"`` or None (replicated on every model-parallel rank).
     ``include_plain=False`` keeps only the column- and row-parallel linears (the other
-    layers are listed as skipped).
+    layers are listed as skipped). ``kinds`` maps module classes of the model's own to
+    registered kinds (see :func:`kfac_func.register`).
 
     Example:
         >>> from torch import nn
@@ -124,7 +127,7 @@ def register_parallel(
     """
     if not isinstance(model_parallel_size, int) or model_parallel_size < 1:
         raise ValueError(f"model_parallel_size must be a positive int, got {model_parallel_size!r}")
-    base = register(model, skip_layers)
+    base = register(model, skip_layers, kinds=kinds)
     specs: list[LayerSpec] = []
     splits: dict[str, Split | None] = {}
     skipped = dict(base.skipped)

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from kfac_func.adapter.arguments import ComputeMethod, log_registered
+from kfac_func.blocks.mapped import KindMap, check_hooks
 from kfac_func.distributed.plan import AssignmentStrategy
 from kfac_func.parallel.base import Group
 from kfac_func.parallel.checkpointing import ParallelCheckpointing
@@ -73,6 +74,9 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         include_plain_linear: also register the supported layers that are not
             column- or row-parallel (``nn.Linear``, ...); True by default here, False in
             :class:`~kfac_func.parallel.gpt_neox.GPTNeoXKFACPreconditioner`.
+        kinds: ``{module class: kind}`` for the model's own classes that compute a
+            registered kind (see :func:`kfac_func.register`); each mapped module's first
+            call is checked against the kind's computation.
 
     Every rank of the world constructs it at the same point, and calls :meth:`step`,
     :meth:`state_dict` and :meth:`load_state_dict` together (they are collectives).
@@ -123,6 +127,7 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         loss_reduction: str = "mean",
         loss_divisor: float = 1.0,
         include_plain_linear: bool = True,
+        kinds: KindMap | None = None,
     ) -> None:
         self._set_arguments(
             model,
@@ -162,7 +167,11 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         self.stage = pipe.dp_rank
         self.include_plain_linear = include_plain_linear
         self.layers, self.splits = register_parallel(
-            model, self.comm.mp_size, self.skip_layers, include_plain=include_plain_linear
+            model,
+            self.comm.mp_size,
+            self.skip_layers,
+            include_plain=include_plain_linear,
+            kinds=kinds,
         )
         self.plan = make_parallel_plan(
             self.layers,
@@ -189,6 +198,7 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         self._micro = []
         self._handles = []
         self._register_hooks()
+        self._handles += check_hooks(model, self.layers)  # first calls of kinds= modules
         where = f" on global-rank={self.comm.rank} and pipeline-rank={self.stage}"
         log_registered(logger, loglevel, model, self.layers, where)
         logger.log(loglevel, "K-FAC registered layers (stage %d):\n%s", self.stage, self.layers)

@@ -17,6 +17,7 @@ from kfac_func.captures import Captures
 from kfac_func.core.conventions import micro_batch_weights
 from kfac_func.core.decomposition import all_finite
 from kfac_func.core.factors import factor_from_grams
+from kfac_func.core.tied_factors import combine_stacked, is_tied, tied_batch_factors
 from kfac_func.state import KFACConfig, KFACState, LayerState
 from kfac_func.step.autocast import without_autocast
 from kfac_func.step.hyper import (
@@ -75,10 +76,15 @@ def factors_from_stats(
             raise ValueError(
                 f"layer {name!r}: {len(m.a)} captured inputs but {len(m.g)} output-gradients"
             )
-        a = factor_from_grams(m.a, config.convention)
-        g = factor_from_grams(
-            m.g, config.convention, batch_size=m.batch_size, loss_scale=m.loss_scale
-        )
+        if is_tied(m.a):  # an embedding and a head sharing one weight
+            a, g = tied_batch_factors(
+                m.a, m.g, config.convention, batch_size=m.batch_size, loss_scale=m.loss_scale
+            )
+        else:
+            a = factor_from_grams(m.a, config.convention)
+            g = factor_from_grams(
+                m.g, config.convention, batch_size=m.batch_size, loss_scale=m.loss_scale
+            )
         if a_sum is None or g_sum is None:  # the first: no copy when its weight is 1
             a_sum, g_sum = (a, g) if w == 1 else (w * a, w * g)
         else:
@@ -125,6 +131,9 @@ def fold_checked(
     restarted from the batch factor, with a warning, so that it cannot stay poisoned.
     """
     name = ls.spec.name
+    if ls.spec.kind == "tied" and a.dim() == ls.a_factor.dim() + 1:
+        # a tied layer's uses, kept apart until the window is complete (on every rank)
+        a, g = combine_stacked(a, g)
     if not factors_finite(name, a, g, nonfinite):
         return ls.replace(skipped_updates=ls.skipped_updates + 1)
     new = fold_factors(ls, a, g, decay, config)
