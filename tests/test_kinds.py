@@ -30,6 +30,10 @@ class LayerNorm(nn.Module):
         return F.layer_norm(input, self.weight.shape, self.weight, self.bias, 1e-5)
 
 
+class OwnRMSNorm(LlamaRMSNorm):
+    """A model's own subclass of a known class: not known itself (its forward may differ)."""
+
+
 class MyRMSNorm(nn.Module):
     """An RMS norm (no centring), with an ``eps`` attribute."""
 
@@ -119,7 +123,8 @@ def test_llama_rms_norm_mapped_equals_nn_rms_norm() -> None:
     def loss_fn(out: torch.Tensor) -> torch.Tensor:
         return (out * c).sum() / 5
 
-    assert "1" not in kf.register(net)  # not recognised without kinds=
+    assert kf.register(net)["1"].kind == "rms_norm"  # a known class: no kinds= needed
+    assert "1" not in kf.register(nn.Sequential(nn.Linear(4, 6), OwnRMSNorm(6)))
     layers = kf.register(net, kinds={LlamaRMSNorm: "rms_norm"})
     assert layers["1"].kind == "rms_norm" and layers["1"].option("eps") == 1e-6
     want = _factors(ref, x, loss_fn, kf.register(ref))
@@ -233,14 +238,14 @@ def test_parameters_checked_at_registration() -> None:
 
 
 def test_skip_messages_name_the_class_and_hint_at_kinds() -> None:
-    table = kf.register(nn.Sequential(nn.Linear(2, 6), LayerNorm(6, True), LlamaRMSNorm(6)))
+    table = kf.register(nn.Sequential(nn.Linear(2, 6), LayerNorm(6, True), OwnRMSNorm(6)))
     assert table.skipped["1"] == (
         f"unsupported kind {LayerNorm.__module__}.LayerNorm; if it computes a layer norm, "
         "map it with kinds={LayerNorm: 'layer_norm'}"
     )
     assert table.skipped["2"] == (
-        "unsupported kind transformers.models.llama.modeling_llama.LlamaRMSNorm; if it "
-        "computes an RMS norm, map it with kinds={LlamaRMSNorm: 'rms_norm'}"
+        f"unsupported kind {__name__}.OwnRMSNorm; if it "
+        "computes an RMS norm, map it with kinds={OwnRMSNorm: 'rms_norm'}"
     )
     lstm = kf.register(nn.Sequential(nn.LSTM(2, 3)))
     assert lstm.skipped["0"] == "unsupported kind torch.nn.modules.rnn.LSTM"
@@ -312,3 +317,28 @@ def test_nanogpt_block_every_parameter_preconditioned_under_the_adapter(bias: bo
         pre.step()
         assert not torch.equal(model.ln_1.weight.grad, raw)  # preconditioned
     assert pre.steps == 2
+
+
+def test_known_transformers_norms_are_rms_norms_without_kinds() -> None:
+    import importlib
+
+    from kfac_func.blocks.mapped import KNOWN_KINDS
+
+    assert KNOWN_KINDS
+    for path, kind in KNOWN_KINDS.items():
+        module_name, cls_name = path.rsplit(".", 1)
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name)
+        except (ImportError, AttributeError):
+            continue  # another transformers version: the class is not there
+        norm = cls(6)
+        with torch.no_grad():
+            norm.weight.normal_()
+        net = nn.Sequential(nn.Linear(4, 6), norm, nn.Linear(6, 3))
+        layers = kf.register(net)
+        assert layers["1"].kind == kind, path
+        ref = nn.RMSNorm(6, eps=layers["1"].option("eps"))
+        with torch.no_grad():
+            ref.weight.copy_(norm.weight)
+        x = torch.randn(5, 6)
+        torch.testing.assert_close(norm(x), ref(x), rtol=1e-6, atol=1e-6, msg=path)

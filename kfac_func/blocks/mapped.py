@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from kfac_func.blocks.spec import LayerSpec
 
 __all__ = [
+    "KNOWN_KINDS",
     "KindMap",
     "check_call",
     "checking",
@@ -124,21 +125,55 @@ def parse_kinds(kinds: KindMap | None) -> Parsed:
     return out
 
 
+_TRANSFORMERS_RMS_NORMS = (
+    "llama.LlamaRMSNorm",
+    "mistral.MistralRMSNorm",
+    "mixtral.MixtralRMSNorm",
+    "qwen2.Qwen2RMSNorm",
+    "qwen2_moe.Qwen2MoeRMSNorm",
+    "qwen3.Qwen3RMSNorm",
+    "qwen3_moe.Qwen3MoeRMSNorm",
+    "t5.T5LayerNorm",
+    "mt5.MT5LayerNorm",
+    "phi3.Phi3RMSNorm",
+    "olmo2.Olmo2RMSNorm",
+    "granite.GraniteRMSNorm",
+    "deepseek_v3.DeepseekV3RMSNorm",
+    "smollm3.SmolLM3RMSNorm",
+)
+
+KNOWN_KINDS: dict[str, str] = {
+    f"transformers.models.{m}.modeling_{m}.{c}": "rms_norm"
+    for m, c in (n.split(".") for n in _TRANSFORMERS_RMS_NORMS)
+}
+"""Classes of well-known model code mapped without ``kinds=`` (by ``module.QualName``, so
+that nothing is imported): Hugging Face ``transformers``' RMS norms that compute
+``weight · x / sqrt(mean(x²) + eps)`` (``eps`` their ``variance_epsilon``), as
+``nn.RMSNorm`` does. Their first call is checked like any mapping. Norms that scale by
+``1 + weight`` (Gemma) are not among them. A ``kinds=`` entry for a class wins."""
+
+
 def mapped_block(module: nn.Module, parsed: Parsed) -> tuple[LayerBlock, dict[str, Any]] | None:
     """The ``(block, options)`` ``kinds=`` maps ``module``'s class (or its nearest mapped
-    base class) to, or None."""
+    base class) to, else the kind :data:`KNOWN_KINDS` gives its class, or None.
+
+    Example:
+        >>> from torch import nn
+        >>> mapped_block(nn.ReLU(), {}) is None
+        True
+    """
     for cls in type(module).__mro__:
         if cls in parsed:
             return parsed[cls]
-    return None
+    kind = KNOWN_KINDS.get(class_path(type(module)))
+    return None if kind is None else (block_of(kind), {})
 
 
 def mapping_error(name: str, module: nn.Module, kind: str, why: str) -> ValueError:
     """A ValueError naming the module, its class and the kind ``kinds=`` mapped it to."""
-    return ValueError(
-        f"module {name!r} ({class_path(type(module))}) is mapped to kind {kind!r} by "
-        f"kinds=, but {why}"
-    )
+    path = class_path(type(module))
+    by = "KNOWN_KINDS (override it with kinds=)" if path in KNOWN_KINDS else "kinds="
+    return ValueError(f"module {name!r} ({path}) is mapped to kind {kind!r} by {by}, but {why}")
 
 
 def mapped_params(
@@ -208,7 +243,9 @@ def check_call(spec: LayerSpec, module: nn.Module, x: Any, out: Any) -> None:
     diff = float((ref - got).abs().max()) if got.numel() else 0.0
     scale = float(ref.abs().max()) if ref.numel() else 0.0
     dtype = out.dtype if out.is_floating_point() else torch.float32
-    tol = _ULPS * torch.finfo(dtype).eps * max(scale, torch.finfo(dtype).tiny)
+    # a module may compute in float32 inside a float64 model (transformers' RMS norms do)
+    eps = max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps)
+    tol = _ULPS * eps * max(scale, torch.finfo(dtype).tiny)
     if not diff <= tol:
         options = {k: v for k, v in spec.options if k in spec.block.mapped_options}
         raise mapping_error(

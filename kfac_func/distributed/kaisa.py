@@ -43,6 +43,7 @@ from kfac_func.core.layer_decomposition import (
     inverse_side,
     precompute_outer,
 )
+from kfac_func.core.tied_factors import stacked_like
 from kfac_func.distributed.communicator import Communicator, Pending
 from kfac_func.distributed.dtensor import has_dtensors
 from kfac_func.distributed.ekfac import reduce_scales
@@ -50,7 +51,6 @@ from kfac_func.distributed.plan import DistributedStrategy, Plan
 from kfac_func.distributed.reducer import OrderedReducer
 from kfac_func.distributed.sharded import precondition_sharded, sharded_layouts
 from kfac_func.state import KFACState, LayerState
-from kfac_func.core.tied_factors import stacked_like
 from kfac_func.step.accumulate import fold_checked, layer_batch_factors
 from kfac_func.step.autocast import without_autocast
 from kfac_func.step.basis import BasisMoments, carry_moments, moment_bases
