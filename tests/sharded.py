@@ -28,10 +28,34 @@ def global_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+EXTRAS: dict[str, dict[str, Any]] = {
+    "": {},
+    "moments": {
+        "eigenbasis_moments": True,
+        "moment_beta1": 0.9,
+        "moment_eps": 1e-4,
+        "grafting": "adam",
+        "graft_eps": 1e-4,
+    },
+}
+"""Further settings by name: none, or eigenbasis moments with a first moment and Adam
+grafting (their running moments live on the grad workers; an epsilon of 1e-4, as Adam
+divides the directions the gradient does not reach by it, so that float64 rounding noise
+there, 1e-17, stays far below the tests' tolerances)."""
+EXTRA_CONFIGS = (("MEM_OPT", "ekfac", ""), ("COMM_OPT", "ekfac", "moments"))
+EXTRA_CONFIGS += (("HYBRID_OPT", "eigen", "moments"),)
+"""(strategy, method, extra) of the sharded tests besides STRATEGIES x METHODS."""
+
+
 def make_preconditioner(
-    model: nn.Module, strategy: str, method: str = "eigen", inv_update_steps: int = 2
+    model: nn.Module,
+    strategy: str,
+    method: str = "eigen",
+    inv_update_steps: int = 2,
+    extra: str = "",
 ) -> KFACPreconditioner:
-    """Float64 K-FAC in the Fisher scaling, factors every step."""
+    """Float64 K-FAC in the Fisher scaling, factors every step (``extra``: a key of
+    :data:`EXTRAS`)."""
     return KFACPreconditioner(
         model,
         factor_update_steps=1,
@@ -45,6 +69,7 @@ def make_preconditioner(
         inv_dtype=F64,
         compute_method=method,
         grad_worker_fraction=DistributedStrategy[strategy],
+        **EXTRAS[extra],
     )
 
 

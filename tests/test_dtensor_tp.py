@@ -21,6 +21,7 @@ import pytest
 import torch
 from gloo import gloo_group, one_thread, record_errors, spawn
 from sharded import (
+    EXTRA_CONFIGS,
     F64,
     GLOBAL_BATCH,
     METHODS,
@@ -43,12 +44,14 @@ TOL = 1e-6
 
 
 def configs(world: int) -> list[dict[str, Any]]:
+    """Every strategy x eigen and inverse, then EKFAC and eigenbasis moments (with a first
+    moment and Adam grafting, :data:`sharded.EXTRA_CONFIGS`), per mesh."""
     meshes = ["tp"] if world == 2 else ["tp", "fsdp_tp"]
+    plain = [(s, m, "") for s in STRATEGIES for m in METHODS]
     return [
-        {"mesh": mesh, "strategy": s, "method": m}
+        {"mesh": mesh, "strategy": s, "method": m, "extra": e}
         for mesh in meshes
-        for s in STRATEGIES
-        for m in METHODS
+        for s, m, e in plain + list(EXTRA_CONFIGS)
     ]
 
 
@@ -82,6 +85,25 @@ def parallelize(model: nn.Sequential, cfg: dict[str, Any], world: int, rank: int
     return slice(dp * GLOBAL_BATCH // 2, (dp + 1) * GLOBAL_BATCH // 2)
 
 
+def packed_refusal(world: int) -> str:
+    """The error of attention's packed weight sharded over a tensor-parallel mesh by hand
+    (torch's parallel styles do not take ``nn.MultiheadAttention``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from kfac_func import KFACPreconditioner
+
+    model = nn.Sequential(nn.MultiheadAttention(4, 2)).to(F64)
+    mesh = init_device_mesh("cpu", (world,))
+    w = model[0].in_proj_weight
+    model[0].in_proj_weight = nn.Parameter(distribute_tensor(w.detach(), mesh, [Shard(0)]))
+    try:
+        KFACPreconditioner(model)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
 def _worker(rank: int, world: int, tmp: str) -> None:
     with (
         gloo_group(rank, world, tmp, timeout=timedelta(seconds=60)),
@@ -91,10 +113,12 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         for cfg in configs(world):
             model = make_model()
             part = parallelize(model, cfg, world, rank)
-            pre = make_preconditioner(model, cfg["strategy"], cfg["method"])
+            pre = make_preconditioner(model, cfg["strategy"], cfg["method"], extra=cfg["extra"])
             results.append(train(model, pre, part, STEPS, SEED))
             pre.remove()
-        torch.save({"configs": results}, Path(tmp, f"rank{rank}.pt"))
+        torch.save(
+            {"configs": results, "packed": packed_refusal(world)}, Path(tmp, f"rank{rank}.pt")
+        )
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -112,10 +136,10 @@ def spawned(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 def reference() -> dict[tuple[str, str], dict[str, Any]]:
     with one_thread():
         out = {}
-        for s in STRATEGIES:
-            for m in METHODS:
-                model = make_model()
-                out[s, m] = train(model, make_preconditioner(model, s, m), None, STEPS, SEED)
+        for s, m, e in [(s, m, "") for s in STRATEGIES for m in METHODS] + list(EXTRA_CONFIGS):
+            model = make_model()
+            pre = make_preconditioner(model, s, m, extra=e)
+            out[s, m, e] = train(model, pre, None, STEPS, SEED)
         return out
 
 
@@ -128,7 +152,7 @@ def test_equals_one_process(spawned: Any, reference: dict[tuple[str, str], Any])
     world, results = spawned
     worst = 0.0
     for i, cfg in enumerate(configs(world)):
-        ref = reference[cfg["strategy"], cfg["method"]]
+        ref = reference[cfg["strategy"], cfg["method"], cfg["extra"]]
         assert max_diff(ref["grads"][-1], ref["raw"][-1]) > 1e-3  # K-FAC changed them
         for r in range(world):
             got = results[r]["configs"][i]
@@ -145,3 +169,11 @@ def test_strategies(spawned: Any) -> None:
     for i, cfg in enumerate(configs(world)):
         want = "MEM_OPT" if cfg["strategy"] == "HYBRID_OPT" and world == 2 else cfg["strategy"]
         assert results[0]["configs"][i]["strategy"] == want
+
+
+def test_tensor_parallel_packed_attention_is_refused(spawned: Any) -> None:
+    world, results = spawned
+    for r in range(world):
+        err = results[r]["packed"]
+        assert "layer '0.q_proj'" in err and "'0.in_proj_weight'" in err, err
+        assert "not tensor-parallel" in err and "Shard(dim=0)" in err, err

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from gloo import gloo_group, one_thread, record_errors, spawn
 from sharded import (
+    EXTRA_CONFIGS,
     F64,
     GLOBAL_BATCH,
     METHODS,
@@ -47,10 +48,15 @@ TOL = 1e-6
 
 
 def configs(world: int) -> list[dict[str, Any]]:
-    out = [{"mesh": "fsdp", "strategy": s, "method": m} for s in STRATEGIES for m in METHODS]
-    if world == 4:
-        out += [{"mesh": "hsdp", "strategy": s, "method": m} for s in STRATEGIES for m in METHODS]
-    return out
+    """Every strategy x eigen and inverse, then EKFAC and eigenbasis moments (with a first
+    moment and Adam grafting, :data:`sharded.EXTRA_CONFIGS`), per mesh."""
+    meshes = ["fsdp"] if world == 2 else ["fsdp", "hsdp"]
+    plain = [(s, m, "") for s in STRATEGIES for m in METHODS]
+    return [
+        {"mesh": mesh, "strategy": s, "method": m, "extra": e}
+        for mesh in meshes
+        for s, m, e in plain + list(EXTRA_CONFIGS)
+    ]
 
 
 def make_model() -> nn.Sequential:
@@ -114,7 +120,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         part = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
         for cfg in configs(world):
             model = shard(make_model(), cfg, world)
-            pre = make_preconditioner(model, cfg["strategy"], cfg["method"])
+            pre = make_preconditioner(model, cfg["strategy"], cfg["method"], extra=cfg["extra"])
             results.append(train(model, pre, part, STEPS, SEED))
             pre.remove()
         torch.save(
@@ -143,10 +149,10 @@ def reference() -> dict[str, dict[str, Any]]:
     """The adapter on one process, dense model, whole global batch, per (strategy, method)."""
     with one_thread():
         out = {}
-        for s in STRATEGIES:
-            for m in METHODS:
-                model = make_model()
-                out[s, m] = train(model, make_preconditioner(model, s, m), None, STEPS, SEED)
+        for s, m, e in [(s, m, "") for s in STRATEGIES for m in METHODS] + list(EXTRA_CONFIGS):
+            model = make_model()
+            pre = make_preconditioner(model, s, m, extra=e)
+            out[s, m, e] = train(model, pre, None, STEPS, SEED)
         return out
 
 
@@ -159,7 +165,7 @@ def test_equals_one_process(spawned: Any, reference: dict[str, dict[str, Any]]) 
     world, results = spawned
     worst = 0.0
     for i, cfg in enumerate(configs(world)):
-        ref = reference[cfg["strategy"], cfg["method"]]
+        ref = reference[cfg["strategy"], cfg["method"], cfg["extra"]]
         for r in range(world):
             got = results[r]["configs"][i]
             for step in range(STEPS):
@@ -189,8 +195,12 @@ def test_strategies_and_traffic(spawned: Any) -> None:
 
 def test_mem_opt_holds_owned_factors(spawned: Any) -> None:
     world, results = spawned
-    i = configs(world).index({"mesh": "fsdp", "strategy": "MEM_OPT", "method": "eigen"})
-    comm = configs(world).index({"mesh": "fsdp", "strategy": "COMM_OPT", "method": "eigen"})
+    i = configs(world).index(
+        {"mesh": "fsdp", "strategy": "MEM_OPT", "method": "eigen", "extra": ""}
+    )
+    comm = configs(world).index(
+        {"mesh": "fsdp", "strategy": "COMM_OPT", "method": "eigen", "extra": ""}
+    )
     per_rank = [results[r]["configs"][i]["memory"] for r in range(world)]
     full = results[0]["configs"][comm]["memory"]
     factors = [m["a_factors"] + m["g_factors"] for m in per_rank]

@@ -40,10 +40,10 @@ class TiedLM(nn.Module):
 class Probe(nn.Module):
     """A tied pair whose uses are chosen by the loss: ``(emb(ids), head(h))``."""
 
-    def __init__(self) -> None:
+    def __init__(self, bias: bool = False) -> None:
         super().__init__()
         self.emb = nn.Embedding(V, D)
-        self.head = nn.Linear(D, V, bias=False)
+        self.head = nn.Linear(D, V, bias=bias)
         self.head.weight = self.emb.weight
 
     def forward(self, ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -56,13 +56,18 @@ def _per_example_fisher(model: nn.Module, args: tuple[torch.Tensor, ...], loss_n
     """``(1/N) Σ_n vec(∇W ℓ_n) vec(∇W ℓ_n)ᵀ`` of the shared weight, float64 (torch.func);
     ``args``: the model's two inputs, then what ``loss_n(out, args_n)`` needs besides."""
     params = {k: v.detach() for k, v in model.named_parameters()}
+    # the head's bias, if any, is the last column of the layer's gradient matrix
+    shared = {k: v for k, v in params.items() if k in ("emb.weight", "head.bias")}
 
-    def one(w: torch.Tensor, *xs: torch.Tensor) -> torch.Tensor:
-        p = dict(params, **{"emb.weight": w})
+    def one(w: dict[str, torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+        p = dict(params, **w)
         out = functional_call(model, p, tuple(x.unsqueeze(0) for x in xs[:2]))
         return loss_n(out[0], xs)
 
-    g = vmap(grad(one), in_dims=(None,) + (0,) * len(args))(params["emb.weight"], *args)
+    gs = vmap(grad(one), in_dims=(None,) + (0,) * len(args))(shared, *args)
+    g = gs["emb.weight"]
+    if "head.bias" in gs:
+        g = torch.cat([g, gs["head.bias"].unsqueeze(-1)], dim=-1)
     g = g.reshape(g.shape[0], -1)
     return g.T @ g / g.shape[0]
 
@@ -76,12 +81,12 @@ def _factors(model: nn.Module, args, loss_fn, **init):
     return state, grads, caps
 
 
-def _probe_case(which: str):
+def _probe_case(which: str, bias: bool = False):
     """One token ``v`` and one input ``h`` for every example; ``which`` uses are active:
     ``"head"``: a squared error on logit ``v``; ``"emb"``: ``β hᵀ emb``; ``"both"``: the
     first example the head's, the second the embedding's (no cross terms)."""
     torch.manual_seed(0)
-    model = Probe().double()
+    model = Probe(bias).double()
     n, v = 2, 3
     ids = torch.full((n, 1), v)
     h = torch.randn(1, 1, D, dtype=torch.float64).expand(n, 1, D).clone()
@@ -112,9 +117,14 @@ def _kron(state) -> torch.Tensor:
     return torch.kron(torch.diag(ls.g_factor), ls.a_factor)
 
 
-@pytest.mark.parametrize("which", ["head", "emb", "both"])
-def test_factors_equal_the_fisher_where_exact(which: str) -> None:
-    model, args, loss_fn, fisher = _probe_case(which)
+@pytest.mark.parametrize(
+    ("which", "bias"),
+    [("head", False), ("emb", False), ("both", False), ("head", True), ("emb", True)],
+)
+def test_factors_equal_the_fisher_where_exact(which: str, bias: bool) -> None:
+    """Exact where the uses are proportional; with the head's bias (BERT's), the bias row
+    and column of the model side come from the head's use alone."""
+    model, args, loss_fn, fisher = _probe_case(which, bias)
     state, _, _ = _factors(model, args, loss_fn)
     assert list(state.layers) == ["head"]
     assert fisher.abs().max() > 0.1
@@ -238,17 +248,24 @@ def test_register_ties_the_pair_and_counts_it_preconditioned() -> None:
 
 
 def test_other_shared_parameters_warn_once_per_model() -> None:
-    model = TiedLM(bias=True)  # a head with a bias is not tied
-    with pytest.warns(UserWarning, match="has a bias") as record:
-        table = kf.register(model)
-        kf.KFACPreconditioner(model)
-    assert len([w for w in record if "shared by layers" in str(w.message)]) == 1
-    assert "shares parameter 'emb.weight'" in table.skipped["head"]
-    assert "emb" in table.skipped and "head" not in table
-    other = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    other = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 2))
     other[1].weight = other[0].weight
-    with pytest.warns(UserWarning, match="not an embedding and a head"):
-        assert sorted(kf.register(other).skipped) == ["0", "1"]
+    with pytest.warns(UserWarning, match="not an embedding and a head") as record:
+        table = kf.register(other)
+        kf.KFACPreconditioner(other)
+    assert len([w for w in record if "shared by layers" in str(w.message)]) == 1
+    assert sorted(table.skipped) == ["0", "1"] and list(table) == ["2"]
+    assert "shares parameter '0.weight'" in table.skipped["1"]
+
+
+def test_a_head_with_a_bias_is_tied_and_keeps_its_bias() -> None:
+    model = TiedLM(bias=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        table = kf.register(model)
+    spec = table["head"]
+    assert spec.kind == "tied" and spec.bias == "head.bias" and spec.a_dim == D + 1
+    assert not table.skipped
 
 
 def test_the_pair_is_registered_not_skipped() -> None:

@@ -8,13 +8,19 @@ the current factors live on their owners and are fetched with a broadcast.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 
 from kfac_func.adapter.arguments import HYPER, PreconditionerBase
-from kfac_func.adapter.replicated import complete_entries, entry_for_rank
+from kfac_func.adapter.replicated import (
+    adaptive_entry,
+    adaptive_fields,
+    complete_entries,
+    entry_for_rank,
+    kept_moments,
+    warn_missing_moments,
+)
 from kfac_func.blocks.tied import newly_tied
 from kfac_func.core.decomposition import (
     EigenDecomposition,
@@ -170,10 +176,16 @@ class StateDictMixin(PreconditionerBase):
                 sd[key] = value
         if include_factors:
             sd["layers"] = layer_entries(self._state, self.plan, self.comm)
-            if getattr(self, "_sharded", False):  # the same tensors on every rank, for DCP
-                complete_entries(sd["layers"], self._state, self.plan, self.comm)
+            # a template DCP loads into: the same tensors on every rank (no collective on
+            # one process; several DDP ranks keep their own entries)
+            if getattr(self, "_sharded", False) or self.comm.world_size == 1:
+                complete_entries(
+                    sd["layers"], self._state, self.plan, self.comm, kept_moments(self)
+                )
         if self._state.adaptive is not None:  # the adaptive step's damping and history
-            sd["adaptive"] = dataclasses.asdict(self._state.adaptive)
+            names = {p for ls in self._state.layers.values() for p in ls.spec.param_names()}
+            params = {p: self.model.get_parameter(p) for p in sorted(names)}
+            sd["adaptive"] = adaptive_entry(self._state.adaptive, params)
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any], compute_inverses: bool = True) -> None:
@@ -183,7 +195,9 @@ class StateDictMixin(PreconditionerBase):
         steps = int(sd.pop("steps"))
         layers_sd = sd.pop("layers", None)
         device = next(iter(self._state.layers.values())).a_factor.device
-        adaptive = _adaptive_from(sd.pop("adaptive", None), self._state.adaptive, device)
+        adaptive = _adaptive_from(
+            adaptive_fields(sd.pop("adaptive", None)), self._state.adaptive, device
+        )
         old = {key: getattr(self, key) for key in HYPER}
         for key in HYPER:
             if key in sd and not callable(getattr(self, key)):
@@ -214,6 +228,8 @@ class StateDictMixin(PreconditionerBase):
             for key, value in old.items():  # a refused state dict changes nothing
                 setattr(self, key, value)
             raise
+        mine = [n for n, lp in self.plan.layers.items() if self.comm.rank in lp.grad_workers]
+        warn_missing_moments(layers_sd, kept_moments(self), mine, steps)
         self._state = self._state.replace(layers=layers, step=steps, adaptive=adaptive)
         sharded = getattr(self, "_sharded", False)  # MEM_OPT: only the owned factors stay
         self._state = release_unowned(self._state, self.plan, self.comm.rank, sharded)

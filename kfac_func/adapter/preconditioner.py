@@ -35,7 +35,11 @@ from kfac_func.blocks import register
 from kfac_func.blocks.mapped import KindMap, check_hooks
 from kfac_func.blocks.table import no_layers_error
 from kfac_func.distributed.communicator import AllreduceMethod, Communicator
-from kfac_func.distributed.dtensor import describe_parameters, is_dtensor
+from kfac_func.distributed.dtensor import (
+    check_packed_parameters,
+    describe_parameters,
+    is_dtensor,
+)
 from kfac_func.distributed.kaisa import update_distributed
 from kfac_func.distributed.plan import AssignmentStrategy, DistributedStrategy, make_plan
 from kfac_func.distributed.sharded import release_unowned
@@ -125,8 +129,8 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         moment_beta2: the eigenbasis moments' ``β₂``.
         moment_eps: the eigenbasis moments' ``ε``.
         moment_beta1: the eigenbasis moments' ``β₁`` (0: no first moment).
-        adaptive: an :class:`~kfac_func.AdaptiveStepper` of ``model`` (one process,
-            ``kl_clip=None``): :meth:`step` then updates the parameters itself.
+        adaptive: an :class:`~kfac_func.AdaptiveStepper` of ``model`` (one process, plain
+            parameters, ``kl_clip=None``): :meth:`step` then updates the parameters itself.
         allreduce_method: ``ALLREDUCE_BUCKETED`` or ``ALLREDUCE`` (an
             :class:`~kfac_func.AllreduceMethod` or name); None: ``ALLREDUCE`` iff the cap
             is 0.
@@ -277,6 +281,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
                 )
         if not self.layers:
             raise no_layers_error(self.layers, type(model).__name__)
+        check_packed_parameters(model, self.layers)  # the same on every rank: no collective
         weight = model.get_parameter(next(iter(self.layers.values())).weight)
         self.factor_dtype = factor_dtype or torch.promote_types(weight.dtype, torch.float32)
         comm_world = Communicator.current_world_size()
@@ -292,6 +297,12 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         if adaptive is not None and comm_world > 1:
             raise ValueError(
                 f"adaptive= runs on one process; this process group has {comm_world} ranks"
+            )
+        if adaptive is not None and any(is_dtensor(p) for p in model.parameters()):
+            raise ValueError(
+                "adaptive= needs plain parameters (its curvature products run the model "
+                "under torch.func); this model has DTensor parameters (FSDP2 or tensor "
+                "parallelism)"
             )
         self.colocate_factors = self.plan.colocate_factors
         self.grad_worker_fraction = self.plan.grad_worker_fraction

@@ -10,20 +10,48 @@ as its first grad worker holds it, with ``"decomposed": 1``; a layer without one
 zeros of the decomposition's shapes and ``"decomposed": 0``. A fresh preconditioner's
 state dict is then a template DCP loads into, on any world size; on load each rank keeps
 the decompositions of its grad-worker layers only (:func:`entry_for_rank`).
+
+The running moments that the preconditioner's settings keep (Adam grafting's
+``graft_moment``, the eigenbasis moments' ``basis_moment`` and, with ``moment_beta1 > 0``,
+``basis_momentum``, with their ``moment_count``; see :func:`kept_moments`) travel the same
+way: every layer's, from its first grad worker, zeros of the gradient matrix's shape where
+that rank has none yet, and ``"moments_held": {moment: 1 or 0}`` saying which are real. A
+preconditioner with these settings thus saves them and its template asks DCP for them (a
+checkpoint without them is then refused by ``dcp.load`` as missing keys instead of
+restarting the moments silently); on load each rank keeps its grad-worker layers' moments.
+
+The adaptive step (one process) keeps the previous update; its entry
+(:func:`adaptive_entry`) holds zeros of the parameters' shapes before the first step and
+``"previous_held": 0``, so that a fresh preconditioner's state dict is a template DCP loads
+the saved update into (:func:`adaptive_fields` drops what is not held).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from kfac_func.distributed.communicator import Communicator
 from kfac_func.distributed.plan import Plan
-from kfac_func.state import KFACState, LayerState
+from kfac_func.state import AdaptiveState, KFACState, LayerState
 from kfac_func.step.decompose import decompose_layer
 
-__all__ = ["complete_entries", "entry_for_rank"]
+__all__ = [
+    "MOMENTS",
+    "adaptive_entry",
+    "adaptive_fields",
+    "complete_entries",
+    "entry_for_rank",
+    "kept_moments",
+    "warn_missing_moments",
+]
+
+MOMENTS = ("graft_moment", "basis_moment", "basis_momentum")
+"""The running moments a layer state may hold (all of the gradient matrix's shape)."""
 
 
 def _fields(ls: LayerState, config: Any) -> dict[str, torch.Tensor]:
@@ -38,35 +66,174 @@ def _fields(ls: LayerState, config: Any) -> dict[str, torch.Tensor]:
     return {k: v for k, v in vars(dec).items() if isinstance(v, torch.Tensor)}
 
 
+def kept_moments(settings: Any) -> tuple[str, ...]:
+    """The running moments (of :data:`MOMENTS`) that a preconditioner with these settings
+    keeps per layer: ``graft_moment`` under ``grafting="adam"``, ``basis_moment`` under
+    ``eigenbasis_moments`` and ``basis_momentum`` with ``moment_beta1 > 0`` too.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> kept_moments(SimpleNamespace(grafting="adam", eigenbasis_moments=True,
+        ...                              moment_beta1=0.9))
+        ('graft_moment', 'basis_moment', 'basis_momentum')
+        >>> kept_moments(SimpleNamespace(grafting="sgd", eigenbasis_moments=False))
+        ()
+    """
+    out = []
+    if getattr(settings, "grafting", None) == "adam":
+        out.append("graft_moment")
+    if getattr(settings, "eigenbasis_moments", False):
+        out.append("basis_moment")
+        if float(getattr(settings, "moment_beta1", 0.0)) > 0:
+            out.append("basis_momentum")
+    return tuple(out)
+
+
+def _moments(ls: LayerState, moments: Sequence[str]) -> tuple[list[torch.Tensor], list[float]]:
+    """This rank's running moments of the layer (zeros where it holds none) and which it
+    holds (1.0 or 0.0)."""
+    values, held = [], []
+    for moment in moments:
+        t = getattr(ls, moment)
+        held.append(float(t is not None))
+        if t is None:
+            t = ls.a_factor.new_zeros(ls.spec.matrix_shape)
+        values.append(t)
+    return values, held
+
+
 def complete_entries(
-    entries: dict[str, dict[str, Any]], state: KFACState, plan: Plan, comm: Communicator
+    entries: dict[str, dict[str, Any]],
+    state: KFACState,
+    plan: Plan,
+    comm: Communicator,
+    moments: Sequence[str] = (),
 ) -> None:
-    """Give every layer entry (in place) its decomposition from the layer's first grad
-    worker and the ``"decomposed"`` marker, equal on every rank (a collective: every rank
-    calls it, layers in the plan's order)."""
+    """Give every layer entry (in place) its decomposition and its running ``moments``
+    (see :func:`kept_moments`) from the layer's first grad worker, the ``"decomposed"``
+    and ``"moments_held"`` markers and the moments' count, equal on every rank (a
+    collective: every rank calls it, layers in the plan's order)."""
     everyone = tuple(range(comm.world_size))
+
+    def send(values: list[torch.Tensor], src: int) -> list[torch.Tensor]:
+        if comm.world_size == 1:
+            return values
+        return list(comm.broadcast(values, src=src, ranks=everyone, kind="checkpoint").wait())
+
     for name in plan.layers:
         ls = state.layers[name]
         src = plan.layers[name].grad_workers[0]
         fields = _fields(ls, state.config)
+        kept, held = _moments(ls, moments)
         first = next(iter(fields.values()))
-        have = torch.full((1,), float(ls.decomposition is not None), dtype=first.dtype)
-        values = [*fields.values(), have.to(first.device)]
-        if comm.world_size > 1:
-            values = comm.broadcast(values, src=src, ranks=everyone, kind="checkpoint").wait()
-        entries[name]["decomposition"] = {
-            k: v.clone() for k, v in zip(fields, values[:-1], strict=True)
-        }
-        entries[name]["decomposed"] = int(values[-1].item())
+        marks = [float(ls.decomposition is not None), *held, float(ls.moment_count)]
+        got = send([torch.tensor(marks, dtype=torch.float64, device=first.device)], src)
+        flags = [round(v) for v in got[0].tolist()]
+        entry = entries[name]
+        decomposition = send(list(fields.values()), src)
+        entry["decomposition"] = {k: v.clone() for k, v in zip(fields, decomposition, strict=True)}
+        entry["decomposed"] = flags[0]
+        for moment in MOMENTS:
+            entry.pop(moment, None)  # this rank's own, replaced by the first grad worker's
+        entry.pop("moment_count", None)
+        if moments:
+            for moment, t in zip(moments, send(kept, src), strict=True):
+                entry[moment] = t.clone()
+            entry["moments_held"] = dict(zip(moments, flags[1:-1], strict=True))
+            if "basis_moment" in moments:
+                entry["moment_count"] = flags[-1]
 
 
 def entry_for_rank(entry: dict[str, Any], worker: bool) -> dict[str, Any]:
-    """A layer entry as this rank loads it: without the ``"decomposed"`` marker, and
-    without the decomposition where the marker is 0 or this rank is no grad worker of the
-    layer. Entries without the marker pass as they are."""
-    if "decomposed" not in entry:
+    """A layer entry as this rank loads it: without the ``"decomposed"`` and
+    ``"moments_held"`` markers, without the decomposition where its marker is 0 or this
+    rank is no grad worker of the layer, and without the moments that are not held or
+    that a rank which is no grad worker does not keep. Entries without the markers pass
+    as they are.
+
+    Example:
+        >>> import torch
+        >>> entry = {"A": torch.eye(2), "G": torch.eye(2), "decomposed": 0,
+        ...          "decomposition": {}, "basis_moment": torch.zeros(2, 2),
+        ...          "moment_count": 0, "moments_held": {"basis_moment": 0}}
+        >>> sorted(entry_for_rank(entry, worker=True))
+        ['A', 'G']
+    """
+    if "decomposed" not in entry and "moments_held" not in entry:
         return entry
-    out = {k: v for k, v in entry.items() if k != "decomposed"}
-    if not int(entry["decomposed"]) or not worker:
+    out = {k: v for k, v in entry.items() if k not in ("decomposed", "moments_held")}
+    if "decomposed" in entry and (not int(entry["decomposed"]) or not worker):
         out.pop("decomposition", None)
+    for moment, held in dict(entry.get("moments_held", {})).items():
+        if not int(held) or not worker:
+            out.pop(moment, None)
+            if moment == "basis_moment":
+                out.pop("moment_count", None)
     return out
+
+
+def adaptive_entry(adaptive: AdaptiveState, params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The state dict's ``"adaptive"`` entry: the fields of ``adaptive``, its previous
+    update (zeros like ``params`` before the first step) and ``"previous_held"``.
+
+    Example:
+        >>> import torch
+        >>> from kfac_func.state import AdaptiveState
+        >>> entry = adaptive_entry(AdaptiveState(damping=0.1), {"w": torch.ones(2)})
+        >>> entry["previous"], entry["previous_held"]
+        ({'w': tensor([0., 0.])}, 0)
+        >>> adaptive_fields(entry)["previous"] is None
+        True
+    """
+    entry = dataclasses.asdict(adaptive)
+    entry["previous_held"] = int(adaptive.previous is not None)
+    if adaptive.previous is None:
+        entry["previous"] = {k: torch.zeros_like(p.detach()) for k, p in params.items()}
+    return entry
+
+
+def adaptive_fields(entry: Any) -> Any:
+    """The fields of :class:`~kfac_func.state.AdaptiveState` in an ``"adaptive"`` entry
+    (None and entries without the marker pass as they are)."""
+    if not isinstance(entry, Mapping) or "previous_held" not in entry:
+        return entry
+    out = {k: v for k, v in entry.items() if k != "previous_held"}
+    if not int(entry["previous_held"]):
+        out["previous"] = None
+    return out
+
+
+def warn_missing_moments(
+    layers: Mapping[str, Any] | None, moments: Sequence[str], workers: Sequence[str], steps: int
+) -> None:
+    """Warn (a RuntimeWarning naming the layers) when a state dict of a run that took
+    ``steps > 0`` steps lacks the running ``moments`` (see :func:`kept_moments`) of layers
+    this rank preconditions (``workers``), so that they would restart: a state dict saved
+    without them (by a preconditioner without these settings, or before they were kept
+    in sharded state dicts). Moments the state dict marks as not held yet are no restart.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as seen:
+        ...     warnings.simplefilter("always")
+        ...     warn_missing_moments({"0": {"A": None}}, ("basis_moment",), ["0"], steps=3)
+        >>> "restart" in str(seen[0].message)
+        True
+    """
+    if not layers or not moments or steps <= 0:
+        return
+    missing: dict[str, list[str]] = {}
+    for name in workers:
+        entry = layers.get(name, {})
+        held = entry.get("moments_held", {})
+        for moment in moments:
+            if moment not in entry and moment not in held:
+                missing.setdefault(moment, []).append(name)
+    if missing:
+        lines = "; ".join(f"{m} of layers {names}" for m, names in missing.items())
+        warnings.warn(
+            f"the state_dict (after {steps} steps) holds no {lines}: their running moments "
+            "restart from zero (it was saved without them)",
+            RuntimeWarning,
+            stacklevel=3,
+        )

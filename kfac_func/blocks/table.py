@@ -277,6 +277,14 @@ def register(
     for name, why in tied.items():
         skipped[name] = why
     kept = [s for s in specs if s.name not in tied]
+    # a module whose own parameters all belong to registered layers (BERT's LM head owns
+    # the bias of its tied decoder) has nothing left to skip
+    covered = {id(model.get_parameter(n)) for s in kept for n in s.param_names()}
+    modules = dict(model.named_modules())
+    for name in [n for n in skipped if n in modules and n not in tied]:
+        own = list(modules[name].parameters(recurse=False))
+        if own and all(id(p) in covered for p in own):
+            del skipped[name]
     return LayerTable(kept, skipped, model_name=type(model).__name__)
 
 
@@ -328,7 +336,10 @@ def _tied(model: nn.Module, specs: list[LayerSpec]) -> dict[str, str]:
         why = "not an embedding and a head"
         if len(layers) == 2:
             pair = sorted((by_name[n] for n in layers), key=lambda s: s.kind != "embedding")
-            tied = tied_specs(pair[0], pair[1], shared)
+            bias = pair[1].bias
+            if bias is not None:  # its name in named_parameters() (BERT's head shares it)
+                bias = canonical.get(id(model.get_parameter(bias)), bias)
+            tied = tied_specs(pair[0], pair[1], shared, bias)
             if not isinstance(tied, str):
                 at = specs.index(pair[1])
                 specs[at] = tied
@@ -341,7 +352,7 @@ def _tied(model: nn.Module, specs: list[LayerSpec]) -> dict[str, str]:
             warnings.warn(
                 f"parameter {shared!r} is shared by layers {layers}: K-FAC skips them (the "
                 "gradient of a tied parameter sums the uses of every layer, which the factors "
-                "of neither describe; only an embedding and an output head without bias are "
+                "of neither describe; only an embedding and an output head are "
                 f"preconditioned together, and here {why}); precondition them with another "
                 "optimizer",
                 UserWarning,

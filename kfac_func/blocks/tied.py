@@ -37,7 +37,7 @@ The uses are kept apart (stacked) while a window's batch factors are summed over
 micro-batches and averaged over the ranks, both linear, and combined once the window is
 complete (:func:`kfac_func.core.tied_factors.combine_stacked`); the running averages of
 ``D`` and ``M`` then proceed as for any layer. So the factors on several ranks equal one
-process's on the global batch. Heads with a bias, pairs whose shapes
+process's on the global batch. Pairs whose shapes
 disagree, and other shared parameters keep :func:`kfac_func.register`'s warned skip.
 """
 
@@ -140,6 +140,8 @@ class TiedBlock(LayerBlock):
                 )
             rows = r.to(dtype).reshape(-1, d)
             gram = row_gram(rows, False, spec.a_diagonal)
+            if spec.has_bias:  # the embedding does not use the head's bias: zeros there
+                gram = nn.functional.pad(gram, (0, 1) if spec.a_diagonal else (0, 1, 0, 1))
             n = rows.shape[0]
             return EmbeddingUse(counts, n, 1, True), EmbeddingUse(gram, n, 1, spec.a_diagonal)
         if x.shape[-1] != d or r.shape[-1] != v or x.shape[:-1] != r.shape[:-1]:
@@ -152,7 +154,7 @@ class TiedBlock(LayerBlock):
         xs = x.to(dtype).reshape(-1, d)
         rs = r.to(dtype).reshape(-1, v)
         n = xs.shape[0]
-        a = row_gram(xs, False, spec.a_diagonal)
+        a = row_gram(xs, spec.has_bias, spec.a_diagonal)
         return HeadUse(a, n, 1, spec.a_diagonal), HeadUse(row_gram(rs, False, True), n, 1, True)
 
     def example_rows(
@@ -165,13 +167,23 @@ class TiedBlock(LayerBlock):
         if self.is_embedding_call(x, r):
             ids = x.reshape(n, -1).long()
             onehot = nn.functional.one_hot(ids, v).to(r.dtype)
-            return r.reshape(n, -1, d), onehot
-        return x.reshape(n, -1, d), r.reshape(n, -1, v)
+            rows = r.reshape(n, -1, d)
+            if spec.has_bias:  # no use of the head's bias
+                rows = nn.functional.pad(rows, (0, 1))
+            return rows, onehot
+        rows = x.reshape(n, -1, d)
+        if spec.has_bias:
+            rows = nn.functional.pad(rows, (0, 1), value=1.0)
+        return rows, r.reshape(n, -1, v)
 
 
-def tied_specs(embedding: LayerSpec, head: LayerSpec, weight: str) -> LayerSpec | str:
+def tied_specs(
+    embedding: LayerSpec, head: LayerSpec, weight: str, bias: str | None = None
+) -> LayerSpec | str:
     """The tied layer of an embedding and a head that share the parameter named ``weight``
-    (its name in ``named_parameters()``), or why the pair cannot be one.
+    (its name in ``named_parameters()``), or why the pair cannot be one. A head with a bias
+    (BERT's) keeps it: named ``bias`` (its name in ``named_parameters()``; default the
+    head's), the model side's last row and column, which the embedding's use leaves zero.
 
     Example:
         >>> e = LayerSpec("wte", "embedding", "wte.weight", None, 7, 3, diagonal=(True, False))
@@ -182,8 +194,6 @@ def tied_specs(embedding: LayerSpec, head: LayerSpec, weight: str) -> LayerSpec 
     """
     if embedding.kind != "embedding" or head.kind != "linear":
         return f"kinds {embedding.kind!r} and {head.kind!r} are not an embedding and a head"
-    if head.has_bias:
-        return f"the head {head.name!r} has a bias"
     if (embedding.in_dim, embedding.out_dim) != (head.out_dim, head.in_dim):
         return f"shapes {embedding.weight_shape} and {head.weight_shape} disagree"
     if head.option("rows") is not None or head.module != head.name:
@@ -192,7 +202,7 @@ def tied_specs(embedding: LayerSpec, head: LayerSpec, weight: str) -> LayerSpec 
         head.name,
         TiedBlock.kind,
         weight,
-        None,
+        (bias or head.bias) if head.has_bias else None,
         head.in_dim,
         head.out_dim,
         diagonal=(head.a_diagonal or embedding.g_diagonal, True),

@@ -240,8 +240,12 @@ class Communicator:
         return self._factor_group
 
     def group(self, ranks: tuple[int, ...]) -> Group:
-        """The process group of ``ranks`` (one of the plan's groups)."""
-        return self._groups[tuple(ranks)]
+        """The process group of ``ranks`` (one of the plan's groups, or every rank: the
+        checkpoint's broadcasts under any plan)."""
+        key = tuple(ranks)
+        if key not in self._groups and key == tuple(range(self.world_size)):
+            return None if self.timeout is None else self._factor_group
+        return self._groups[key]
 
     # --- reductions ----------------------------------------------------------------
 

@@ -36,6 +36,7 @@ except ImportError:  # pragma: no cover - an older torch: no DTensor gradients t
 
 __all__ = [
     "Layout",
+    "check_packed_parameters",
     "describe_parameters",
     "gather_whole",
     "has_dtensors",
@@ -387,3 +388,64 @@ def describe_parameters(model: torch.nn.Module, layers: Mapping[str, LayerSpec])
                 f"placements {tuple(p.placements)}"
             )
     return "; ".join(lines)
+
+
+def check_packed_parameters(model: torch.nn.Module, layers: Mapping[str, LayerSpec]) -> None:
+    """Refuse DTensor parameters of layers that own rows of a packed parameter (the q, k
+    and v projections of ``nn.MultiheadAttention``) unless FSDP2 shards them (``Shard(0)``
+    / ``Replicate()`` of ``fully_shard`` on the module or a parent) or they are replicated.
+
+    Tensor parallelism of such a parameter is not meaningful here: the module reads its
+    packed weights itself (``F.multi_head_attention_forward``), so torch's parallel styles
+    do not apply to it (``ColwiseParallel`` takes ``nn.Linear`` / ``nn.Embedding``) and a
+    weight distributed by hand would split the q, k and v rows, and the heads, in no way
+    the forward knows. The ValueError names the layer, the parameter and its placements.
+
+    Example:
+        >>> from torch import nn
+        >>> from kfac_func.blocks import register
+        >>> model = nn.MultiheadAttention(4, 2)
+        >>> check_packed_parameters(model, register(model))  # plain parameters pass
+    """
+    if DTensor is None:  # pragma: no cover - an older torch: no DTensor parameters
+        return
+    fsdp_roots: list[str] | None = None
+    for spec in layers.values():
+        for pname, rows in (
+            (spec.weight, spec.option("rows")),
+            (spec.bias, spec.option("bias_rows")),
+        ):
+            if pname is None or rows is None:
+                continue
+            p = _any(model.get_parameter(pname))
+            if not is_dtensor(p):
+                continue
+            placements = tuple(p.placements)
+            if all(q.is_replicate() for q in placements):
+                continue
+            if fsdp_roots is None:
+                fsdp_roots = _fsdp_modules(model)
+            module = pname.rpartition(".")[0]
+            managed = any(r == "" or module == r or module.startswith(r + ".") for r in fsdp_roots)
+            plain = all(
+                q.is_replicate() or (type(q) is Shard and _dim(q, tuple(p.shape)) == 0)
+                for q in placements
+            )
+            if not (managed and plain):
+                raise ValueError(
+                    f"layer {spec.name!r} ({spec.kind}): the packed parameter {pname!r} is a "
+                    f"DTensor with placements {placements}; K-FAC takes it sharded by FSDP2 "
+                    "(fully_shard on the module or a parent: Shard(0), or Replicate() x "
+                    "Shard(0) for HSDP) or replicated, not tensor-parallel: the module reads "
+                    "its packed q, k and v weights itself, so their shards have no layout "
+                    "its forward or K-FAC's factors could follow"
+                )
+
+
+def _fsdp_modules(model: torch.nn.Module) -> list[str]:
+    """Names of the modules ``fully_shard`` was applied to."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return []
+    return [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]

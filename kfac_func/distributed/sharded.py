@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from kfac_func.blocks import matrix_to_grads
+from kfac_func.blocks import LayerSpec, matrix_to_grads
 from kfac_func.core.preconditioning import kl_clip_scale_of_terms, kl_clip_term
 from kfac_func.distributed.communicator import Communicator
 from kfac_func.distributed.dtensor import (
@@ -36,7 +36,7 @@ from kfac_func.step.checks import check_layers, layer_matrix
 from kfac_func.step.hyper import Hyper, NonFinite, check_hyper, resolve
 from kfac_func.step.precondition import Grafting, precondition_with
 
-__all__ = ["precondition_sharded", "release_unowned", "sharded_layouts"]
+__all__ = ["owned_rows", "precondition_sharded", "release_unowned", "sharded_layouts"]
 
 
 def release_unowned(state: KFACState, plan: Plan, rank: int, enable: bool = True) -> KFACState:
@@ -79,8 +79,9 @@ def sharded_layouts(
 
     A rank that refuses a placement (see :func:`kfac_func.distributed.dtensor.layout_of`)
     raises its error; the others raise a ValueError naming that rank, so that no rank
-    waits in a collective the refusing rank never joins. A DTensor parameter that several
-    layers share (as the packed weights of attention) is refused too.
+    waits in a collective the refusing rank never joins. A sharded parameter that several
+    layers share is refused too, unless each of them owns rows of it (the q, k and v
+    projections of attention's packed ``in_proj_weight``, see :func:`owned_rows`).
     """
     layouts: dict[str, Layout] = {}
     error: Exception | None = None
@@ -92,10 +93,13 @@ def sharded_layouts(
                 if pname not in grads:
                     raise ValueError(f"layer {name!r}: no gradient for {pname!r} in grads")
                 if pname in users:
-                    if layouts[pname].sharded:
+                    first = layers[users[pname]].spec
+                    packed = owned_rows(first, pname) and owned_rows(spec, pname)
+                    if (layouts[pname].sharded or layouts[pname].own) and not packed:
                         raise ValueError(
                             f"layers {users[pname]!r} and {name!r} share the sharded parameter "
-                            f"{pname!r}; K-FAC preconditions sharded parameters of one layer only"
+                            f"{pname!r}; K-FAC preconditions a sharded parameter of one layer, "
+                            "or rows of it per layer (attention's packed projections)"
                         )
                     continue
                 users[pname] = name
@@ -115,6 +119,45 @@ def sharded_layouts(
     if error is not None:
         raise error
     return layouts
+
+
+def owned_rows(spec: LayerSpec, pname: str) -> tuple[int, int] | None:
+    """The rows ``(start, stop)`` of parameter ``pname`` that the layer owns (the
+    ``rows`` / ``bias_rows`` options of the q, k and v parts of a packed attention
+    weight), or None when the layer owns the whole parameter.
+
+    Example:
+        >>> from torch import nn
+        >>> from kfac_func.blocks import register
+        >>> k = register(nn.MultiheadAttention(4, 2))["k_proj"]
+        >>> owned_rows(k, "in_proj_weight"), owned_rows(k, "in_proj_bias")
+        ((4, 8), (4, 8))
+    """
+    rows = spec.option("rows") if pname == spec.weight else spec.option("bias_rows")
+    return None if rows is None else (int(rows[0]), int(rows[1]))
+
+
+def _merge_rows(
+    merged: dict[str, torch.Tensor],
+    pname: str,
+    part: torch.Tensor,
+    rows: tuple[int, int] | None,
+    box: tuple[tuple[int, int], ...],
+) -> torch.Tensor:
+    """This rank's part of ``pname`` with the rows one layer owns taken from ``part`` (the
+    part it received for that layer; the first layer's part gives the rest), kept in
+    ``merged`` for the next layer that owns rows of it."""
+    if rows is None:
+        return part
+    if pname not in merged:
+        merged[pname] = part
+        return part
+    out = merged[pname]
+    lo, hi = box[0] if box else (0, 0)
+    start, stop = max(rows[0], lo) - lo, min(rows[1], hi) - lo
+    if stop > start:
+        out[start:stop] = part[start:stop]
+    return out
 
 
 def precondition_sharded(
@@ -185,6 +228,7 @@ def precondition_sharded(
             dist.all_reduce(terms, group=comm.world_group)
         scale = kl_clip_scale_of_terms(list(terms.unbind()), clip, rate, dtype=torch.float64)
     out = dict(grads)
+    merged: dict[str, torch.Tensor] = {}  # parts of parameters whose rows layers share
     for name in names:
         spec = layers[name].spec
         ps = spec.param_names()
@@ -194,7 +238,10 @@ def precondition_sharded(
             if scale is not None:
                 p = p * scale.to(device=p.device, dtype=p.dtype)
             w, b = matrix_to_grads(spec, p)
-            new = [w.to(new[0].dtype)] + ([] if b is None else [b.to(new[1].dtype)])
+            raw = dict(zip(ps, new))
+            written = dict(raw)  # a layer that owns rows writes them into a copy
+            spec.block.write_grads(spec, written, raw, w, b)
+            new = [written[q] for q in ps]
         src = plan.src_of(name, rank)
         parts = scatter_parts(
             new if rank == src else None,
@@ -205,5 +252,7 @@ def precondition_sharded(
             comm,
         )
         for pname, part in zip(ps, parts):
+            box = layouts[pname].boxes[rank]
+            part = _merge_rows(merged, pname, part, owned_rows(spec, pname), box)
             out[pname] = as_gradient(part, grads[pname], layouts[pname])
     return out
