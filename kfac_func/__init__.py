@@ -15,6 +15,7 @@ Example:
 """
 
 from kfac_func.adapter.adaptive import AdaptiveStepper
+from kfac_func.adapter.optimizer import KFAC
 from kfac_func.adapter.preconditioner import ComputeMethod, KFACPreconditioner
 from kfac_func.adapter.scheduler import LambdaParamScheduler
 from kfac_func.blocks import LayerSpec, LayerTable, grads_to_matrix, matrix_to_grads, register
@@ -72,6 +73,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CONVENTIONS",
+    "KFAC",
     "AdaptiveInfo",
     "AdaptiveRecord",
     "AdaptiveState",

@@ -17,11 +17,12 @@ import torch
 from torch import nn
 
 from kfac_func.core.output_hessian import OutputLoss, Reduction
+from kfac_func.distributed.dtensor import is_dtensor
 from kfac_func.state import KFACState
 from kfac_func.step.adaptive import AdaptiveInfo, adapt_damping, adaptive_step, damping_due
 from kfac_func.step.hyper import NonFinite
 
-__all__ = ["AdaptiveStepper"]
+__all__ = ["AdaptiveStepper", "check_adaptive"]
 
 
 class AdaptiveStepper:
@@ -141,3 +142,34 @@ class AdaptiveStepper:
             max_damping=self.max_damping,
         )
         return state, info
+
+
+def check_adaptive(
+    adaptive: AdaptiveStepper | None, model: nn.Module, kl_clip: object, world_size: int
+) -> None:
+    """Raise a ValueError unless ``adaptive`` (when given) can step ``model``: a stepper of
+    the same model, ``kl_clip=None``, one process, plain (not DTensor) parameters.
+
+    Example:
+        >>> from torch import nn
+        >>> check_adaptive(None, nn.Linear(2, 2), 0.001, 1)  # nothing to check
+    """
+    if adaptive is None:
+        return
+    if adaptive.model is not model:
+        raise ValueError("adaptive= must be an AdaptiveStepper of the same model")
+    if kl_clip is not None:
+        raise ValueError(
+            "adaptive steps choose their own length (the quadratic model's learning "
+            "rate): pass kl_clip=None"
+        )
+    if world_size > 1:
+        raise ValueError(
+            f"adaptive= runs on one process; this process group has {world_size} ranks"
+        )
+    if any(is_dtensor(p) for p in model.parameters()):
+        raise ValueError(
+            "adaptive= needs plain parameters (its curvature products run the model "
+            "under torch.func); this model has DTensor parameters (FSDP2 or tensor "
+            "parallelism)"
+        )

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kfac_func.adapter.adaptive import AdaptiveStepper
+from kfac_func.adapter.adaptive import AdaptiveStepper, check_adaptive
 from kfac_func.adapter.arguments import (
     HYPER,
     ComputeMethod,
@@ -271,14 +271,6 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         self.moment_eps = moment_eps
         self.moment_beta1 = moment_beta1
         self.adaptive = adaptive
-        if adaptive is not None:
-            if adaptive.model is not model:
-                raise ValueError("adaptive= must be an AdaptiveStepper of the same model")
-            if kl_clip is not None:
-                raise ValueError(
-                    "adaptive steps choose their own length (the quadratic model's learning "
-                    "rate): pass kl_clip=None"
-                )
         if not self.layers:
             raise no_layers_error(self.layers, type(model).__name__)
         check_packed_parameters(model, self.layers)  # the same on every rank: no collective
@@ -294,16 +286,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
             compute_method=self.compute_method.name.lower(),
             compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
         )
-        if adaptive is not None and comm_world > 1:
-            raise ValueError(
-                f"adaptive= runs on one process; this process group has {comm_world} ranks"
-            )
-        if adaptive is not None and any(is_dtensor(p) for p in model.parameters()):
-            raise ValueError(
-                "adaptive= needs plain parameters (its curvature products run the model "
-                "under torch.func); this model has DTensor parameters (FSDP2 or tensor "
-                "parallelism)"
-            )
+        check_adaptive(adaptive, model, kl_clip, comm_world)
         self.colocate_factors = self.plan.colocate_factors
         self.grad_worker_fraction = self.plan.grad_worker_fraction
         # a strategy asked by name is kept (MEM_OPT on one rank, whose plan is also

@@ -76,6 +76,11 @@ class LayerBlock(ABC):
     model_parallel: ClassVar[bool] = True
     """Whether the model-parallel preconditioner supports the kind."""
 
+    stacked_uses: ClassVar[int] = 0
+    """How many uses of one weight the batch factors stack (on a leading dimension) until a
+    window's factors are summed and averaged over ranks, to be combined then into the
+    layer's (a tied embedding and head: 2); 0: batch factors have the layer's shapes."""
+
     joint: ClassVar[bool] = False
     """Whether the statistics of a call need its input and its output-gradient together
     (:meth:`joint_grams`; norms: the scale's gradient is the normalised input times the

@@ -87,6 +87,7 @@ class TiedBlock(LayerBlock):
     """
 
     kind = "tied"
+    stacked_uses = 2
     module_types = ()  # made by register() from a pair of layers, never from one module
     joint = True  # a call's statistics depend on which use it is (told by its input)
     model_parallel = False

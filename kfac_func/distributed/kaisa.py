@@ -138,7 +138,7 @@ def offer_factors(
     symmetric = [not ls.spec.a_diagonal, not ls.spec.g_diagonal, False]
     if batch is None:
         zero = torch.zeros(1, dtype=ls.a_factor.dtype, device=ls.a_factor.device)
-        if ls.spec.kind == "tied":  # its batch factors stack its two uses
+        if ls.spec.block.stacked_uses:  # a tied layer's batch factors stack its uses
             za, zg = stacked_like(ls.a_factor, ls.g_factor)
         else:
             za, zg = torch.zeros_like(ls.a_factor), torch.zeros_like(ls.g_factor)

@@ -131,7 +131,7 @@ def fold_checked(
     restarted from the batch factor, with a warning, so that it cannot stay poisoned.
     """
     name = ls.spec.name
-    if ls.spec.kind == "tied" and a.dim() == ls.a_factor.dim() + 1:
+    if ls.spec.block.stacked_uses and a.dim() == ls.a_factor.dim() + 1:
         # a tied layer's uses, kept apart until the window is complete (on every rank)
         a, g = combine_stacked(a, g)
     if not factors_finite(name, a, g, nonfinite):

@@ -1,0 +1,314 @@
+"""`KFAC`: K-FAC as a ``torch.optim.Optimizer``, for trainers that call only optimizers.
+
+Hugging Face's ``Trainer``, Lightning and accelerate step a ``torch.optim.Optimizer``;
+none of them calls a preconditioner between ``backward()`` and ``optimizer.step()``.
+:class:`KFAC` is a :class:`~kfac_func.KFACPreconditioner` and base optimizers behind one
+optimizer face: ``step(closure)`` runs the closure, preconditions, then steps the base
+optimizers. It owns no math (and no optimizer rule of its own): its parameter groups are
+the base optimizers' groups (the same dicts), its ``state`` reads theirs, and its
+``state_dict`` is theirs in ``torch.optim``'s format plus the preconditioner's under
+``"kfac"``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from kfac_func.adapter.arguments import FloatOrFn
+from kfac_func.adapter.preconditioner import KFACPreconditioner
+
+__all__ = ["KFAC"]
+
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+
+
+class _States(MutableMapping[torch.Tensor, Any]):
+    """``optimizer.state`` of :class:`KFAC`: the base optimizers' states read as one mapping
+    (each parameter belongs to one base optimizer; an item is written to that one's)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self._optimizers = optimizers
+
+    def _owner(self, p: torch.Tensor) -> torch.optim.Optimizer:
+        for opt in self._optimizers:
+            if p in opt.state:
+                return opt
+        for opt in self._optimizers:
+            if any(q is p for g in opt.param_groups for q in g["params"]):
+                return opt
+        raise KeyError("the tensor is not a parameter of this optimizer")
+
+    def __getitem__(self, p: torch.Tensor) -> Any:
+        return self._owner(p).state[p]
+
+    def __setitem__(self, p: torch.Tensor, value: Any) -> None:
+        self._owner(p).state[p] = value
+
+    def __delitem__(self, p: torch.Tensor) -> None:
+        del self._owner(p).state[p]
+
+    def __contains__(self, p: object) -> bool:
+        return any(p in opt.state for opt in self._optimizers)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for opt in self._optimizers:
+            yield from opt.state
+
+    def __len__(self) -> int:
+        return sum(len(opt.state) for opt in self._optimizers)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} parameters with state)"
+
+
+class KFAC(torch.optim.Optimizer):
+    """K-FAC as a ``torch.optim.Optimizer``: a :class:`~kfac_func.KFACPreconditioner` of
+    ``model`` in front of base optimizers, for trainers that only call optimizers.
+
+    The parameters of the layers K-FAC preconditions get ``base`` (default plain SGD:
+    K-FAC's step is the preconditioned gradient; with ``eigenbasis_moments=True`` the
+    moments are kept by the preconditioner and SGD stays without momentum); the others
+    (skipped or unsupported modules, tied parameters; see
+    :meth:`kfac_func.LayerTable.split_parameters`) get ``others`` (default AdamW). Both
+    take ``lr`` unless their kwargs name one. :meth:`step` runs the closure (with
+    gradients enabled), then ``preconditioner.step()``, then each base optimizer's
+    ``step()``, and returns the closure's loss.
+
+    - :attr:`param_groups` are the base optimizers' groups themselves (K-FAC's first):
+      learning-rate schedulers drive them, and the preconditioner's ``lr`` (its KL clip's)
+      reads ``param_groups[0]["lr"]`` at every step unless ``kfac_lr`` is given.
+    - :attr:`state` maps each parameter to its base optimizer's state.
+    - :meth:`state_dict` is ``torch.optim``'s format over :attr:`param_groups` (the base
+      optimizers' state dicts, their parameter indices offset in group order) plus
+      ``"kfac"``: the preconditioner's :meth:`~kfac_func.KFACPreconditioner.state_dict`.
+      :meth:`load_state_dict` restores both, keeping the group dicts (schedulers and
+      wrappers that hold them stay attached); a resumed run equals an uninterrupted one.
+    - :meth:`add_param_group` adds a group to the ``others`` optimizer (made on first
+      use): K-FAC registered its layers at construction, so new parameters are not
+      preconditioned.
+    - ``zero_grad``, step hooks (``register_step_pre_hook``, ...) and state-dict hooks
+      are ``torch.optim.Optimizer``'s; the base optimizers' own hooks run in their steps.
+
+    Build it on the module that runs (the one whose forward the trainer calls, or a
+    submodule of it), before wrapping it in DDP/FSDP: the preconditioner's hooks sit on
+    that module's layers.
+
+    Args:
+        model: the module whose layers K-FAC preconditions.
+        lr: learning rate of both base optimizers (unless their kwargs name one).
+        base: the optimizer class (or factory ``(params, **kwargs)``) of the preconditioned
+            parameters.
+        base_kwargs: its keyword arguments (``lr`` defaults to ``lr``).
+        others: the optimizer of the other parameters; None: ``base`` (with
+            ``base_kwargs``).
+        others_kwargs: its keyword arguments (``lr`` defaults to ``lr``).
+        kfac_lr: the preconditioner's ``lr`` (a number or ``step -> value``); None: the
+            first group's current learning rate.
+        **kfac_kwargs: the other arguments of :class:`~kfac_func.KFACPreconditioner`
+            (``damping``, ``skip_layers``, ``factor_update_steps``, ``scaling``, ...).
+
+    Raises:
+        ValueError: an invalid preconditioner argument, or no layer to precondition.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(8, 3))
+        >>> opt = kf.KFAC(model, lr=0.01, skip_layers=["Embedding"], damping=0.01)
+        >>> [type(o).__name__ for o in opt.optimizers]
+        ['SGD', 'AdamW']
+        >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+        >>> x, y = torch.randint(0, 10, (16, 2)), torch.randint(0, 3, (16,))
+        >>> def closure():
+        ...     opt.zero_grad()
+        ...     loss = nn.functional.cross_entropy(model(x), y)
+        ...     loss.backward()
+        ...     return loss
+        >>> loss = opt.step(closure)
+        >>> sched.step()
+        >>> opt.preconditioner.steps, [g["lr"] for g in opt.param_groups]
+        (1, [0.005, 0.005])
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 1e-3,
+        *,
+        base: OptimizerFactory = torch.optim.SGD,
+        base_kwargs: Mapping[str, Any] | None = None,
+        others: OptimizerFactory | None = torch.optim.AdamW,
+        others_kwargs: Mapping[str, Any] | None = None,
+        kfac_lr: FloatOrFn | None = None,
+        **kfac_kwargs: Any,
+    ) -> None:
+        if others is None:
+            others, others_kwargs = base, base_kwargs
+        self._base_kwargs = {"lr": lr, **dict(base_kwargs or {})}
+        self._others_kwargs = {"lr": lr, **dict(others_kwargs or {})}
+        self._others_factory: OptimizerFactory = others
+        ref = weakref.ref(self)
+
+        def follow(step: int) -> float:
+            opt = ref()
+            return float(opt.param_groups[0]["lr"]) if opt is not None else 0.0
+
+        self.preconditioner = KFACPreconditioner(
+            model, lr=follow if kfac_lr is None else kfac_lr, **kfac_kwargs
+        )
+        """The :class:`~kfac_func.KFACPreconditioner` (its ``state``, ``layers``, ``steps``)."""
+        mine, rest = self.preconditioner.layers.split_parameters(model)
+        self._optimizers: list[torch.optim.Optimizer] = [base(mine, **self._base_kwargs)]
+        self._has_others = bool(rest)
+        if rest:
+            self._optimizers.append(others(rest, **self._others_kwargs))
+        self._ready = False
+        groups = [g for opt in self._optimizers for g in opt.param_groups]
+        super().__init__(groups, dict(self._optimizers[0].defaults))
+        self._ready = True
+        self.state = _States(self._optimizers)  # type: ignore[assignment]
+
+    @property
+    def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
+        """The base optimizers: K-FAC's, then (if any parameter is left) the others'."""
+        return tuple(self._optimizers)
+
+    @property
+    def kfac_optimizer(self) -> torch.optim.Optimizer:
+        """The base optimizer of the parameters K-FAC preconditions."""
+        return self._optimizers[0]
+
+    @property
+    def others_optimizer(self) -> torch.optim.Optimizer | None:
+        """The base optimizer of the other parameters (None when there are none)."""
+        return self._optimizers[1] if self._has_others else None
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the ``others`` optimizer (made now if there was none); its
+        parameters are not preconditioned. A ValueError names a parameter already in a
+        group (K-FAC's included)."""
+        if not getattr(self, "_ready", True):  # construction: the base groups themselves
+            self.param_groups.append(param_group)
+            return
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        known = {id(p) for g in self.param_groups for p in g["params"]}
+        if any(id(p) in known for p in params):
+            raise ValueError(
+                "KFAC.add_param_group: some parameters appear in more than one parameter "
+                "group (the K-FAC layers' parameters are in param_groups[0] already)"
+            )
+        group = {**param_group, "params": params}
+        if self._has_others:
+            others = self._optimizers[1]
+            others.add_param_group(group)
+        else:
+            kwargs = {**self._others_kwargs, **{k: v for k, v in group.items() if k != "params"}}
+            others = self._others_factory(params, **kwargs)
+            self._optimizers.append(others)
+            self._has_others = True
+        self.param_groups.append(others.param_groups[-1])
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Run ``closure`` (with gradients enabled) if given, precondition the K-FAC
+        layers' ``.grad``, step every base optimizer; return the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.preconditioner.step()
+        for opt in self._optimizers:
+            opt.step()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"state", "param_groups"}`` over :attr:`param_groups` (the base optimizers'
+        state dicts, parameter indices offset in group order) and ``"kfac"``, the
+        preconditioner's state dict. The state-dict hooks of this optimizer run around it,
+        those of the base optimizers inside."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state: dict[int, Any] = {}
+        groups: list[dict[str, Any]] = []
+        offset = 0
+        for opt in self._optimizers:
+            sd = opt.state_dict()
+            state.update({int(k) + offset: v for k, v in sd["state"].items()})
+            for g in sd["param_groups"]:
+                groups.append({**g, "params": [int(i) + offset for i in g["params"]]})
+            offset += sum(len(g["params"]) for g in opt.param_groups)
+        out: dict[str, Any] = {
+            "state": state,
+            "param_groups": groups,
+            "kfac": self.preconditioner.state_dict(),
+        }
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, out)
+            if result is not None:
+                out = result
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`: the preconditioner's part (decompositions as saved,
+        none recomputed), then each base optimizer's. The group dicts stay the same
+        objects. A ValueError (before anything changes) names a missing ``"kfac"`` part or
+        a group structure that differs from this optimizer's."""
+        sd = dict(state_dict)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, sd)
+            if result is not None:
+                sd = result
+        if "kfac" not in sd:
+            raise ValueError(
+                "KFAC.load_state_dict: the state dict has no 'kfac' part (the "
+                "preconditioner's): was it saved by another optimizer?"
+            )
+        saved = list(sd["param_groups"])
+        sizes = [len(g["params"]) for g in self.param_groups]
+        if [len(g["params"]) for g in saved] != sizes:
+            raise ValueError(
+                "KFAC.load_state_dict: the state dict's parameter groups have "
+                f"{[len(g['params']) for g in saved]} parameters, this optimizer's {sizes}"
+            )
+        parts: list[dict[str, Any]] = []
+        start = 0
+        for opt in self._optimizers:
+            mine = saved[start : start + len(opt.param_groups)]
+            start += len(opt.param_groups)
+            ids = [i for g in mine for i in g["params"]]
+            local = {i: n for n, i in enumerate(ids)}
+            parts.append(
+                {
+                    "state": {local[i]: v for i, v in sd["state"].items() if i in local},
+                    "param_groups": [
+                        {**g, "params": [local[i] for i in g["params"]]} for g in mine
+                    ],
+                }
+            )
+        self.preconditioner.load_state_dict(sd["kfac"], compute_inverses=False)
+        for opt, part in zip(self._optimizers, parts):
+            groups, states = opt.param_groups, opt.state
+            opt.load_state_dict(part)
+            # keep the dicts that schedulers, wrappers and this optimizer hold
+            for old, new in zip(groups, opt.param_groups):
+                old.clear()
+                old.update(new)
+            loaded = dict(opt.state)
+            states.clear()
+            states.update(loaded)
+            opt.param_groups, opt.state = groups, states
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(type(o).__name__ for o in self._optimizers)
+        layers = len(self.preconditioner.layers)
+        return f"{type(self).__name__}({layers} K-FAC layers; {parts})"
