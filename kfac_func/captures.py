@@ -23,6 +23,7 @@ from torch import nn
 from torch.func import functional_call
 
 from kfac_func.blocks import LayerSpec, register
+from kfac_func.blocks.examples import CallExamples
 from kfac_func.blocks.mapped import checking
 from kfac_func.blocks.taps import Sites, call_sites, tap_hooks
 from kfac_func.core.pytree import register_dataclass
@@ -308,11 +309,38 @@ def _scalar(loss: Any) -> torch.Tensor:
     return loss.reshape(())
 
 
-def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    for leaf in torch_pytree.tree_leaves((args, kwargs)):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    raise ValueError("cannot infer batch_size: no tensor input with a batch dimension")
+def _batch_size(specs: Mapping[str, LayerSpec], inputs: Mapping[str, list[torch.Tensor]]) -> int:
+    """What the captured calls say about the number of examples (see
+    :class:`~kfac_func.blocks.examples.CallExamples`)."""
+    seen = CallExamples()
+    for name, xs in inputs.items():
+        for x in xs:
+            seen.add(specs[name], x)
+    return seen.batch_size(what_to_do=_WHAT_TO_DO)
+
+
+_WHAT_TO_DO = (
+    "Pass batch_size= (the number of examples), keep the examples on the leading dimension "
+    "of every registered layer's input, or leave the layers that do not out (layers=)"
+)
+
+
+def _unsupported(e: RuntimeError) -> RuntimeError:
+    """The error of a model that torch.func cannot differentiate, explained when it is
+    activation checkpointing (measured with torch 2.13: the non-reentrant kind uses
+    saved-tensor hooks, which torch.func refuses; the reentrant kind is an
+    ``autograd.Function`` without ``setup_context``)."""
+    msg = str(e)
+    if "saved tensor hooks" in msg or "setup_context" in msg:
+        return RuntimeError(
+            "kf.capture runs the model under torch.func, which supports neither activation "
+            "checkpointing (torch.utils.checkpoint, checkpoint_wrapper, Hugging Face's "
+            "gradient_checkpointing_enable()) nor other saved-tensor hooks or autograd."
+            "Functions without setup_context. Turn checkpointing off for the capture "
+            "(model.gradient_checkpointing_disable()), or use kfac_func.KFACPreconditioner, "
+            f"whose hooks support it. torch.func said: {msg}"
+        )
+    return e
 
 
 def check_loss_divisor(value: object) -> None:
@@ -362,8 +390,10 @@ def capture(
             each of ``k`` accumulated micro-batches backpropagates ``loss / k`` (as
             DeepSpeed does with gradient accumulation). The ``"fisher"`` convention divides
             it out of the output-gradients, so G does not shrink ``k²``-fold.
-        batch_size: number of examples (default: first dimension of the first input;
-            pass it for unbatched inputs or layouts whose batch is not dimension 0).
+        batch_size: number of examples (default: what the captured layers' inputs say, see
+            :class:`~kfac_func.blocks.examples.CallExamples`; never guessed from ``args``
+            or ``kwargs``; pass it for layouts whose batch is not the leading dimension
+            of the layers' inputs).
         generator: random generator for ``fisher="mc"``.
 
     Returns:
@@ -396,8 +426,6 @@ def capture(
     modules = call_sites(model, specs)
     params = {k: v.detach() for k, v in params.items()}
     bufs = dict(model.named_buffers()) if buffers is None else dict(buffers)
-    n = _batch_size(args, kwargs) if batch_size is None else int(batch_size)
-    scale = (1.0 / n if loss_reduction == "mean" else 1.0) / loss_divisor
 
     output = _Output()
 
@@ -429,12 +457,19 @@ def capture(
                     forward, params, probes, has_aux=True
                 )
                 break
+            except RuntimeError as e:
+                explained = _unsupported(e)
+                if explained is e:
+                    raise
+                raise explained from e
             except _ShapesChanged as e:
                 if attempt:
                     raise RuntimeError(
                         f"layer {e.args[0]!r} was called a different number of times, or "
                         "gave other output shapes, in two forward passes on the same inputs"
                     ) from None
+    n = _batch_size(specs, inputs) if batch_size is None else int(batch_size)
+    scale = (1.0 / n if loss_reduction == "mean" else 1.0) / loss_divisor
     with torch.no_grad():
         for k, v in new_bufs.items():
             bufs[k].copy_(v)

@@ -30,6 +30,7 @@ from kfac_func.adapter.checkpointing import StateDictMixin
 from kfac_func.adapter.inspection import InspectionMixin, check_factor_rows
 from kfac_func.adapter.recording import HookRecorder
 from kfac_func.adapter.sync_free import SyncFreeMixin
+from kfac_func.adapter.wrapped_names import unwrapped
 from kfac_func.blocks import register
 from kfac_func.blocks.mapped import KindMap, check_hooks
 from kfac_func.blocks.table import no_layers_error
@@ -249,12 +250,15 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
             allreduce_method=allreduce_method,
         )
 
-        self.layers = register(
-            model,
-            self.skip_layers,
-            max_factor_dim=max_factor_dim,
-            kfac_approx=kfac_approx,
-            kinds=kinds,
+        # named as the model's state dict names them (no checkpoint_wrapper prefixes)
+        self.layers = unwrapped(
+            register(
+                model,
+                self.skip_layers,
+                max_factor_dim=max_factor_dim,
+                kfac_approx=kfac_approx,
+                kinds=kinds,
+            )
         )
         self.max_factor_dim = max_factor_dim
         self.kfac_approx = kfac_approx
@@ -408,7 +412,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         missing = [k for k, v in given.items() if v is None]
         if self.adaptive is not None and missing:
             raise ValueError(f"adaptive steps need {missing} (see KFACPreconditioner.step)")
-        self._drop_forward_only()
+        self._settle()
         captures = self._take_captures() if self._ekfac and self._micro else None
         batch = self._batch_factors() if self._micro and captures is None else {}
         reducer, self._reducer = self._reducer, None

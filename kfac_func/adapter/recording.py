@@ -4,7 +4,10 @@ Forward hooks (and gradient hooks on each call's output) collect each registered
 statistics during the forward and backward passes: Gram matrices at once with
 ``update_factors_in_hook``, else the raw tensors until ``step()``. Each forward of the
 model starts a micro-batch; the micro-batches of an accumulation window become one batch
-factor per layer (:meth:`HookRecorder._batch_factors`). On one rank, layers whose kind has
+factor per layer (:meth:`HookRecorder._batch_factors`). A micro-batch's batch size is what
+its layers' calls say (:class:`~kfac_func.blocks.examples.CallExamples`), never a guess
+from the model's arguments; a forward re-run in the backward pass (activation
+checkpointing) counts as :mod:`kfac_func.adapter.recompute` says. On one rank, layers whose kind has
 rows also keep each call's rows for the low-rank preconditioning path. With several ranks,
 a layer's factor reduction may start in the backward pass, once its window is complete.
 """
@@ -20,7 +23,9 @@ import torch
 from torch import nn
 
 from kfac_func.adapter.arguments import ComputeMethod, PreconditionerBase
+from kfac_func.adapter.recompute import in_backward
 from kfac_func.blocks import LayerSpec, LayerTable, Rows, call_grams, thinned_gram
+from kfac_func.blocks.examples import BatchSizeError, CallExamples
 from kfac_func.blocks.taps import Site, call_sites, tap_hooks
 from kfac_func.captures import Captures, LayerCapture
 from kfac_func.distributed.communicator import Communicator
@@ -32,15 +37,27 @@ from kfac_func.step.accumulate import MicroBatchStats, factors_from_stats
 
 __all__ = ["HookRecorder", "remove_handles"]
 
+_WHAT_TO_DO = (
+    "Keep the examples on the leading dimension of every registered layer's input (call "
+    "the layer on (B, T, d), not on the flattened (B*T, d); batch_first=True for "
+    "torch.nn.Transformer layers), or leave the layers that do not out "
+    "(skip_layers=[...]); the K-FAC state is unchanged"
+)
+
 
 @dataclass
 class _MicroBatch:
-    """Statistics of one forward/backward (a micro-batch), per layer."""
+    """Statistics of one forward/backward (a micro-batch), per layer; ``batch_size`` is
+    set from ``examples`` when the statistics are used (:meth:`HookRecorder._settle`)."""
 
-    batch_size: int
+    batch_size: int = 0
     a: dict[str, list[Any]] = field(default_factory=dict)
     g: dict[str, list[Any]] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
+    examples: CallExamples = field(default_factory=CallExamples)
+
+    def empty(self) -> bool:
+        return not (self.a or self.g or self.calls)
 
 
 class HookRecorder(PreconditionerBase):
@@ -113,8 +130,21 @@ class HookRecorder(PreconditionerBase):
     def _start_micro_batch(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if not self._collecting():
             return
-        first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
-        self._micro.append(_MicroBatch(int(first.shape[0]) if first is not None else 1))
+        if self._micro and self._micro[-1].empty():
+            self._micro.pop()  # a forward that saw nothing (a recomputation that counted none)
+        self._micro.append(_MicroBatch())
+
+    def _settle(self) -> None:
+        """Drop the micro-batches that count for nothing and set each one's batch size
+        from its layers' calls (at the start of ``step()``, before any statistic is used:
+        a :class:`~kfac_func.blocks.examples.BatchSizeError` leaves everything as it was).
+        The batch size enters the factors with ``scaling="fisher"`` and EKFAC's
+        eigenvalues; otherwise calls that disagree are no error."""
+        self._drop_forward_only()
+        self._micro = [mb for mb in self._micro if not mb.empty()]
+        required = self.scaling == "fisher" or self._ekfac
+        for mb in self._micro:
+            mb.batch_size = mb.examples.batch_size(required, _WHAT_TO_DO)
 
     @property
     def _ekfac(self) -> bool:
@@ -167,32 +197,43 @@ class HookRecorder(PreconditionerBase):
         # tensor parallelism hands the hook a DTensor: its shards are gathered (over the
         # mesh it came on, which also gathers a column-parallel output-gradient)
         x, mesh = whole_input(args[0].detach())
+        # a call inside the backward pass (a recomputation) counts once its
+        # output-gradient arrives (see kfac_func.adapter.recompute)
+        late = in_backward()
         micro = None
         if collect:
             if not self._micro:
-                self._micro.append(_MicroBatch(int(x.shape[0]) if x.dim() > 1 else 1))
+                self._micro.append(_MicroBatch())
             micro = self._micro[-1]
-            micro.calls[spec.name] = micro.calls.get(spec.name, 0) + 1
-            if not self._paired(spec):  # paired statistics wait for the output-gradient
-                item: Any = x
-                if self.update_factors_in_hook:
-                    # the hook runs inside the user's autocast region: build the Gram in
-                    # factor_dtype, not in the autocast dtype
-                    with torch.autocast(x.device.type, enabled=False):
-                        item = thinned_gram(
-                            spec, x, "a", self.factor_dtype, self.factor_rows, self._turn()
-                        )
-                micro.a.setdefault(spec.name, []).append(item)
+            if not late:
+                self._count_call(spec, micro, x)
         pair: list[torch.Tensor | None] | None = None
         if keep:
             pair = [x, None]
-            self._rows.setdefault(spec.name, []).append(pair)
+            if not late:
+                self._rows.setdefault(spec.name, []).append(pair)
         if isinstance(out, torch.Tensor) and out.requires_grad:
             # a hook on this call's output sees its gradient even when later ops
             # modify the output in place (and needs no input that requires grad)
             joint_input = x if micro is not None and self._paired(spec) else None
-            hook = self._grad_hook(spec, micro, pair, joint_input, mesh)
+            hook = self._grad_hook(spec, micro, pair, joint_input, mesh, x if late else None)
             out.register_hook(hook)  # type: ignore[no-untyped-call]
+
+    def _count_call(self, spec: LayerSpec, micro: _MicroBatch, x: torch.Tensor) -> None:
+        """One call of ``spec`` on the input ``x`` in ``micro``: its examples, and its input
+        statistics unless they wait for the output-gradient (paired)."""
+        micro.calls[spec.name] = micro.calls.get(spec.name, 0) + 1
+        micro.examples.add(spec, x)
+        if not self._paired(spec):
+            item: Any = x
+            if self.update_factors_in_hook:
+                # the hook runs inside the user's autocast region: build the Gram in
+                # factor_dtype, not in the autocast dtype
+                with torch.autocast(x.device.type, enabled=False):
+                    item = thinned_gram(
+                        spec, x, "a", self.factor_dtype, self.factor_rows, self._turn()
+                    )
+            micro.a.setdefault(spec.name, []).append(item)
 
     def _grad_hook(
         self,
@@ -201,8 +242,14 @@ class HookRecorder(PreconditionerBase):
         pair: list[torch.Tensor | None] | None,
         joint_input: torch.Tensor | None = None,
         mesh: Any = None,
+        late_input: torch.Tensor | None = None,
     ) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
+            if late_input is not None:  # a recomputed call whose gradient flows: it counts
+                if pair is not None:
+                    self._rows.setdefault(spec.name, []).append(pair)
+                if micro is not None:
+                    self._count_call(spec, micro, late_input)
             gy = whole_output_grad(spec, grad.detach(), mesh)
             if self.grad_scaler is not None:
                 # unscaled, as the gradients are when step() runs (after unscale_)
@@ -260,6 +307,11 @@ class HookRecorder(PreconditionerBase):
             or (self._reducer is not None and self._reducer.offered(name))
         ):
             return
+        required = self.scaling == "fisher" or self._ekfac
+        try:
+            micro.batch_size = micro.examples.batch_size(required, _WHAT_TO_DO)
+        except BatchSizeError:
+            return  # step() raises it
         if self._reducer is None:
             self._reducer = start_factor_reduction(self._state, self.plan, self.comm)
         with torch.autocast(micro.g[name][0].gram.device.type, enabled=False):

@@ -110,6 +110,14 @@ class AttentionBlock(LinearBlock):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None  # the projections' rows are not grouped by example (see reducible)
 
+    def examples(self, spec: LayerSpec, x: torch.Tensor) -> int | None:
+        """The in-projections see ``(L, N, E)`` whatever ``batch_first`` says (the module
+        moves the batch to dimension 1 before them, and adds it for unbatched inputs):
+        ``N``. The output projection sees the flattened ``(L·N, E)``, which does not tell."""
+        if spec.option("part") == "out" or x.dim() != 3:
+            return None
+        return int(x.shape[1])
+
     def capturing(self) -> contextlib.AbstractContextManager[None]:
         """The fused fast path of ``nn.MultiheadAttention`` / ``TransformerEncoderLayer``
         (taken without training or gradients) computes the projections out of the tap's

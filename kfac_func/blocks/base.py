@@ -9,6 +9,8 @@ everything specific to that kind:
 - the Gram statistics of one call's inputs and output-gradients
   (:meth:`LayerBlock.a_gram`, :meth:`LayerBlock.g_gram`), from which the conventions of
   :mod:`kfac_func.core.conventions` make the factors;
+- the number of examples a call's input holds (:meth:`LayerBlock.examples`), from which
+  the adapters and the capture tell a batch's size;
 - the gradient as a matrix ``(*batch_shape, g_dim, a_dim)`` and back;
 - optionally the rows of each call for the low-rank preconditioning path
   (:attr:`LayerBlock.has_rows`), whether Megatron-style tensor parallelism may split its
@@ -177,6 +179,26 @@ class LayerBlock(ABC):
         (:func:`kfac_func.blocks.spec.thin_positions`): the rows of :attr:`has_rows` kinds
         without the per-example reduction, whose A and G are separate sums over rows."""
         return self.has_rows and not self.joint and not self.reduced(spec)
+
+    # --- examples ------------------------------------------------------------------
+
+    def examples(self, spec: LayerSpec, x: torch.Tensor) -> int | None:
+        """The number of examples one call's input ``x`` holds, or None when the input
+        does not tell (a flattened ``(N·T, d)`` input, ids of one unbatched sequence).
+
+        The default fits inputs whose examples are the leading dimension (Linear-like
+        ``(N, ..., d)``): ``N`` for inputs of two or more dimensions, 1 for an unbatched
+        1-d input. The batch size of a forward pass is what its layers' calls say
+        (:class:`kfac_func.blocks.examples.CallExamples`).
+
+        Example:
+            >>> import torch
+            >>> from kfac_func.blocks import register
+            >>> spec = register(torch.nn.Linear(3, 2))[""]
+            >>> [spec.block.examples(spec, torch.ones(*s, 3)) for s in ((4, 7), (4,), ())]
+            [4, 4, 1]
+        """
+        return int(x.shape[0]) if x.dim() >= 2 else 1
 
     # --- statistics ----------------------------------------------------------------
 

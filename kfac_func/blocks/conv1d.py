@@ -105,6 +105,10 @@ class Conv1dBlock(LayerBlock):
         r2 = self._image(spec, r, "output-gradient", spec.out_dim)
         return _AS_2D.example_rows(self.as_2d(spec), x2, r2)
 
+    def examples(self, spec: LayerSpec, x: torch.Tensor) -> int | None:
+        """``N`` of an ``(N, C, L)`` input; 1 for an unbatched ``(C, L)`` one."""
+        return int(x.shape[0]) if x.dim() == 3 else 1
+
     def a_gram(self, spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype) -> Gram:
         return _AS_2D.a_gram(self.as_2d(spec), self._image(spec, x, "input", spec.in_dim), dtype)
 

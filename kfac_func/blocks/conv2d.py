@@ -166,6 +166,10 @@ class Conv2dBlock(LayerBlock):
         rows = r.reshape(n, g, -1, h * w).permute(1, 0, 3, 2).reshape(g, n * h * w, -1)
         return (rows[0] if g == 1 else rows), h * w
 
+    def examples(self, spec: LayerSpec, x: torch.Tensor) -> int | None:
+        """``N`` of an ``(N, C, H, W)`` input; 1 for an unbatched ``(C, H, W)`` one."""
+        return int(x.shape[0]) if x.dim() == 4 else 1
+
     def a_gram(self, spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype) -> Gram:
         if self.reduced(spec):  # the mean patch of each example
             rows = _by_example(*self.a_rows(spec, x.to(dtype))).mean(dim=-2)

@@ -93,6 +93,14 @@ class EmbeddingBlock(LayerBlock):
     def weight_shape(self, spec: LayerSpec) -> tuple[int, ...]:
         return (spec.in_dim, spec.out_dim)
 
+    def examples(self, spec: LayerSpec, x: torch.Tensor) -> int | None:
+        """``N`` of ids ``(N, T, ...)``; 1 for a single id. 1-d ids ``(T,)`` do not tell: one
+        unbatched sequence (or positions broadcast over the batch, as nanoGPT's
+        ``wpe(arange(T))``) or ``T`` examples of one id each; the other layers say which."""
+        if x.dim() == 0:
+            return 1
+        return int(x.shape[0]) if x.dim() >= 2 else None
+
     def a_gram(self, spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype) -> Gram:
         """Token counts ``(V,)``: the diagonal of ``Σ onehot onehotᵀ``."""
         if x.is_floating_point() or x.is_complex():

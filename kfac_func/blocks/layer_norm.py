@@ -35,6 +35,11 @@ class _TrailingNorm(ScaleShiftBlock):
         eps = getattr(module, "eps", None)
         return self.scale_shift_spec(name, module, eps=None if eps is None else float(eps))
 
+    def examples(self, spec: LayerSpec, x: torch.Tensor) -> int | None:
+        """``N`` of an ``(N, ..., *normalized_shape)`` input; 1 for an unbatched
+        ``normalized_shape`` one."""
+        return int(x.shape[0]) if x.dim() > len(spec.weight_shape) else 1
+
     def mapped_spec(self, name: str, module: nn.Module, options: Mapping[str, Any]) -> LayerSpec:
         """A norm of a class of the user's: ``weight`` (the normalised shape) and an optional
         ``bias`` of the same shape; ``eps`` from ``options``, else the module's ``eps`` or

@@ -19,6 +19,7 @@ import torch
 
 from kfac_func.adapter.arguments import PreconditionerBase
 from kfac_func.blocks import LayerSpec, LayerTable
+from kfac_func.blocks.examples import CallExamples
 from kfac_func.distributed.plan import Plan
 from kfac_func.parallel.comm import ParallelCommunicator
 from kfac_func.parallel.plan import ParallelPlan, Split
@@ -32,9 +33,11 @@ Group = Any
 @dataclass
 class MicroBatchRecord:
     """One forward/backward (micro-batch): per layer, the captured items (raw tensors,
-    or Grams of whole tensors) and whether the raw ones are model-parallel shards."""
+    or Grams of whole tensors) and whether the raw ones are model-parallel shards;
+    ``batch_size`` is set from what the calls say (``examples``) at the step."""
 
-    batch_size: int
+    batch_size: int = 0
+    examples: CallExamples = field(default_factory=CallExamples)
     a: dict[str, list[Any]] = field(default_factory=dict)
     g: dict[str, list[Any]] = field(default_factory=dict)
     a_shard: dict[str, bool] = field(default_factory=dict)
@@ -65,6 +68,13 @@ class ParallelBase(PreconditionerBase):
     def state(self) -> KFACState:
         """This rank's K-FAC state (current for the layers it owns)."""
         return self._state
+
+    def _settle(self) -> None:
+        """Set each micro-batch's batch size from what its layers' calls say (see
+        :class:`~kfac_func.blocks.examples.CallExamples`; needed with
+        ``scaling="fisher"`` only), before the step changes anything."""
+        for mb in self._micro:
+            mb.batch_size = mb.examples.batch_size(self.scaling == "fisher")
 
     def _owner(self, name: str) -> bool:
         lp = self.plan.layers[name]

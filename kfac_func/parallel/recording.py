@@ -4,7 +4,9 @@ A forward pre-hook on the model starts a micro-batch; a forward hook on each reg
 layer keeps the call's input and hangs a hook on its output for the output-gradient. A
 model-parallel shard is kept raw on every rank (the layer's primary gathers the shards
 in ``step()``); a whole tensor is kept by the primary only: its Gram with
-``update_factors_in_hook``, else the raw tensor.
+``update_factors_in_hook``, else the raw tensor. A call re-run in the backward pass
+(activation checkpointing) counts once its output-gradient arrives
+(:mod:`kfac_func.adapter.recompute`); the batch size is what the calls' inputs say.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kfac_func.adapter.recompute import in_backward
 from kfac_func.blocks import LayerSpec, a_gram, g_gram
 from kfac_func.parallel.base import MicroBatchRecord, ParallelBase
 from kfac_func.parallel.plan import Split
@@ -36,11 +39,8 @@ class ParallelHookRecorder(ParallelBase):
             self._handles.append(module.register_forward_hook(hook))
 
     def _start_micro_batch(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if not self._collecting():
-            return
-        flat = list(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
-        first = next((a for a in flat if isinstance(a, torch.Tensor) and a.dim() > 0), None)
-        self._micro.append(MicroBatchRecord(int(first.shape[0]) if first is not None else 1))
+        if self._collecting():
+            self._micro.append(MicroBatchRecord())
 
     def _keep(self, spec: LayerSpec, t: torch.Tensor, shard: bool, kind: str) -> Any:
         """What to store of a captured tensor on this rank (None: nothing)."""
@@ -55,31 +55,47 @@ class ParallelHookRecorder(ParallelBase):
             return gram(spec, t, self.factor_dtype)
 
     def _forward_hook(self, spec: LayerSpec, split: Split | None) -> Callable[..., None]:
-        parts = self.comm.mp_size
 
         def hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
             if not self._collecting() or not args or not isinstance(args[0], torch.Tensor):
                 return
             x = args[0].detach()
             if not self._micro:
-                self._micro.append(MicroBatchRecord(int(x.shape[0]) if x.dim() > 1 else 1))
+                self._micro.append(MicroBatchRecord())
             micro = self._micro[-1]
-            shard = is_shard(spec, split, parts, x.shape[-1], "a")
-            micro.a_shard[spec.name] = shard
-            micro.a.setdefault(spec.name, [])
-            item = self._keep(spec, x, shard, "a")
-            if item is not None:
-                micro.a[spec.name].append(item)
+            # a call inside the backward pass (a recomputation) counts once its
+            # output-gradient arrives (see kfac_func.adapter.recompute)
+            late = in_backward()
+            if not late:
+                self._record_input(spec, split, micro, x)
             y = out[0] if isinstance(out, (tuple, list)) else out
             if isinstance(y, torch.Tensor) and y.requires_grad:
-                y.register_hook(self._grad_hook(spec, split, micro))  # type: ignore[no-untyped-call]
+                grad_hook = self._grad_hook(spec, split, micro, x if late else None)
+                y.register_hook(grad_hook)  # type: ignore[no-untyped-call]
 
         return hook
 
+    def _record_input(
+        self, spec: LayerSpec, split: Split | None, micro: MicroBatchRecord, x: torch.Tensor
+    ) -> None:
+        micro.examples.add(spec, x)
+        shard = is_shard(spec, split, self.comm.mp_size, x.shape[-1], "a")
+        micro.a_shard[spec.name] = shard
+        micro.a.setdefault(spec.name, [])
+        item = self._keep(spec, x, shard, "a")
+        if item is not None:
+            micro.a[spec.name].append(item)
+
     def _grad_hook(
-        self, spec: LayerSpec, split: Split | None, micro: MicroBatchRecord
+        self,
+        spec: LayerSpec,
+        split: Split | None,
+        micro: MicroBatchRecord,
+        late_input: torch.Tensor | None = None,
     ) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
+            if late_input is not None:  # a recomputed call whose gradient flows: it counts
+                self._record_input(spec, split, micro, late_input)
             gy = grad.detach()
             if self.grad_scaler is not None:
                 scaler = self.grad_scaler

@@ -147,6 +147,7 @@ class ParallelStep(ParallelBase):
 
     def step(self) -> None:
         """Precondition the registered layers' ``.grad`` in place (before ``optimizer.step()``)."""
+        self._settle()
         micro, self._micro = self._micro, []
         state = self._state
         cfg = state.config
