@@ -27,6 +27,7 @@ from kfac_func.adapter.arguments import (
     log_registered,
 )
 from kfac_func.adapter.checkpointing import StateDictMixin
+from kfac_func.adapter.compiled import uncompiled
 from kfac_func.adapter.inspection import InspectionMixin, check_factor_rows
 from kfac_func.adapter.recording import HookRecorder
 from kfac_func.adapter.sync_free import SyncFreeMixin
@@ -60,7 +61,9 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
 
     Args:
         model: the module (under DDP, its wrapper); its layers are registered with
-            :func:`kfac_func.register` (``print(pre.layers)``).
+            :func:`kfac_func.register` (``print(pre.layers)``). ``torch.compile(model)``
+            may be passed, or compiled later: the layers are those of the eager module,
+            with its names (see :mod:`kfac_func.adapter.compiled`).
         factor_update_steps: collect statistics on steps ``k % factor_update_steps == 0``.
         inv_update_steps: recompute the decompositions every this many steps.
         damping: Tikhonov damping λ >= 0 (with ``adaptive=``, the starting λ).
@@ -206,6 +209,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         eigh_device: torch.device | str | None = None,
         factor_rows: int | None = None,
     ) -> None:
+        model = uncompiled(model)  # layers named as in the eager model
         self._set_sync_free(sync_free, compile)
         self.batched_eigh, self.eigh_device = batched_eigh, check_eigh_device(eigh_device)
         self.factor_rows = check_factor_rows(factor_rows, update_factors_in_hook)
@@ -254,7 +258,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         self.moment_beta1 = moment_beta1
         self.adaptive = adaptive
         if adaptive is not None:
-            if adaptive.model is not model:
+            if uncompiled(adaptive.model) is not model:
                 raise ValueError("adaptive= must be an AdaptiveStepper of the same model")
             if kl_clip is not None:
                 raise ValueError(
@@ -399,6 +403,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         if self.adaptive is not None and missing:
             raise ValueError(f"adaptive steps need {missing} (see KFACPreconditioner.step)")
         self._drop_forward_only()
+        self._check_collected()
         captures = self._take_captures() if self._ekfac and self._micro else None
         batch = self._batch_factors() if self._micro and captures is None else {}
         reducer, self._reducer = self._reducer, None
