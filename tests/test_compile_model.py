@@ -46,10 +46,10 @@ class _Block(nn.Module):
 class _GPT(nn.Module):
     """nanoGPT's shape: token and position embeddings, pre-norm blocks, a head."""
 
-    def __init__(self, vocab: int = 32, d: int = 16, positions: int = 8) -> None:
+    def __init__(self, vocab: int = 32, d: int = 16, positions: int = 8, depth: int = 2) -> None:
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(positions, d)
-        self.blocks = nn.ModuleList([_Block(d), _Block(d)])
+        self.blocks = nn.ModuleList([_Block(d) for _ in range(depth)])
         self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -59,9 +59,9 @@ class _GPT(nn.Module):
         return F.cross_entropy(self.head(self.ln(x)).flatten(0, 1), targets.flatten())
 
 
-def _gpt() -> _GPT:
+def _gpt(depth: int = 2) -> _GPT:
     torch.manual_seed(0)
-    return _GPT()
+    return _GPT(depth=depth)
 
 
 def _batch(i: int) -> Batch:
@@ -133,6 +133,48 @@ def test_a_compiled_model_registers_the_eager_names() -> None:
     kf.KFACPreconditioner(model).load_state_dict(compiled.state_dict())
 
 
+class _Bypass(nn.Module):
+    """Calls ``fc2.forward`` directly: ``fc2``'s hooks never run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2.forward(torch.tanh(self.fc1(x)))  # type: ignore[no-any-return]
+
+
+def test_a_layer_whose_hooks_are_bypassed_is_named_at_the_step() -> None:
+    torch.manual_seed(0)
+    model = _Bypass()
+    pre = kf.KFACPreconditioner(model)
+    model(torch.randn(8, 3)).pow(2).mean().backward()
+    with pytest.warns(MissingStatisticsWarning, match=r"layers \['fc2'\] received gradients"):
+        pre.step()
+    assert [ls.factor_updates for ls in pre.state.layers.values()] == [1, 0]
+
+
+def test_steps_without_statistics_on_purpose_do_not_warn() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    pre = kf.KFACPreconditioner(model, factor_update_steps=2, accumulation_steps=2)
+    x = torch.randn(8, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MissingStatisticsWarning)
+        model(x).sum()  # a forward without backward
+        for _ in range(2):  # a factor-update step, and one without
+            for _ in range(2):
+                model(x).pow(2).mean().backward()
+            pre.step()
+        model.eval()  # evaluation mode collects nothing, and expects nothing
+        model(x).pow(2).mean().backward()
+        pre.step()
+        with torch.no_grad():
+            model(x)
+        pre.step()  # no gradients at all
+    assert [ls.factor_updates for ls in pre.state.layers.values()] == [1, 1]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("order", ["compile_first", "pre_first"])
 @pytest.mark.parametrize("in_hook", [True, False], ids=["in_hook", "at_step"])
@@ -144,19 +186,24 @@ def test_compiled_model_preconditions_as_eager(order: str, in_hook: bool) -> Non
 
 @pytest.mark.slow
 @pytest.mark.parametrize("order", ["compile_first", "pre_first"])
-def test_steps_with_and_without_factor_updates_do_not_recompile(order: str) -> None:
-    counter = CompileCounter()
-    pre, forward = _setup(_gpt(), order, backend=counter)
-    _steps(pre, forward, _gpt_loss, range(2))
-    first = counter.frame_count
-    assert 0 < first <= 2 * len(pre.layers)  # the graphs between the hooks' breaks
+def test_compiled_code_is_shared_by_blocks_and_steps(order: str) -> None:
+    """No recompile storm: the blocks of a deep model run the graphs compiled for the
+    first one (the hooks put no guard on the preconditioner's state), and steps with and
+    without factor updates, in training and evaluation, compile nothing more."""
+    frames = {}
+    for depth in (2, 6):
+        counter = CompileCounter()
+        pre, forward = _setup(_gpt(depth), order, backend=counter)
+        _steps(pre, forward, _gpt_loss, range(2))
+        frames[depth] = counter.frame_count
+    assert 0 < frames[2] == frames[6]
     _steps(pre, forward, _gpt_loss, range(2, 8))  # factor updates on and off
-    assert counter.frame_count == first
+    assert counter.frame_count == frames[6]
     pre.model.eval()
     with torch.no_grad():
         forward(*_batch(0))
     evaluated = counter.frame_count
-    assert evaluated <= 2 * first  # the training flag is guarded: once more for eval
+    assert evaluated <= 2 * frames[6]  # the training flag is guarded: once more for eval
     pre.model.train()
     _steps(pre, forward, _gpt_loss, range(4))
     assert counter.frame_count == evaluated
