@@ -115,3 +115,13 @@ def test_optimizers_quick() -> None:
         assert f"{workload}: target = AdamW's final test loss" in proc.stdout, proc.stdout
     for name in ("sgd", "adamw", "muon", "kfac", "kfac-ekfac", "kfac-ekfac-adam"):
         assert any(line.split()[:1] == [name] for line in proc.stdout.splitlines()), name
+
+
+@pytest.mark.slow
+def test_compile_model_quick() -> None:
+    proc = _run_quick("compile_model.py")
+    rows = {" ".join(line.split()[:2]): line.split() for line in proc.stdout.splitlines()}
+    for name in ("eager sgd", "eager kfac", "compiled sgd", "compiled kfac"):
+        assert name in rows, proc.stdout
+    assert int(rows["compiled kfac"][-2]) > int(rows["compiled sgd"][-2]) >= 1  # graph breaks
+    assert "ratio compiled kfac / compiled sgd" in proc.stdout

@@ -83,6 +83,6 @@ def warn_uncollected(seen: set[str], collected: Iterable[str], step: int) -> lis
             "compiled before the preconditioner was built, a forward that bypasses "
             "Module.__call__, or hooks removed); their factors are not updated",
             MissingStatisticsWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of step()
         )
     return missing
