@@ -139,3 +139,12 @@ def test_tied_lm_quick(tmp_path: Path) -> None:
     # the skip variant leaves the shared weight to AdamW: fewer K-FAC parameters
     kfac = {r["variant"]: int(r["kfac_params"]) for r in rows}
     assert kfac["tied"] > kfac["skip"]
+
+
+def test_compile_model_quick() -> None:
+    proc = _run_quick("compile_model.py")
+    rows = {" ".join(line.split()[:2]): line.split() for line in proc.stdout.splitlines()}
+    for name in ("eager sgd", "eager kfac", "compiled sgd", "compiled kfac"):
+        assert name in rows, proc.stdout
+    assert int(rows["compiled kfac"][-2]) > int(rows["compiled sgd"][-2]) >= 1  # graph breaks
+    assert "ratio compiled kfac / compiled sgd" in proc.stdout

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kfac_func.adapter.compiled import uncompiled
 from kfac_func.core.output_hessian import OutputLoss, Reduction
 from kfac_func.distributed.dtensor import is_dtensor
 from kfac_func.state import KFACState
@@ -156,7 +157,7 @@ def check_adaptive(
     """
     if adaptive is None:
         return
-    if adaptive.model is not model:
+    if uncompiled(adaptive.model) is not model:
         raise ValueError("adaptive= must be an AdaptiveStepper of the same model")
     if kl_clip is not None:
         raise ValueError(

@@ -27,6 +27,7 @@ from kfac_func.adapter.arguments import (
     log_registered,
 )
 from kfac_func.adapter.checkpointing import StateDictMixin
+from kfac_func.adapter.compiled import uncompiled
 from kfac_func.adapter.inspection import InspectionMixin, check_factor_rows
 from kfac_func.adapter.recording import HookRecorder
 from kfac_func.adapter.sync_free import SyncFreeMixin
@@ -66,7 +67,9 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
 
     Args:
         model: the module (under DDP, its wrapper); its layers are registered with
-            :func:`kfac_func.register` (``print(pre.layers)``).
+            :func:`kfac_func.register` (``print(pre.layers)``). ``torch.compile(model)``
+            may be passed, or compiled later: the layers are those of the eager module,
+            with its names (see :mod:`kfac_func.adapter.compiled`).
         factor_update_steps: collect statistics on steps ``k % factor_update_steps == 0``.
         inv_update_steps: recompute the decompositions every this many steps.
         damping: Tikhonov damping λ >= 0 (with ``adaptive=``, the starting λ).
@@ -221,6 +224,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         kinds: KindMap | None = None,
         convention: str | None = None,
     ) -> None:
+        model = uncompiled(model)  # layers named as in the eager model
         self._set_sync_free(sync_free, compile)
         self.batched_eigh, self.eigh_device = batched_eigh, check_eigh_device(eigh_device)
         self.factor_rows = check_factor_rows(factor_rows, update_factors_in_hook)
@@ -251,22 +255,15 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         )
 
         # named as the model's state dict names them (no checkpoint_wrapper prefixes)
-        self.layers = unwrapped(
-            register(
-                model,
-                self.skip_layers,
-                max_factor_dim=max_factor_dim,
-                kfac_approx=kfac_approx,
-                kinds=kinds,
-            )
-        )
-        self.max_factor_dim = max_factor_dim
-        self.kfac_approx = kfac_approx
+        table = register(
+            model, self.skip_layers, max_factor_dim=max_factor_dim, kfac_approx=kfac_approx,
+            kinds=kinds,
+        )  # fmt: skip
+        self.layers = unwrapped(table)
+        self.max_factor_dim, self.kfac_approx = max_factor_dim, kfac_approx
         if grafting is not None:
             Grafting(grafting, graft_beta2, graft_eps).check()
-        self.grafting = grafting
-        self.graft_beta2 = graft_beta2
-        self.graft_eps = graft_eps
+        self.grafting, self.graft_beta2, self.graft_eps = grafting, graft_beta2, graft_eps
         if eigenbasis_moments:
             BasisMoments(moment_beta2, moment_eps, moment_beta1).check(
                 self.compute_method.name.lower()
@@ -413,6 +410,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         if self.adaptive is not None and missing:
             raise ValueError(f"adaptive steps need {missing} (see KFACPreconditioner.step)")
         self._settle()
+        self._check_collected()
         captures = self._take_captures() if self._ekfac and self._micro else None
         batch = self._batch_factors() if self._micro and captures is None else {}
         reducer, self._reducer = self._reducer, None

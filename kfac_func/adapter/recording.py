@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from kfac_func.adapter.arguments import ComputeMethod, PreconditionerBase
+from kfac_func.adapter.compiled import forget_compiled_code, opaque
+from kfac_func.adapter.coverage import warn_uncollected, watch_gradients
 from kfac_func.adapter.recompute import in_backward
 from kfac_func.blocks import LayerSpec, LayerTable, Rows, call_grams, thinned_gram
 from kfac_func.blocks.examples import BatchSizeError, CallExamples
@@ -85,15 +87,19 @@ class HookRecorder(PreconditionerBase):
 
     def _register_hooks(self) -> None:
         # the hooks hold the preconditioner weakly: a preconditioner that is dropped
-        # without remove() is still collected, and its hooks are detached then
+        # without remove() is still collected, and its hooks are detached then.
+        # Their bodies are opaque to torch.compile (see kfac_func.adapter.compiled).
         ref = weakref.ref(self)
+        self._grads_seen: set[str] = set()
 
+        @opaque
         def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             pre = ref()
             if pre is not None:
                 pre._start_micro_batch(module, args)
 
         def forward_hook(spec: LayerSpec) -> Callable[..., None]:
+            @opaque
             def hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
                 pre = ref()
                 if pre is not None:
@@ -101,24 +107,43 @@ class HookRecorder(PreconditionerBase):
 
             return hook
 
+        @opaque
+        def record(spec: LayerSpec, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+            pre = ref()
+            if pre is not None:
+                pre._on_forward(spec, (x,), out)
+            return out
+
         def site() -> Site | None:
             pre = ref()
-            if pre is None or not pre._collecting():
-                return None
+            return record if pre is not None and pre._collecting() else None
 
-            def record(spec: LayerSpec, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-                pre._on_forward(spec, (x,), out)
-                return out
-
-            return record
+        def grads_seen() -> set[str] | None:
+            pre = ref()
+            return pre._grads_seen if pre is not None and pre._watching() else None
 
         self._handles.append(self.model.register_forward_pre_hook(pre_hook))
         for module, specs in call_sites(self.model, self.layers).values():
             if specs[0].block.taps:
-                self._handles += tap_hooks(module, specs, site)
+                self._handles += tap_hooks(module, specs, site, wrap=opaque)
             else:
                 self._handles.append(module.register_forward_hook(forward_hook(specs[0])))
+        self._handles += watch_gradients(self.model, self.layers, grads_seen)
         weakref.finalize(self, remove_handles, self._handles)
+        forget_compiled_code()  # compiled without these hooks, it would bypass them
+
+    def _watching(self) -> bool:
+        """Whether gradients arriving now belong to a step that collects statistics (the
+        backward pass runs without grad mode: the forward's is not asked)."""
+        return self.model.training and self.steps % int(self._value(self.factor_update_steps)) == 0
+
+    def _check_collected(self) -> None:
+        """Warn naming the layers whose weights received gradients on this factor-update
+        step but got no statistics (see :mod:`kfac_func.adapter.coverage`)."""
+        seen, self._grads_seen = self._grads_seen, set()
+        if seen:
+            collected = {name for mb in self._micro for name in mb.g}
+            warn_uncollected(seen, collected, self.steps)
 
     def _turn(self) -> int:
         """The number of factor updates so far: the offset of the positions that
@@ -331,6 +356,7 @@ class HookRecorder(PreconditionerBase):
         self._handles = []
         self._micro = []
         self._rows = {}
+        self._grads_seen = set()
         if self._reducer is not None:
             for name, ls in self._state.layers.items():
                 if not self._reducer.offered(name):

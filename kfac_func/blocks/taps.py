@@ -53,11 +53,15 @@ class _Interrupted(RuntimeError):
 
 
 def tap_hooks(
-    module: nn.Module, specs: Sequence[LayerSpec], site: Callable[[], Site | None]
+    module: nn.Module,
+    specs: Sequence[LayerSpec],
+    site: Callable[[], Site | None],
+    wrap: Callable[[Any], Any] = lambda hook: hook,
 ) -> list[RemovableHandle]:
     """A forward pre-hook that enters ``specs[0].block.tap(module, specs, s)`` with
     ``s = site()`` (nothing when it returns None) and a forward hook, run even when the
-    forward raises, that leaves it.
+    forward raises, that leaves it. ``wrap`` is applied to both hooks (e.g. to keep them
+    out of ``torch.compile``'s tracing).
 
     Example:
         >>> import torch
@@ -92,6 +96,6 @@ def tap_hooks(
             ctx.__exit__(None, None, None)
 
     return [
-        module.register_forward_pre_hook(pre),
-        module.register_forward_hook(post, always_call=True),
+        module.register_forward_pre_hook(wrap(pre)),
+        module.register_forward_hook(wrap(post), always_call=True),
     ]
