@@ -101,12 +101,23 @@ class _Calls:
 
     def __init__(self, sites: Sites, probes: Mapping[str, list[torch.Tensor]] | None):
         names = _names(sites)
+        self.specs = {spec.name: spec for _, specs in sites.values() for spec in specs}
+        self.seen = CallExamples()
         self.probes = probes
         self.inputs: dict[str, list[torch.Tensor]] = {n: [] for n in names}
         self.outputs: dict[str, list[tuple[torch.Size, torch.dtype]]] = {n: [] for n in names}
 
     def record(self, name: str, x: Any, out: torch.Tensor) -> torch.Tensor:
-        """One call of layer ``name``: keep its input, add its probe to the output."""
+        """One call of layer ``name``: keep its input, add its probe to the output (a call
+        that serves every example from one input expanded to the batch first, as the
+        adapter's hooks do: :meth:`~kfac_func.blocks.LayerBlock.broadcast_call`)."""
+        spec = self.specs[name]
+        n = self.seen.known()
+        wide = spec.block.broadcast_call(spec, x, out, n) if n else None
+        if wide is not None:
+            x, out = wide
+        if isinstance(x, torch.Tensor):
+            self.seen.add(spec, x)
         k = len(self.outputs[name])
         self.outputs[name].append((out.shape, out.dtype))
         if self.probes is None:

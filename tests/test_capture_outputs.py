@@ -62,9 +62,9 @@ def test_gpt2_with_its_cache_grads_equal_autograd_and_captures_the_adapter() -> 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         pre = kf.KFACPreconditioner(model, factor_dtype=F64, inv_dtype=F64, factor_decay=0.5)
-    assert list(pre.layers) == list(layers) and len(layers) == 14
+    assert list(pre.layers) == list(layers) and len(layers) == 15  # the tied head included
     model.zero_grad()
-    model(x, labels=x).loss.backward()  # the preconditioner reads the batch size from args
+    model(input_ids=x, labels=x).loss.backward()  # called by keyword, as users do
     pre.step()
     pre.remove()
     state = kf.init(layers, convention="kfac-pytorch", factor_dtype=F64, inv_dtype=F64)

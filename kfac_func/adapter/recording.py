@@ -98,21 +98,19 @@ class HookRecorder(PreconditionerBase):
             if pre is not None:
                 pre._start_micro_batch(module, args)
 
-        def forward_hook(spec: LayerSpec) -> Callable[..., None]:
+        def forward_hook(spec: LayerSpec) -> Callable[..., Any]:
             @opaque
-            def hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+            def hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
                 pre = ref()
-                if pre is not None:
-                    pre._on_forward(spec, args, out)
+                new = out if pre is None else pre._on_forward(spec, args, out)
+                return None if new is out else new
 
             return hook
 
         @opaque
         def record(spec: LayerSpec, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
             pre = ref()
-            if pre is not None:
-                pre._on_forward(spec, (x,), out)
-            return out
+            return out if pre is None else pre._on_forward(spec, (x,), out)
 
         def site() -> Site | None:
             pre = ref()
@@ -215,10 +213,13 @@ class HookRecorder(PreconditionerBase):
             and torch.is_grad_enabled()
         )
 
-    def _on_forward(self, spec: LayerSpec, args: tuple[Any, ...], out: Any) -> None:
+    def _on_forward(self, spec: LayerSpec, args: tuple[Any, ...], out: Any) -> Any:
+        """Record one call of ``spec``; returns its output, expanded to the batch for a
+        call that serves every example from one input (see
+        :meth:`~kfac_func.blocks.LayerBlock.broadcast_call`)."""
         collect, keep = self._collecting(), self._keeps_rows(spec)
         if not (collect or keep):
-            return
+            return out
         # tensor parallelism hands the hook a DTensor: its shards are gathered (over the
         # mesh it came on, which also gathers a column-parallel output-gradient)
         x, mesh = whole_input(args[0].detach())
@@ -230,6 +231,10 @@ class HookRecorder(PreconditionerBase):
             if not self._micro:
                 self._micro.append(_MicroBatch())
             micro = self._micro[-1]
+            n = micro.examples.known()
+            wide = spec.block.broadcast_call(spec, x, out, n) if n else None
+            if wide is not None:
+                x, out = wide
             if not late:
                 self._count_call(spec, micro, x)
         pair: list[torch.Tensor | None] | None = None
@@ -243,6 +248,7 @@ class HookRecorder(PreconditionerBase):
             joint_input = x if micro is not None and self._paired(spec) else None
             hook = self._grad_hook(spec, micro, pair, joint_input, mesh, x if late else None)
             out.register_hook(hook)  # type: ignore[no-untyped-call]
+        return out
 
     def _count_call(self, spec: LayerSpec, micro: _MicroBatch, x: torch.Tensor) -> None:
         """One call of ``spec`` on the input ``x`` in ``micro``: its examples, and its input

@@ -217,6 +217,16 @@ class LayerBlock(ABC):
         (only if :attr:`joint`)."""
         raise NotImplementedError(f"layer kind {self.kind!r} has separate statistics")
 
+    def broadcast_call(
+        self, spec: LayerSpec, x: torch.Tensor, out: Any, batch_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(input, output)`` expanded to ``batch_size`` examples for a call whose one input
+        serves every example of the batch (learned positions), so that its output-gradient
+        arrives per example; None (the default): the call is an ordinary one. The
+        recording hooks replace the module's output by the expanded one, which holds the
+        same values wherever it is broadcast against the batch."""
+        return None
+
     def example_rows(
         self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:

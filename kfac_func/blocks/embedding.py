@@ -101,6 +101,33 @@ class EmbeddingBlock(LayerBlock):
             return 1
         return int(x.shape[0]) if x.dim() >= 2 else None
 
+    def broadcast_call(
+        self, spec: LayerSpec, x: torch.Tensor, out: Any, batch_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Positions shared by the batch: ids ``(1, T)`` (Hugging Face's ``position_ids``)
+        or ``(T,)`` with ``T != batch_size`` (nanoGPT's ``wpe(arange(T))``), whose output
+        the model broadcasts against ``(N, T, d)``, are expanded to ``(N, T)`` and the
+        output to ``(N, T, d)``: each example's output-gradient then reaches the factors
+        on its own (``G`` averages over examples as every layer's does, and factors
+        averaged over ranks equal one process's), instead of the batch's sum.
+
+        Example:
+            >>> import torch
+            >>> from kfac_func.blocks import register
+            >>> spec = register(torch.nn.Embedding(8, 3))[""]
+            >>> ids, out = torch.arange(5)[None], torch.ones(1, 5, 3)
+            >>> x, out = spec.block.broadcast_call(spec, ids, out, 4)
+            >>> tuple(x.shape), tuple(out.shape)
+            ((4, 5), (4, 5, 3))
+        """
+        if batch_size <= 1 or not isinstance(out, torch.Tensor):
+            return None
+        if x.dim() >= 2 and x.shape[0] == 1 and out.dim() == x.dim() + 1 and out.shape[0] == 1:
+            return x.expand(batch_size, *x.shape[1:]), out.expand(batch_size, *out.shape[1:])
+        if x.dim() == 1 and x.shape[0] != batch_size and out.dim() == 2:
+            return x.expand(batch_size, -1), out.expand(batch_size, -1, -1)
+        return None
+
     def a_gram(self, spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype) -> Gram:
         """Token counts ``(V,)``: the diagonal of ``Σ onehot onehotᵀ``."""
         if x.is_floating_point() or x.is_complex():

@@ -72,6 +72,12 @@ class CallExamples:
         n = spec.block.examples(spec, x)
         self.said.setdefault(spec.name, {}).setdefault(n, tuple(x.shape))
 
+    def known(self) -> int | None:
+        """The number of examples the calls so far agree on, if one above 1 (else None:
+        nothing to expand a broadcast call to, see :meth:`LayerBlock.broadcast_call`)."""
+        many = {n for ns in self.said.values() for n in ns if n is not None and n != 1}
+        return many.pop() if len(many) == 1 else None
+
     def __bool__(self) -> bool:
         return bool(self.said)
 
