@@ -148,3 +148,20 @@ def test_compile_model_quick() -> None:
         assert name in rows, proc.stdout
     assert int(rows["compiled kfac"][-2]) > int(rows["compiled sgd"][-2]) >= 1  # graph breaks
     assert "ratio compiled kfac / compiled sgd" in proc.stdout
+
+
+def test_real_models_coverage_table(tmp_path: Path) -> None:
+    """The coverage table of the fixture models: every parameter preconditioned."""
+    pytest.importorskip("transformers")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "real_models.py"), "--out", str(tmp_path / "c")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = list(csv.DictReader((tmp_path / "c.csv").open()))
+    assert {r["model"] for r in rows} >= {"gpt2", "llama", "llama-tied", "bert", "nanogpt"}
+    for r in rows:
+        assert r["params_preconditioned"] == r["params"] and not r["skipped"], r
