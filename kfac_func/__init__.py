@@ -15,10 +15,12 @@ Example:
 """
 
 from kfac_func.adapter.adaptive import AdaptiveStepper
+from kfac_func.adapter.coverage import MissingStatisticsWarning
 from kfac_func.adapter.optimizer import KFAC
 from kfac_func.adapter.preconditioner import ComputeMethod, KFACPreconditioner
 from kfac_func.adapter.scheduler import LambdaParamScheduler
 from kfac_func.blocks import LayerSpec, LayerTable, grads_to_matrix, matrix_to_grads, register
+from kfac_func.blocks.examples import BatchSizeError
 from kfac_func.captures import Captures, LayerCapture, capture
 from kfac_func.checkpoint.errors import (
     CheckpointError,
@@ -80,6 +82,7 @@ __all__ = [
     "AdaptiveStepper",
     "AllreduceMethod",
     "AssignmentStrategy",
+    "BatchSizeError",
     "Captures",
     "CheckpointError",
     "CheckpointFormatError",
@@ -103,6 +106,7 @@ __all__ = [
     "LayerSpec",
     "LayerState",
     "LayerTable",
+    "MissingStatisticsWarning",
     "NonFiniteError",
     "ParallelKFACPreconditioner",
     "ParallelPlan",
