@@ -110,13 +110,15 @@ def variant(args: argparse.Namespace, compiled: bool, kfac: bool) -> tuple[Calla
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--depth", type=int, default=4, help="transformer blocks")
+    parser.add_argument("--width", type=int, default=64, help="model width")
+    parser.add_argument("--seq", type=int, default=32, help="tokens per sequence")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per batch")
+    parser.add_argument("--vocab", type=int, default=256, help="vocabulary size")
     parser.add_argument("--intervals", default="10/50", help="F/I: factor and inverse steps")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--reps", type=int, default=3, help="timed repetitions (each step's time is their median)"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny model, two repetitions")
     args = parser.parse_args()
     if args.quick:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac_func import AdaptiveStepper, KFACPreconditioner
+from kfac_func.adapter.checkpoint_settings import SETTINGS_KEY
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
@@ -172,8 +173,12 @@ def test_a_state_dict_without_the_moments_warns() -> None:
     model, pre = moments_setup(moments=False)
     plain_run(model, pre, data[:SAVE_AT])
     _, other = moments_setup()
+    with pytest.raises(ValueError, match="eigenbasis_moments=False in the state_dict"):
+        other.load_state_dict(pre.state_dict())  # the settings say so first
+    old = pre.state_dict()
+    del old[SETTINGS_KEY]  # a checkpoint from before the settings were saved
     with pytest.warns(RuntimeWarning, match=r"basis_moment of layers \['0', '2'\].*restart"):
-        other.load_state_dict(pre.state_dict())
+        other.load_state_dict(old)
     _, fresh = moments_setup()
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a fresh state dict: nothing to keep
