@@ -19,7 +19,8 @@ script for one process:
     python examples/fsdp_train.py --steps 20
 
 Rank 0 prints the K-FAC plan, the training loss (averaged over the data-parallel ranks)
-every ``--log-every`` steps and the K-FAC memory and bytes sent per rank at the end.
+every ``--log-every`` steps and the K-FAC memory and bytes sent per rank at the end, and
+writes the logged losses to ``OUT.csv`` and ``OUT.png`` (``--out``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch.distributed as dist
 import kfac_func as kf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import save_curves
 from transformer_lm import CharData, CharTransformer, lm_loss
 
 STRATEGIES = {
@@ -68,7 +70,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--log-every", type=int, default=20, help="print the loss every N steps (default 20)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
+    p.add_argument("--out", default="fsdp_train", help="prefix of the CSV and PNG written")
     return p.parse_args(argv)
+
+
+class ShardedLM(CharTransformer):
+    """The LM example's model returning logits that are no view of another tensor: FSDP2
+    warns about a root module's output view (an in-place op on it would skip its backward
+    hook), and the head's output on ``(B, T, d)`` inputs is one."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return super().forward(idx).clone()
 
 
 def init_process_group() -> tuple[int, int, torch.device]:
@@ -116,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     rank, world, device = init_process_group()
     torch.manual_seed(args.seed)
     data = CharData()
-    model = CharTransformer(data.vocab, args.context, args.d_model, args.layers, args.heads)
+    model = ShardedLM(data.vocab, args.context, args.d_model, args.layers, args.heads)
     model = model.to(device)
     dp_rank = shard(model, world, args.tp, device)
     pre = kf.KFACPreconditioner(
@@ -134,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         print(pre.plan, flush=True)
     gen = torch.Generator().manual_seed(args.seed + 1000 * dp_rank)
     t0 = time.perf_counter()
+    rows: list[dict[str, float]] = []
     for step in range(1, args.steps + 1):
         x, y = data.batch(args.batch_size, args.context, gen)
         x, y = x.to(device), y.to(device)
@@ -145,12 +158,10 @@ def main(argv: list[str] | None = None) -> None:
         if step % args.log_every == 0 or step == args.steps:
             avg = loss.detach().clone()
             dist.all_reduce(avg)
+            seconds = time.perf_counter() - t0
+            rows.append({"epoch": step, "train_loss": float(avg) / world, "seconds": seconds})
             if rank == 0:
-                print(
-                    f"step {step:5d}  loss {float(avg) / world:.4f}  "
-                    f"{time.perf_counter() - t0:.1f} s",
-                    flush=True,
-                )
+                print(f"step {step:5d}  loss {float(avg) / world:.4f}  {seconds:.1f} s", flush=True)
     memory = pre.memory_usage()
     sent = pre.comm.sum_bytes() / args.steps
     if rank == 0:
@@ -159,6 +170,12 @@ def main(argv: list[str] | None = None) -> None:
             f"sent per step and rank: {sent:.0f} bytes",
             flush=True,
         )
+    if rank == 0:
+        label = f"kfac {args.strategy}" + (f" tp{args.tp}" if args.tp > 1 else "")
+        csv_path, png_path = save_curves(
+            {label: rows}, args.out, title=f"FSDP2 on {world} ranks (x axis: step)"
+        )
+        print(f"wrote {csv_path} and {png_path}", flush=True)
     pre.remove()
     dist.destroy_process_group()
 

@@ -42,3 +42,7 @@ def test_fsdp_example_runs_under_torchrun(tmp_path: Path) -> None:
     losses = [float(v) for v in re.findall(r"loss (\S+)", out)]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
     assert "K-FAC memory on rank 0" in out
+    assert "returned a view tensor" not in proc.stderr  # FSDP2's warning about the output
+    rows = (tmp_path / "fsdp_train.csv").read_text().splitlines()
+    assert rows[0].startswith("optimizer,epoch") and len(rows) == 3
+    assert (tmp_path / "fsdp_train.png").stat().st_size > 0
