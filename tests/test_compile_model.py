@@ -275,3 +275,31 @@ def test_compiled_gpt2_preconditions_as_eager() -> None:
         eager = _train(gpt2(), "eager", loss_of)
         compiled = _train(gpt2(), "compile_first", loss_of)
     _assert_same(eager, compiled)
+
+
+class _Attention(nn.Module):
+    """``nn.MultiheadAttention`` (whose projections are observed inside its forward) and a
+    head: its forward runs eagerly inside the compiled model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(32, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 32)
+
+    def forward(self, idx: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        logits = self.head(self.attn(x, x, x, need_weights=False)[0])
+        return nn.functional.cross_entropy(logits.reshape(-1, 32), y.reshape(-1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["compile_first", "pre_first"])
+def test_compiled_attention_preconditions_as_eager(order: str) -> None:
+    eager = _train(_Attention(), "eager", _gpt_loss)
+    compiled = _train(_Attention(), order, _gpt_loss)
+    assert {"attn.q_proj", "attn.out_proj"} <= set(compiled[0].layers)
+    _assert_same(eager, compiled)
+    compiled[0].remove()
+    assert "forward" not in vars(compiled[0].model.attn)  # its own forward back

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["forget_compiled_code", "opaque", "uncompiled"]
+__all__ = ["eager_forward", "forget_compiled_code", "opaque", "uncompiled"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -97,3 +97,37 @@ def forget_compiled_code() -> bool:
     reset = getattr(torch._dynamo, "reset_code_caches", None)
     (reset or torch._dynamo.reset)()
     return True
+
+
+class _EagerForward:
+    """The handle of :func:`eager_forward`: ``remove()`` gives the module its own forward
+    back."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module: nn.Module | None = module
+
+    def remove(self) -> None:
+        if self.module is not None and "forward" in vars(self.module):
+            del self.module.forward
+        self.module = None
+
+
+def eager_forward(module: nn.Module) -> _EagerForward:
+    """Make ``module``'s forward run eagerly inside a compiled model (a graph break around
+    it), for modules whose layers are observed inside their forward by patching the
+    functional ops they call (attention projections: see
+    :meth:`kfac_func.blocks.LayerBlock.tap`), which code compiled once would not see again.
+    Returns a handle whose ``remove()`` undoes it.
+
+    Example:
+        >>> import torch
+        >>> attn = torch.nn.MultiheadAttention(4, 1)
+        >>> handle = eager_forward(attn)
+        >>> "forward" in vars(attn)
+        True
+        >>> handle.remove()
+        >>> "forward" in vars(attn)
+        False
+    """
+    module.forward = torch.compiler.disable(module.forward, recursive=True)  # type: ignore[method-assign, no-untyped-call]
+    return _EagerForward(module)

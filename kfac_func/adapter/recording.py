@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from kfac_func.adapter.arguments import ComputeMethod, PreconditionerBase
-from kfac_func.adapter.compiled import forget_compiled_code, opaque
+from kfac_func.adapter.compiled import eager_forward, forget_compiled_code, opaque
 from kfac_func.adapter.coverage import warn_uncollected, watch_gradients
 from kfac_func.adapter.recompute import in_backward
 from kfac_func.blocks import LayerSpec, LayerTable, Rows, call_grams, thinned_gram
@@ -124,6 +124,7 @@ class HookRecorder(PreconditionerBase):
         for module, specs in call_sites(self.model, self.layers).values():
             if specs[0].block.taps:
                 self._handles += tap_hooks(module, specs, site, wrap=opaque)
+                self._handles.append(eager_forward(module))
             else:
                 self._handles.append(module.register_forward_hook(forward_hook(specs[0])))
         self._handles += watch_gradients(self.model, self.layers, grads_seen)
