@@ -13,18 +13,25 @@ folder is then on ``sys.path`` and ``import common`` finds this module.
 - :func:`format_table`: per-epoch rows as an aligned text table.
 - :func:`save_curves`: per-epoch rows of several optimizers to a long-format CSV and a PNG
   with one subplot per metric.
+- :func:`provenance` / :func:`save_provenance`: the command, commit and machine of a run,
+  written as a JSON file beside its CSV.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import gzip
+import json
 import math
+import os
+import platform
+import subprocess
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -316,3 +323,72 @@ def save_curves(
     fig.savefig(png_path, dpi=120)
     plt.close(fig)
     return csv_path, png_path
+
+
+# --------------------------------------------------------------------------- provenance
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository root (the folder above ``examples/``)."""
+
+
+def _git(*args: str) -> str:
+    """Output of ``git -C ROOT *args`` ("" where git or the repository is missing)."""
+    try:
+        done = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+    except OSError:
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def provenance(script: str, argv: Sequence[str], **extra: Any) -> dict[str, Any]:
+    """The command, commit and machine of a run, for the JSON written beside its CSV.
+
+    ``commit`` is ``git rev-parse HEAD``; ``uncommitted_changes`` says whether tracked files
+    differed from it (the committed results under ``examples/results`` that a run rewrites
+    do not count). ``threads`` is torch's intra-op thread count when this is called.
+    """
+    dirty = _git(
+        "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)examples/results"
+    )
+    world = os.environ.get("WORLD_SIZE")  # set by torchrun
+    launcher = ["torchrun", "--nproc-per-node", world] if world else ["python"]
+    return {
+        "command": " ".join([*launcher, f"examples/{Path(script).name}", *argv]),
+        "commit": _git("rev-parse", "HEAD"),
+        "uncommitted_changes": bool(dirty),
+        "cpu": cpu_model(),
+        "threads": torch.get_num_threads(),
+        # other processes on the machine: seconds compare only within one run
+        "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **extra,
+    }
+
+
+def save_provenance(csv_path: str | Path, script: str, argv: Sequence[str], **extra: Any) -> Path:
+    """Write :func:`provenance` as ``csv_path`` with the suffix ``.json``; returns that path.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     path = save_provenance(Path(d) / "run.csv", "demo.py", ["--epochs", "1"])
+        ...     info = json.loads(path.read_text())
+        >>> path.name, info["command"]
+        ('run.json', 'python examples/demo.py --epochs 1')
+    """
+    path = Path(csv_path).with_suffix(".json")
+    path.write_text(json.dumps(provenance(script, argv, **extra), indent=2) + "\n")
+    return path

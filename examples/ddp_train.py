@@ -49,7 +49,15 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from kfac_func import KFACPreconditioner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import HelpFormatter, ImageData, format_table, load_images, progress, save_curves
+from common import (
+    HelpFormatter,
+    ImageData,
+    format_table,
+    load_images,
+    progress,
+    save_curves,
+    save_provenance,
+)
 
 OPTIMIZERS = ("sgd", "kfac")
 STRATEGIES = ("comm-opt", "mem-opt", "hybrid-opt")
@@ -285,7 +293,8 @@ def main(argv: list[str] | None = None) -> None:
         print("\nfinal epoch\n" + format_table(table, columns))
         title = f"digits, DDP on {world_size} rank(s)"
         csv_path, png_path = save_curves(results, args.out, title=title)
-        print(f"wrote {csv_path} and {png_path}")
+        json_path = save_provenance(csv_path, __file__, sys.argv[1:] if argv is None else argv)
+        print(f"wrote {csv_path}, {png_path} and {json_path}")
     if world_size > 1:
         dist.destroy_process_group()
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import kfac_func as kf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save_curves
+from common import save_curves, save_provenance
 from transformer_lm import CharData, CharTransformer, lm_loss
 
 STRATEGIES = {
@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
         csv_path, png_path = save_curves(
             {label: rows}, args.out, title=f"FSDP2 on {world} ranks (x axis: step)"
         )
-        print(f"wrote {csv_path} and {png_path}", flush=True)
+        json_path = save_provenance(csv_path, __file__, sys.argv[1:] if argv is None else argv)
+        print(f"wrote {csv_path}, {png_path} and {json_path}", flush=True)
     pre.remove()
     dist.destroy_process_group()
 

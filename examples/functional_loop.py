@@ -12,11 +12,12 @@ epoch in one table and writes them to ``OUT.csv`` and ``OUT.png`` (``--out``).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
-from common import HelpFormatter, format_table, progress, save_curves
+from common import HelpFormatter, format_table, progress, save_curves, save_provenance
 from torch import nn
 
 import kfac_func as kf
@@ -105,7 +106,8 @@ def main() -> None:
     ]
     print(format_table(table))
     csv_path, png_path = save_curves(results, args.out, title="functional loop: SGD vs K-FAC")
-    print(f"wrote {csv_path} and {png_path}")
+    json_path = save_provenance(csv_path, __file__, sys.argv[1:])
+    print(f"wrote {csv_path}, {png_path} and {json_path}")
 
 
 if __name__ == "__main__":

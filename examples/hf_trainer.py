@@ -32,11 +32,8 @@ machine.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import platform
-import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -50,7 +47,7 @@ import torch
 import kfac_func as kf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import format_table, save_curves
+from common import format_table, save_curves, save_provenance
 
 OPTIMIZERS = ("adamw", "kfac")
 MODULES = ("calendar", "difflib", "fractions", "heapq", "shlex", "textwrap")
@@ -226,52 +223,11 @@ def train(
 # --------------------------------------------------------------------------- output
 
 
-def provenance(argv: list[str]) -> dict[str, Any]:
-    """The command, commit and machine of this run (for the JSON beside the CSV)."""
+def run_details() -> dict[str, Any]:
+    """What the JSON beside the CSV records besides :func:`common.provenance`."""
     import transformers
 
-    root = Path(__file__).resolve().parents[1]
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-        dirty = bool(
-            subprocess.run(
-                # changes to tracked files, but the committed results this run rewrites
-                [
-                    "git",
-                    "-C",
-                    str(root),
-                    "status",
-                    "--porcelain",
-                    "--untracked-files=no",
-                    "--",
-                    ".",
-                    ":(exclude)examples/results",
-                ],
-                capture_output=True,
-                text=True,
-            ).stdout.strip()
-        )
-    except OSError:
-        commit, dirty = "", False
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
-        "command": " ".join(["python", "examples/hf_trainer.py", *argv]),
-        "commit": commit + ("+uncommitted changes" if dirty else ""),
-        "cpu": cpu,
-        "threads": torch.get_num_threads(),
-        # other processes on the machine: the seconds compare only within one run
-        "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
         "transformers": transformers.__version__,
         "text": f"stdlib sources {', '.join(MODULES)} of Python {platform.python_version()}",
     }
@@ -344,8 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     csv_path, png_path = save_curves(
         results, args.out, title="GPT-2 on stdlib sources, Hugging Face Trainer (cpu)"
     )
-    json_path = csv_path.with_suffix(".json")
-    json_path.write_text(json.dumps(provenance(argv), indent=2) + "\n")
+    json_path = save_provenance(csv_path, __file__, argv, **run_details())
     print(f"wrote {csv_path}, {png_path} and {json_path}")
 
 

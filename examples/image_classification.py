@@ -63,6 +63,7 @@ from common import (
     minibatches,
     progress,
     save_curves,
+    save_provenance,
 )
 
 import kfac_func as kf
@@ -355,7 +356,8 @@ def main(argv: list[str] | None = None) -> None:
     csv_path, png_path = save_curves(
         results, args.out, title=f"SmallCNN on {args.dataset} ({len(data.y_train)} images)"
     )
-    print(f"wrote {csv_path} and {png_path}")
+    json_path = save_provenance(csv_path, __file__, sys.argv[1:] if argv is None else argv)
+    print(f"wrote {csv_path}, {png_path} and {json_path}")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from common import (
     minibatches,
     progress,
     save_curves,
+    save_provenance,
 )
 from image_classification import (
     DEFAULT_LR,
@@ -254,7 +255,8 @@ def main(argv: list[str] | None = None) -> None:
         args.out,
         title=f"functional K-FAC on {args.dataset} ({len(data.y_train)} images)",
     )
-    print(f"wrote {csv_path} and {png_path}")
+    json_path = save_provenance(csv_path, __file__, sys.argv[1:] if argv is None else argv)
+    print(f"wrote {csv_path}, {png_path} and {json_path}")
     if not args.no_check:
         diff = compare_with_adapter(
             data, steps=args.check_steps, lr=args.lr, seed=args.seed, settings=settings

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 
 import torch
-from common import HelpFormatter, progress, save_curves
+from common import HelpFormatter, progress, save_curves, save_provenance
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -175,7 +176,8 @@ def main() -> None:
         print(f"{epoch:<5d}  {total / count:<8.4f}  {accuracy:<8.4f}  {kl_clip:.3g}", flush=True)
 
     csv_path, png_path = save_curves({"SGD + K-FAC": history}, args.out, title="kfac-pytorch loop")
-    print(f"wrote {csv_path} and {png_path}")
+    json_path = save_provenance(csv_path, __file__, sys.argv[1:])
+    print(f"wrote {csv_path}, {png_path} and {json_path}")
 
 
 if __name__ == "__main__":

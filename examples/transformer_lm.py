@@ -46,7 +46,7 @@ from torch import nn
 import kfac_func as kf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import HelpFormatter, format_table, progress, save_curves
+from common import HelpFormatter, format_table, progress, save_curves, save_provenance
 
 OPTIMIZERS = ("sgd", "adam", "kfac", "kfac-moments")
 KFAC_DEFAULTS = {
@@ -497,7 +497,8 @@ def main(argv: list[str] | None = None) -> None:
     csv_path, png_path = save_curves(
         results, args.out, title=f"character-level transformer on pydoc topics ({device})"
     )
-    print(f"wrote {csv_path} and {png_path}")
+    json_path = save_provenance(csv_path, __file__, sys.argv[1:] if argv is None else argv)
+    print(f"wrote {csv_path}, {png_path} and {json_path}")
 
 
 if __name__ == "__main__":
