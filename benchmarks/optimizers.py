@@ -42,7 +42,9 @@ over seeds), the steps and seconds at which it first reaches AdamW's mean final 
 seconds per step relative to AdamW. The test loss is evaluated every ``--eval-every`` steps
 (evaluation time excluded from the seconds). Outputs (``--out`` prefix, default
 ``benchmarks/out/optimizers``, a folder git ignores): ``.csv`` (one row per evaluation of
-every run) and ``.png`` (test loss against seconds, best learning rates, seed 0). The
+every run), ``_summary.csv`` (the table's numbers, one row per workload and optimizer;
+``--replot`` writes it from a saved ``.csv``) and ``.png`` (test loss against seconds, best
+learning rates, seed 0). The
 committed results in ``benchmarks/results/`` are refreshed only when asked for by name:
 ``--out benchmarks/results/optimizers``.
 """
@@ -324,31 +326,65 @@ def _fmt(v: float) -> str:
     return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
 
 
-def table(workload: str, results: dict[str, dict[str, Any]]) -> str:
-    """One line per optimizer; targets are AdamW's final test loss on the same seed."""
+def summary(workload: str, results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per optimizer (the numbers of :func:`table`, unrounded); the targets are
+    AdamW's final test loss on the same seed."""
     adam = results["adamw"]
     targets = [r[-1]["test_loss"] for r in adam["runs"]]
     adam_steps, adam_secs = zip(*(first_reach(r, t) for r, t in zip(adam["runs"], targets)))
     adam_per = statistics.mean(r[-1]["seconds"] / r[-1]["step"] for r in adam["runs"])
-    lines = [
-        f"{workload}: target = AdamW's final test loss on the same seed "
-        f"(mean {statistics.mean(targets):.4f})",
-        f"{'optimizer':>16} {'lr':>7} {'final (mean)':>12} {'range':>15} "
-        f"{'steps to':>9} {'secs to':>8} {'steps/AdamW':>11} {'secs/AdamW':>10} {'s/step':>7}",
-    ]
+    rows = []
     for name, res in results.items():
         finals = [r[-1]["test_loss"] for r in res["runs"]]
         reach = [first_reach(r, t) for r, t in zip(res["runs"], targets)]
         steps = statistics.mean(s for s, _ in reach)
         secs = statistics.mean(t for _, t in reach)
         per = statistics.mean(r[-1]["seconds"] / max(1, r[-1]["step"]) for r in res["runs"])
+        rows.append(
+            {
+                "workload": workload,
+                "optimizer": name,
+                "lr": res["lr"],
+                "seeds": len(finals),
+                "target_mean": statistics.mean(targets),
+                "final_mean": statistics.mean(finals),
+                "final_min": min(finals),
+                "final_max": max(finals),
+                "steps_to_target": steps,
+                "seconds_to_target": secs,
+                "steps_over_adamw": steps / statistics.mean(adam_steps),
+                "seconds_over_adamw": secs / statistics.mean(adam_secs),
+                "seconds_per_step_over_adamw": per / adam_per,
+            }
+        )
+    return rows
+
+
+def table(workload: str, results: dict[str, dict[str, Any]]) -> str:
+    """One line per optimizer; targets are AdamW's final test loss on the same seed."""
+    rows = summary(workload, results)
+    lines = [
+        f"{workload}: target = AdamW's final test loss on the same seed "
+        f"(mean {rows[0]['target_mean']:.4f})",
+        f"{'optimizer':>16} {'lr':>7} {'final (mean)':>12} {'range':>15} "
+        f"{'steps to':>9} {'secs to':>8} {'steps/AdamW':>11} {'secs/AdamW':>10} {'s/step':>7}",
+    ]
+    for r in rows:
         lines.append(
-            f"{name:>16} {res['lr']:>7.3g} {statistics.mean(finals):>12.4f} "
-            f"{min(finals):>7.4f}-{max(finals):<7.4f} {_fmt(steps):>9} {_fmt(secs):>8} "
-            f"{_fmt(steps / statistics.mean(adam_steps)):>11} "
-            f"{_fmt(secs / statistics.mean(adam_secs)):>10} {per / adam_per:>7.2f}"
+            f"{r['optimizer']:>16} {r['lr']:>7.3g} {r['final_mean']:>12.4f} "
+            f"{r['final_min']:>7.4f}-{r['final_max']:<7.4f} {_fmt(r['steps_to_target']):>9} "
+            f"{_fmt(r['seconds_to_target']):>8} {_fmt(r['steps_over_adamw']):>11} "
+            f"{_fmt(r['seconds_over_adamw']):>10} {r['seconds_per_step_over_adamw']:>7.2f}"
         )
     return "\n".join(lines)
+
+
+def write_summary(path: Path, rows: list[dict[str, Any]]) -> None:
+    """The rows of :func:`summary` of every workload as a CSV (the numbers the docs quote)."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def plot(path: Path, workload: str, results: dict[str, dict[str, Any]]) -> None:
@@ -419,8 +455,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def replot(path: str, out: str) -> None:
-    """The tables and plots of a saved ``.csv`` (the best learning rate is the one run on
-    every seed; with one seed, the lowest final test loss)."""
+    """The tables, plots and summary CSV (``OUT_summary.csv``) of a saved ``.csv`` (the best
+    learning rate is the one run on every seed; with one seed, the lowest final test
+    loss)."""
+    summaries: list[dict[str, Any]] = []
     runs: dict[tuple[str, str, float, int], list[dict[str, float]]] = {}
     with open(path) as f:
         for row in csv.DictReader(f):
@@ -443,6 +481,8 @@ def replot(path: str, out: str) -> None:
             results[name] = {"lr": best, "runs": [mine[(workload, name, best, s)] for s in seeds]}
         print(table(workload, results))
         plot(Path(f"{out}_{workload}.png"), workload, results)
+        summaries += summary(workload, results)
+    write_summary(Path(f"{out}_summary.csv"), summaries)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -459,6 +499,7 @@ def main(argv: list[str] | None = None) -> None:
         args.optimizers = [o for o in args.optimizers if o not in ("soap", "kron")]
     print(f"torch {torch.__version__} | {cpu_model()} | threads {args.threads}")
     rows_out: list[dict[str, Any]] = []
+    summaries: list[dict[str, Any]] = []
     for wname in args.workloads:
         w = WORKLOADS[wname](args.quick)
         results: dict[str, dict[str, Any]] = {}
@@ -481,12 +522,14 @@ def main(argv: list[str] | None = None) -> None:
                 ]
         print(table(wname, results))
         plot(Path(f"{args.out}_{wname}.png"), wname, results)
+        summaries += summary(wname, results)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(f"{args.out}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows_out[0]))
         writer.writeheader()
         writer.writerows(rows_out)
-    print(f"wrote {args.out}.csv and {args.out}_<workload>.png")
+    write_summary(Path(f"{args.out}_summary.csv"), summaries)
+    print(f"wrote {args.out}.csv, {args.out}_summary.csv and {args.out}_<workload>.png")
 
 
 def _final(rows: list[dict[str, float]]) -> float:
