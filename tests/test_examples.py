@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import gzip
 import importlib.util
+import json
 import math
 import re
 import subprocess
@@ -52,7 +53,8 @@ def test_functional_loop_runs(tmp_path: Path) -> None:
     rows = [line.split() for line in lines[start + 1 : start + 3]]
     assert [r[0] for r in rows] == ["1", "2"]
     assert all(float(v) > 0 for r in rows for v in r[1:])
-    assert lines[-1] == f"wrote {tmp_path / 'functional.csv'} and {tmp_path / 'functional.png'}"
+    prefix = tmp_path / "functional"
+    assert lines[-1] == f"wrote {prefix}.csv, {prefix}.png and {prefix}.json"
     with open(tmp_path / "functional.csv", newline="") as f:
         curves = list(csv.DictReader(f))
     assert [(r["optimizer"], r["epoch"]) for r in curves] == [
@@ -91,7 +93,7 @@ def test_kfac_pytorch_loop_runs_and_resumes(tmp_path: Path) -> None:
         lines = proc.stdout.splitlines()
         start = lines.index("epoch  loss      accuracy  kl_clip")
         prefix = checkpoint.with_suffix("")
-        assert lines[-1] == f"wrote {prefix}.csv and {prefix}.png"
+        assert lines[-1] == f"wrote {prefix}.csv, {prefix}.png and {prefix}.json"
         return [line.split() for line in lines[start + 1 : -1]]
 
     straight = run(3, tmp_path / "straight.pt")
@@ -163,6 +165,18 @@ def test_image_classification_runs(tmp_path: Path) -> None:
     for opt in ("sgd", "adam", "kfac"):
         first, second = (float(r["train_loss"]) for r in rows if r["optimizer"] == opt)
         assert second < first, opt
+    # the JSON beside the CSV: the command, the checkout's commit and the machine
+    meta = json.loads(out.with_suffix(".json").read_text())
+    assert meta["command"] == (
+        f"python examples/image_classification.py --epochs 2 --samples 192 --out {out}"
+    )
+    head = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    assert meta["commit"] == head
+    assert isinstance(meta["uncommitted_changes"], bool)
+    assert meta["threads"] == 1 and meta["torch"] == torch.__version__
+    assert {"cpu", "python", "date"} <= set(meta)
 
 
 @pytest.mark.slow
