@@ -351,22 +351,32 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def provenance(script: str, argv: Sequence[str], **extra: Any) -> dict[str, Any]:
-    """The command, commit and machine of a run, for the JSON written beside its CSV.
-
-    ``commit`` is ``git rev-parse HEAD``; ``uncommitted_changes`` says whether tracked files
-    differed from it (the committed results under ``examples/results`` that a run rewrites
-    do not count). ``threads`` is torch's intra-op thread count when this is called.
-    """
+def checkout() -> tuple[str, bool]:
+    """``(git rev-parse HEAD, whether tracked files differ from it)`` of the repository (the
+    committed results under ``examples/results`` that a run rewrites do not count)."""
     dirty = _git(
         "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)examples/results"
     )
+    return _git("rev-parse", "HEAD"), bool(dirty)
+
+
+_CHECKOUT = checkout()  # when the example starts (a commit made during a long run is not it)
+
+
+def provenance(script: str, argv: Sequence[str], **extra: Any) -> dict[str, Any]:
+    """The command, commit and machine of a run, for the JSON written beside its CSV.
+
+    ``commit`` and ``uncommitted_changes`` are :func:`checkout` when this module was
+    imported (the start of the run). ``threads`` is torch's intra-op thread count when this
+    is called.
+    """
+    commit, dirty = _CHECKOUT
     world = os.environ.get("WORLD_SIZE")  # set by torchrun
     launcher = ["torchrun", "--nproc-per-node", world] if world else ["python"]
     return {
         "command": " ".join([*launcher, f"examples/{Path(script).name}", *argv]),
-        "commit": _git("rev-parse", "HEAD"),
-        "uncommitted_changes": bool(dirty),
+        "commit": commit,
+        "uncommitted_changes": dirty,
         "cpu": cpu_model(),
         "threads": torch.get_num_threads(),
         # other processes on the machine: seconds compare only within one run
