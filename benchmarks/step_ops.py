@@ -90,6 +90,7 @@ KINDS = {  # kind -> (update factors, update decompositions)
     "factors+decomp": (True, True),
 }
 VARIANTS = ("eigen", "eigen compiled", "moments", "moments compiled")
+SYNC = "aten._local_scalar_dense"  # the operation behind .item(), float(), bool() of a tensor
 INTERVAL = 5  # factors and decompositions every 5 steps: 1 factors+decomp, 4 precondition
 
 
@@ -123,7 +124,12 @@ class Part:
 
     seconds: list[float] = field(default_factory=list)
     ops: int | None = None
-    top_ops: dict[str, int] = field(default_factory=dict)
+    by_op: dict[str, int] = field(default_factory=dict)  # every operation run, by name
+
+    @property
+    def syncs(self) -> int:
+        """Host synchronisations: the scalars read from tensors (``.item()``, ``bool()``)."""
+        return self.by_op.get(SYNC, 0)
 
 
 class Stepper:
@@ -288,8 +294,7 @@ def measure_depth(
         for k in kinds_of(n):
             c = (OpCounter(), OpCounter())
             counter_of.step(k, c)
-            fb, st = Part(ops=c[0].total), Part(ops=c[1].total)
-            st.top_ops = dict(sorted(c[1].ops.items(), key=lambda kv: -kv[1])[:8])
+            fb, st = (Part(ops=x.total, by_op=dict(sorted(x.ops.items()))) for x in c)
             parts[n, k] = (fb, st)
     log(f"  depth {depth}: operations counted")
 
@@ -315,116 +320,73 @@ def median_ms(seconds: list[float]) -> float | None:
     return 1e3 * statistics.median(seconds) if seconds else None
 
 
+Term = tuple[float, str, str, int]  # (weight, optimizer, step kind, 0: forward+backward / 1: step)
+
+
 def build_rows(per_depth: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One dict per row: name, part, and per depth its ops and ms."""
+    """One dict per row: its name, part, and per depth its operations, host
+    synchronisations and milliseconds (weighted sums of the parts it is made of), with
+    the growth from the shallowest to the deepest model and the ratio to AdamW."""
     depths = list(per_depth)
-    rows: list[dict[str, Any]] = []
-
-    def add(
-        name: str,
-        part: str,
-        ops: dict[int, float | None],
-        ms: dict[int, float | None],
-        **extra: Any,
-    ) -> None:
-        rows.append({"name": name, "part": part, "ops": ops, "ms": ms, **extra})
-
-    def get(d: int, n: str, k: str, i: int) -> Part:
-        return per_depth[d]["parts"][n, k][i]
-
-    label = {
-        "step": "",
-        "precondition": ": precondition",
-        "factors": ": factors",
-        "factors+decomp": ": factors+decomp",
-    }
-    add(
-        "forward+backward",
-        "forward+backward",
-        {d: get(d, "adamw", "step", 0).ops for d in depths},
-        {d: median_ms(get(d, "adamw", "step", 0).seconds) for d in depths},
-    )
+    specs: list[tuple[str, str, list[Term]]] = [
+        ("forward+backward", "forward+backward", [(1.0, "adamw", "step", 0)])
+    ]
     for v in VARIANTS:
-        if "compiled" in v:
-            continue  # the model is not compiled: its hooks are the eager variant's
-        for k in ("precondition", "factors"):
-            add(
-                f"forward+backward, K-FAC {v} hooks"
-                + (" recording" if k == "factors" else " idle"),
-                "forward+backward",
-                {d: get(d, v, k, 0).ops for d in depths},
-                {d: median_ms(get(d, v, k, 0).seconds) for d in depths},
-            )
-    add(
-        "AdamW step (foreach)",
-        "step",
-        {d: get(d, "adamw", "step", 1).ops for d in depths},
-        {d: median_ms(get(d, "adamw", "step", 1).seconds) for d in depths},
-    )
-    add(
-        "Muon step (+AdamW on the rest)",
-        "step",
-        {d: get(d, "muon", "step", 1).ops for d in depths},
-        {d: median_ms(get(d, "muon", "step", 1).seconds) for d in depths},
-    )
-    for n, title in (("adamw", "AdamW"), ("muon", "Muon")):
-        add(
-            f"{title}: whole step",
-            "whole step",
-            {d: sum(get(d, n, "step", i).ops or 0 for i in (0, 1)) for d in depths},
-            {d: sum(median_ms(get(d, n, "step", i).seconds) or 0 for i in (0, 1)) for d in depths},
-        )
-    for v in VARIANTS:
-        timed = all(get(d, v, k, 1).seconds for d in depths for k in KINDS)
-        for k in KINDS:
-            p = {d: get(d, v, k, 1) for d in depths}
-            add(
-                f"K-FAC {v}{label[k]}",
-                "step",
-                {d: p[d].ops for d in depths},
-                {d: median_ms(p[d].seconds) if timed else None for d in depths},
-                top_ops={d: p[d].top_ops for d in depths},
-            )
-        # amortized over the 5/5 schedule: step alone and whole step (with forward+backward)
-        w = {"factors+decomp": 1 / INTERVAL, "precondition": (INTERVAL - 1) / INTERVAL}
-        for part, idx in (("step", (1,)), ("whole step", (0, 1))):
-            ops: dict[int, float | None] = {}
-            ms: dict[int, float | None] = {}
-            for d in depths:
-                ops[d] = sum(wk * sum(get(d, v, k, i).ops or 0 for i in idx) for k, wk in w.items())
-                ms[d] = (
-                    sum(
-                        wk * sum(median_ms(get(d, v, k, i).seconds) or 0 for i in idx)
-                        for k, wk in w.items()
+        if "compiled" not in v:  # the model is not compiled: its hooks are the eager variant's
+            for k, state in (("precondition", "idle"), ("factors", "recording")):
+                specs.append(
+                    (
+                        f"forward+backward, K-FAC {v} hooks {state}",
+                        "forward+backward",
+                        [(1.0, v, k, 0)],
                     )
-                    if timed
-                    else None
                 )
-            add(
-                f"K-FAC {v}: amortized 5/5" + (" (whole step)" if part != "step" else ""),
-                part,
-                ops,
-                ms,
+    specs.append(("AdamW step (foreach)", "step", [(1.0, "adamw", "step", 1)]))
+    specs.append(("Muon step (+AdamW on the rest)", "step", [(1.0, "muon", "step", 1)]))
+    specs.append(("AdamW: whole step", "whole step", [(1.0, "adamw", "step", i) for i in (0, 1)]))
+    specs.append(("Muon: whole step", "whole step", [(1.0, "muon", "step", i) for i in (0, 1)]))
+    # the 5/5 schedule: 1 step in 5 updates the factors and decompositions, 4 precondition
+    cycle = {"factors+decomp": 1 / INTERVAL, "precondition": (INTERVAL - 1) / INTERVAL}
+    for v in VARIANTS:
+        for k in KINDS:
+            specs.append((f"K-FAC {v}: {k}", "step", [(1.0, v, k, 1)]))
+        specs.append(
+            (f"K-FAC {v}: amortized 5/5", "step", [(w, v, k, 1) for k, w in cycle.items()])
+        )
+        specs.append(
+            (
+                f"K-FAC {v}: amortized 5/5 (whole step)",
+                "whole step",
+                [(w, v, k, i) for k, w in cycle.items() for i in (0, 1)],
             )
-    # growth and ratios to AdamW (its step, or its whole step)
+        )
+    rows: list[dict[str, Any]] = []
+    for name, part, terms in specs:
+        row: dict[str, Any] = {"name": name, "part": part, "ops": {}, "syncs": {}, "ms": {}}
+        for d in depths:
+            got = [(w, per_depth[d]["parts"][n, k][i]) for w, n, k, i in terms]
+            row["ops"][d] = sum(w * (p.ops or 0) for w, p in got)
+            row["syncs"][d] = sum(w * p.syncs for w, p in got)
+            timed = all(p.seconds for _, p in got)
+            row["ms"][d] = sum(w * (median_ms(p.seconds) or 0) for w, p in got) if timed else None
+            if len(got) == 1:
+                row.setdefault("ops_by_name", {})[d] = got[0][1].by_op
+        rows.append(row)
     lo, hi = depths[0], depths[-1]
     ref = {
-        part: next(r for r in rows if r["name"] == name)
-        for part, name in (
-            ("step", "AdamW step (foreach)"),
-            ("whole step", "AdamW: whole step"),
-            ("forward+backward", "forward+backward"),
-        )
+        "step": rows[[r["name"] for r in rows].index("AdamW step (foreach)")],
+        "whole step": rows[[r["name"] for r in rows].index("AdamW: whole step")],
+        "forward+backward": rows[0],
     }
     for r in rows:
         r["ops_growth"] = _ratio(r["ops"][hi], r["ops"][lo])
         r["ms_growth"] = _ratio(r["ms"][hi], r["ms"][lo])
-        r["ms_vs_adamw"] = {d: _ratio(r["ms"][d], ref[r["part"]]["ms"][d]) for d in depths}
-        r["vs"] = {
-            "step": "AdamW step",
-            "whole step": "AdamW whole step",
-            "forward+backward": "plain forward+backward",
+        r["ms_vs"] = {
+            "step": "the AdamW step",
+            "whole step": "AdamW's whole step",
+            "forward+backward": "the plain forward+backward",
         }[r["part"]]
+        r["ms_vs_adamw"] = {d: _ratio(r["ms"][d], ref[r["part"]]["ms"][d]) for d in depths}
     return rows
 
 
@@ -454,6 +416,7 @@ def print_rows(rows: list[dict[str, Any]], depths: list[int]) -> None:
                     r["name"],
                     *(_fmt(r["ops"][d], ".0f") + star for d in depths),
                     _fmt(r["ops_growth"], ".2f"),
+                    *(_fmt(r["syncs"][d], ".0f") + star for d in depths),
                     *(_fmt(r["ms"][d], ".2f") for d in depths),
                     _fmt(r["ms_growth"], ".2f"),
                     *(_fmt(r["ms_vs_adamw"][d], ".2f") for d in depths),
@@ -464,6 +427,7 @@ def print_rows(rows: list[dict[str, Any]], depths: list[int]) -> None:
                 "row",
                 *(f"ops {d}" for d in depths),
                 f"ops x{hi}/{lo}",
+                *(f"syncs {d}" for d in depths),
                 *(f"ms {d}" for d in depths),
                 f"ms x{hi}/{lo}",
                 *(f"ratio {d}" for d in depths),
@@ -595,7 +559,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print_rows(rows, depths)
     print(
-        "\n* compiled rows: operations of the eager sync_free path (what the compiled graph "
+        "\nops: aten operations per call; syncs: of them, scalars read on the host "
+        f"({SYNC}); ms: median CPU milliseconds\n"
+        "* compiled rows: operations of the eager sync_free path (what the compiled graph "
         "replaces); times compiled (precondition-only steps; the others run eagerly)"
     )
     for d in depths:
