@@ -30,7 +30,10 @@ Each step is split in two timed parts: ``zero_grad`` + forward + cross-entropy +
   0.9, factor decay 0.95, KL clip 3e-5) and ``moments`` (its ``kfac-moments``:
   ``eigenbasis_moments=True``, β₁ 0.9, β₂ 0.95, factor decay 0.8, no KL clip, SGD without
   momentum), each eager and with ``sync_free=True, compile=True`` (the adapter compiles
-  the steps that only precondition; factor and decomposition steps run eagerly). Factors
+  the steps that only precondition; factor and decomposition steps run eagerly). The
+  preconditioner's ``lr`` (the KL clip's scale) is the SGD's, a constant here. A variant
+  that fails to compile is recorded with its error (``compile`` in the JSON) and left
+  untimed; its operations are still counted. Factors
   and decompositions are updated every 5 steps; three kinds of step are timed: steps that
   only precondition, steps that also update the factors (the hooks record statistics in
   that step's forward+backward), and steps that update the factors and recompute the
@@ -44,14 +47,19 @@ operation dispatched to it while the part runs (what runs, kernels and views ali
 after autograd and the composite decompositions; a ``foreach`` op counts once). The
 compiled rows' counts are those of the eager ``sync_free=True`` path (a separate copy, for
 counting only): what the compiled graph replaces. The counts are taken after the
-warm-up, one step of each kind.
+warm-up, one step of each kind; the JSON keeps them by name. "syncs" are the scalars read
+on the host among them (``aten._local_scalar_dense``: ``.item()``, ``float()``, ``bool()``
+of a tensor), each a device synchronisation on a GPU.
 
 CPU time: ``torch.set_num_threads(--threads)`` (1); after a warm-up (which compiles the
 compiled variants: the recompile once the step counters change is part of it), each of
 ``--reps`` repetitions runs one step of every optimizer and of every K-FAC kind in turn,
 the order reversed every other repetition, so machine noise hits them alike; the tables
 give medians. Growth is the ratio of the deepest model's number to the shallowest's;
-"/ AdamW" is a row's time over AdamW's step (or whole step) at the same depth. No time is
+"ratio" is a row's time over AdamW's step (for the whole training step: over AdamW's
+whole step; for forward+backward: over the plain forward+backward) at the same depth.
+The compile times printed are warm-up wall times: inductor's on-disk cache shortens
+them when the same graphs were compiled before on the machine. No time is
 asserted anywhere; only ratios from one run compare (the CPU is printed).
 """
 
@@ -261,7 +269,10 @@ def measure_depth(
     # warm-up: step 0 (first factors and decompositions), then each kind in an order in
     # which the step counters change between the first two precondition-only steps, so
     # that a compiled variant's recompile happens here (see the module docstring)
-    for n, s in [*steppers.items(), *counting.items()]:
+    warm = [(n, s, False) for n, s in steppers.items()]
+    warm += [(n, s, True) for n, s in counting.items()]
+    for n, s, count_only in warm:
+        what = f"{n} (eager sync_free copy, for counting)" if count_only else n
         start, graphs = time.perf_counter(), graphs_compiled()
         order = ["step"] if s.pre is None else ["factors+decomp"]
         order += (
@@ -273,20 +284,25 @@ def measure_depth(
             for k in order:
                 s.step(k)
         except Exception as e:  # a variant the adapter cannot compile: recorded, not timed
-            if n not in steppers or s.pre is None or not s.pre.compile:
+            if count_only or s.pre is None or not s.pre.compile:
                 raise
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            out["compile"][n] = {"error": f"{type(e).__name__}: {first}"}
+            text = str(e).strip()
+            where = [line.strip() for line in text.splitlines() if line.strip().startswith("File")]
+            out["compile"][n] = {
+                "error": f"{type(e).__name__}: {text.splitlines()[0] if text else ''}",
+                "where": where[-1] if where else None,
+                "message": text,
+            }
             del steppers[n]
             names.remove(n)
             log(f"  depth {depth}: {n} failed to compile: {out['compile'][n]['error']}")
             continue
-        if n in steppers and "compiled" in n:
+        if not count_only and "compiled" in n:
             out["compile"][n] = {
                 "warmup_s": time.perf_counter() - start,
                 "graphs": graphs_compiled() - graphs,
             }
-        log(f"  depth {depth}: {n} warmed up ({time.perf_counter() - start:.1f} s)")
+        log(f"  depth {depth}: {what} warmed up ({time.perf_counter() - start:.1f} s)")
 
     # operation counts: one step of each kind
     for n in ["adamw", "muon", *VARIANTS]:
@@ -567,10 +583,13 @@ def main(argv: list[str] | None = None) -> int:
     for d in depths:
         for n, c in per_depth[d]["compile"].items():
             if "error" in c:
-                print(f"compile at {d} blocks, {n}: FAILED ({c['error']}); not timed")
+                print(
+                    f"compile at {d} blocks, {n}: FAILED ({c['error']}, at {c['where']}); not timed"
+                )
                 continue
             print(
                 f"compile at {d} blocks, {n}: warm-up {c['warmup_s']:.1f} s, {c['graphs']} graph(s)"
+                " (compiling; inductor's on-disk cache shortens a rerun)"
             )
         if per_depth[d]["recompiles_while_timed"]:
             print(
