@@ -31,9 +31,14 @@ Each step is split in two timed parts: ``zero_grad`` + forward + cross-entropy +
   ``eigenbasis_moments=True``, β₁ 0.9, β₂ 0.95, factor decay 0.8, no KL clip, SGD without
   momentum), each eager and with ``sync_free=True, compile=True`` (the adapter compiles
   the steps that only precondition; factor and decomposition steps run eagerly). The
-  preconditioner's ``lr`` (the KL clip's scale) is the SGD's, a constant here. A variant
-  that fails to compile is recorded with its error (``compile`` in the JSON) and left
-  untimed; its operations are still counted. Factors
+  preconditioner's ``lr`` (only the KL clip's scale) is the eigen SGD's 0.3 in both
+  settings (the moments have no clip): the compiled variants share the code Dynamo
+  compiles for ``kfac_func.update``, and a float argument that differs from one call to
+  the next (another preconditioner's ``lr``, or a schedule's) is recompiled as a symbolic
+  float, on which ``check_hyper``'s ``math.isnan`` cannot be traced (torch 2.13:
+  ``Unsupported: torch.* op returned non-Tensor``). A variant that fails to compile is
+  recorded with its error (``compile`` in the JSON) and left untimed; its operations are
+  still counted. Factors
   and decompositions are updated every 5 steps; three kinds of step are timed: steps that
   only precondition, steps that also update the factors (the hooks record statistics in
   that step's forward+backward), and steps that update the factors and recompute the
@@ -189,7 +194,9 @@ class Stepper:
             damping=1e-3,
             factor_decay=decay,
             kl_clip=None if moments else 3e-5,
-            lr=lr,  # the SGD's (constant here): kl_clip's scale
+            # the KL clip's scale: the eigen SGD's (constant here) in both settings, as the
+            # moments have no clip; see the module docstring for why it must not differ
+            lr=lm.KFAC_DEFAULTS["kfac"][0],
             scaling="fisher",
             compute_method="eigen",
             eigenbasis_moments=moments,
