@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import shutil
 import subprocess
 import sys
@@ -165,3 +166,46 @@ def test_real_models_coverage_table(tmp_path: Path) -> None:
     assert {r["model"] for r in rows} >= {"gpt2", "llama", "llama-tied", "bert", "nanogpt"}
     for r in rows:
         assert r["params_preconditioned"] == r["params"] and not r["skipped"], r
+
+
+@pytest.mark.slow
+def test_step_ops_quick(tmp_path: Path) -> None:
+    """The step-ops benchmark's JSON has every row, positive operation counts at every
+    depth, and times for every row that is timed without compilation."""
+    out = tmp_path / "step_ops.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "step_ops.py"), "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    depths = [str(d) for d in result["depths"]]
+    assert len(depths) == 2 and result["commit"] and result["machine"]["threads"] == 1
+    assert result["layers"][depths[1]] > result["layers"][depths[0]] > 0
+    rows = {r["name"]: r for r in result["rows"]}
+    expected = ["forward+backward", "AdamW step (foreach)", "Muon step (+AdamW on the rest)"]
+    for v in ("eigen", "moments"):
+        expected += [f"forward+backward, K-FAC {v} hooks {s}" for s in ("idle", "recording")]
+        for suffix in ("", " compiled"):
+            expected += [
+                f"K-FAC {v}{suffix}: {k}"
+                for k in ("precondition", "factors", "factors+decomp", "amortized 5/5")
+            ]
+            expected.append(f"K-FAC {v}{suffix}: amortized 5/5 (whole step)")
+    assert sorted(rows) == sorted([*expected, "AdamW: whole step", "Muon: whole step"])
+    for name, r in rows.items():
+        assert all(r["ops"][d] > 0 for d in depths), name
+        assert r["ops"][depths[1]] > r["ops"][depths[0]], name  # deeper: more operations
+        if "compiled" in name:  # --quick does not compile
+            assert all(r["ms"][d] is None for d in depths), name
+        else:
+            assert all(r["ms"][d] > 0 for d in depths), name
+            assert r["ms_growth"] > 0 and r["ms_vs_adamw"][depths[0]] > 0, name
+    # a step that also updates the factors runs more operations than one that does not
+    for v in ("eigen", "moments"):
+        ops = {k: rows[f"K-FAC {v}: {k}"]["ops"][depths[0]] for k in ("precondition", "factors")}
+        assert ops["factors"] > ops["precondition"], v
+    assert "AdamW step (foreach)" in proc.stdout and "registered K-FAC layers" in proc.stdout
