@@ -102,3 +102,30 @@ def test_adapter_compile_equals_eager() -> None:
         runs.append(grads)
     for eager, compiled in zip(*runs):
         _close(compiled, eager)
+
+
+@pytest.mark.slow
+def test_adapter_compile_follows_hyperparameter_schedules() -> None:
+    """A learning rate and a damping that change every step: the compiled precondition-only
+    steps are handed the values of their step (a changed value is symbolic in the compiled
+    graph, where the checks on the host cannot run) and equal eager ones."""
+
+    def run(compile: bool) -> list[list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        pre = kf.KFACPreconditioner(
+            model, compile=compile, sync_free=True, lr=lambda k: 0.1 / (k + 1),
+            damping=lambda k: 0.01 * (1 + k), factor_update_steps=3, inv_update_steps=3,
+        )  # fmt: skip
+        out = []
+        for i in range(7):
+            model.zero_grad()
+            x = torch.randn(16, 4, generator=torch.Generator().manual_seed(i))
+            model(x).pow(2).mean().backward()
+            pre.step()
+            out.append([p.grad.clone() for p in model.parameters()])
+        return out
+
+    for eager, compiled in zip(run(False), run(True)):
+        for e, c in zip(eager, compiled):
+            torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kfac_func.state import KFACState
+from kfac_func.step.hyper import check_step_hyper
 from kfac_func.step.sync_free import report_skipped
 from kfac_func.step.update import update
 
@@ -64,7 +65,14 @@ class SyncFreeMixin:
             return update
         if self._compiled is None:
             self._compiled = torch.compile(update, fullgraph=True)
-        return self._compiled
+        compiled = self._compiled
+
+        def step(state: KFACState, grads: Any, **kwargs: Any) -> Any:
+            # schedules resolved and values checked eagerly: a value that changes between
+            # calls is symbolic in the compiled step, which checks nothing then
+            return compiled(state, grads, **check_step_hyper(int(state.step), kwargs))
+
+        return step
 
     def report_skipped(self) -> dict[str, int]:
         """Warn about the layers whose gradients were skipped (non-finite) since the last
