@@ -410,13 +410,8 @@ def load_example(name: str) -> ModuleType:
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
+    """The CPU's model name, as the examples' results record it (``examples/common.py``)."""
+    return str(load_example("common").cpu_model()) or "unknown"
 
 
 def print_table(headers: list[str], rows: list[list[str]]) -> None:
