@@ -66,17 +66,20 @@ class CallExamples:
     """
 
     said: dict[str, dict[int | None, tuple[int, ...]]] = field(default_factory=dict)
+    many: set[int] = field(default_factory=set)
+    """The counts above 1 said so far (kept as calls are added: asked on every call)."""
 
     def add(self, spec: LayerSpec, x: torch.Tensor) -> None:
         """Record one call of ``spec`` on the input ``x``."""
         n = spec.block.examples(spec, x)
         self.said.setdefault(spec.name, {}).setdefault(n, tuple(x.shape))
+        if n is not None and n != 1:
+            self.many.add(n)
 
     def known(self) -> int | None:
         """The number of examples the calls so far agree on, if one above 1 (else None:
         nothing to expand a broadcast call to, see :meth:`LayerBlock.broadcast_call`)."""
-        many = {n for ns in self.said.values() for n in ns if n is not None and n != 1}
-        return many.pop() if len(many) == 1 else None
+        return next(iter(self.many)) if len(self.many) == 1 else None
 
     def __bool__(self) -> bool:
         return bool(self.said)
