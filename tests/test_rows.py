@@ -19,7 +19,7 @@ from kfac_func.core.factors import rows_reproduce
 
 DT = torch.float64
 # the module that calls precondition_rows
-kf_precondition = importlib.import_module("kfac_func.step.precondition")
+kf_precondition = importlib.import_module("kfac_func.step.layer_step")
 
 
 def _wide(bias: bool = True, calls: int = 1) -> tuple[nn.Module, Any, Any, kf.Captures]:

@@ -473,10 +473,13 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
                 rows=rows,
                 **self._rule_kwargs(),
             )
+        changed = [(g, new_grads[k]) for k, g in grads.items() if new_grads[k] is not g]
         with torch.no_grad():
-            for pname, g in grads.items():
-                if new_grads[pname] is not g:
-                    g.copy_(new_grads[pname])
+            if changed and all(type(g) is torch.Tensor for g, _ in changed):  # one op for all
+                torch._foreach_copy_([g for g, _ in changed], [n for _, n in changed])
+            else:  # DTensors (FSDP2) have no foreach copy
+                for g, n in changed:
+                    g.copy_(n)
         if check:
             self._damping_checked = self._warn_if_damping_dominates(float(self._value(damping)))
         if self.adaptive is not None:

@@ -36,6 +36,7 @@ from kfac_func.distributed.kaisa import offer_factors, start_factor_reduction
 from kfac_func.distributed.plan import Plan
 from kfac_func.distributed.reducer import OrderedReducer
 from kfac_func.step.accumulate import MicroBatchStats, factors_from_stats
+from kfac_func.step.checks import rows_cheaper_count
 
 __all__ = ["HookRecorder", "remove_handles"]
 
@@ -209,6 +210,7 @@ class HookRecorder(PreconditionerBase):
             spec.block.has_rows
             and not any(spec.diagonal)
             and not self.eigenbasis_moments  # which needs the gradient in the eigenbasis
+            and not getattr(self, "sync_free", False)  # which decides nothing on the host
             and self.comm.world_size == 1
             and self.model.training
             and torch.is_grad_enabled()
@@ -219,6 +221,10 @@ class HookRecorder(PreconditionerBase):
         call that serves every example from one input (see
         :meth:`~kfac_func.blocks.LayerBlock.broadcast_call`)."""
         collect, keep = self._collecting(), self._keeps_rows(spec)
+        if keep and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:
+            # rows that would not make the preconditioning cheaper are not kept: a call
+            # adds rows, so one call's too many are too many for the step
+            keep = rows_cheaper_count(spec, args[0].numel() // max(args[0].shape[-1], 1))
         if not (collect or keep):
             return out
         # tensor parallelism hands the hook a DTensor: its shards are gathered (over the

@@ -26,6 +26,7 @@ from kfac_func.core.decomposition import (
 __all__ = [
     "kl_clip_scale",
     "kl_clip_scale_of_terms",
+    "kl_clip_scale_of_vector",
     "kl_clip_term",
     "precondition",
     "precondition_rows",
@@ -163,7 +164,21 @@ def kl_clip_scale_of_terms(
     """
     if not terms:
         return torch.tensor(1.0)
-    vg = torch.stack(list(terms)).sum() * (lr * lr)
+    return kl_clip_scale_of_vector(torch.stack(list(terms)), kl_clip, lr, dtype=dtype)
+
+
+def kl_clip_scale_of_vector(
+    terms: torch.Tensor, kl_clip: float, lr: float, *, dtype: torch.dtype
+) -> torch.Tensor:
+    """:func:`kl_clip_scale_of_terms` of the terms held in one vector, summed in its
+    order (the same number as the list of its entries gives).
+
+    Example:
+        >>> kl_clip_scale_of_vector(torch.tensor([1.0, 3.0]), kl_clip=1.0, lr=1.0,
+        ...                         dtype=torch.float32)
+        tensor(0.5000)
+    """
+    vg = terms.sum() * (lr * lr)
     return torch.clamp(torch.sqrt(kl_clip / vg.abs()), max=1.0).to(dtype)
 
 

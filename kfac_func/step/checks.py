@@ -26,6 +26,7 @@ __all__ = [
     "layer_grads",
     "layer_matrix",
     "rows_cheaper",
+    "rows_cheaper_count",
     "validate_grads",
 ]
 
@@ -54,9 +55,23 @@ class LayerCheck(NamedTuple):
 def rows_cheaper(spec: LayerSpec, rows: Rows | None) -> bool:
     """Whether a layer's rows make preconditioning cheaper than its matrix:
     ``n(d_out² + d_in² + d_out·d_in) < d_out·d_in(d_out + d_in)`` for ``n`` rows."""
-    if not rows or not spec.block.has_rows or any(spec.diagonal):
+    if not rows:
         return False
-    n = sum(a.shape[0] for a, _ in rows)
+    return rows_cheaper_count(spec, sum(a.shape[0] for a, _ in rows))
+
+
+def rows_cheaper_count(spec: LayerSpec, n: int) -> bool:
+    """:func:`rows_cheaper` for ``n`` rows in all.
+
+    Example:
+        >>> from torch import nn
+        >>> from kfac_func.blocks import register
+        >>> spec = register(nn.Linear(256, 256, bias=False))[""]
+        >>> rows_cheaper_count(spec, 64), rows_cheaper_count(spec, 512)
+        (True, False)
+    """
+    if not spec.block.has_rows or any(spec.diagonal):
+        return False
     o, i = spec.g_dim, spec.a_dim
     return n * (o * o + i * i + o * i) < o * i * (o + i)
 

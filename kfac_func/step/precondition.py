@@ -9,26 +9,20 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
 
 import torch
 
 from kfac_func.blocks import LayerSpec, Rows, matrix_to_grads
 from kfac_func.captures import Captures
 from kfac_func.core.decomposition import EigenDecomposition, InverseDecomposition
-from kfac_func.core.factors import rows_reproduce
-from kfac_func.core.grafting import GRAFTING, graft_moment, graft_scale
-from kfac_func.core.preconditioning import (
-    kl_clip_scale_of_terms,
-    kl_clip_term,
-    precondition,
-    precondition_rows,
-)
+from kfac_func.core.preconditioning import kl_clip_scale_of_terms, kl_clip_term
 from kfac_func.state import KFACState, LayerState
 from kfac_func.step.autocast import without_autocast
-from kfac_func.step.basis import BasisMoments, precondition_in_basis
-from kfac_func.step.checks import check_layers, layer_matrix, rows_cheaper, validate_grads
+from kfac_func.step.basis import BasisMoments
+from kfac_func.step.checks import check_layers, layer_matrix, validate_grads
+from kfac_func.step.grouped import precondition_layers_grouped
 from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, resolve, take
+from kfac_func.step.layer_step import Grafting, graft, precondition_layer, precondition_with
 from kfac_func.step.sync_free import apply_selected, count_skips, keep_where, layer_finite
 
 __all__ = [
@@ -58,6 +52,7 @@ def precondition_grads(
     grafting: Grafting | None = None,
     basis_moments: BasisMoments | None = None,
     sync_free: bool = False,
+    grouped: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Precondition the gradients of every decomposed layer; others pass unchanged.
 
@@ -90,6 +85,10 @@ def precondition_grads(
     result equals the default's without rows. Traceable by
     ``torch.compile(fullgraph=True)``.
 
+    ``grouped`` (the default) preconditions the layers of one shape together, as stacked
+    tensors (:mod:`kfac_func.step.grouped`); ``grouped=False`` one layer at a time. The
+    results are the same to rounding.
+
     Returns:
         A new dict with the keys of ``grads``.
 
@@ -110,6 +109,20 @@ def precondition_grads(
         basis_moments.check(state.config.compute_method)
     elif damping is not None:
         layers = _damped_by(layers, lam)
+    if grouped:
+        return precondition_layers_grouped(
+            layers,
+            grads,
+            lam,
+            kl_clip=kl_clip,
+            lr=lr,
+            step=state.step,
+            nonfinite=nonfinite,
+            sync_free=sync_free,
+            rows=None if sync_free else rows,
+            grafting=grafting,
+            basis_moments=basis_moments,
+        )
     if sync_free:
         validate_grads(layers, grads)
         return precondition_layers_sync_free(
@@ -161,70 +174,6 @@ def _damped_by(layers: Mapping[str, LayerState], damping: float) -> Mapping[str,
             stacklevel=3,
         )
     return out
-
-
-class Grafting(NamedTuple):
-    """Grafting settings (see :mod:`kfac_func.core.grafting`): ``mode`` ``"sgd"`` or
-    ``"adam"``, and Adam's ``beta2`` and ``eps``."""
-
-    mode: str
-    beta2: float = 0.999
-    eps: float = 1e-8
-
-    def check(self) -> Grafting:
-        """This, validated (a ValueError names the bad setting)."""
-        if self.mode not in GRAFTING:
-            raise ValueError(f"grafting must be one of {GRAFTING} or None, got {self.mode!r}")
-        check_hyper("graft_beta2", self.beta2, lambda v: 0 <= v < 1, "in [0, 1)")
-        check_hyper("graft_eps", self.eps, lambda v: v >= 0, ">= 0")
-        return self
-
-
-def graft(
-    ls: LayerState,
-    p: torch.Tensor,
-    m: torch.Tensor,
-    grafting: Grafting,
-    step: int,
-    changes: dict[str, dict[str, object]] | None,
-) -> None:
-    """Rescale ``p`` (the caller's own temporary, in place) to the grafted step's norm;
-    Adam's new running moment of the layer goes into ``changes[layer]``."""
-    moment = None
-    if grafting.mode == "adam":
-        dtype = ls.a_factor.dtype
-        moment = graft_moment(ls.graft_moment, m.to(dtype), grafting.beta2)
-        if changes is not None:
-            changes.setdefault(ls.spec.name, {})["graft_moment"] = moment
-    scale = graft_scale(
-        p, m, grafting.mode, moment=moment, step=step + 1, beta2=grafting.beta2, eps=grafting.eps
-    )
-    p.mul_(scale.to(p.dtype))
-
-
-def precondition_with(
-    ls: LayerState,
-    m: torch.Tensor,
-    damping: float,
-    rows: Rows | None,
-    *,
-    step: int,
-    grafting: Grafting | None,
-    basis_moments: BasisMoments | None,
-    changes: dict[str, dict[str, object]] | None,
-) -> torch.Tensor:
-    """One checked layer's preconditioned gradient matrix: by its decomposition
-    (:func:`precondition_layer`) or by its eigenbasis moments, then grafted; the changes
-    of its state (running moments) go into ``changes[layer]``."""
-    if basis_moments is not None:
-        p, new = precondition_in_basis(ls, m, basis_moments)
-        if changes is not None:
-            changes.setdefault(ls.spec.name, {}).update(new)
-    else:
-        p = precondition_layer(ls, m, damping, rows, checked=True)
-    if grafting is not None:
-        graft(ls, p, m, grafting, step, changes)
-    return p
 
 
 def precondition_layers(
@@ -320,31 +269,6 @@ def precondition_layers_sync_free(
             changes[name] = change
         done.append((ls.spec, p, m, finite))
     return apply_selected(grads, done, kl_clip=kl_clip, lr=lr, step=step)
-
-
-def precondition_layer(
-    ls: LayerState,
-    m: torch.Tensor,
-    damping: float,
-    rows: Rows | None = None,
-    *,
-    checked: bool = False,
-) -> torch.Tensor:
-    """Precondition one layer's gradient matrix with its decomposition.
-
-    With the rows of a Linear layer's calls, when the gradient is exactly their product
-    (:func:`kfac_func.core.factors.rows_reproduce`) and that is cheaper
-    (``n(d_out² + d_in² + d_out·d_in) < d_out·d_in(d_out + d_in)`` for ``n`` rows), the
-    products with the gradient become products with the rows
-    (:func:`kfac_func.core.decomposition.precondition_rows`); the result is the same up to
-    rounding.
-    """
-    dec = ls.decomposition
-    assert dec is not None
-    spec = ls.spec
-    if rows and rows_cheaper(spec, rows) and (checked or rows_reproduce(spec, m, rows)):
-        return precondition_rows(rows, dec, damping, bias=spec.has_bias, dtype=m.dtype)
-    return precondition(m, dec, damping)
 
 
 def captured_rows(state: KFACState, captures: Captures | Sequence[Captures]) -> dict[str, Rows]:

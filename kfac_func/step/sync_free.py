@@ -32,6 +32,7 @@ from kfac_func.step.checks import layer_grads
 from kfac_func.step.hyper import Hyper, NonFinite, check_hyper, resolve
 
 __all__ = [
+    "all_finite_tensor",
     "apply_selected",
     "check_sync_free",
     "count_skips",
@@ -67,13 +68,20 @@ def layer_finite(spec: LayerSpec, grads: Mapping[str, torch.Tensor]) -> torch.Te
         tensor(False)
     """
     w, b = layer_grads(spec, grads)
-    finite = _all_finite(w)
-    return finite if b is None else finite & _all_finite(b)
+    finite = all_finite_tensor(w)
+    return finite if b is None else finite & all_finite_tensor(b)
 
 
-def _all_finite(t: torch.Tensor) -> torch.Tensor:
-    """Exact, by the extremes (reductions propagate NaN): two reductions and no temporary
-    of ``t``'s size, several times faster than ``isfinite(t).all()``."""
+def all_finite_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Whether every entry of ``t`` is finite, as a 0-d bool tensor (no host read).
+
+    Exact, by the extremes (reductions propagate NaN): two reductions and no temporary of
+    ``t``'s size, several times faster than ``isfinite(t).all()``.
+
+    Example:
+        >>> all_finite_tensor(torch.tensor([1.0, float("inf")]))
+        tensor(False)
+    """
     if t.numel() == 0:
         return torch.ones((), dtype=torch.bool, device=t.device)
     lo, hi = torch.aminmax(t)

@@ -27,6 +27,7 @@ from kfac_func.step.basis import BasisMoments, carry_moments, moment_bases
 from kfac_func.step.checks import validate_grads
 from kfac_func.step.decompose import check_eigh_device, decompose_layers
 from kfac_func.step.ekfac import update_scales
+from kfac_func.step.grouped import precondition_layers_grouped
 from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, resolve, take
 from kfac_func.step.precondition import (
     Grafting,
@@ -65,6 +66,7 @@ def update(
     sync_free: bool = False,
     batched_eigh: bool = False,
     eigh_device: torch.device | str | None = None,
+    grouped: bool = True,
 ) -> tuple[dict[str, torch.Tensor], KFACState]:
     """One K-FAC step: returns ``(preconditioned_grads, new_state)``; inputs are untouched
     (unless donated).
@@ -138,6 +140,10 @@ def update(
             their values).
         batched_eigh, eigh_device: one batched eigh per factor shape across layers, and
             the device eigh runs on (``"cpu"``: offload it); see :func:`kfac_func.decompose`.
+        grouped: precondition the layers of one shape together, as stacked tensors (see
+            :mod:`kfac_func.step.grouped`): the operations of the step grow with the
+            number of distinct layer shapes, not of layers. The results are those of the
+            per-layer step (``grouped=False``) to rounding.
 
     All hyperparameters may be ``step -> value`` callables, evaluated at ``state.step``.
 
@@ -207,7 +213,25 @@ def update(
         # EKFAC: this step's per-example moments in the current eigenbases
         update_scales(layers, micro, decay, nonfinite, fresh)
     changes: dict[str, dict[str, object]] = {}
-    if sync_free:
+    if grouped:
+        if rows is None and captures is not None and basis_settings is None and not sync_free:
+            rows = captured_rows(state, captures)
+        out = precondition_layers_grouped(
+            layers,
+            grads,
+            lam,
+            kl_clip=kl_clip,
+            lr=lr,
+            step=step,
+            nonfinite=nonfinite,
+            sync_free=sync_free,
+            rows=rows,
+            consume_rows=donate,
+            grafting=graft_settings,
+            basis_moments=basis_settings,
+            changes=changes,
+        )
+    elif sync_free:
         out = precondition_layers_sync_free(
             layers,
             grads,
