@@ -7,14 +7,28 @@ settings. Printed per run: the bytes of K-FAC state on each rank (factors and
 decompositions, :meth:`~kfac_func.KFACPreconditioner.memory_usage`) and the bytes each
 rank sent per step in K-FAC's own collectives (the communicator's count; the gradient
 all-reduce of DDP and the reduce-scatter of FSDP2 are not K-FAC's and not counted).
+Every number is a byte count, the same on every run of the same code (no timing).
 
-    python benchmarks/fsdp_memory.py
+    python benchmarks/fsdp_memory.py                                       # benchmarks/out/
+    python benchmarks/fsdp_memory.py --out benchmarks/results/fsdp_memory.json
+
+Writes ``--out`` (default ``benchmarks/out/fsdp_memory.json``, a folder git ignores; the
+committed results in ``benchmarks/results/`` are refreshed only when named): the command,
+the commit, whether tracked files differed from it, the machine, the settings and one row
+per world size, strategy, run and rank.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import platform
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +39,17 @@ from torch import nn
 import kfac_func as kf
 
 WIDTH, DEPTH, BATCH, STEPS = 256, 4, 32, 3
+ROOT = Path(__file__).resolve().parents[1]
+COLUMNS = (
+    "world",
+    "strategy",
+    "run",
+    "rank",
+    "factors_bytes",
+    "decompositions_bytes",
+    "sent_bytes_per_step",
+    "plan",
+)
 
 
 def model() -> nn.Sequential:
@@ -70,7 +95,36 @@ def run(rank: int, world: int, store: str, queue: mp.Queue) -> None:  # type: ig
     dist.destroy_process_group()
 
 
-def main() -> None:
+def git_commit() -> dict[str, Any]:
+    """``HEAD`` of this checkout and whether tracked files differ from it."""
+
+    def git(*a: str) -> str:
+        return subprocess.run(
+            ["git", *a], cwd=ROOT, capture_output=True, text=True, check=False
+        ).stdout.strip()
+
+    return {
+        "commit": git("rev-parse", "HEAD") or None,
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--out",
+        default=str(ROOT / "benchmarks" / "out" / "fsdp_memory.json"),
+        help="the JSON written (default: benchmarks/out/fsdp_memory.json, untracked; pass "
+        "benchmarks/results/fsdp_memory.json to refresh the committed results)",
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    provenance = git_commit()  # when the run starts
     ctx = mp.get_context("spawn")
     rows = []
     for world in (1, 2, 4):
@@ -93,6 +147,29 @@ def main() -> None:
             f"{world:5d}  {strategy:10}  {plan:10}  {kind:4}  {rank:4d}  {factors:8d}  "
             f"{decs:8d}  {sent:10.0f}"
         )
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from step_time import cpu_model
+
+    result = {
+        "command": " ".join(["python", "benchmarks/fsdp_memory.py", *(argv or sys.argv[1:])]),
+        **provenance,
+        "machine": {
+            "cpu": cpu_model(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "kfac_func": kf.__version__,
+        },
+        "settings": {"width": WIDTH, "depth": DEPTH, "batch": BATCH, "steps": STEPS},
+        "columns": list(COLUMNS),
+        "rows": [
+            dict(zip(COLUMNS, (world, strategy, kind, rank, factors, decs, sent, plan)))
+            for world, strategy, kind, rank, factors, decs, sent, plan in rows
+        ],
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

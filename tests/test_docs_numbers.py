@@ -8,7 +8,8 @@ The rule, for the pages in ``PAGES``:
 - Not quoted: anything in fenced code blocks, in inline code spans, in link targets and
   in HTML comments; version strings (``2.13.0``); numbers in scientific notation
   (``1e-3``); and every number on the line that follows a ``<!-- settings -->`` comment
-  (mark a line of settings, sizes of a data set or a model, dates, with it).
+  (mark a line of settings, sizes of a data set or a model, dates, with it; the comment
+  can end the line before, whose own numbers are still checked, or a line of settings).
 - Each quoted number must equal a value of a committed results file that the page names
   (``examples/results/NAME`` or ``benchmarks/results/NAME``, ``.csv`` or ``.json``: every
   numeric CSV cell and every number in a JSON document; naming ``examples/results/NAME``
@@ -32,7 +33,13 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ("README.md", "docs/examples.md", "docs/real-models.md")
+PAGES = (
+    "README.md",
+    "docs/examples.md",
+    "docs/real-models.md",
+    "docs/performance.md",
+    "docs/distributed.md",
+)
 RESULTS = ("examples/results", "benchmarks/results")
 SETTINGS = "<!-- settings -->"
 MIN_DIGITS = 3
@@ -82,11 +89,10 @@ def quoted_numbers(markdown: str) -> Iterator[tuple[int, str]]:
         if fenced:
             continue
         if exempt and line.strip():
-            exempt = False
+            exempt = SETTINGS in line  # a line of settings that marks the next one too
             continue
-        if SETTINGS in line:
+        if SETTINGS in line:  # the comment's own line is checked: it marks the next line
             exempt = True
-            continue
         for match in _NUMBER.finditer(_strip_markup(line)):
             if significant_digits(match.group()) >= MIN_DIGITS:
                 yield number, match.group()
@@ -183,6 +189,13 @@ def test_every_quoted_number_is_in_a_results_file(page: str) -> None:
         f"({', '.join(p.name for p in files) or 'none named'}); mark lines of settings with "
         f"{SETTINGS!r}:\n" + "\n".join(missing)
     )
+
+
+def test_a_settings_comment_exempts_the_next_line_only() -> None:
+    page = "ends at 1.845 <!-- settings -->\n1,438 images, batch 256\n1.872\n"
+    assert list(quoted_numbers(page)) == [(1, "1.845"), (3, "1.872")]
+    page = "<!-- settings -->\nwidth 1024 <!-- settings -->\nbatch 256\n\n1.872\n"
+    assert list(quoted_numbers(page)) == [(5, "1.872")]
 
 
 def test_the_rule_catches_a_number_no_run_produced() -> None:
