@@ -1,0 +1,230 @@
+"""The grouped step (layers of one shape preconditioned together) against the per-layer
+step, on model code this project did not write (the fixtures of :mod:`test_real_models`)
+and on deep stacks: the same gradients and states (float64 1e-12, float32 1e-6), the
+same warnings, and operations per step that do not grow with depth."""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from fixture_models import FIXTURES, T, Fixture
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kfac_func as kf
+from kfac_func.step.grouped import plan_groups, stacked
+
+pytest.importorskip("transformers")
+
+F64 = torch.float64
+SETTINGS: dict[str, dict[str, Any]] = {
+    "eigen": {"kl_clip": 1e-2},
+    "eigen-damped-later": {"kl_clip": None, "damping": lambda k: 0.01 * (k + 1)},
+    "moments-adam-graft": {
+        "eigenbasis_moments": True,
+        "moment_beta1": 0.9,
+        "grafting": "adam",
+        "kl_clip": None,
+    },
+    "sgd-graft-sync-free": {"grafting": "sgd", "sync_free": True, "kl_clip": 1e-2},
+    "moments-sync-free": {"eigenbasis_moments": True, "sync_free": True, "kl_clip": None},
+}
+METHODS = ("eigen", "inverse", "ekfac")
+
+
+def _register(fx: Fixture, model: nn.Module) -> kf.LayerTable:
+    return kf.register(model, **({} if fx.kinds is None else {"kinds": fx.kinds}))
+
+
+def _steps(
+    fx: Fixture, dtype: torch.dtype, method: str, setting: dict[str, Any], grouped: bool
+) -> list[tuple[dict[str, torch.Tensor], kf.KFACState]]:
+    """Three steps of ``kf.update`` on the fixture: factors and decompositions, then two
+    that only precondition (the second with the first's moments)."""
+    model = fx.build(dtype)
+    table = _register(fx, model)
+    state = kf.init(table, compute_method=method, factor_dtype=dtype, inv_dtype=dtype)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    out = []
+    for step in range(3):
+        batch = fx.batch(step, 4)
+        _, grads, caps = kf.capture(
+            model, params, (), fx.loss, layers=table, kwargs=batch, loss_divisor=T
+        )
+        new, state = kf.update(
+            state,
+            grads,
+            captures=caps,
+            update_factors=step == 0,
+            update_inverses=step == 0,
+            lr=0.1,
+            grouped=grouped,
+            **{"damping": 0.01, **setting},
+        )
+        out.append((new, state))
+    return out
+
+
+def _tensors(state: kf.KFACState) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in kf.state_to_dict(state).items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_grouped_equals_per_layer_on_fixture_models(name: str, setting: str) -> None:
+    fx = FIXTURES[name]
+    methods = ("eigen",) if SETTINGS[setting].get("eigenbasis_moments") else METHODS
+    for method in methods if setting == "eigen" else ("eigen",):
+        grouped = _steps(fx, F64, method, SETTINGS[setting], grouped=True)
+        per_layer = _steps(fx, F64, method, SETTINGS[setting], grouped=False)
+        for (g1, s1), (g2, s2) in zip(grouped, per_layer):
+            assert g1.keys() == g2.keys()
+            for k in g1:
+                torch.testing.assert_close(g1[k], g2[k], rtol=1e-12, atol=1e-14, msg=k)
+            t1, t2 = _tensors(s1), _tensors(s2)
+            assert t1.keys() == t2.keys()
+            for k in t1:
+                torch.testing.assert_close(t1[k], t2[k], rtol=1e-12, atol=1e-14, msg=k)
+            assert [ls.moment_count for ls in s1.layers.values()] == [
+                ls.moment_count for ls in s2.layers.values()
+            ]
+        # the fixture has groups: the step did not fall back to one layer at a time
+        state = grouped[-1][1]
+        grads = grouped[-1][0]
+        plan = plan_groups(state.layers, list(state.layers), grads)
+        assert max(len(g) for g in plan) >= 2, plan
+
+
+def test_grouped_equals_per_layer_in_float32() -> None:
+    fx = FIXTURES["gpt2"]
+    setting = SETTINGS["moments-adam-graft"]
+    grouped = _steps(fx, torch.float32, "eigen", setting, grouped=True)
+    per_layer = _steps(fx, torch.float32, "eigen", setting, grouped=False)
+    for (g1, _), (g2, _) in zip(grouped, per_layer):
+        for k in g1:
+            torch.testing.assert_close(g1[k], g2[k], rtol=1e-6, atol=1e-7, msg=k)
+
+
+def _deep(depth: int) -> nn.Module:
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)) for _ in range(depth)]
+    return nn.Sequential(nn.Linear(4, 8), *blocks, nn.LayerNorm(8), nn.Linear(8, 3))
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _precondition_ops(depth: int, grouped: bool, **kw: Any) -> Counter[str]:
+    model = _deep(depth)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    state = kf.init(kf.register(model))
+    x, y = torch.randn(32, 4), torch.randn(32, 3)
+    _, grads, caps = kf.capture(model, params, x, lambda out: (out - y).pow(2).mean())
+    _, state = kf.update(state, grads, captures=caps, **kw)
+    with _Ops() as counter:
+        kf.update(state, grads, update_factors=False, update_inverses=False, grouped=grouped, **kw)
+    return counter.ops
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"sync_free": True},
+        {"eigenbasis_moments": True, "moment_beta1": 0.9, "kl_clip": None},
+        {"grafting": "adam", "sync_free": True},
+    ],
+    ids=["eigen", "sync-free", "moments", "adam-graft"],
+)
+def test_operations_of_the_grouped_step_do_not_grow_with_depth(kw: dict[str, Any]) -> None:
+    shallow, deep = _precondition_ops(2, True, **kw), _precondition_ops(8, True, **kw)
+    assert shallow == deep
+    per_layer = _precondition_ops(8, False, **kw)
+    assert sum(per_layer.values()) > 2 * sum(deep.values())  # what grouping saves
+
+
+def test_adapter_step_operations_do_not_grow_with_depth() -> None:
+    def count(depth: int, **kw: Any) -> int:
+        model = _deep(depth)
+        pre = kf.KFACPreconditioner(model, factor_update_steps=5, inv_update_steps=5, **kw)
+        for step in range(2):
+            model.zero_grad()
+            model(torch.randn(32, 4)).pow(2).mean().backward()
+            with _Ops() as counter:
+                pre.step()
+        return sum(counter.ops.values())  # the second, precondition-only step
+
+    assert count(2) == count(8)
+    assert count(2, sync_free=True) == count(8, sync_free=True)
+
+
+def test_a_non_finite_layer_of_a_group_is_skipped_alone() -> None:
+    model = _deep(3)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    state = kf.init(kf.register(model))
+    x, y = torch.randn(32, 4), torch.randn(32, 3)
+    _, grads, caps = kf.capture(model, params, x, lambda out: (out - y).pow(2).mean())
+    _, state = kf.update(state, grads, captures=caps, eigenbasis_moments=True, kl_clip=None)
+    bad = dict(grads)
+    bad["2.0.weight"] = grads["2.0.weight"].clone()
+    bad["2.0.weight"][0, 0] = float("nan")
+    kw: dict[str, Any] = {
+        "update_factors": False,
+        "update_inverses": False,
+        "eigenbasis_moments": True,
+        "kl_clip": None,
+    }
+    results = {}
+    for grouped in (True, False):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results[grouped] = kf.update(state, bad, grouped=grouped, **kw)
+        assert [str(w.message).split(":")[0] for w in caught] == ["layer '2.0'"]
+    (g1, s1), (g2, s2) = results[True], results[False]
+    assert g1["2.0.weight"] is bad["2.0.weight"]  # passed unchanged
+    for k in g1:
+        torch.testing.assert_close(g1[k], g2[k], rtol=1e-6, atol=1e-7, equal_nan=True)
+    assert s1.layers["2.0"].moment_count == state.layers["2.0"].moment_count
+    assert s1.layers["1.0"].moment_count == state.layers["1.0"].moment_count + 1
+    # without host synchronisation the layer is counted, the others are not
+    _, s3 = kf.update(state, bad, sync_free=True, **kw)
+    skips = {n: int(ls.grad_skips) for n, ls in s3.layers.items() if ls.grad_skips is not None}
+    assert skips["2.0"] == 1 and sum(skips.values()) == 1
+
+
+def test_a_group_is_stacked_once_and_then_reused() -> None:
+    model = _deep(3)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    state = kf.init(kf.register(model))
+    x, y = torch.randn(32, 4), torch.randn(32, 3)
+    _, grads, caps = kf.capture(model, params, x, lambda out: (out - y).pow(2).mean())
+    _, state = kf.update(state, grads, captures=caps, grouped=False)
+    names = ["1.0", "2.0", "3.0"]
+    qa = [state.layers[n].decomposition.qa for n in names]  # type: ignore[union-attr]
+    assert stacked(qa)[1]  # decomposed one layer at a time: a fresh stack
+    kw: dict[str, Any] = {"update_factors": False, "update_inverses": False}
+    g1, once = kf.update(state, grads, **kw)
+    qa = [once.layers[n].decomposition.qa for n in names]  # type: ignore[union-attr]
+    slab, fresh = stacked(qa)
+    assert not fresh and slab.shape[0] == 3  # now views of one stack: no copy
+    for n in names:  # the same values
+        torch.testing.assert_close(
+            once.layers[n].decomposition.qa,  # type: ignore[union-attr]
+            state.layers[n].decomposition.qa,  # type: ignore[union-attr]
+            rtol=0,
+            atol=0,
+        )
+    g2, _ = kf.update(once, grads, **kw)
+    for k in g1:
+        assert torch.equal(g1[k], g2[k])
