@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from fixture_models import FIXTURES, T, Fixture
+from fixture_models import FIXTURES, Fixture, T
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -158,7 +158,7 @@ def test_adapter_step_operations_do_not_grow_with_depth() -> None:
     def count(depth: int, **kw: Any) -> int:
         model = _deep(depth)
         pre = kf.KFACPreconditioner(model, factor_update_steps=5, inv_update_steps=5, **kw)
-        for step in range(2):
+        for _ in range(2):
             model.zero_grad()
             model(torch.randn(32, 4)).pow(2).mean().backward()
             with _Ops() as counter:
@@ -195,6 +195,9 @@ def test_a_non_finite_layer_of_a_group_is_skipped_alone() -> None:
     assert g1["2.0.weight"] is bad["2.0.weight"]  # passed unchanged
     for k in g1:
         torch.testing.assert_close(g1[k], g2[k], rtol=1e-6, atol=1e-7, equal_nan=True)
+    assert [ls.moment_count for ls in s1.layers.values()] == [
+        ls.moment_count for ls in s2.layers.values()
+    ]
     assert s1.layers["2.0"].moment_count == state.layers["2.0"].moment_count
     assert s1.layers["1.0"].moment_count == state.layers["1.0"].moment_count + 1
     # without host synchronisation the layer is counted, the others are not

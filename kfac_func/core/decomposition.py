@@ -391,11 +391,14 @@ def eigh_factors(
         except RuntimeError:  # the factors get their own retries
             continue
         del stack
-        q, d = q.to(home, dtype), d.to(home, dtype)
+        # row-major eigenvectors, as eigh_factor's; each factor's result is a view of
+        # the group's (a few operations per group, none per factor)
+        q, d = q.to(home, dtype).contiguous(), d.to(home, dtype)
         finite = torch.isfinite(q.sum(dim=(-2, -1)) + d.sum(dim=-1)).tolist()
-        for k, i in enumerate(idx):
-            if finite[k]:  # row-major eigenvectors, as eigh_factor's
-                out[i] = (q[k].contiguous(), d[k].clamp(min=0.0))
+        d = d.clamp(min=0.0)
+        for k, (i, qk, dk) in enumerate(zip(idx, q.unbind(0), d.unbind(0))):
+            if finite[k]:
+                out[i] = (qk, dk)
     return out
 
 
