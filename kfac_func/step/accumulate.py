@@ -15,7 +15,6 @@ import torch
 from kfac_func.blocks import Gram, LayerSpec, call_grams
 from kfac_func.captures import Captures
 from kfac_func.core.conventions import micro_batch_weights
-from kfac_func.core.decomposition import all_finite
 from kfac_func.core.factors import factor_from_grams
 from kfac_func.core.tied_factors import combine_stacked, is_tied, tied_batch_factors
 from kfac_func.state import KFACConfig, KFACState, LayerState
@@ -29,17 +28,19 @@ from kfac_func.step.hyper import (
     non_finite,
     resolve,
 )
+from kfac_func.step.sync_free import all_finite_tensor
 
 __all__ = [
     "LayerFactors",
     "MicroBatchStats",
     "accumulate_factors",
-    "factors_finite",
     "factors_from_stats",
     "fold_checked",
+    "fold_deferred",
     "fold_factors",
     "fold_layers",
     "layer_batch_factors",
+    "settle_folds",
 ]
 
 
@@ -108,14 +109,6 @@ def layer_batch_factors(
     return factors_from_stats(spec.name, stats, config)
 
 
-def factors_finite(name: str, a: torch.Tensor, g: torch.Tensor, mode: NonFinite) -> bool:
-    """True if both batch factors are finite; else warn (``"skip"``) or raise."""
-    bad = [w for w, f in (("A", a), ("G", g)) if not all_finite(f)]
-    if bad:
-        non_finite(name, f"the {' and '.join(bad)} factor of this batch", mode)
-    return not bad
-
-
 def fold_checked(
     ls: LayerState,
     a: torch.Tensor,
@@ -130,23 +123,65 @@ def fold_checked(
     A running factor that holds NaN/Inf already (a state built or loaded that way) is
     restarted from the batch factor, with a warning, so that it cannot stay poisoned.
     """
-    name = ls.spec.name
+    new, checks = fold_deferred(ls, a, g, decay, config)
+    layers = {ls.spec.name: new}
+    settle_folds(layers, [(ls.spec.name, checks, ls)], nonfinite)
+    return layers[ls.spec.name]
+
+
+def fold_deferred(
+    ls: LayerState, a: torch.Tensor, g: torch.Tensor, decay: float, config: KFACConfig
+) -> tuple[LayerState, torch.Tensor]:
+    """:func:`fold_checked` decided on the device: the layer with the batch factors
+    folded in where they are finite (else its factors as they were), each running factor
+    that held NaN/Inf restarted from the batch's, and the four checks (batch A, batch G,
+    folded A, folded G finite) as one bool tensor. The layer's counters assume a good
+    update until :func:`settle_folds` reads the checks, in one host synchronisation for
+    all the layers of a step."""
     if ls.spec.block.stacked_uses and a.dim() == ls.a_factor.dim() + 1:
         # a tied layer's uses, kept apart until the window is complete (on every rank)
         a, g = combine_stacked(a, g)
-    if not factors_finite(name, a, g, nonfinite):
-        return ls.replace(skipped_updates=ls.skipped_updates + 1)
+    fa, fg = all_finite_tensor(a), all_finite_tensor(g)
     new = fold_factors(ls, a, g, decay, config)
-    bad = [w for w, f in (("A", new.a_factor), ("G", new.g_factor)) if not all_finite(f)]
-    if bad:
-        msg = f"layer {name!r}: the running {' and '.join(bad)} factor held NaN/Inf"
-        if nonfinite == "raise":
-            raise NonFiniteError(msg)
-        warnings.warn(f"{msg}; restarted from this batch", RuntimeWarning, stacklevel=2)
-        new = new.replace(
-            a_factor=a if "A" in bad else new.a_factor, g_factor=g if "G" in bad else new.g_factor
-        )
-    return new
+    na, ng = all_finite_tensor(new.a_factor), all_finite_tensor(new.g_factor)
+    ok = fa & fg
+    old_a, old_g = ls.a_factor.to(a.device), ls.g_factor.to(g.device)
+    new = new.replace(
+        a_factor=torch.where(ok, torch.where(na, new.a_factor, a), old_a),
+        g_factor=torch.where(ok, torch.where(ng, new.g_factor, g), old_g),
+    )
+    return new, torch.stack([fa, fg, na, ng])
+
+
+def settle_folds(
+    layers: MutableMapping[str, LayerState],
+    pending: Sequence[tuple[str, torch.Tensor, LayerState]],
+    nonfinite: NonFinite,
+) -> None:
+    """Read the checks of :func:`fold_deferred` (``(layer, checks, the layer before)``;
+    only its counters are read) in one host synchronisation and set each layer's counters
+    (in place): a layer whose batch factors held NaN/Inf kept its factors and counts a
+    skipped update, with a warning (``"skip"``) or :class:`NonFiniteError` (``"raise"``);
+    a running factor that held NaN/Inf was restarted from the batch, with a warning (or
+    the error)."""
+    if not pending:
+        return
+    device = pending[0][1].device
+    read = torch.stack([c.to(device) for _, c, _ in pending]).tolist()
+    for (name, _, before), (fa, fg, na, ng) in zip(pending, read):
+        if not (fa and fg):
+            bad = [w for w, f in (("A", fa), ("G", fg)) if not f]
+            non_finite(name, f"the {' and '.join(bad)} factor of this batch", nonfinite)
+            layers[name] = layers[name].replace(
+                factor_updates=before.factor_updates, skipped_updates=before.skipped_updates + 1
+            )
+            continue
+        bad = [w for w, f in (("A", na), ("G", ng)) if not f]
+        if bad:
+            msg = f"layer {name!r}: the running {' and '.join(bad)} factor held NaN/Inf"
+            if nonfinite == "raise":
+                raise NonFiniteError(msg)
+            warnings.warn(f"{msg}; restarted from this batch", RuntimeWarning, stacklevel=3)
 
 
 def fold_factors(
@@ -227,10 +262,20 @@ def fold_layers(
     Layer by layer: each entry is replaced as soon as its new factors exist and its batch
     factors are dropped before the next layer's are made, so when ``layers`` is the only
     holder of the old layer states (a donated state) the old factors are freed one layer
-    at a time instead of after the whole step.
+    at a time instead of after the whole step. The checks of all layers are read at the
+    end, in one host synchronisation (:func:`settle_folds`).
     """
+    pending = []
     for name in list(layers):
         batch = batch_of(name, layers[name])
         if batch is not None:
-            layers[name] = fold_checked(layers[name], batch[0], batch[1], decay, config, nonfinite)
+            before = layers[name]
+            layers[name], checks = fold_deferred(before, batch[0], batch[1], decay, config)
+            # the counters are all that is kept of the layer before
+            pending.append((name, checks, before.replace(a_factor=_NONE, g_factor=_NONE)))
+            del before
         del batch
+    settle_folds(layers, pending, nonfinite)
+
+
+_NONE = torch.empty(0)
