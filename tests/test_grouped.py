@@ -16,7 +16,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kfac_func as kf
-from kfac_func.step.grouped import plan_groups, stacked
+from kfac_func.core.stacks import stacked
+from kfac_func.step.grouped import plan_groups
 
 pytest.importorskip("transformers")
 
@@ -43,8 +44,9 @@ def _register(fx: Fixture, model: nn.Module) -> kf.LayerTable:
 def _steps(
     fx: Fixture, dtype: torch.dtype, method: str, setting: dict[str, Any], grouped: bool
 ) -> list[tuple[dict[str, torch.Tensor], kf.KFACState]]:
-    """Three steps of ``kf.update`` on the fixture: factors and decompositions, then two
-    that only precondition (the second with the first's moments)."""
+    """Three steps of ``kf.update`` on the fixture: two that update the factors (the first
+    takes the batch's, the second averages) and the decompositions, then one that only
+    preconditions (with the moments of the second)."""
     model = fx.build(dtype)
     table = _register(fx, model)
     state = kf.init(table, compute_method=method, factor_dtype=dtype, inv_dtype=dtype)
@@ -59,8 +61,8 @@ def _steps(
             state,
             grads,
             captures=caps,
-            update_factors=step == 0,
-            update_inverses=step == 0,
+            update_factors=step < 2,
+            update_inverses=step < 2,
             lr=0.1,
             grouped=grouped,
             **{"damping": 0.01, **setting},
@@ -231,3 +233,35 @@ def test_a_group_is_stacked_once_and_then_reused() -> None:
     g2, _ = kf.update(once, grads, **kw)
     for k in g1:
         assert torch.equal(g1[k], g2[k])
+
+
+def test_a_non_finite_batch_factor_of_a_group_skips_that_layer_alone() -> None:
+    model = _deep(3)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    state = kf.init(kf.register(model))
+    x, y = torch.randn(32, 4), torch.randn(32, 3)
+    _, grads, caps = kf.capture(model, params, x, lambda out: (out - y).pow(2).mean())
+    _, state = kf.update(state, grads, captures=caps)
+    batch = {
+        n: (torch.eye(ls.a_factor.shape[0]), torch.eye(ls.g_factor.shape[0]), 1.0)
+        for n, ls in state.layers.items()
+        if not any(ls.spec.diagonal)
+    }
+    batch["2.0"] = (torch.full_like(batch["2.0"][0], float("nan")), batch["2.0"][1], 1.0)
+    got = {}
+    for grouped in (True, False):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, got[grouped] = kf.update(
+                state, grads, batch_factors=dict(batch), update_inverses=False, grouped=grouped
+            )
+        assert [str(w.message).split(":")[0] for w in caught] == ["layer '2.0'"]
+    for n, ls in got[True].layers.items():
+        other = got[False].layers[n]
+        assert (ls.factor_updates, ls.skipped_updates) == (
+            other.factor_updates,
+            other.skipped_updates,
+        )
+        assert torch.equal(ls.a_factor, other.a_factor) and torch.equal(ls.g_factor, other.g_factor)
+    assert got[True].layers["2.0"].skipped_updates == 1
+    assert torch.equal(got[True].layers["2.0"].a_factor, state.layers["2.0"].a_factor)

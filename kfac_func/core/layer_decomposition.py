@@ -172,6 +172,7 @@ def eigen_decompose(
     eigenpairs: tuple[Eigenpair | None, Eigenpair | None] = (None, None),
     name: str | None = None,
     placeholder: tuple[bool, bool] = (False, False),
+    dgda: torch.Tensor | None = None,
 ) -> EigenDecomposition:
     """Eigendecompose both factors.
 
@@ -193,6 +194,8 @@ def eigen_decompose(
         name: the layer, named in warnings.
         placeholder: whether A and G are placeholders (the identity by construction, see
             :func:`placeholder_side`); a placeholder side is also ``diagonal``.
+        dgda: ``1/(dg daᵀ + λ)`` of ``eigenpairs`` already computed (for several layers
+            at once), used instead of computing it when ``outer_product`` asks for it.
 
     Example:
         >>> import torch
@@ -211,7 +214,10 @@ def eigen_decompose(
     qg, dg = eg or _named(
         "G", eigh_side, g, pg, diagonal=diagonal[1], placeholder=plg, **kw, label=_label(name, "G")
     )
-    dgda = eigenvalue_outer(dg, da, damping) if precompute_outer(outer_product, diagonal) else None
+    if not precompute_outer(outer_product, diagonal):
+        dgda = None
+    elif dgda is None:
+        dgda = eigenvalue_outer(dg, da, damping)
     return EigenDecomposition(qa, da, qg, dg, dgda)
 
 

@@ -28,7 +28,7 @@ from kfac_func.step.hyper import (
     non_finite,
     resolve,
 )
-from kfac_func.step.sync_free import all_finite_tensor
+from kfac_func.step.sync_free import all_finite_each
 
 __all__ = [
     "LayerFactors",
@@ -141,16 +141,15 @@ def fold_deferred(
     if ls.spec.block.stacked_uses and a.dim() == ls.a_factor.dim() + 1:
         # a tied layer's uses, kept apart until the window is complete (on every rank)
         a, g = combine_stacked(a, g)
-    fa, fg = all_finite_tensor(a), all_finite_tensor(g)
     new = fold_factors(ls, a, g, decay, config)
-    na, ng = all_finite_tensor(new.a_factor), all_finite_tensor(new.g_factor)
-    ok = fa & fg
+    checks = all_finite_each([a, g, new.a_factor, new.g_factor])
+    ok, na, ng = checks[0] & checks[1], checks[2], checks[3]
     old_a, old_g = ls.a_factor.to(a.device), ls.g_factor.to(g.device)
     new = new.replace(
         a_factor=torch.where(ok, torch.where(na, new.a_factor, a), old_a),
         g_factor=torch.where(ok, torch.where(ng, new.g_factor, g), old_g),
     )
-    return new, torch.stack([fa, fg, na, ng])
+    return new, checks
 
 
 def settle_folds(

@@ -8,7 +8,7 @@ decomposed never stops training: its layer keeps its previous decomposition.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Hashable, Iterable, Mapping, MutableMapping
 
 import torch
 
@@ -18,10 +18,12 @@ from kfac_func.core.decomposition import (
     DecompositionError,
     EigenDecomposition,
     EKFACDecomposition,
+    eigenvalue_outer,
     eigh_factors,
 )
 from kfac_func.core.ekfac import from_eigen
 from kfac_func.core.layer_decomposition import Eigenpair, eigen_decompose, inverse_decompose
+from kfac_func.core.stacks import stacked
 from kfac_func.state import KFACConfig, KFACState, LayerState
 from kfac_func.step.autocast import without_autocast
 from kfac_func.step.hyper import Hyper, check_hyper, resolve
@@ -138,6 +140,36 @@ def batched_eigenpairs(
     return {k: r for k, r in zip(keys, results) if r is not None}
 
 
+def batched_outers(
+    layers: Mapping[str, LayerState],
+    config: KFACConfig,
+    pairs: Mapping[tuple[str, int], Eigenpair],
+    damping: float,
+) -> dict[str, torch.Tensor]:
+    """The precomputed ``dgda = 1/(dg daᵀ + λ)`` of the layers whose two eigenpairs are in
+    ``pairs``, computed together for layers of equal shapes (a few operations per group);
+    empty unless the configuration precomputes it (``"eigen"`` with
+    ``compute_eigenvalue_outer_product``). Layers alone in their shape are left out (their
+    decomposition computes it)."""
+    if config.compute_method != "eigen" or not config.compute_eigenvalue_outer_product:
+        return {}
+    groups: dict[Hashable, list[str]] = {}
+    for name, ls in layers.items():
+        a, g = pairs.get((name, 0)), pairs.get((name, 1))
+        if a is None or g is None or any(ls.spec.diagonal):
+            continue
+        key = (tuple(a[1].shape), tuple(g[1].shape), a[1].dtype, a[1].device)
+        groups.setdefault(key, []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    for names in groups.values():
+        if len(names) < 2:
+            continue
+        da = stacked([pairs[(n, 0)][1] for n in names])[0]
+        dg = stacked([pairs[(n, 1)][1] for n in names])[0]
+        out.update(zip(names, eigenvalue_outer(dg, da, damping).unbind(0)))
+    return out
+
+
 def decompose_layers(
     layers: MutableMapping[str, LayerState],
     damping: float,
@@ -146,13 +178,16 @@ def decompose_layers(
     update_inverses: bool,
     batched_eigh: bool = False,
     eigh_device: torch.device | str | None = None,
+    grouped: bool = False,
 ) -> set[str]:
     """:func:`redecompose` (in place) every layer of ``layers`` that
     :func:`needs_decomposition`, one layer at a time: a layer's previous decomposition
     (kept for a warm start and in case the new one fails) is dropped as soon as its
     replacement exists, not after the last layer (see :func:`fold_layers`). With
     ``batched_eigh`` the eigendecompositions of equal-shaped factors are computed first,
-    together (see :func:`decompose`). Returns the layers that got a new decomposition."""
+    together (see :func:`decompose`). ``grouped``: batched eigh, and the precomputed
+    ``dgda`` of equal-shaped layers computed together (operations per group, not per
+    layer). Returns the layers that got a new decomposition."""
     device = check_eigh_device(eigh_device)
     todo = [
         name
@@ -160,14 +195,17 @@ def decompose_layers(
         if needs_decomposition(ls, config, update_inverses=update_inverses)
     ]
     pairs: dict[tuple[str, int], Eigenpair] = {}
-    if batched_eigh:
+    if batched_eigh or grouped:
         sides = [(name, side) for name in todo for side in (0, 1)]
         pairs = batched_eigenpairs(layers, config, sides, eigh_device=device)
+    outers = batched_outers(layers, config, pairs, damping) if grouped else {}
     fresh = set()
     for name in todo:
         old = layers[name]
         given = (pairs.pop((name, 0), None), pairs.pop((name, 1), None))
-        layers[name] = redecompose(old, damping, config, eigh_device=device, eigenpairs=given)
+        layers[name] = redecompose(
+            old, damping, config, eigh_device=device, eigenpairs=given, dgda=outers.pop(name, None)
+        )
         if layers[name].decomposition_failures == old.decomposition_failures:
             fresh.add(name)
         del old, given
@@ -189,10 +227,11 @@ def decompose_layer(
     *,
     eigh_device: torch.device | str | None = None,
     eigenpairs: tuple[Eigenpair | None, Eigenpair | None] = (None, None),
+    dgda: torch.Tensor | None = None,
 ) -> Decomposition:
     """The configured decomposition of one layer's current factors (may raise
     :class:`~kfac_func.core.decomposition.DecompositionError`; see :func:`redecompose`).
-    ``eigh_device`` and ``eigenpairs`` are :func:`~kfac_func.eigen_decompose`'s."""
+    ``eigh_device``, ``eigenpairs`` and ``dgda`` are :func:`~kfac_func.eigen_decompose`'s."""
     cdt = decomposition_dtype(config.convention, config.inv_dtype)
     if config.compute_method in ("eigen", "ekfac"):
         eig = eigen_decompose(
@@ -208,6 +247,7 @@ def decompose_layer(
             eigh_device=eigh_device,
             eigenpairs=eigenpairs,
             name=ls.spec.name,
+            dgda=dgda,
             placeholder=ls.spec.placeholder,
         )
         return from_eigen(eig) if config.compute_method == "ekfac" else eig
@@ -243,12 +283,15 @@ def redecompose(
     *,
     eigh_device: torch.device | str | None = None,
     eigenpairs: tuple[Eigenpair | None, Eigenpair | None] = (None, None),
+    dgda: torch.Tensor | None = None,
 ) -> LayerState:
     """The layer with a new decomposition; if even the retries fail, the layer keeps its
     previous one (none before the first: its gradient passes unchanged) and counts the
     failure, with a warning the first time."""
     try:
-        dec = decompose_layer(ls, damping, config, eigh_device=eigh_device, eigenpairs=eigenpairs)
+        dec = decompose_layer(
+            ls, damping, config, eigh_device=eigh_device, eigenpairs=eigenpairs, dgda=dgda
+        )
         return ls.replace(decomposition=dec)
     except DecompositionError as err:
         return decomposition_failed(ls, str(err))

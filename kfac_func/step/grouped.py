@@ -29,6 +29,7 @@ from torch.func import vmap
 from kfac_func.blocks import LayerSpec, Rows
 from kfac_func.core.factors import rows_match
 from kfac_func.core.preconditioning import kl_clip_scale_of_vector, kl_clip_term
+from kfac_func.core.stacks import stacked
 from kfac_func.state import LayerState
 from kfac_func.step.basis import BasisMoments
 from kfac_func.step.checks import layer_grads, rows_cheaper, validate_grads
@@ -41,7 +42,6 @@ __all__ = [
     "group_key",
     "plan_groups",
     "precondition_layers_grouped",
-    "stacked",
 ]
 
 GROUPED_FIELDS = ("decomposition", "graft_moment", "basis_moment", "basis_momentum", "grad_skips")
@@ -141,34 +141,6 @@ def plan_groups(
         groups.setdefault(key, []).append(name)
     together = [g for g in groups.values() if len(g) > 1]
     return together + [g for g in groups.values() if len(g) == 1]
-
-
-def stacked(xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool]:
-    """``(torch.stack(xs), True)``; or ``(base, False)`` where ``xs`` are already the
-    consecutive views ``base[0], base[1], ...`` of one tensor (as the unbound results of
-    an earlier grouped step are): no copy then. Always a copy when compiling.
-
-    Example:
-        >>> slab = torch.zeros(3, 2)
-        >>> stacked(slab.unbind(0))[0] is slab, stacked([torch.ones(2), torch.ones(2)])[1]
-        (True, True)
-    """
-    first, base = xs[0], xs[0]._base
-    if (
-        base is not None
-        and not torch.compiler.is_compiling()
-        and base.dim() == first.dim() + 1
-        and base.shape[0] == len(xs)
-        and base.shape[1:] == first.shape
-        and base.stride()[1:] == first.stride()
-        and base.dtype == first.dtype
-        and all(
-            x._base is base and x.storage_offset() == base.storage_offset() + i * base.stride(0)
-            for i, x in enumerate(xs)
-        )
-    ):
-        return base, False
-    return torch.stack(list(xs)), True
 
 
 class _Unit:

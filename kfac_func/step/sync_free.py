@@ -32,6 +32,7 @@ from kfac_func.step.checks import layer_grads
 from kfac_func.step.hyper import Hyper, NonFinite, check_hyper, resolve
 
 __all__ = [
+    "all_finite_each",
     "all_finite_tensor",
     "apply_selected",
     "check_sync_free",
@@ -86,6 +87,24 @@ def all_finite_tensor(t: torch.Tensor) -> torch.Tensor:
         return torch.ones((), dtype=torch.bool, device=t.device)
     lo, hi = torch.aminmax(t)
     return torch.isfinite(lo) & torch.isfinite(hi)
+
+
+def all_finite_each(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Whether each of ``tensors`` is finite, as one bool vector (no host read): the
+    extremes of each (:func:`all_finite_tensor`), checked together in one ``isfinite``.
+
+    Example:
+        >>> all_finite_each([torch.ones(2), torch.tensor([float("nan")]), torch.zeros(0)])
+        tensor([ True, False,  True])
+    """
+    device = tensors[0].device
+    ends = [
+        torch.stack(torch.aminmax(t)).to(device)
+        if t.numel()
+        else torch.zeros(2, dtype=t.dtype, device=device)
+        for t in tensors
+    ]
+    return torch.isfinite(torch.stack(ends)).all(dim=1)
 
 
 def count_skips(ls: LayerState, finite: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from kfac_func.step.checks import validate_grads
 from kfac_func.step.decompose import check_eigh_device, decompose_layers
 from kfac_func.step.ekfac import update_scales
 from kfac_func.step.grouped import precondition_layers_grouped
+from kfac_func.step.grouped_fold import fold_layers_grouped
 from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, resolve, take
 from kfac_func.step.precondition import (
     Grafting,
@@ -140,10 +141,13 @@ def update(
             their values).
         batched_eigh, eigh_device: one batched eigh per factor shape across layers, and
             the device eigh runs on (``"cpu"``: offload it); see :func:`kfac_func.decompose`.
-        grouped: precondition the layers of one shape together, as stacked tensors (see
-            :mod:`kfac_func.step.grouped`): the operations of the step grow with the
-            number of distinct layer shapes, not of layers. The results are those of the
-            per-layer step (``grouped=False``) to rounding.
+        grouped: compute the layers of one shape together, as stacked tensors: their
+            running factors (see :mod:`kfac_func.step.grouped_fold`), their
+            preconditioning (see :mod:`kfac_func.step.grouped`) and, for the eigen
+            methods, their eigendecompositions (as ``batched_eigh``) and precomputed
+            ``dgda``. The operations of those stages grow with the number of distinct
+            layer shapes, not of layers. The results are those of the per-layer step
+            (``grouped=False``) to rounding.
 
     All hyperparameters may be ``step -> value`` callables, evaluated at ``state.step``.
 
@@ -196,7 +200,9 @@ def update(
                 return layer_batch_factors(ls.spec, micro, config)
             return take(batch_factors, name, donate)
 
-        fold_layers(layers, batch_of, decay, config, nonfinite)
+        (fold_layers_grouped if grouped else fold_layers)(
+            layers, batch_of, decay, config, nonfinite
+        )
     lam = resolve(damping, step)
     check_hyper("damping", lam, lambda v: v >= 0, ">= 0")
     before = moment_bases(layers)
@@ -207,6 +213,7 @@ def update(
         update_inverses=bool(resolve(update_inverses, step)),
         batched_eigh=batched_eigh,
         eigh_device=eigh_device,
+        grouped=grouped,
     )
     carry_moments(layers, before, fresh)
     if config.compute_method == "ekfac" and micro is not None:

@@ -1,0 +1,127 @@
+"""The factor stage of the grouped step: running averages of equal-shaped layers folded
+together.
+
+:func:`~kfac_func.step.accumulate.fold_layers` folds one layer at a time (a few
+operations each: the average, its checks, the selection of the old factors where the
+batch's were not finite). :func:`fold_layers_grouped` stacks the batch and running
+factors of the layers whose factors have the same shapes, dtypes and devices, and folds
+each group in those few operations; the numbers are the same (the same elementwise
+formula), and all the checks are read in one host synchronisation
+(:func:`~kfac_func.step.accumulate.settle_folds`). Unlike the per-layer stage it holds
+the batch factors of all layers at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, MutableMapping, Sequence
+
+import torch
+
+from kfac_func.core.stacks import stacked
+from kfac_func.state import KFACConfig, LayerState
+from kfac_func.step.accumulate import LayerFactors, fold_deferred, settle_folds
+from kfac_func.step.hyper import NonFinite
+
+__all__ = ["all_finite_rows", "fold_layers_grouped"]
+
+
+def all_finite_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``(n, len(tensors))`` bools: whether row ``i`` (``t[i]``) of each stacked tensor is
+    finite, by its extremes, checked together in one ``isfinite``.
+
+    Example:
+        >>> t = torch.tensor([[1.0, 2.0], [float("inf"), 0.0]])
+        >>> all_finite_rows([t, torch.zeros(2, 3)])
+        tensor([[ True,  True],
+                [False,  True]])
+    """
+    n = tensors[0].shape[0]
+    ends = [torch.stack(torch.aminmax(t.reshape(n, -1), dim=1), dim=1) for t in tensors]
+    return torch.isfinite(torch.stack(ends, dim=1)).all(dim=2)
+
+
+def fold_layers_grouped(
+    layers: MutableMapping[str, LayerState],
+    batch_of: Callable[[str, LayerState], LayerFactors | None],
+    decay: float,
+    config: KFACConfig,
+    nonfinite: NonFinite,
+) -> None:
+    """:func:`~kfac_func.step.accumulate.fold_layers`, group by group (see the module
+    docstring); the same factors, counters and warnings.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> state = kf.init(kf.register(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))))
+        >>> layers = dict(state.layers)
+        >>> batch = (torch.eye(3), torch.eye(2), 1.0)
+        >>> fold_layers_grouped(layers, lambda n, ls: batch, 0.5, state.config, "skip")
+        >>> layers["1"].factor_updates, layers["1"].a_factor[0, 0].item()
+        (1, 1.0)
+    """
+    batches: dict[str, LayerFactors] = {}
+    groups: dict[Hashable, list[str]] = {}
+    for name in list(layers):
+        batch = batch_of(name, layers[name])
+        if batch is None:
+            continue
+        batches[name] = batch
+        groups.setdefault(_key(layers[name], batch, config), []).append(name)
+    pending: list[tuple[str, torch.Tensor, LayerState]] = []
+    for names in groups.values():
+        if len(names) == 1:
+            (name,) = names
+            before = layers[name]
+            a, g, _ = batches.pop(name)
+            layers[name], checks = fold_deferred(before, a, g, decay, config)
+            pending.append((name, checks, before))
+            continue
+        states = [layers[n] for n in names]
+        a = torch.stack([batches[n][0] for n in names])
+        g = torch.stack([batches[n][1] for n in names])
+        for n in names:
+            del batches[n]
+        old_a = stacked([ls.a_factor for ls in states])[0]
+        old_g = stacked([ls.g_factor for ls in states])[0]
+        if states[0].factor_updates == 0 and config.convention == "fisher":
+            new_a, new_g = a, g  # the first update takes the batch factors as they are
+        else:
+            new_a = old_a.mul(decay).add_(a, alpha=1 - decay)
+            new_g = old_g.mul(decay).add_(g, alpha=1 - decay)
+        checks = all_finite_rows([a, g, new_a, new_g])
+        ok = checks[:, 0] & checks[:, 1]
+        out_a = torch.where(_rows(ok, a), torch.where(_rows(checks[:, 2], a), new_a, a), old_a)
+        out_g = torch.where(_rows(ok, g), torch.where(_rows(checks[:, 3], g), new_g, g), old_g)
+        for name, ls, fa, fg, c in zip(
+            names, states, out_a.unbind(0), out_g.unbind(0), checks.unbind(0)
+        ):
+            layers[name] = ls.replace(
+                a_factor=fa, g_factor=fg, factor_updates=ls.factor_updates + 1
+            )
+            pending.append((name, c, ls))
+        del states, a, g, old_a, old_g, new_a, new_g, out_a, out_g
+    settle_folds(layers, pending, nonfinite)
+
+
+def _rows(flags: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``flags`` (one per row of ``like``) shaped to broadcast over ``like``."""
+    return flags.reshape(-1, *([1] * (like.dim() - 1)))
+
+
+def _key(ls: LayerState, batch: LayerFactors, config: KFACConfig) -> Hashable:
+    """What layers must share to be folded together; a tied layer's stacked uses, or
+    factors on another device than the batch's, fold alone."""
+    a, g, _ = batch
+    alone = (
+        ls.spec.block.stacked_uses
+        or a.dim() != ls.a_factor.dim()
+        or ls.a_factor.device != a.device
+        or ls.g_factor.device != g.device
+    )
+    if alone:
+        return ("alone", ls.spec.name)
+    first = ls.factor_updates == 0 and config.convention == "fisher"
+    shapes = tuple((tuple(t.shape), t.dtype, t.device) for t in (a, g, ls.a_factor, ls.g_factor))
+    return (shapes, first)
