@@ -28,6 +28,7 @@ from kfac_func.adapter.arguments import (
 )
 from kfac_func.adapter.checkpointing import StateDictMixin
 from kfac_func.adapter.compiled import uncompiled
+from kfac_func.adapter.grads import copy_back
 from kfac_func.adapter.inspection import InspectionMixin, check_factor_rows
 from kfac_func.adapter.recording import HookRecorder
 from kfac_func.adapter.sync_free import SyncFreeMixin
@@ -148,6 +149,8 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
             through ``torch.compile(fullgraph=True)``.
         batched_eigh: decompose factors of equal shape, dtype and device with one
             stacked ``eigh`` call per group.
+        grouped: on one process, compute the layers of one shape together (see
+            :func:`kfac_func.update`; transient memory: about the largest group's factors).
         eigh_device: run ``eigh`` on this device (e.g. ``"cpu"``) and move the results
             back to the factors' device; None: the factors' own.
         factor_rows: at most this many rows (examples × positions) of a Linear layer's
@@ -220,12 +223,13 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         compile: bool = False,
         batched_eigh: bool = False,
         eigh_device: torch.device | str | None = None,
+        grouped: bool = True,
         factor_rows: int | None = None,
         kinds: KindMap | None = None,
         convention: str | None = None,
     ) -> None:
         model = uncompiled(model)  # layers named as in the eager model
-        self._set_sync_free(sync_free, compile)
+        self._set_sync_free(sync_free, compile, grouped)
         self.batched_eigh, self.eigh_device = batched_eigh, check_eigh_device(eigh_device)
         self.factor_rows = check_factor_rows(factor_rows, update_factors_in_hook)
         self._set_arguments(
@@ -453,6 +457,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
                 update_factors=bool(batch) or captures is not None,
                 update_inverses=update_inverses,
                 donate=True,
+                grouped=self.grouped,
                 **self._rule_kwargs(),
             )
         else:
@@ -473,13 +478,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
                 rows=rows,
                 **self._rule_kwargs(),
             )
-        changed = [(g, new_grads[k]) for k, g in grads.items() if new_grads[k] is not g]
-        with torch.no_grad():
-            if changed and all(type(g) is torch.Tensor for g, _ in changed):  # one op for all
-                torch._foreach_copy_([g for g, _ in changed], [n for _, n in changed])
-            else:  # DTensors (FSDP2) have no foreach copy
-                for g, n in changed:
-                    g.copy_(n)
+        copy_back(grads, new_grads)
         if check:
             self._damping_checked = self._warn_if_damping_dominates(float(self._value(damping)))
         if self.adaptive is not None:

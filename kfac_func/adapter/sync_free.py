@@ -44,9 +44,11 @@ class SyncFreeMixin:
     """Whether steps decide on the device (no host synchronisation when only preconditioning)."""
     compile: bool
     """Whether steps that only precondition run compiled (``torch.compile``, fullgraph)."""
+    grouped: bool
+    """Whether a step on one process computes the layers of one shape together."""
 
-    def _set_sync_free(self, sync_free: bool, compile: bool) -> None:
-        for name, value in (("sync_free", sync_free), ("compile", compile)):
+    def _set_sync_free(self, sync_free: bool, compile: bool, grouped: bool = True) -> None:
+        for name, value in (("sync_free", sync_free), ("compile", compile), ("grouped", grouped)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
         if compile and not sync_free:
@@ -56,6 +58,7 @@ class SyncFreeMixin:
             )
         self.sync_free = sync_free
         self.compile = compile
+        self.grouped = grouped
         self._compiled: Callable[..., Any] | None = None
 
     def _stepper(self, precondition_only: bool) -> Callable[..., Any]:

@@ -92,8 +92,9 @@ def fold_layers_grouped(
             new_g = old_g.mul(decay).add_(g, alpha=1 - decay)
         checks = all_finite_rows([a, g, new_a, new_g])
         ok = checks[:, 0] & checks[:, 1]
-        out_a = torch.where(_rows(ok, a), torch.where(_rows(checks[:, 2], a), new_a, a), old_a)
-        out_g = torch.where(_rows(ok, g), torch.where(_rows(checks[:, 3], g), new_g, g), old_g)
+        # selected into the new stacks themselves (no further group-sized temporary)
+        out_a = _select(ok, checks[:, 2], new_a, a, old_a)
+        out_g = _select(ok, checks[:, 3], new_g, g, old_g)
         for name, ls, fa, fg, c in zip(
             names, states, out_a.unbind(0), out_g.unbind(0), checks.unbind(0)
         ):
@@ -103,6 +104,23 @@ def fold_layers_grouped(
             pending.append((name, c, ls))
         del states, a, g, old_a, old_g, new_a, new_g, out_a, out_g
     settle_folds(layers, pending, nonfinite)
+
+
+def _select(
+    ok: torch.Tensor,
+    folded: torch.Tensor,
+    new: torch.Tensor,
+    batch: torch.Tensor,
+    old: torch.Tensor,
+) -> torch.Tensor:
+    """Per row: ``new`` where the batch was finite (``ok``) and the fold too (``folded``),
+    the batch where only the fold was not (a running factor restarted), else ``old``;
+    written into ``new`` unless it is the batch itself (the first update)."""
+    out = new if new is not batch else None
+    if out is None:
+        return torch.where(_rows(ok, new), new, old)
+    torch.where(_rows(folded, new), new, batch, out=out)
+    return torch.where(_rows(ok, new), out, old, out=out)
 
 
 def _rows(flags: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -171,6 +171,8 @@ def update(
     if nonfinite not in ("skip", "raise"):
         raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
     check_sync_free(sync_free, nonfinite)
+    if not isinstance(grouped, bool):
+        raise TypeError(f"grouped must be a bool, got {grouped!r}")
     graft_settings = None
     if grafting is not None:
         graft_settings = Grafting(grafting, graft_beta2, graft_eps).check()
