@@ -52,9 +52,9 @@ and that a group stacks (the factors are not read: only their dtype is)."""
 def group_key(ls: LayerState, grads: Mapping[str, torch.Tensor]) -> Hashable:
     """What two layers must share to be preconditioned together: the layer's spec but for
     its names, the structure, shapes, dtypes and devices of the tensors of
-    :data:`GROUPED_FIELDS`, the dtypes of its gradients and factors, and the moments'
-    count (their bias correction). Validates the layer's gradients (a ValueError names
-    the layer).
+    :data:`GROUPED_FIELDS` and the dtypes of its gradients and factors (the moments'
+    counts, their bias correction, are compared apart: see :func:`plan_groups`).
+    Validates the layer's gradients (a ValueError names the layer).
 
     Example:
         >>> import torch
@@ -76,7 +76,7 @@ def group_key(ls: LayerState, grads: Mapping[str, torch.Tensor]) -> Hashable:
     tensors = tuple(_describe(getattr(ls, f)) for f in GROUPED_FIELDS)
     grad_types = (w.dtype, w.device, None if b is None else b.dtype)
     factor_types = (ls.a_factor.dtype, ls.g_factor.dtype)
-    return (settings, spec.bias is None, tensors, grad_types, factor_types, ls.moment_count)
+    return (settings, spec.bias is None, tensors, grad_types, factor_types)
 
 
 _NAMES = ("name", "weight", "bias")
@@ -121,8 +121,8 @@ def plan_groups(
     alone: Sequence[str] = (),
 ) -> list[list[str]]:
     """``names`` split into units computed together: each group of two layers or more
-    with equal :func:`group_key`, in the order of their first layer, then each other
-    layer (and each of ``alone``) on its own.
+    with equal :func:`group_key` and equal moment counts, in the order of their first
+    layer, then each other layer (and each of ``alone``) on its own.
 
     Example:
         >>> import torch
@@ -139,8 +139,24 @@ def plan_groups(
     for name in names:
         key = ("alone", name) if name in alone else group_key(layers[name], grads)
         groups.setdefault(key, []).append(name)
-    together = [g for g in groups.values() if len(g) > 1]
-    return together + [g for g in groups.values() if len(g) == 1]
+    # and equal moment counts (compared, not hashed: under torch.compile a count that
+    # changes from step to step is symbolic, and hashing it would recompile every step);
+    # a compiled step takes each layer's count as a tensor instead (see _stage)
+    if torch.compiler.is_compiling():
+        together = [g for g in groups.values() if len(g) > 1]
+        return together + [g for g in groups.values() if len(g) == 1]
+    runs: list[list[str]] = []
+    for members in groups.values():
+        split: list[list[str]] = []
+        for name in members:
+            count = layers[name].moment_count
+            same = [run for run in split if layers[run[0]].moment_count == count]
+            if same:
+                same[0].append(name)
+            else:
+                split.append([name])
+        runs += split
+    return [g for g in runs if len(g) > 1] + [g for g in runs if len(g) == 1]
 
 
 class _Unit:
@@ -182,9 +198,12 @@ class _Unit:
             self.relaid = [_rebuild(ls.decomposition, iter(v)) for ls, v in zip(self.states, views)]
         return [t for t, _ in out]
 
-    def run(self, fn: Any, *args: Any) -> Any:
-        """``fn(*args)``: vmapped over the stacked layers when batched."""
-        return vmap(fn)(*args) if self.batched else fn(*args)
+    def run(self, fn: Any, *args: Any, shared: tuple[Any, ...] = ()) -> Any:
+        """``fn(*args, *shared)``: vmapped over the stacked ``args`` when batched (the
+        ``shared`` values are the same for every layer)."""
+        if not self.batched:
+            return fn(*args, *shared)
+        return vmap(fn, in_dims=(0,) * len(args) + (None,) * len(shared))(*args, *shared)
 
     def per_layer(self, t: torch.Tensor) -> Sequence[torch.Tensor]:
         """A stacked result, one tensor per layer."""
@@ -248,7 +267,17 @@ def precondition_layers_grouped(
         name = unit.names[0]
         layer_rows = taken.get(name) if use_rows.get(name) else None
         stage = functools.partial(_stage, settings, unit.first, layer_rows)
-        res = unit.run(stage, unit.m, unit.finite, unit.fields())
+        if torch.compiler.is_compiling():
+            # the step and the moments' count change from call to call, so they are
+            # symbolic in a compiled step: handed to the vmapped function as tensors, which
+            # its graph takes as inputs (a symbolic int closed over by vmap is not)
+            device = unit.m.device
+            counts = [_scalar(ls.moment_count, device) for ls in unit.states]
+            count = torch.stack(counts) if unit.batched else counts[0]
+            shared = (_scalar(step, device),)
+            res = unit.run(stage, unit.m, unit.finite, unit.fields(), count, shared=shared)
+        else:
+            res = unit.run(stage, unit.m, unit.finite, unit.fields())
         if clip is not None:
             terms.append(res["term"].reshape(-1))
         results.append((unit, res["p"], res["change"]))
@@ -289,6 +318,11 @@ def precondition_layers_grouped(
     return out
 
 
+def _scalar(value: int, device: torch.device) -> torch.Tensor:
+    """A counter as a 0-d float64 tensor."""
+    return torch.scalar_tensor(value, dtype=torch.float64, device=device)
+
+
 class _Settings(NamedTuple):
     damping: float
     step: int
@@ -305,6 +339,8 @@ def _stage(
     m: torch.Tensor,
     finite: torch.Tensor,
     leaves: list[torch.Tensor],
+    count: torch.Tensor | None = None,
+    step: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """One layer's preconditioned matrix ``p``, the tensors of its state that change
     (``change``) and its kl_clip term (``term``, 0 where ``finite`` is False): the
@@ -312,19 +348,23 @@ def _stage(
     ``leaves`` the tensors of :data:`GROUPED_FIELDS` (as :meth:`_Unit.fields` lists them)."""
     taken = iter(leaves)
     ls = first.replace(**{f: _rebuild(getattr(first, f), taken) for f in GROUPED_FIELDS})
+    if count is not None:  # compiled: the counters as tensors (see the caller)
+        ls = ls.replace(moment_count=count)
     mine: dict[str, dict[str, object]] = {}
     p = precondition_with(
         ls,
         m,
         settings.damping,
         layer_rows,
-        step=settings.step,
+        step=settings.step if step is None else step,  # type: ignore[arg-type]
         grafting=settings.grafting,
         basis_moments=settings.basis_moments,
         changes=mine,
     )
     new = mine.get(ls.spec.name, {})
-    change: dict[str, object] = {k: v for k, v in new.items() if isinstance(v, torch.Tensor)}
+    change: dict[str, object] = {
+        k: v for k, v in new.items() if isinstance(v, torch.Tensor) and k != "moment_count"
+    }
     if settings.sync_free:
         change = keep_where(ls, change, finite)
         change["grad_skips"] = count_skips(ls, finite)
