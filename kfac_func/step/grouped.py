@@ -179,8 +179,9 @@ class _Unit:
         else:
             b = torch.stack([p[1] for p in pairs])  # type: ignore[misc]
             self.m = vmap(lambda w, b: spec.block.to_matrix(spec, w, b))(w, b)
-        lo, hi = torch.aminmax(self.m.reshape(len(names), -1), dim=1)
-        self.finite = torch.isfinite(lo) & torch.isfinite(hi)
+        rows = self.m.reshape(len(names), -1)  # the extremes propagate NaN (and amin and
+        # amax along a dimension are several times faster than aminmax)
+        self.finite = torch.isfinite(rows.amin(1)) & torch.isfinite(rows.amax(1))
 
     def fields(self) -> list[torch.Tensor]:
         """The tensors of :data:`GROUPED_FIELDS`, stacked when batched (a stack that the
@@ -297,7 +298,7 @@ def precondition_layers_grouped(
 
     out = dict(grads)
     for unit, p, change in results:
-        write = functools.partial(_written, unit.first.spec, scale)
+        write = functools.partial(_written, unit.first.spec, scale, sync_free)
         new = unit.run(write, p, unit.m, unit.finite)
         ws = unit.per_layer(new[0])
         bs = unit.per_layer(new[1]) if len(new) > 1 else [None] * len(ws)
@@ -378,15 +379,21 @@ def _stage(
 def _written(
     spec: LayerSpec,
     scale: torch.Tensor | None,
+    select: bool,
     p: torch.Tensor,
     m: torch.Tensor,
     finite: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:
     """The gradients written for one layer (the weight's, and the bias's if it has one):
-    from ``p`` scaled by the kl_clip factor where ``finite``, else from the raw matrix
-    ``m``."""
-    scaled = p if scale is None else p * scale.to(p.dtype)
-    w, b = spec.block.from_matrix(spec, torch.where(finite, scaled, m.to(p.dtype)))
+    from ``p`` scaled by the kl_clip factor, where ``finite`` if ``select`` (else from the
+    raw matrix ``m``); without ``select`` (the caller writes finite layers only) ``p``, the
+    step's own temporary, is scaled in place, as the per-layer step scales it."""
+    if not select:
+        out = p if scale is None else p.mul_(scale.to(p.dtype))
+    else:
+        scaled = p if scale is None else p * scale.to(p.dtype)
+        out = torch.where(finite, scaled, m.to(p.dtype))
+    w, b = spec.block.from_matrix(spec, out)
     return (w,) if b is None else (w, b)
 
 

@@ -36,7 +36,8 @@ def all_finite_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
                 [False,  True]])
     """
     n = tensors[0].shape[0]
-    ends = [torch.stack(torch.aminmax(t.reshape(n, -1), dim=1), dim=1) for t in tensors]
+    rows = [t.reshape(n, -1) for t in tensors]  # amin and amax: faster than aminmax here
+    ends = [torch.stack([r.amin(1), r.amax(1)], dim=1) for r in rows]
     return torch.isfinite(torch.stack(ends, dim=1)).all(dim=2)
 
 
