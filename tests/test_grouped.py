@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import kfac_func as kf
 from kfac_func.core.stacks import stacked
-from kfac_func.step.grouped import plan_groups
+from kfac_func.step.grouping import plan_groups
 
 pytest.importorskip("transformers")
 

@@ -54,7 +54,7 @@ from kfac_func.state import KFACState, LayerState
 from kfac_func.step.accumulate import fold_checked, layer_batch_factors
 from kfac_func.step.autocast import without_autocast
 from kfac_func.step.basis import BasisMoments, carry_moments, moment_bases
-from kfac_func.step.checks import check_grads_mapping, check_layers, layer_matrix, validate_grads
+from kfac_func.step.checks import check_grads_mapping, layer_matrix
 from kfac_func.step.decompose import (
     batched_eigenpairs,
     check_eigh_device,
@@ -62,19 +62,16 @@ from kfac_func.step.decompose import (
     needs_decomposition,
     warm_start,
 )
+from kfac_func.step.grouped import preconditioned_layers
 from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, resolve
 from kfac_func.step.precondition import (
     Grafting,
     apply_preconditioned,
     captured_rows,
-    precondition_with,
 )
 from kfac_func.step.sync_free import (
     apply_selected,
     check_sync_free,
-    count_skips,
-    keep_where,
-    layer_finite,
     report_layers,
 )
 
@@ -421,43 +418,31 @@ def update_distributed(
         for name in names
         if rank in plan.layers[name].grad_workers and layers[name].decomposition is not None
     ]
-    if sync_free:
-        validate_grads(layers, grads)  # before any gradient travels
-    checks = {} if sync_free else check_layers(layers, grads, mine, nonfinite, rows)
+    # the layers this rank preconditions, group by group (validates every gradient
+    # before any travels; the default mode's checks are read once, warned or raised)
+    owned = preconditioned_layers(
+        layers,
+        grads,
+        mine,
+        lam,
+        step=step,
+        nonfinite=nonfinite,
+        sync_free=sync_free,
+        rows=rows,
+        grafting=graft_settings,
+        basis_moments=basis_settings,
+        changes=changes,
+    )
     finite: dict[str, torch.Tensor] = {}  # sync_free: the grad workers' checks, on device
     results: list[tuple[str, torch.Tensor, Pending]] = []
     for name in names:
         ls = layers[name]
         m = layer_matrix(ls, grads)
-        check = checks.get(name)
-        if sync_free and name in mine:
-            finite[name] = layer_finite(ls.spec, grads)
-            new: dict[str, dict[str, object]] = {}
-            p = precondition_with(
-                ls,
-                m,
-                lam,
-                None,
-                step=step,
-                grafting=graft_settings,
-                basis_moments=basis_settings,
-                changes=new,
-            )
-            changes[name] = keep_where(ls, new.get(ls.spec.name, {}), finite[name])
-            changes[name]["grad_skips"] = count_skips(ls, finite[name])
-        elif check is not None and check.finite:
-            p = precondition_with(
-                ls,
-                m,
-                lam,
-                rows.get(name) if check.rows else None,
-                step=step,
-                grafting=graft_settings,
-                basis_moments=basis_settings,
-                changes=changes,
-            )
-        else:
-            p = m
+        p = m
+        if name in owned:
+            p, flag = owned[name]
+            if sync_free:
+                finite[name] = flag
         if plan.broadcast_gradients:
             # the sender's flag says whether it preconditioned the layer
             flag = torch.full((1,), float(p is not m), dtype=m.dtype, device=m.device)

@@ -18,9 +18,8 @@ as one-layer units of the same code, without stacking.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -33,130 +32,12 @@ from kfac_func.core.stacks import stacked
 from kfac_func.state import LayerState
 from kfac_func.step.basis import BasisMoments
 from kfac_func.step.checks import layer_grads, rows_cheaper, validate_grads
+from kfac_func.step.grouping import GROUPED_FIELDS, leaves_of, plan_groups, rebuild
 from kfac_func.step.hyper import Hyper, NonFinite, check_hyper, non_finite, resolve, take
 from kfac_func.step.layer_step import Grafting, precondition_with
 from kfac_func.step.sync_free import all_finite_tensor, count_skips, keep_where
 
-__all__ = [
-    "GROUPED_FIELDS",
-    "group_key",
-    "plan_groups",
-    "precondition_layers_grouped",
-]
-
-GROUPED_FIELDS = ("decomposition", "graft_moment", "basis_moment", "basis_momentum", "grad_skips")
-"""The fields of a :class:`~kfac_func.state.LayerState` that the preconditioning reads
-and that a group stacks (the factors are not read: only their dtype is)."""
-
-
-def group_key(ls: LayerState, grads: Mapping[str, torch.Tensor]) -> Hashable:
-    """What two layers must share to be preconditioned together: the layer's spec but for
-    its names, the structure, shapes, dtypes and devices of the tensors of
-    :data:`GROUPED_FIELDS` and the dtypes of its gradients and factors (the moments'
-    counts, their bias correction, are compared apart: see :func:`plan_groups`).
-    Validates the layer's gradients (a ValueError names the layer).
-
-    Example:
-        >>> import torch
-        >>> from torch import nn
-        >>> import kfac_func as kf
-        >>> state = kf.decompose(kf.init(kf.register(nn.Sequential(
-        ...     nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 2))), convention="kfac-pytorch"))
-        >>> grads = {f"{i}.{p}": torch.zeros(s) for i, w in ((0, 3), (1, 3), (2, 2))
-        ...          for p, s in (("weight", (w, 3)), ("bias", (w,)))}
-        >>> keys = [group_key(state.layers[n], grads) for n in ("0", "1", "2")]
-        >>> keys[0] == keys[1], keys[0] == keys[2]
-        (True, False)
-    """
-    spec = ls.spec
-    w, b = layer_grads(spec, grads)
-    settings = tuple(
-        getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name not in _NAMES
-    )
-    tensors = tuple(_describe(getattr(ls, f)) for f in GROUPED_FIELDS)
-    grad_types = (w.dtype, w.device, None if b is None else b.dtype)
-    factor_types = (ls.a_factor.dtype, ls.g_factor.dtype)
-    return (settings, spec.bias is None, tensors, grad_types, factor_types)
-
-
-_NAMES = ("name", "weight", "bias")
-
-
-def _describe(value: Any) -> Hashable:
-    """A field's structure, shapes, dtypes and devices: None, a tensor, or a decomposition
-    (a dataclass of tensors and Nones)."""
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), value.dtype, value.device)
-    parts = tuple((f.name, _describe(getattr(value, f.name))) for f in dataclasses.fields(value))
-    return (type(value).__name__, parts)
-
-
-def _leaves(value: Any) -> list[torch.Tensor]:
-    """The tensors of a field, in the order :func:`_rebuild` takes them."""
-    if value is None:
-        return []
-    if isinstance(value, torch.Tensor):
-        return [value]
-    found = (getattr(value, f.name) for f in dataclasses.fields(value))
-    return [t for t in found if t is not None]
-
-
-def _rebuild(template: Any, leaves: Iterator[torch.Tensor]) -> Any:
-    """``template`` (a field of the first layer) with its tensors taken from ``leaves``."""
-    if template is None:
-        return None
-    if isinstance(template, torch.Tensor):
-        return next(leaves)
-    names = [f.name for f in dataclasses.fields(template) if getattr(template, f.name) is not None]
-    return dataclasses.replace(template, **{n: next(leaves) for n in names})
-
-
-def plan_groups(
-    layers: Mapping[str, LayerState],
-    names: Sequence[str],
-    grads: Mapping[str, torch.Tensor],
-    *,
-    alone: Sequence[str] = (),
-) -> list[list[str]]:
-    """``names`` split into units computed together: each group of two layers or more
-    with equal :func:`group_key` and equal moment counts, in the order of their first
-    layer, then each other layer (and each of ``alone``) on its own.
-
-    Example:
-        >>> import torch
-        >>> from torch import nn
-        >>> import kfac_func as kf
-        >>> model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2), nn.Linear(2, 3),
-        ...                       nn.Linear(3, 3))
-        >>> state = kf.decompose(kf.init(kf.register(model), convention="kfac-pytorch"))
-        >>> grads = {k: torch.zeros_like(p) for k, p in model.named_parameters()}
-        >>> plan_groups(state.layers, list(state.layers), grads)
-        [['0', '3'], ['1'], ['2']]
-    """
-    groups: dict[Hashable, list[str]] = {}
-    for name in names:
-        key = ("alone", name) if name in alone else group_key(layers[name], grads)
-        groups.setdefault(key, []).append(name)
-    # and equal moment counts (compared, not hashed: under torch.compile a count that
-    # changes from step to step is symbolic, and hashing it would recompile every step);
-    # a compiled step takes each layer's count as a tensor instead (see _stage)
-    if torch.compiler.is_compiling():
-        together = [g for g in groups.values() if len(g) > 1]
-        return together + [g for g in groups.values() if len(g) == 1]
-    runs: list[list[str]] = []
-    for members in groups.values():
-        split: list[list[str]] = []
-        for name in members:
-            count = layers[name].moment_count
-            same = [run for run in split if layers[run[0]].moment_count == count]
-            if same:
-                same[0].append(name)
-            else:
-                split.append([name])
-        runs += split
-    return [g for g in runs if len(g) > 1] + [g for g in runs if len(g) == 1]
+__all__ = ["precondition_layers_grouped", "preconditioned_layers"]
 
 
 class _Unit:
@@ -188,15 +69,15 @@ class _Unit:
         layers' tensors are already views of is taken as it is, see :func:`stacked`).
         Sets :attr:`relaid`: the layers' decompositions as views of fresh stacks (their
         new layout, for the state; None when there is nothing to change)."""
-        per = [[t for f in GROUPED_FIELDS for t in _leaves(getattr(ls, f))] for ls in self.states]
+        per = [[t for f in GROUPED_FIELDS for t in leaves_of(getattr(ls, f))] for ls in self.states]
         self.relaid: list[Any] | None = None
         if not self.batched:
             return per[0]
         out = [stacked(xs) for xs in zip(*per)]
-        k = len(_leaves(self.first.decomposition))
+        k = len(leaves_of(self.first.decomposition))
         if any(fresh for _, fresh in out[:k]) and not torch.compiler.is_compiling():
             views = list(zip(*(t.unbind(0) for t, _ in out[:k])))
-            self.relaid = [_rebuild(ls.decomposition, iter(v)) for ls, v in zip(self.states, views)]
+            self.relaid = [rebuild(ls.decomposition, iter(v)) for ls, v in zip(self.states, views)]
         return [t for t, _ in out]
 
     def run(self, fn: Any, *args: Any, shared: tuple[Any, ...] = ()) -> Any:
@@ -253,16 +134,105 @@ def precondition_layers_grouped(
         check_hyper("kl_clip", clip, lambda v: v > 0, "> 0 (or None to disable)")
     decomposed = [name for name, ls in layers.items() if ls.decomposition is not None]
     taken = {name: take(rows, name, consume_rows) for name in decomposed}
-    alone: list[str] = []
-    if not sync_free and basis_moments is None:
-        alone = [n for n in decomposed if rows_cheaper(layers[n].spec, taken[n])]
-    plan = plan_groups(layers, decomposed, grads, alone=alone)
-    units = [_Unit(names, layers, grads) for names in plan]
-    # default mode: {finite layer: whether its rows replace its gradient}
-    use_rows = {} if sync_free else _check(units, layers, grads, taken, alone, nonfinite)
-
     settings = _Settings(damping, step, grafting, basis_moments, sync_free, clip is not None)
-    terms: list[torch.Tensor] = []
+    units, use_rows, results = _compute(layers, grads, decomposed, taken, settings, nonfinite)
+    terms = [res["term"].reshape(-1) for _, res in results] if clip is not None else []
+    scale: torch.Tensor | None = None
+    if clip is not None and terms:
+        # summed in name order, as the per-layer step sums them
+        order = [name for unit in units for name in unit.names]
+        place = {name: k for k, name in enumerate(order)}
+        names = sorted(order)
+        vector = torch.cat(terms) if len(terms) > 1 else terms[0]
+        if names != order:
+            index = torch.tensor([place[n] for n in names], device=vector.device)
+            vector = vector.index_select(0, index)
+        dtype = next(res["p"].dtype for unit, res in results if names[0] in unit.names)
+        scale = kl_clip_scale_of_vector(vector, clip, rate, dtype=dtype)
+
+    out = dict(grads)
+    for unit, res in results:
+        write = functools.partial(_written, unit.first.spec, scale, sync_free)
+        new = unit.run(write, res["p"], unit.m, unit.finite)
+        ws = unit.per_layer(new[0])
+        bs = unit.per_layer(new[1]) if len(new) > 1 else [None] * len(ws)
+        for i, (name, ls) in enumerate(zip(unit.names, unit.states)):
+            if not sync_free and name not in use_rows:  # default mode: finite layers only
+                continue
+            ls.spec.block.write_grads(ls.spec, out, grads, ws[i], bs[i])
+        _record(unit, res, use_rows, settings, changes)
+    return out
+
+
+def preconditioned_layers(
+    layers: Mapping[str, LayerState],
+    grads: Mapping[str, torch.Tensor],
+    names: Sequence[str],
+    damping: float,
+    *,
+    step: int,
+    nonfinite: NonFinite,
+    sync_free: bool = False,
+    rows: Mapping[str, Rows] | None = None,
+    grafting: Grafting | None = None,
+    basis_moments: BasisMoments | None = None,
+    changes: dict[str, dict[str, object]] | None = None,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The preconditioned gradient matrices of the decomposed layers among ``names``,
+    computed group by group, before the kl_clip scale: ``{layer: (P, finite)}`` with
+    ``finite`` a 0-d bool tensor. In the default mode only the layers whose gradients are
+    finite are there (the others warned about or raised, as
+    :func:`~kfac_func.step.checks.check_layers` does); with ``sync_free`` every one, its
+    flag deciding on the device. The changes of the layer states go into
+    ``changes[layer]`` (as :func:`precondition_layers_grouped`'s). The distributed step
+    preconditions the layers a rank owns with it.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+        >>> state = kf.decompose(kf.init(kf.register(model), convention="kfac-pytorch"),
+        ...                      damping=1.0)
+        >>> grads = {k: torch.ones_like(p) for k, p in model.named_parameters()}
+        >>> out = preconditioned_layers(state.layers, grads, ["1"], 1.0, step=0,
+        ...                             nonfinite="skip")
+        >>> out["1"][0][:, -1], out["1"][1]
+        (tensor([0.5000, 0.5000, 0.5000]), tensor(True))
+    """
+    validate_grads(layers, grads)
+    chosen = [n for n in names if layers[n].decomposition is not None]
+    taken = {n: None if rows is None else rows.get(n) for n in chosen}
+    settings = _Settings(damping, step, grafting, basis_moments, sync_free, False)
+    _, use_rows, results = _compute(layers, grads, chosen, taken, settings, nonfinite)
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for unit, res in results:
+        for name, p, finite in zip(
+            unit.names, unit.per_layer(res["p"]), unit.per_layer(unit.finite)
+        ):
+            if sync_free or name in use_rows:
+                out[name] = (p, finite)
+        _record(unit, res, use_rows, settings, changes)
+    return out
+
+
+def _compute(
+    layers: Mapping[str, LayerState],
+    grads: Mapping[str, torch.Tensor],
+    names: Sequence[str],
+    taken: Mapping[str, Rows | None],
+    settings: _Settings,
+    nonfinite: NonFinite,
+) -> tuple[list[_Unit], dict[str, bool], list[tuple[_Unit, dict[str, Any]]]]:
+    """The units of ``names`` (decomposed layers), the default mode's checks
+    (``{finite layer: use its rows}``, see :func:`_check`) and each unit's results of
+    :func:`_stage`."""
+    alone: list[str] = []
+    if not settings.sync_free and settings.basis_moments is None:
+        alone = [n for n in names if rows_cheaper(layers[n].spec, taken.get(n))]
+    plan = plan_groups(layers, names, grads, alone=alone)
+    units = [_Unit(group, layers, grads) for group in plan]
+    use_rows = {} if settings.sync_free else _check(units, layers, grads, taken, alone, nonfinite)
     results = []
     for unit in units:
         name = unit.names[0]
@@ -275,48 +245,37 @@ def precondition_layers_grouped(
             device = unit.m.device
             counts = [_scalar(ls.moment_count, device) for ls in unit.states]
             count = torch.stack(counts) if unit.batched else counts[0]
-            shared = (_scalar(step, device),)
+            shared = (_scalar(settings.step, device),)
             res = unit.run(stage, unit.m, unit.finite, unit.fields(), count, shared=shared)
         else:
             res = unit.run(stage, unit.m, unit.finite, unit.fields())
-        if clip is not None:
-            terms.append(res["term"].reshape(-1))
-        results.append((unit, res["p"], res["change"]))
+        results.append((unit, res))
+    return units, use_rows, results
 
-    scale: torch.Tensor | None = None
-    if clip is not None and terms:
-        # summed in name order, as the per-layer step sums them
-        order = [name for unit in units for name in unit.names]
-        place = {name: k for k, name in enumerate(order)}
-        names = sorted(order)
-        vector = torch.cat(terms) if len(terms) > 1 else terms[0]
-        if names != order:
-            index = torch.tensor([place[n] for n in names], device=vector.device)
-            vector = vector.index_select(0, index)
-        dtype = next(p.dtype for unit, p, _ in results if names[0] in unit.names)
-        scale = kl_clip_scale_of_vector(vector, clip, rate, dtype=dtype)
 
-    out = dict(grads)
-    for unit, p, change in results:
-        write = functools.partial(_written, unit.first.spec, scale, sync_free)
-        new = unit.run(write, p, unit.m, unit.finite)
-        ws = unit.per_layer(new[0])
-        bs = unit.per_layer(new[1]) if len(new) > 1 else [None] * len(ws)
-        news = {k: unit.per_layer(v) for k, v in change.items()}
-        for i, (name, ls) in enumerate(zip(unit.names, unit.states)):
-            if not sync_free and name not in use_rows:  # default mode: finite layers only
-                continue
-            ls.spec.block.write_grads(ls.spec, out, grads, ws[i], bs[i])
-            if changes is None:
-                continue
-            mine: dict[str, object] = {k: v[i] for k, v in news.items()}
-            if unit.relaid is not None:  # the same values, as views of the group's stack
-                mine["decomposition"] = unit.relaid[i]
-            if basis_moments is not None:
-                mine["moment_count"] = ls.moment_count + 1
-            if mine:
-                changes[name] = mine
-    return out
+def _record(
+    unit: _Unit,
+    res: Mapping[str, Any],
+    use_rows: Mapping[str, bool],
+    settings: _Settings,
+    changes: dict[str, dict[str, object]] | None,
+) -> None:
+    """The changes of the unit's layer states into ``changes[layer]``: the new running
+    moments (default mode: of the finite layers only), the moments' count, and the
+    decompositions as views of the group's stack where they were stacked afresh."""
+    if changes is None:
+        return
+    news = {k: unit.per_layer(v) for k, v in res["change"].items()}
+    for i, (name, ls) in enumerate(zip(unit.names, unit.states)):
+        if not settings.sync_free and name not in use_rows:
+            continue
+        mine: dict[str, object] = {k: v[i] for k, v in news.items()}
+        if unit.relaid is not None:  # the same values, as views of the group's stack
+            mine["decomposition"] = unit.relaid[i]
+        if settings.basis_moments is not None:
+            mine["moment_count"] = ls.moment_count + 1
+        if mine:
+            changes[name] = mine
 
 
 def _scalar(value: int, device: torch.device) -> torch.Tensor:
@@ -348,7 +307,7 @@ def _stage(
     function a group runs under vmap. ``first`` gives the static parts of the layer state,
     ``leaves`` the tensors of :data:`GROUPED_FIELDS` (as :meth:`_Unit.fields` lists them)."""
     taken = iter(leaves)
-    ls = first.replace(**{f: _rebuild(getattr(first, f), taken) for f in GROUPED_FIELDS})
+    ls = first.replace(**{f: rebuild(getattr(first, f), taken) for f in GROUPED_FIELDS})
     if count is not None:  # compiled: the counters as tensors (see the caller)
         ls = ls.replace(moment_count=count)
     mine: dict[str, dict[str, object]] = {}
