@@ -5,14 +5,16 @@ the moments into a recomputed eigenbasis. The math is in
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, MutableMapping
-from typing import NamedTuple
+from collections.abc import Collection, Hashable, Mapping, MutableMapping
+from typing import Any, NamedTuple
 
 import torch
+from torch.func import vmap
 
 from kfac_func.core.basis_moments import adam_in_basis
 from kfac_func.core.basis_moments import carry_moments as carry_both
 from kfac_func.core.decomposition import Decomposition, EigenDecomposition, EKFACDecomposition
+from kfac_func.core.stacks import stacked
 from kfac_func.state import LayerState
 from kfac_func.step.hyper import check_hyper
 
@@ -90,11 +92,16 @@ def carry_moments(
     layers: MutableMapping[str, LayerState],
     before: Mapping[str, tuple[torch.Tensor | None, torch.Tensor | None]],
     fresh: Collection[str],
+    *,
+    grouped: bool = False,
 ) -> None:
     """Carry the moments of every layer in ``fresh`` (decomposed anew) from its basis in
     ``before`` into its new one (in place; the count is kept): the second moment's
     diagonal approximately (:func:`~kfac_func.core.basis_moments.carry_moment`), the
-    first moment exactly (:func:`~kfac_func.core.basis_moments.rotate_moment`)."""
+    first moment exactly (:func:`~kfac_func.core.basis_moments.rotate_moment`). With
+    ``grouped``, layers whose moments and bases have the same shapes are carried together
+    (stacked, under :func:`torch.func.vmap`; the same numbers to rounding)."""
+    todo: dict[Hashable, list[tuple[str, Any, Any]]] = {}
     for name in fresh:
         ls = layers[name]
         if name not in before or ls.basis_moment is None or ls.decomposition is None:
@@ -103,5 +110,35 @@ def carry_moments(
         new = basis_of(ls.decomposition)
         if all(o is n for o, n in zip(old, new)):
             continue
-        moment, first = carry_both(ls.basis_moment, ls.basis_momentum, old, new)
-        layers[name] = ls.replace(basis_moment=moment, basis_momentum=first)
+        parts = (ls.basis_moment, ls.basis_momentum, *old, *new)
+        key = tuple(None if t is None else (tuple(t.shape), t.dtype, t.device) for t in parts)
+        todo.setdefault(key if grouped else name, []).append((name, old, new))
+    for members in todo.values():
+        if len(members) == 1:
+            name, old, new = members[0]
+            ls = layers[name]
+            moment, first = carry_both(ls.basis_moment, ls.basis_momentum, old, new)  # type: ignore[arg-type]
+            layers[name] = ls.replace(basis_moment=moment, basis_momentum=first)
+            continue
+        states = [layers[name] for name, _, _ in members]
+        columns = [
+            [ls.basis_moment for ls in states],
+            [ls.basis_momentum for ls in states],
+            *([m[1][k] for m in members] for k in range(2)),
+            *([m[2][k] for m in members] for k in range(2)),
+        ]
+        present = [c[0] is not None for c in columns]
+        stacks = [stacked(c)[0] for c, here in zip(columns, present) if here]  # type: ignore[arg-type]
+
+        def carry(*ts: torch.Tensor, present: list[bool] = present) -> Any:
+            it = iter(ts)
+            moment, first, oa, og, na, ng = (next(it) if here else None for here in present)
+            out = carry_both(moment, first, (oa, og), (na, ng))  # type: ignore[arg-type]
+            return out if out[1] is not None else out[0]
+
+        result = vmap(carry)(*stacks)
+        seconds, firsts = result if isinstance(result, tuple) else (result, None)
+        second_each = seconds.unbind(0)
+        first_each = [None] * len(members) if firsts is None else firsts.unbind(0)
+        for (name, _, _), ls, moment, first in zip(members, states, second_each, first_each):
+            layers[name] = ls.replace(basis_moment=moment, basis_momentum=first)

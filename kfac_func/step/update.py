@@ -217,7 +217,7 @@ def update(
         eigh_device=eigh_device,
         grouped=grouped,
     )
-    carry_moments(layers, before, fresh)
+    carry_moments(layers, before, fresh, grouped=grouped)
     if config.compute_method == "ekfac" and micro is not None:
         # EKFAC: this step's per-example moments in the current eigenbases
         update_scales(layers, micro, decay, nonfinite, fresh)
