@@ -24,11 +24,9 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,20 +93,6 @@ def run(rank: int, world: int, store: str, queue: mp.Queue) -> None:  # type: ig
     dist.destroy_process_group()
 
 
-def git_commit() -> dict[str, Any]:
-    """``HEAD`` of this checkout and whether tracked files differ from it."""
-
-    def git(*a: str) -> str:
-        return subprocess.run(
-            ["git", *a], cwd=ROOT, capture_output=True, text=True, check=False
-        ).stdout.strip()
-
-    return {
-        "commit": git("rev-parse", "HEAD") or None,
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-    }
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -124,6 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from step_time import cpu_model, git_commit
+
     provenance = git_commit()  # when the run starts
     ctx = mp.get_context("spawn")
     rows = []
@@ -147,9 +134,6 @@ def main(argv: list[str] | None = None) -> None:
             f"{world:5d}  {strategy:10}  {plan:10}  {kind:4}  {rank:4d}  {factors:8d}  "
             f"{decs:8d}  {sent:10.0f}"
         )
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from step_time import cpu_model
-
     result = {
         "command": " ".join(["python", "benchmarks/fsdp_memory.py", *(argv or sys.argv[1:])]),
         **provenance,

@@ -76,7 +76,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -91,7 +90,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # this checkout's kfac_func
-from step_time import cpu_model, load_example, print_table  # noqa: E402
+from step_time import cpu_model, git_commit, load_example, print_table  # noqa: E402
 
 import kfac_func as kf  # noqa: E402
 
@@ -460,18 +459,6 @@ def print_rows(rows: list[dict[str, Any]], depths: list[int]) -> None:
 
 
 # --------------------------------------------------------------------------- main
-
-
-def git_commit() -> dict[str, Any]:
-    def git(*a: str) -> str:
-        return subprocess.run(
-            ["git", *a], cwd=ROOT, capture_output=True, text=True, check=False
-        ).stdout.strip()
-
-    return {
-        "commit": git("rev-parse", "HEAD") or None,
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

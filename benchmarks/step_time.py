@@ -73,6 +73,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
@@ -412,6 +413,13 @@ def load_example(name: str) -> ModuleType:
 def cpu_model() -> str:
     """The CPU's model name, as the examples' results record it (``examples/common.py``)."""
     return str(load_example("common").cpu_model()) or "unknown"
+
+
+def git_commit() -> dict[str, Any]:
+    """``{"commit": HEAD, "dirty": whether tracked files differ from it}`` of this
+    checkout, as the examples' results record it (``examples/common.py``)."""
+    commit, dirty = load_example("common").checkout()
+    return {"commit": commit or None, "dirty": bool(dirty)}
 
 
 def print_table(headers: list[str], rows: list[list[str]]) -> None:
