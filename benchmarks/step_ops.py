@@ -66,6 +66,13 @@ whole step; for forward+backward: over the plain forward+backward) at the same d
 The compile times printed are warm-up wall times: inductor's on-disk cache shortens
 them when the same graphs were compiled before on the machine. No time is
 asserted anywhere; only ratios from one run compare (the CPU is printed).
+
+The preconditioners run with their defaults, so with ``grouped=True`` (layers of one shape
+computed together). ``benchmarks/results/step_ops_before.json`` is a run of this script
+at a commit before the grouped step existed (the per-layer step); the JSON of each run
+records its commit. The "syncs" column counts ``aten._local_scalar_dense`` only: a
+``.tolist()`` read of a tensor, also a host synchronisation, is not dispatched and is not
+counted.
 """
 
 from __future__ import annotations
