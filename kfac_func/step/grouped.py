@@ -3,10 +3,11 @@
 A per-layer step costs a few dozen small tensor operations, and the Python around them,
 for every layer; on a GPU each operation is a kernel launch, so a deep model's step is
 launch-bound. Here the layers whose states and gradients have the same shapes, dtypes,
-kind and settings (:func:`group_key`) form a *group*: each of their tensors is stacked
-once, the per-layer function (:func:`~kfac_func.step.layer_step.precondition_with`, the
-per-layer step's own) runs once over the stacks under :func:`torch.func.vmap`, and the
-results are unbound into the layers. The operations of a step grow with the number of
+kind and settings (:func:`~kfac_func.step.grouping.group_key`) form a *group*: each of
+their tensors is stacked once, the per-layer function
+(:func:`~kfac_func.step.layer_step.precondition_with`, the per-layer step's own) runs once
+over the stacks under :func:`torch.func.vmap`, and the results are unbound into the
+layers. The operations of a step grow with the number of
 groups, not of layers: a transformer has a handful of groups whatever its depth.
 
 The numbers are the per-layer step's up to the rounding of batched products (the same
