@@ -40,7 +40,9 @@ __all__ = [
     "fold_factors",
     "fold_layers",
     "layer_batch_factors",
+    "running_average",
     "settle_folds",
+    "takes_batch",
 ]
 
 
@@ -198,13 +200,31 @@ def fold_factors(
         # a state built without device= for a model elsewhere: its starting factors
         # (constants) move to the batch's device with the first update
         ls = ls.replace(a_factor=ls.a_factor.to(a.device), g_factor=ls.g_factor.to(g.device))
-    if ls.factor_updates == 0 and config.convention == "fisher":
+    if takes_batch(ls, config):
         new_a, new_g = a, g
     else:
-        # one new tensor per factor: decay·old, then + (1 − decay)·batch in place
-        new_a = ls.a_factor.mul(decay).add_(a, alpha=1 - decay)
-        new_g = ls.g_factor.mul(decay).add_(g, alpha=1 - decay)
+        new_a, new_g = (
+            running_average(ls.a_factor, a, decay),
+            running_average(ls.g_factor, g, decay),
+        )
     return ls.replace(a_factor=new_a, g_factor=new_g, factor_updates=ls.factor_updates + 1)
+
+
+def takes_batch(ls: LayerState, config: KFACConfig) -> bool:
+    """Whether the layer's next update takes the batch factors as they are: the first
+    update of a ``"fisher"`` state (its starting factors are zeros, not data)."""
+    return ls.factor_updates == 0 and config.convention == "fisher"
+
+
+def running_average(old: torch.Tensor, batch: torch.Tensor, decay: float) -> torch.Tensor:
+    """``decay · old + (1 − decay) · batch``: one new tensor, ``decay · old``, then the batch
+    added in place (the same rounding for one layer's factor and for a stack of them).
+
+    Example:
+        >>> running_average(torch.ones(2), torch.zeros(2), 0.75)
+        tensor([0.7500, 0.7500])
+    """
+    return old.mul(decay).add_(batch, alpha=1 - decay)
 
 
 @without_autocast

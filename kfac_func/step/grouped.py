@@ -34,7 +34,13 @@ from kfac_func.state import LayerState
 from kfac_func.step.basis import BasisMoments
 from kfac_func.step.checks import layer_grads, rows_cheaper, validate_grads
 from kfac_func.step.grouping import GROUPED_FIELDS, leaves_of, plan_groups, rebuild
-from kfac_func.step.hyper import Hyper, NonFinite, check_hyper, non_finite, resolve, take
+from kfac_func.step.hyper import (
+    Hyper,
+    NonFinite,
+    clip_and_rate,
+    non_finite,
+    take,
+)
 from kfac_func.step.layer_step import Grafting, precondition_with
 from kfac_func.step.sync_free import all_finite_tensor, count_skips, keep_where
 
@@ -128,11 +134,7 @@ def precondition_layers_grouped(
         tensor([0.5000, 0.5000, 0.5000])
     """
     validate_grads(layers, grads)
-    clip = resolve(kl_clip, step) if kl_clip is not None else None
-    rate = resolve(lr, step)
-    check_hyper("lr", rate, lambda v: v >= 0, ">= 0")
-    if clip is not None:
-        check_hyper("kl_clip", clip, lambda v: v > 0, "> 0 (or None to disable)")
+    clip, rate = clip_and_rate(kl_clip, lr, step)
     decomposed = [name for name, ls in layers.items() if ls.decomposition is not None]
     taken = {name: take(rows, name, consume_rows) for name in decomposed}
     settings = _Settings(damping, step, grafting, basis_moments, sync_free, clip is not None)

@@ -19,7 +19,13 @@ import torch
 
 from kfac_func.core.stacks import stacked
 from kfac_func.state import KFACConfig, LayerState
-from kfac_func.step.accumulate import LayerFactors, fold_deferred, settle_folds
+from kfac_func.step.accumulate import (
+    LayerFactors,
+    fold_deferred,
+    running_average,
+    settle_folds,
+    takes_batch,
+)
 from kfac_func.step.hyper import NonFinite
 
 __all__ = ["all_finite_rows", "fold_layers_grouped"]
@@ -86,11 +92,10 @@ def fold_layers_grouped(
             del batches[n]
         old_a = stacked([ls.a_factor for ls in states])[0]
         old_g = stacked([ls.g_factor for ls in states])[0]
-        if states[0].factor_updates == 0 and config.convention == "fisher":
-            new_a, new_g = a, g  # the first update takes the batch factors as they are
+        if takes_batch(states[0], config):
+            new_a, new_g = a, g
         else:
-            new_a = old_a.mul(decay).add_(a, alpha=1 - decay)
-            new_g = old_g.mul(decay).add_(g, alpha=1 - decay)
+            new_a, new_g = running_average(old_a, a, decay), running_average(old_g, g, decay)
         checks = all_finite_rows([a, g, new_a, new_g])
         ok = checks[:, 0] & checks[:, 1]
         # selected into the new stacks themselves (no further group-sized temporary)
@@ -141,6 +146,6 @@ def _key(ls: LayerState, batch: LayerFactors, config: KFACConfig) -> Hashable:
     )
     if alone:
         return ("alone", ls.spec.name)
-    first = ls.factor_updates == 0 and config.convention == "fisher"
+    first = takes_batch(ls, config)
     shapes = tuple((tuple(t.shape), t.dtype, t.device) for t in (a, g, ls.a_factor, ls.g_factor))
     return (shapes, first)

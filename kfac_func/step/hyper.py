@@ -22,6 +22,7 @@ __all__ = [
     "as_list",
     "check_hyper",
     "check_step_hyper",
+    "clip_and_rate",
     "exp_decay_factor_averaging",
     "non_finite",
     "resolve",
@@ -65,6 +66,22 @@ def check_hyper(name: str, value: float | None, ok: Callable[[float], bool], exp
         raise TypeError(f"{name} must be a number, got {value!r}")
     if math.isnan(value) or not ok(value):
         raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def clip_and_rate(kl_clip: Hyper | None, lr: Hyper, step: int) -> tuple[float | None, float]:
+    """``kl_clip`` (None: no clipping) and ``lr`` at ``step``, checked (a ValueError names
+    the bad one).
+
+    Example:
+        >>> clip_and_rate(1e-3, lambda k: 0.1 * k, 2)
+        (0.001, 0.2)
+    """
+    clip = resolve(kl_clip, step) if kl_clip is not None else None
+    rate = resolve(lr, step)
+    check_hyper("lr", rate, lambda v: v >= 0, ">= 0")
+    if clip is not None:
+        check_hyper("kl_clip", clip, lambda v: v > 0, "> 0 (or None to disable)")
+    return clip, rate
 
 
 def exp_decay_factor_averaging(min_value: float = 0.95) -> Callable[[int], float]:

@@ -21,7 +21,15 @@ from kfac_func.step.autocast import without_autocast
 from kfac_func.step.basis import BasisMoments
 from kfac_func.step.checks import check_layers, layer_matrix, validate_grads
 from kfac_func.step.grouped import precondition_layers_grouped
-from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, resolve, take
+from kfac_func.step.hyper import (
+    Hyper,
+    NonFinite,
+    as_list,
+    check_hyper,
+    clip_and_rate,
+    resolve,
+    take,
+)
 from kfac_func.step.layer_step import Grafting, graft, precondition_layer, precondition_with
 from kfac_func.step.sync_free import apply_selected, count_skips, keep_where, layer_finite
 
@@ -330,11 +338,7 @@ def write_preconditioned(
     temporaries: they are scaled in place. Every other entry of ``grads`` passes unchanged
     into the new dict.
     """
-    clip = resolve(kl_clip, step) if kl_clip is not None else None
-    rate = resolve(lr, step)
-    check_hyper("lr", rate, lambda v: v >= 0, ">= 0")
-    if clip is not None:
-        check_hyper("kl_clip", clip, lambda v: v > 0, "> 0 (or None to disable)")
+    clip, rate = clip_and_rate(kl_clip, lr, step)
     if clip is not None and done:
         # summed in name order, so that ranks whose states list layers in another order
         # round it the same

@@ -29,7 +29,7 @@ from kfac_func.blocks import LayerSpec, matrix_to_grads
 from kfac_func.core.preconditioning import kl_clip_scale_of_terms, kl_clip_term
 from kfac_func.state import KFACState, LayerState
 from kfac_func.step.checks import layer_grads
-from kfac_func.step.hyper import Hyper, NonFinite, check_hyper, resolve
+from kfac_func.step.hyper import Hyper, NonFinite, clip_and_rate
 
 __all__ = [
     "all_finite_each",
@@ -147,11 +147,7 @@ def apply_selected(
     when every flag is True). Nothing in ``done`` is modified. Every other entry of
     ``grads`` passes unchanged into the new dict.
     """
-    clip = resolve(kl_clip, step) if kl_clip is not None else None
-    rate = resolve(lr, step)
-    check_hyper("lr", rate, lambda v: v >= 0, ">= 0")
-    if clip is not None:
-        check_hyper("kl_clip", clip, lambda v: v > 0, "> 0 (or None to disable)")
+    clip, rate = clip_and_rate(kl_clip, lr, step)
     scale: torch.Tensor | None = None
     if clip is not None and done:
         by_name = {spec.name: (p, m, flag) for spec, p, m, flag in done}

@@ -222,9 +222,9 @@ def update(
         # EKFAC: this step's per-example moments in the current eigenbases
         update_scales(layers, micro, decay, nonfinite, fresh)
     changes: dict[str, dict[str, object]] = {}
+    if rows is None and captures is not None and basis_settings is None and not sync_free:
+        rows = captured_rows(state, captures)  # the default mode's shortcut of Linear layers
     if grouped:
-        if rows is None and captures is not None and basis_settings is None and not sync_free:
-            rows = captured_rows(state, captures)
         out = precondition_layers_grouped(
             layers,
             grads,
@@ -253,8 +253,6 @@ def update(
             changes=changes,
         )
     else:
-        if rows is None and captures is not None and basis_settings is None:
-            rows = captured_rows(state, captures)
         out = precondition_layers(
             layers,
             grads,
