@@ -30,7 +30,7 @@ Each step is split in two timed parts: ``zero_grad`` + forward + cross-entropy +
   0.9, factor decay 0.95, KL clip 3e-5) and ``moments`` (its ``kfac-moments``:
   ``eigenbasis_moments=True``, β₁ 0.9, β₂ 0.95, factor decay 0.8, no KL clip, SGD without
   momentum), each eager and with ``sync_free=True, compile=True`` (the adapter compiles
-  the steps that only precondition; factor and decomposition steps run eagerly). The
+  every step kind: factor, decomposition and precondition-only steps, a graph each). The
   preconditioner's ``lr`` (only the KL clip's scale) is the eigen SGD's 0.3 in both
   settings (the moments have no clip): the compiled variants share the code Dynamo
   compiles for ``kfac_func.update``, and a float argument that differs from one call to
@@ -579,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         "\nops: aten operations per call; syncs: of them, scalars read on the host "
         f"({SYNC}); ms: median CPU milliseconds\n"
         "* compiled rows: operations of the eager sync_free path (what the compiled graph "
-        "replaces); times compiled (precondition-only steps; the others run eagerly)"
+        "replaces); times compiled (every step kind; the hooks' statistics stay eager)"
     )
     for d in depths:
         for n, c in per_depth[d]["compile"].items():

@@ -114,6 +114,14 @@ class LayerState:
             None before the first such step.
         grad_skips_reported: how many of ``grad_skips`` were already warned about
             (static; see :func:`kfac_func.report_skipped`).
+        factor_skips: the factor updates of ``sync_free=True`` steps whose batch factors
+            held NaN/Inf (the layer kept its factors), not reported yet: a 0-d int64
+            tensor, counted in ``factor_updates`` until :func:`kfac_func.report_skipped`
+            moves them to ``skipped_updates``; None before the first such step.
+        usable: whether ``decomposition`` is applied, decided on the device by
+            ``sync_free=True`` decomposition steps (a 0-d bool tensor: False while the
+            factors hold no data or no decomposition came out finite); None: whenever
+            there is a decomposition.
     """
 
     a_factor: torch.Tensor
@@ -129,6 +137,8 @@ class LayerState:
     moment_count: int = 0
     grad_skips: torch.Tensor | None = None
     grad_skips_reported: int = 0
+    factor_skips: torch.Tensor | None = None
+    usable: torch.Tensor | None = None
 
     def replace(self, **changes: object) -> LayerState:
         """A copy with ``changes`` applied."""
@@ -208,6 +218,8 @@ register_dataclass(
         "basis_moment",
         "basis_momentum",
         "grad_skips",
+        "factor_skips",
+        "usable",
     ),
     static=(
         "spec",

@@ -149,14 +149,22 @@ def test_update_distributed_one_rank_reads_the_device_once() -> None:
 # ------------------------------------------------- sync_free=True: none at all
 
 
+STEP_KINDS = {
+    "factors and decompositions": {},
+    "factors": {"update_inverses": False},
+    "decompositions": {"update_factors": False},
+    "precondition only": {"update_factors": False, "update_inverses": False},
+}
+
+
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
 @pytest.mark.parametrize("kl_clip", [1e-3, None])
 @pytest.mark.parametrize("grafting", [None, "adam"])
 def test_sync_free_update_reads_nothing(
     method: str, kl_clip: float | None, grafting: str | None
 ) -> None:
-    """A precondition-only step with ``sync_free=True`` reads nothing on the host, for any
-    number of layers; the default reads once (its checks); a factor step still reads."""
+    """No step kind of ``sync_free=True`` reads anything on the host (factors,
+    decompositions, preconditioning), for any number of layers, from the first step."""
     model = _mlp(3)
     layers = kf.register(model)
     state = kf.init(layers, compute_method=method)
@@ -164,22 +172,63 @@ def test_sync_free_update_reads_nothing(
     x, y = _batch(model)
     _, grads, caps = kf.capture(model, params, x, lambda out: F.cross_entropy(out, y))
     kw: dict[str, Any] = {"kl_clip": kl_clip, "grafting": grafting, "sync_free": True}
-    _, state = kf.update(state, grads, captures=caps, **kw)
-    counts = []
-    for _ in range(3):
+    counts = {}
+    for kind, flags in [("first", {}), *STEP_KINDS.items(), ("again", {})]:
         with SyncCount() as sc:
-            out, state = kf.update(
-                state, grads, captures=caps, update_factors=False, update_inverses=False, **kw
-            )
-        counts.append(sc.count)
-    assert counts == [0, 0, 0]
+            out, state = kf.update(state, grads, captures=caps, **flags, **kw)
+        counts[kind] = sc.count
+    assert set(counts.values()) == {0}, counts
     assert not torch.equal(out["0.weight"], grads["0.weight"])
     with SyncCount() as sc:
         kf.precondition_grads(state, grads, kl_clip=kl_clip, sync_free=True)
     assert sc.count == 0
-    with SyncCount() as sc:
-        kf.update(state, grads, captures=caps, update_inverses=False, **kw)
-    assert sc.count > 0  # the factor step checks its factors (and reports skips)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"compute_method": "ekfac"},
+        {"eigenbasis_refresh": "qr"},
+        {"max_factor_dim": 20},  # diagonal sides
+        {"convention": "kfac-pytorch"},
+    ],
+    ids=["ekfac", "qr", "diagonal", "kfac-pytorch"],
+)
+@pytest.mark.parametrize("grouped", [True, False])
+def test_sync_free_step_kinds_read_nothing_and_equal_the_default(
+    settings: dict[str, Any], grouped: bool
+) -> None:
+    model = _mlp(3).double()
+    layers = kf.register(model, max_factor_dim=settings.get("max_factor_dim"))
+    init = {k: v for k, v in settings.items() if k != "max_factor_dim"}
+    states = {
+        sf: kf.init(layers, factor_dtype=torch.float64, inv_dtype=torch.float64, **init)
+        for sf in (False, True)
+    }
+    params = dict(model.named_parameters())
+    x, y = _batch(model)
+    moments = settings.get("eigenbasis_refresh") == "qr"
+    for i, flags in enumerate([{}, *STEP_KINDS.values(), {}]):
+        _, grads, caps = kf.capture(
+            model, params, x.double() * (1 + 0.1 * i), lambda out: F.cross_entropy(out, y)
+        )
+        outs = {}
+        for sf in (False, True):
+            with SyncCount() as sc:
+                outs[sf], states[sf] = kf.update(
+                    states[sf],
+                    grads,
+                    captures=caps,
+                    sync_free=sf,
+                    grouped=grouped,
+                    eigenbasis_moments=moments,
+                    kl_clip=None if moments else 1e-3,
+                    **flags,
+                )
+            if sf:
+                assert sc.count == 0, (i, flags)
+        for k in grads:
+            torch.testing.assert_close(outs[True][k], outs[False][k], rtol=1e-12, atol=1e-14)
 
 
 def test_sync_free_update_distributed_one_rank_reads_nothing() -> None:

@@ -131,7 +131,7 @@ def test_non_finite_layer_is_skipped_as_in_default(
     assert skips == {"0": 0, "2": 1, "4": 0}
 
 
-def test_skips_are_reported_once_by_report_and_at_the_next_factor_update() -> None:
+def test_skips_are_reported_once_by_report_and_not_by_a_sync_free_factor_update() -> None:
     state, grads, caps = _setup()
     bad = dict(grads)
     bad["4.bias"] = torch.full_like(grads["4.bias"], NAN)
@@ -144,11 +144,19 @@ def test_skips_are_reported_once_by_report_and_at_the_next_factor_update() -> No
         warnings.simplefilter("error")
         assert kf.report_skipped(state)[0] == {}  # already reported
     _, state = kf.update(state, bad, sync_free=True, **PRECONDITION_ONLY)
-    # the next factor update (finite gradients) reports the pending skip
-    with pytest.warns(RuntimeWarning, match=r"layer '4'.* on 1 step\(s\)"):
+    # a factor update reads nothing either: the skip stays pending until reported
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         _, state = kf.update(state, grads, captures=caps, damping=1e-2, sync_free=True)
+    assert state.layers["4"].grad_skips_reported == 3
+    with pytest.warns(RuntimeWarning, match=r"layer '4'.* on 1 step\(s\)"):
+        _, state = kf.report_skipped(state)
     assert int(state.layers["4"].grad_skips) == 4  # type: ignore[arg-type]
     assert state.layers["4"].grad_skips_reported == 4
+    # a step that checks on the host reports what sync_free steps left
+    _, state = kf.update(state, bad, sync_free=True, **PRECONDITION_ONLY)
+    with pytest.warns(RuntimeWarning, match=r"layer '4'.* on 1 step\(s\)"):
+        _, state = kf.update(state, grads, **PRECONDITION_ONLY)
     with pytest.raises(TypeError, match="KFACState"):
         kf.report_skipped({})  # type: ignore[arg-type]
 
@@ -268,12 +276,14 @@ def test_adapter_equals_default_and_skips_the_same_layer(method: str) -> None:
     assert any("layer '2'" in w for w in ref[1][1])  # the default warns at once
     assert not any("layer '2'" in w for w in got[1][1])
     assert not any("layer '2'" in w for w in got[2][1])
-    assert any("layer '2'" in w and "1 step(s)" in w for w in got[3][1])  # factor step 3
+    assert not any("layer '2'" in w for w in got[3][1])  # nor the factor step 3
     grads_ref, grads_got = ref[1][0], got[1][0]
     assert torch.isnan(grads_got[2][0, 0]) and torch.isnan(grads_ref[2][0, 0])
     for x, y in zip(grads_ref, grads_got):
         torch.testing.assert_close(x, y, rtol=1e-12, atol=0, equal_nan=True)
-    assert pre.report_skipped() == {}  # reported at step 3 already
+    with pytest.warns(RuntimeWarning, match=r"layer '2'.* on 1 step\(s\)"):
+        assert pre.report_skipped() == {"2": 1}
+    assert pre.report_skipped() == {}
     assert int(pre.state.layers["2"].grad_skips) == 1  # type: ignore[arg-type]
 
 

@@ -78,6 +78,9 @@ def layer_entries(state: KFACState, plan: Plan, comm: Communicator) -> dict[str,
         if ls.grad_skips is not None:  # sync_free=True skip counters
             entry["grad_skips"] = ls.grad_skips
             entry["grad_skips_reported"] = ls.grad_skips_reported
+        for flag in ("factor_skips", "usable"):  # sync_free=True decisions on the device
+            if getattr(ls, flag) is not None:
+                entry[flag] = getattr(ls, flag)
         if ls.decomposition is not None:
             entry["decomposition"] = {
                 k: v for k, v in vars(ls.decomposition).items() if isinstance(v, torch.Tensor)
@@ -123,6 +126,9 @@ def load_layer(
         skips = torch.as_tensor(entry["grad_skips"])
         moments["grad_skips"] = skips.to(device, torch.int64, copy=True).reshape(())
         moments["grad_skips_reported"] = int(entry.get("grad_skips_reported", 0))
+    for flag, dtype in (("factor_skips", torch.int64), ("usable", torch.bool)):
+        if entry.get(flag) is not None:
+            moments[flag] = torch.as_tensor(entry[flag]).to(device, dtype, copy=True).reshape(())
     new = ls.replace(
         a_factor=a.to(device, config.factor_dtype, copy=True).contiguous(),
         g_factor=g.to(device, config.factor_dtype, copy=True).contiguous(),
@@ -137,7 +143,10 @@ def load_layer(
         fields = {k: v.to(device, copy=True) for k, v in dec.items()}
         return new.replace(decomposition=decomposition_from_fields(cls, fields))
     if damping is not None:
-        return redecompose(new, damping, config)
+        out = redecompose(new, damping, config)
+        if out.usable is not None and out.decomposition is not None:  # checked: applied
+            out = out.replace(usable=torch.ones_like(out.usable))
+        return out
     return new
 
 

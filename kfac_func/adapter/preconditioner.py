@@ -141,12 +141,12 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         allreduce_method: ``ALLREDUCE_BUCKETED`` or ``ALLREDUCE`` (an
             :class:`~kfac_func.AllreduceMethod` or name); None: ``ALLREDUCE`` iff the cap
             is 0.
-        sync_free: precondition without reading the device on the host (finiteness
-            decided by ``torch.where``; skipped layers counted in the state and reported
-            at the next factor update or by :meth:`report_skipped`); see
-            :mod:`kfac_func.step.sync_free`.
-        compile: with ``sync_free=True`` on one process, run the precondition-only steps
-            through ``torch.compile(fullgraph=True)``.
+        sync_free: step without reading the device on the host (finiteness decided by
+            ``torch.where``; skipped layers and factor updates counted in the state and
+            reported by :meth:`report_skipped`); see :mod:`kfac_func.step.sync_free`.
+        compile: with ``sync_free=True`` on one process, run every step (factor,
+            decomposition and precondition-only steps) through
+            ``torch.compile(fullgraph=True)``.
         batched_eigh: decompose factors of equal shape, dtype and device with one
             stacked ``eigh`` call per group.
         grouped: on one process, compute the layers of one shape together (see
@@ -436,6 +436,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
             and not self._damping_checked
             and self.adaptive is None
             and not self.eigenbasis_moments
+            and not self.sync_free  # the judgement reads the factors on the host
         )
         if self.comm.world_size == 1 and reducer is None and not self._sharded:
             # a copy with a dict of its own, so that a state read from .state earlier
@@ -444,7 +445,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
             # it was or as the step left it.
             donated = self._state.replace(layers=dict(self._state.layers))
             self._state = donated
-            new_grads, self._state = self._stepper(not factors_now and not update_inverses)(
+            new_grads, self._state = self._stepper()(
                 donated,
                 grads,
                 captures=captures,

@@ -1,11 +1,14 @@
 """The adapter's step without host synchronisation, and its compiled form.
 
 ``KFACPreconditioner(model, sync_free=True)`` passes ``sync_free=True`` to
-:func:`kfac_func.update` (and :func:`kfac_func.update_distributed`): steps that only
-precondition read nothing on the host (see :mod:`kfac_func.step.sync_free`); layers
-whose gradients held a NaN or Inf are counted and warned about at the next factor update
-or by :meth:`SyncFreeMixin.report_skipped`. ``compile=True`` (with ``sync_free=True``, on
-one process) runs those steps through ``torch.compile(kfac_func.update, fullgraph=True)``.
+:func:`kfac_func.update` (and :func:`kfac_func.update_distributed`): on one process no
+step reads anything on the host, whether it updates the factors, decomposes them or only
+preconditions (see :mod:`kfac_func.step.sync_free` and
+:mod:`kfac_func.step.decompose_on_device`); layers whose gradients or batch factors held a
+NaN or Inf are counted on the device and warned about by
+:meth:`SyncFreeMixin.report_skipped`. ``compile=True`` (with ``sync_free=True``, on one
+process) runs every step through ``torch.compile(kfac_func.update, fullgraph=True)``: one
+graph per step kind, eigh inside it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 import torch
 
 from kfac_func.state import KFACState
+from kfac_func.step.decompose_on_device import solver_failed
 from kfac_func.step.hyper import check_step_hyper
 from kfac_func.step.sync_free import report_skipped
 from kfac_func.step.update import update
@@ -43,7 +47,7 @@ class SyncFreeMixin:
     sync_free: bool
     """Whether steps decide on the device (no host synchronisation when only preconditioning)."""
     compile: bool
-    """Whether steps that only precondition run compiled (``torch.compile``, fullgraph)."""
+    """Whether steps run compiled (``torch.compile``, fullgraph; one graph per step kind)."""
     grouped: bool
     """Whether a step on one process computes the layers of one shape together."""
 
@@ -53,18 +57,20 @@ class SyncFreeMixin:
                 raise TypeError(f"{name} must be a bool, got {value!r}")
         if compile and not sync_free:
             raise ValueError(
-                "compile=True compiles the steps that only precondition as one graph, which "
-                "needs the checks on the device: pass sync_free=True as well"
+                "compile=True compiles each step as one graph, which needs the checks on "
+                "the device: pass sync_free=True as well"
             )
         self.sync_free = sync_free
         self.compile = compile
         self.grouped = grouped
         self._compiled: Callable[..., Any] | None = None
 
-    def _stepper(self, precondition_only: bool) -> Callable[..., Any]:
-        """:func:`kfac_func.update`, compiled for steps that only precondition when
-        ``compile=True`` (compiled at the first such step)."""
-        if not (self.compile and precondition_only):
+    def _stepper(self) -> Callable[..., Any]:
+        """:func:`kfac_func.update`, compiled when ``compile=True`` (at the first step; a
+        graph for each step kind). Should a compiled step's solver fail (LAPACK or
+        cuSOLVER not converging: an error raised before the state changed), that step
+        runs eagerly, where the decompositions are retried in float64 with jitter."""
+        if not self.compile:
             return update
         if self._compiled is None:
             self._compiled = torch.compile(update, fullgraph=True)
@@ -73,7 +79,13 @@ class SyncFreeMixin:
         def step(state: KFACState, grads: Any, **kwargs: Any) -> Any:
             # schedules resolved and values checked eagerly: a value that changes between
             # calls is symbolic in the compiled step, which checks nothing then
-            return compiled(state, grads, **check_step_hyper(int(state.step), kwargs))
+            resolved = check_step_hyper(int(state.step), kwargs)
+            try:
+                return compiled(state, grads, **resolved)
+            except RuntimeError as err:
+                if not solver_failed(err):
+                    raise
+                return update(state, grads, **resolved)
 
         return step
 

@@ -153,8 +153,13 @@ def _layer_problems(
         if entry.get(moment):
             key = _layer_key(name, moment)
             checks.append((moment, d[key], ls.spec.matrix_shape, like.config.factor_dtype))
-    if entry.get("grad_skips"):
-        checks.append(("grad_skips", d[_layer_key(name, "grad_skips")], (), torch.int64))
+    for counter, dtype in (
+        ("grad_skips", torch.int64),
+        ("factor_skips", torch.int64),
+        ("usable", torch.bool),
+    ):
+        if entry.get(counter):
+            checks.append((counter, d[_layer_key(name, counter)], (), dtype))
     dec = entry.get("decomposition")
     if dec is not None:
         shapes = _decomposition_shapes(ls.spec)
@@ -255,6 +260,8 @@ def _build_layer(
         moment_count=entry["moment_count"],
         grad_skips=get("grad_skips") if entry.get("grad_skips") else None,
         grad_skips_reported=entry["grad_skips_reported"],
+        factor_skips=get("factor_skips") if entry.get("factor_skips") else None,
+        usable=get("usable") if entry.get("usable") else None,
         decomposition=decomposition,
         spec=ls.spec,
         factor_updates=entry["factor_updates"],

@@ -14,6 +14,9 @@ with dots, exactly ``".".join(path)`` for ``optree.tree_flatten_with_path(state)
 - ``layers.<layer name>.grad_skips`` (a 0-d int64 tensor) once ``sync_free=True`` steps
   counted the layer's skipped gradients; the metadata flags it (``"grad_skips"``) and
   holds ``"grad_skips_reported"`` (files written before these counters load without them);
+  likewise ``layers.<layer name>.factor_skips`` (0-d int64) and ``layers.<layer
+  name>.usable`` (0-d bool), the device's decisions of ``sync_free=True`` factor and
+  decomposition steps (flags ``"factor_skips"`` and ``"usable"``);
 - with an adaptive part (:class:`~kfac_func.state.AdaptiveState`) that holds a previous
   update, ``adaptive.previous.<parameter name>``. Its numbers (damping, counters, the last
   coefficients, the history) are in the metadata under ``"adaptive"`` (absent or null
@@ -148,6 +151,8 @@ def _metadata(
                 "moment_count": ls.moment_count,
                 "grad_skips": ls.grad_skips is not None,
                 "grad_skips_reported": ls.grad_skips_reported,
+                "factor_skips": ls.factor_skips is not None,
+                "usable": ls.usable is not None,
                 "spec": {k: _json_value(getattr(ls.spec, k)) for k in _SPEC_FIELDS},
                 "decomposition": dec,
             }
@@ -316,6 +321,9 @@ def _decode_meta(d: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         _get(entry, "grad_skips", bool, f"layer {name!r} ")
         entry.setdefault("grad_skips_reported", 0)
         _get(entry, "grad_skips_reported", int, f"layer {name!r} ")
+        for flag in ("factor_skips", "usable"):  # files written before sync_free decisions
+            entry.setdefault(flag, False)
+            _get(entry, flag, bool, f"layer {name!r} ")
         _get(entry, "spec", dict, f"layer {name!r} ")
         dec = entry.get("decomposition")
         if dec is not None:
@@ -340,7 +348,14 @@ def _expected_keys(meta: dict[str, Any]) -> list[str]:
     for entry in meta["layers"]:
         name = entry["name"]
         keys += [_layer_key(name, "a_factor"), _layer_key(name, "g_factor")]
-        for moment in ("graft_moment", "basis_moment", "basis_momentum", "grad_skips"):
+        for moment in (
+            "graft_moment",
+            "basis_moment",
+            "basis_momentum",
+            "grad_skips",
+            "factor_skips",
+            "usable",
+        ):
             if entry.get(moment):
                 keys.append(_layer_key(name, moment))
         if entry.get("decomposition") is not None:

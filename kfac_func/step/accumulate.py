@@ -34,14 +34,17 @@ __all__ = [
     "LayerFactors",
     "MicroBatchStats",
     "accumulate_factors",
+    "add_skips",
     "factors_from_stats",
     "fold_checked",
     "fold_deferred",
     "fold_factors",
     "fold_layers",
     "layer_batch_factors",
+    "no_data",
     "running_average",
     "settle_folds",
+    "settle_on_device",
     "takes_batch",
 ]
 
@@ -132,18 +135,30 @@ def fold_checked(
 
 
 def fold_deferred(
-    ls: LayerState, a: torch.Tensor, g: torch.Tensor, decay: float, config: KFACConfig
+    ls: LayerState,
+    a: torch.Tensor,
+    g: torch.Tensor,
+    decay: float,
+    config: KFACConfig,
+    sync_free: bool = False,
 ) -> tuple[LayerState, torch.Tensor]:
     """:func:`fold_checked` decided on the device: the layer with the batch factors
     folded in where they are finite (else its factors as they were), each running factor
     that held NaN/Inf restarted from the batch's, and the four checks (batch A, batch G,
     folded A, folded G finite) as one bool tensor. The layer's counters assume a good
     update until :func:`settle_folds` reads the checks, in one host synchronisation for
-    all the layers of a step."""
+    all the layers of a step (or :func:`settle_on_device` counts them, ``sync_free``:
+    then a layer whose updates so far were all skipped takes the batch as its first)."""
     if ls.spec.block.stacked_uses and a.dim() == ls.a_factor.dim() + 1:
         # a tied layer's uses, kept apart until the window is complete (on every rank)
         a, g = combine_stacked(a, g)
     new = fold_factors(ls, a, g, decay, config)
+    empty = no_data(ls, config) if sync_free else None
+    if empty is not None:
+        new = new.replace(
+            a_factor=torch.where(empty, a, new.a_factor),
+            g_factor=torch.where(empty, g, new.g_factor),
+        )
     checks = all_finite_each([a, g, new.a_factor, new.g_factor])
     ok, na, ng = checks[0] & checks[1], checks[2], checks[3]
     old_a, old_g = ls.a_factor.to(a.device), ls.g_factor.to(g.device)
@@ -183,6 +198,50 @@ def settle_folds(
             if nonfinite == "raise":
                 raise NonFiniteError(msg)
             warnings.warn(f"{msg}; restarted from this batch", RuntimeWarning, stacklevel=3)
+
+
+def settle_on_device(
+    layers: MutableMapping[str, LayerState],
+    pending: Sequence[tuple[str, torch.Tensor, LayerState]],
+) -> None:
+    """:func:`settle_folds` without reading the host (``sync_free=True``): each layer whose
+    batch factors held NaN/Inf counts the update in its ``factor_skips`` (a device
+    counter that :func:`kfac_func.report_skipped` reads, warns about and moves to
+    ``skipped_updates``); a restarted running factor is not warned about."""
+    for name, checks, before in pending:
+        layers[name] = layers[name].replace(
+            factor_skips=add_skips(before.factor_skips, checks[..., 0] & checks[..., 1])
+        )
+
+
+def add_skips(skips: torch.Tensor | None, ok: torch.Tensor) -> torch.Tensor:
+    """``skips`` (None: 0) plus one where ``ok`` is False, as int64.
+
+    Example:
+        >>> add_skips(torch.tensor([2, 0]), torch.tensor([True, False]))
+        tensor([2, 1])
+    """
+    skipped = (~ok).to(torch.int64)
+    return skipped if skips is None else skips.to(ok.device) + skipped
+
+
+def no_data(ls: LayerState, config: KFACConfig) -> torch.Tensor | None:
+    """Under ``sync_free``, whether a ``"fisher"`` layer's factors still hold no data
+    although ``factor_updates`` counts updates (every one of them skipped, on the
+    device), as a 0-d bool tensor; None where the host knows (no skips counted, or no
+    update yet, or the ``"kfac-pytorch"`` convention, whose starting factors are data).
+
+    Example:
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> state = kf.init(kf.register(nn.Linear(2, 2)))
+        >>> ls = state.layers[""].replace(factor_updates=1, factor_skips=torch.tensor(1))
+        >>> no_data(ls, state.config)
+        tensor(True)
+    """
+    if config.convention != "fisher" or ls.factor_skips is None or ls.factor_updates == 0:
+        return None
+    return ls.factor_skips == ls.factor_updates
 
 
 def fold_factors(
@@ -274,6 +333,7 @@ def fold_layers(
     decay: float,
     config: KFACConfig,
     nonfinite: NonFinite,
+    sync_free: bool = False,
 ) -> None:
     """:func:`fold_checked` every layer of ``layers`` (in place) with the batch factors
     ``batch_of(name, layer)``; layers for which it returns None are left as they are.
@@ -282,19 +342,25 @@ def fold_layers(
     factors are dropped before the next layer's are made, so when ``layers`` is the only
     holder of the old layer states (a donated state) the old factors are freed one layer
     at a time instead of after the whole step. The checks of all layers are read at the
-    end, in one host synchronisation (:func:`settle_folds`).
+    end, in one host synchronisation (:func:`settle_folds`), or counted on the device
+    (``sync_free``, :func:`settle_on_device`).
     """
     pending = []
     for name in list(layers):
         batch = batch_of(name, layers[name])
         if batch is not None:
             before = layers[name]
-            layers[name], checks = fold_deferred(before, batch[0], batch[1], decay, config)
+            layers[name], checks = fold_deferred(
+                before, batch[0], batch[1], decay, config, sync_free
+            )
             # the counters are all that is kept of the layer before
             pending.append((name, checks, before.replace(a_factor=_NONE, g_factor=_NONE)))
             del before
         del batch
-    settle_folds(layers, pending, nonfinite)
+    if sync_free:
+        settle_on_device(layers, pending)
+    else:
+        settle_folds(layers, pending, nonfinite)
 
 
 _NONE = torch.empty(0)

@@ -19,6 +19,7 @@ from kfac_func.core.decomposition import EKFACDecomposition, all_finite
 from kfac_func.core.ekfac import example_moments, rescaled
 from kfac_func.state import KFACState, LayerState
 from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, non_finite, resolve
+from kfac_func.step.sync_free import all_finite_tensor
 
 __all__ = [
     "correct_eigenvalues",
@@ -83,18 +84,26 @@ def update_scales(
     decay: float,
     nonfinite: NonFinite,
     fresh: Collection[str] = (),
+    sync_free: bool = False,
 ) -> None:
     """Fold this step's moments into the scale of every EKFAC layer of ``layers`` (in
     place); the layers in ``fresh`` got their eigenbasis this step and restart from the
     moments. A layer whose moments hold NaN/Inf keeps its scale (warned or raised as
-    ``nonfinite`` says)."""
+    ``nonfinite`` says; ``sync_free``: selected on the device, without a warning)."""
     for name in list(layers):
         ls = layers[name]
         dec = ls.decomposition
         if not isinstance(dec, EKFACDecomposition):
             continue
         moments = layer_moments(ls.spec, micro, dec)
-        if moments is not None:
+        if moments is None:
+            continue
+        if sync_free:
+            new = rescaled(dec, moments, decay, name in fresh)
+            ok = all_finite_tensor(moments)
+            kept = EKFACDecomposition(dec.qa, dec.qg, torch.where(ok, new.scale, dec.scale))
+            layers[name] = ls.replace(decomposition=kept)
+        else:
             layers[name] = fold_moments(ls, moments, decay, nonfinite, restart=name in fresh)
 
 

@@ -156,7 +156,7 @@ def precondition_layers_grouped(
     out = dict(grads)
     for unit, res in results:
         write = functools.partial(_written, unit.first.spec, scale, sync_free)
-        new = unit.run(write, res["p"], unit.m, unit.finite)
+        new = unit.run(write, res["p"], unit.m, res["select"])
         ws = unit.per_layer(new[0])
         bs = unit.per_layer(new[1]) if len(new) > 1 else [None] * len(ws)
         for i, (name, ls) in enumerate(zip(unit.names, unit.states)):
@@ -211,7 +211,7 @@ def preconditioned_layers(
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for unit, res in results:
         for name, p, finite in zip(
-            unit.names, unit.per_layer(res["p"]), unit.per_layer(unit.finite)
+            unit.names, unit.per_layer(res["p"]), unit.per_layer(res["select"])
         ):
             if sync_free or name in use_rows:
                 out[name] = (p, finite)
@@ -328,13 +328,16 @@ def _stage(
     change: dict[str, object] = {
         k: v for k, v in new.items() if isinstance(v, torch.Tensor) and k != "moment_count"
     }
+    select = finite
     if settings.sync_free:
-        change = keep_where(ls, change, finite)
+        if ls.usable is not None:  # a decomposition the device judged (see decompose_on_device)
+            select = finite & ls.usable
+        change = keep_where(ls, change, select)
         change["grad_skips"] = count_skips(ls, finite)
-    out: dict[str, Any] = {"p": p, "change": change}
+    out: dict[str, Any] = {"p": p, "change": change, "select": select}
     if settings.kl_clip:
         term = kl_clip_term(p, m)
-        out["term"] = torch.where(finite, term, torch.zeros_like(term))
+        out["term"] = torch.where(select, term, torch.zeros_like(term))
     return out
 
 

@@ -21,9 +21,12 @@ from kfac_func.core.stacks import stacked
 from kfac_func.state import KFACConfig, LayerState
 from kfac_func.step.accumulate import (
     LayerFactors,
+    add_skips,
     fold_deferred,
+    no_data,
     running_average,
     settle_folds,
+    settle_on_device,
     takes_batch,
 )
 from kfac_func.step.hyper import NonFinite
@@ -53,9 +56,11 @@ def fold_layers_grouped(
     decay: float,
     config: KFACConfig,
     nonfinite: NonFinite,
+    sync_free: bool = False,
 ) -> None:
     """:func:`~kfac_func.step.accumulate.fold_layers`, group by group (see the module
-    docstring); the same factors, counters and warnings.
+    docstring); the same factors, counters and warnings (``sync_free``: the skips
+    counted on the device, as there).
 
     Example:
         >>> import torch
@@ -82,7 +87,7 @@ def fold_layers_grouped(
             (name,) = names
             before = layers[name]
             a, g, _ = batches.pop(name)
-            layers[name], checks = fold_deferred(before, a, g, decay, config)
+            layers[name], checks = fold_deferred(before, a, g, decay, config, sync_free)
             pending.append((name, checks, before))
             continue
         states = [layers[n] for n in names]
@@ -96,20 +101,55 @@ def fold_layers_grouped(
             new_a, new_g = a, g
         else:
             new_a, new_g = running_average(old_a, a, decay), running_average(old_g, g, decay)
+        empty = _no_data(states, config) if sync_free else None
+        if empty is not None:  # layers whose updates were all skipped take the batch
+            new_a = torch.where(_rows(empty, a), a, new_a)
+            new_g = torch.where(_rows(empty, g), g, new_g)
         checks = all_finite_rows([a, g, new_a, new_g])
         ok = checks[:, 0] & checks[:, 1]
         # selected into the new stacks themselves (no further group-sized temporary)
         out_a = _select(ok, checks[:, 2], new_a, a, old_a)
         out_g = _select(ok, checks[:, 3], new_g, g, old_g)
-        for name, ls, fa, fg, c in zip(
-            names, states, out_a.unbind(0), out_g.unbind(0), checks.unbind(0)
+        skips = _group_skips(states, ok) if sync_free else [None] * len(names)
+        for name, ls, fa, fg, c, s in zip(
+            names, states, out_a.unbind(0), out_g.unbind(0), checks.unbind(0), skips
         ):
             layers[name] = ls.replace(
                 a_factor=fa, g_factor=fg, factor_updates=ls.factor_updates + 1
             )
-            pending.append((name, c, ls))
+            if s is not None:
+                layers[name] = layers[name].replace(factor_skips=s)
+            else:
+                pending.append((name, c, ls))
         del states, a, g, old_a, old_g, new_a, new_g, out_a, out_g
-    settle_folds(layers, pending, nonfinite)
+    if sync_free:
+        settle_on_device(layers, pending)
+    else:
+        settle_folds(layers, pending, nonfinite)
+
+
+def _no_data(states: Sequence[LayerState], config: KFACConfig) -> torch.Tensor | None:
+    """:func:`~kfac_func.step.accumulate.no_data` of a group, one flag per layer, in a
+    few operations (None where the host knows for every layer)."""
+    if all(no_data(ls, config) is None for ls in states):
+        return None
+    device = states[0].a_factor.device
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    skips = stacked([zero if ls.factor_skips is None else ls.factor_skips for ls in states])[0]
+    # a layer the host knows about compares with -1, which no count equals
+    known = [ls.factor_updates if no_data(ls, config) is not None else -1 for ls in states]
+    return skips == torch.tensor(known, dtype=torch.int64, device=device)
+
+
+def _group_skips(states: Sequence[LayerState], ok: torch.Tensor) -> list[torch.Tensor]:
+    """The group's ``factor_skips`` counters after this update (``ok``: one flag per
+    layer), computed together."""
+    prev = [ls.factor_skips for ls in states]
+    if all(p is None for p in prev):
+        return list(add_skips(None, ok).unbind(0))
+    zero = torch.zeros((), dtype=torch.int64, device=ok.device)
+    stack = stacked([zero if p is None else p.to(ok.device) for p in prev])[0]
+    return list(add_skips(stack, ok).unbind(0))
 
 
 def _select(

@@ -18,7 +18,14 @@ from kfac_func.step.checks import layer_grads
 
 __all__ = ["GROUPED_FIELDS", "group_key", "plan_groups"]
 
-GROUPED_FIELDS = ("decomposition", "graft_moment", "basis_moment", "basis_momentum", "grad_skips")
+GROUPED_FIELDS = (
+    "decomposition",
+    "graft_moment",
+    "basis_moment",
+    "basis_momentum",
+    "grad_skips",
+    "usable",
+)
 """The fields of a :class:`~kfac_func.state.LayerState` that the preconditioning reads
 and that a group stacks (the factors are not read: only their dtype is)."""
 

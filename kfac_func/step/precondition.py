@@ -259,6 +259,7 @@ def precondition_layers_sync_free(
         if ls.decomposition is None:
             continue
         finite = layer_finite(ls.spec, grads)
+        select = finite if ls.usable is None else finite & ls.usable
         m = layer_matrix(ls, grads)
         mine: dict[str, dict[str, object]] = {}
         p = precondition_with(
@@ -272,10 +273,10 @@ def precondition_layers_sync_free(
             changes=mine,
         )
         if changes is not None:
-            change = keep_where(ls, mine.get(ls.spec.name, {}), finite)
+            change = keep_where(ls, mine.get(ls.spec.name, {}), select)
             change["grad_skips"] = count_skips(ls, finite)
             changes[name] = change
-        done.append((ls.spec, p, m, finite))
+        done.append((ls.spec, p, m, select))
     return apply_selected(grads, done, kl_clip=kl_clip, lr=lr, step=step)
 
 

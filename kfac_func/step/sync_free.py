@@ -10,8 +10,12 @@ queued kernel. With ``sync_free=True`` the decision stays on the device:
   preconditioned or the raw gradient (:func:`apply_selected`); a skipped layer's term of
   the kl_clip sum is zero, its running moments keep their old values (:func:`keep_where`);
 - the skips are counted in the state (``LayerState.grad_skips``, a 0-d int64 tensor,
-  :func:`count_skips`) and warned about later: at the next step that updates the factors
-  (which reads the device anyway), or when :func:`report_skipped` is called.
+  :func:`count_skips`) and warned about later: when :func:`report_skipped` is called, or
+  at the next step without ``sync_free`` (which reads the device anyway).
+
+Steps that update the factors or decompose them decide on the device as well (see
+:func:`~kfac_func.step.accumulate.settle_on_device` and
+:mod:`kfac_func.step.decompose_on_device`).
 
 When every gradient is finite the numbers are exactly those of the default mode's dense
 path. The rows shortcut of Linear layers (:func:`kfac_func.step.precondition.precondition_layer`)
@@ -39,6 +43,7 @@ __all__ = [
     "count_skips",
     "keep_where",
     "layer_finite",
+    "leave_sync_free",
     "report_layers",
     "report_skipped",
 ]
@@ -52,7 +57,7 @@ def check_sync_free(sync_free: bool, nonfinite: NonFinite) -> None:
         raise ValueError(
             "sync_free=True decides on the device and cannot raise on a non-finite "
             "gradient: use nonfinite='skip' (the skips are counted in the state and "
-            "reported by kfac_func.report_skipped and at the next factor update)"
+            "reported by kfac_func.report_skipped)"
         )
 
 
@@ -169,23 +174,53 @@ def apply_selected(
 
 def report_layers(layers: MutableMapping[str, LayerState]) -> dict[str, int]:
     """Warn (RuntimeWarning) about every layer whose ``grad_skips`` grew since its last
-    report, and record them as reported in ``layers`` (in place). Reads all counters in
-    one host synchronisation; returns ``{layer: steps skipped since the last report}``."""
-    counted = [(name, ls) for name, ls in layers.items() if ls.grad_skips is not None]
+    report, and record them as reported in ``layers`` (in place); likewise the factor
+    updates that ``sync_free`` steps skipped (``factor_skips``, moved to
+    ``skipped_updates``). Reads all counters in one host synchronisation; returns
+    ``{layer: gradients skipped since the last report}``."""
+    counted = [
+        (name, ls)
+        for name, ls in layers.items()
+        if ls.grad_skips is not None or ls.factor_skips is not None
+    ]
     if not counted:
         return {}
-    first = counted[0][1].grad_skips
-    assert first is not None
+    device = next(
+        t.device for _, ls in counted for t in (ls.grad_skips, ls.factor_skips) if t is not None
+    )
+    zero = torch.zeros((), dtype=torch.int64, device=device)
     values = torch.stack(
-        [ls.grad_skips.to(first.device) for _, ls in counted if ls.grad_skips is not None]
+        [
+            (zero if t is None else t.to(device))
+            for _, ls in counted
+            for t in (ls.grad_skips, ls.factor_skips)
+        ]
     ).tolist()
     fresh: dict[str, int] = {}
-    for (name, ls), total in zip(counted, values):
-        new = int(total) - ls.grad_skips_reported
+    for i, (name, ls) in enumerate(counted):
+        total, factor_skips = int(values[2 * i]), int(values[2 * i + 1])
+        if factor_skips > 0:
+            assert ls.factor_skips is not None
+            ls = ls.replace(
+                factor_updates=ls.factor_updates - factor_skips,
+                skipped_updates=ls.skipped_updates + factor_skips,
+                factor_skips=torch.zeros_like(ls.factor_skips),
+            )
+            layers[name] = ls
+            warnings.warn(
+                f"layer {name!r}: non-finite values (NaN/Inf) in the batch factors of "
+                f"{factor_skips} factor update(s) since the last report; the layer kept its "
+                "factors (sync_free=True)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        if ls.grad_skips is None:
+            continue
+        new = total - ls.grad_skips_reported
         if new <= 0:
             continue
         fresh[name] = new
-        layers[name] = ls.replace(grad_skips_reported=int(total))
+        layers[name] = ls.replace(grad_skips_reported=total)
         warnings.warn(
             f"layer {name!r}: non-finite values (NaN/Inf) in the gradients of "
             f"{list(ls.spec.param_names())} on {new} step(s) since the last report; those "
@@ -196,14 +231,36 @@ def report_layers(layers: MutableMapping[str, LayerState]) -> dict[str, int]:
     return fresh
 
 
+def leave_sync_free(layers: MutableMapping[str, LayerState]) -> None:
+    """Before a step that checks on the host (``sync_free=False``), settle what
+    ``sync_free`` steps left on the device (in place, one host synchronisation, only
+    when they left anything): the skipped factor updates are reported and counted
+    (:func:`report_layers`), and a decomposition that is not ``usable`` is dropped (the
+    layer's gradient passes unchanged until its next decomposition, as before its first);
+    the device flags are then None."""
+    if not any(ls.factor_skips is not None or ls.usable is not None for ls in layers.values()):
+        return
+    report_layers(layers)
+    flagged = [(name, ls, ls.usable) for name, ls in layers.items() if ls.usable is not None]
+    if flagged:
+        device = flagged[0][2].device
+        usable = torch.stack([u.to(device) for _, _, u in flagged])
+        for (name, ls, _), ok in zip(flagged, usable.tolist()):
+            layers[name] = ls.replace(decomposition=ls.decomposition if ok else None, usable=None)
+    for name, ls in layers.items():
+        if ls.factor_skips is not None:
+            layers[name] = ls.replace(factor_skips=None)
+
+
 def report_skipped(state: KFACState) -> tuple[dict[str, int], KFACState]:
     """Warn about the layers whose gradients ``sync_free=True`` steps skipped since the
     last report, and return ``({layer: steps skipped since then}, new state)``.
 
-    One host synchronisation reads every layer's counter (``LayerState.grad_skips``).
-    :func:`kfac_func.update` calls it by itself at every step that updates the factors;
-    call it between those to hear of skips sooner (the returned state records them as
-    reported, so that each skip is warned about once).
+    One host synchronisation reads every layer's counters (``LayerState.grad_skips``,
+    and ``LayerState.factor_skips``: the factor updates skipped, warned about too and
+    moved to ``skipped_updates``). ``sync_free`` steps never call it: call it where a read
+    costs nothing (when logging); a step without ``sync_free`` calls it first. The returned
+    state records the skips as reported, so that each is warned about once.
 
     Example:
         >>> import torch

@@ -20,12 +20,13 @@ import torch
 
 from kfac_func.blocks import Rows
 from kfac_func.captures import Captures
-from kfac_func.state import KFACState, LayerState
+from kfac_func.state import KFACConfig, KFACState, LayerState
 from kfac_func.step.accumulate import LayerFactors, fold_layers, layer_batch_factors
 from kfac_func.step.autocast import without_autocast
 from kfac_func.step.basis import BasisMoments, carry_moments, moment_bases
 from kfac_func.step.checks import validate_grads
 from kfac_func.step.decompose import check_eigh_device, decompose_layers
+from kfac_func.step.decompose_on_device import decompose_layers_on_device, solver_failed
 from kfac_func.step.ekfac import update_scales
 from kfac_func.step.grouped import precondition_layers_grouped
 from kfac_func.step.grouped_fold import fold_layers_grouped
@@ -36,7 +37,7 @@ from kfac_func.step.precondition import (
     precondition_layers,
     precondition_layers_sync_free,
 )
-from kfac_func.step.sync_free import check_sync_free, report_layers
+from kfac_func.step.sync_free import check_sync_free, leave_sync_free
 
 __all__ = ["update"]
 
@@ -129,14 +130,16 @@ def update(
         sync_free: precondition without host synchronisation (see
             :mod:`kfac_func.step.sync_free`): each layer's gradient is checked for NaN/Inf
             on the device and ``torch.where`` selects its preconditioned or its raw
-            gradient; the kl_clip scale stays a tensor. A step with
-            ``update_factors=False, update_inverses=False`` then reads nothing on the
-            host, and ``torch.compile(update, fullgraph=True)`` traces it whole. Skipped
+            gradient; the kl_clip scale stays a tensor. Factor updates and
+            decompositions decide on the device too (see
+            :mod:`kfac_func.step.decompose_on_device`; ``LayerState.factor_skips`` and
+            ``LayerState.usable``): no step kind reads anything on the host, and
+            ``torch.compile(update, fullgraph=True)`` traces each whole. Skipped
             layers are counted in the state (``LayerState.grad_skips``) and warned
-            about at the next step that updates the factors, or by
-            :func:`kfac_func.report_skipped`. With every gradient finite the results
-            equal the default's dense path exactly (the rows of ``captures``/``rows``
-            are not used). Needs ``nonfinite="skip"``. Under ``eigenbasis_moments`` a
+            about by :func:`kfac_func.report_skipped` (or by the next step without
+            ``sync_free``). With every gradient and factor finite the results equal the
+            default's dense path exactly (the rows of ``captures``/``rows`` are not
+            used). Needs ``nonfinite="skip"``. Under ``eigenbasis_moments`` a
             skipped step still counts in ``moment_count`` (the moments themselves keep
             their values).
         batched_eigh, eigh_device: one batched eigh per factor shape across layers, and
@@ -185,6 +188,8 @@ def update(
     validate_grads(state.layers, grads)  # before anything changes, donated or not
     eigh_device = check_eigh_device(eigh_device)
     layers = state.layers if donate else dict(state.layers)
+    if not sync_free:
+        leave_sync_free(layers)  # what earlier sync_free steps left on the device
     micro: list[Captures] | None = None  # this step's statistics, when factors update
     decay = 1.0
     factors_now = bool(resolve(update_factors, step))
@@ -203,24 +208,28 @@ def update(
             return take(batch_factors, name, donate)
 
         (fold_layers_grouped if grouped else fold_layers)(
-            layers, batch_of, decay, config, nonfinite
+            layers, batch_of, decay, config, nonfinite, sync_free
         )
     lam = resolve(damping, step)
     check_hyper("damping", lam, lambda v: v >= 0, ">= 0")
     before = moment_bases(layers)
-    fresh = decompose_layers(
-        layers,
-        lam,
-        config,
-        update_inverses=bool(resolve(update_inverses, step)),
-        batched_eigh=batched_eigh,
-        eigh_device=eigh_device,
-        grouped=grouped,
-    )
+    inverses_now = bool(resolve(update_inverses, step))
+    if sync_free:
+        fresh = _decompose_on_device(layers, lam, config, inverses_now, eigh_device, grouped)
+    else:
+        fresh = decompose_layers(
+            layers,
+            lam,
+            config,
+            update_inverses=inverses_now,
+            batched_eigh=batched_eigh,
+            eigh_device=eigh_device,
+            grouped=grouped,
+        )
     carry_moments(layers, before, fresh, grouped=grouped)
     if config.compute_method == "ekfac" and micro is not None:
         # EKFAC: this step's per-example moments in the current eigenbases
-        update_scales(layers, micro, decay, nonfinite, fresh)
+        update_scales(layers, micro, decay, nonfinite, fresh, sync_free)
     changes: dict[str, dict[str, object]] = {}
     if rows is None and captures is not None and basis_settings is None and not sync_free:
         rows = captured_rows(state, captures)  # the default mode's shortcut of Linear layers
@@ -269,6 +278,42 @@ def update(
         )
     for name, change in changes.items():  # the running moments (and skip counters)
         layers[name] = layers[name].replace(**change)
-    if sync_free and factors_now:  # this step reads the device anyway
-        report_layers(layers)
     return out, state.replace(layers=layers, step=step + 1)
+
+
+def _decompose_on_device(
+    layers: dict[str, LayerState],
+    damping: float,
+    config: KFACConfig,
+    update_inverses: bool,
+    eigh_device: torch.device | None,
+    grouped: bool,
+) -> set[str]:
+    """The decomposition stage of a ``sync_free`` step: decided on the device
+    (:mod:`kfac_func.step.decompose_on_device`); should the solver itself fail (LAPACK
+    not converging), eagerly the checked stage with its retries (a compiled step raises:
+    the adapter reruns it eagerly)."""
+    if torch.compiler.is_compiling():
+        return decompose_layers_on_device(
+            layers, damping, config, update_inverses=update_inverses, eigh_device=eigh_device
+        )
+    try:
+        return decompose_layers_on_device(
+            layers, damping, config, update_inverses=update_inverses, eigh_device=eigh_device
+        )
+    except RuntimeError as err:  # nothing of layers changed yet
+        if not solver_failed(err):
+            raise
+        fresh = decompose_layers(
+            layers,
+            damping,
+            config,
+            update_inverses=update_inverses,
+            eigh_device=eigh_device,
+            grouped=grouped,
+        )
+        for name in fresh:  # checked on the host: applied
+            ls = layers[name]
+            ok = torch.ones((), dtype=torch.bool, device=ls.a_factor.device)
+            layers[name] = ls.replace(usable=ok)
+        return fresh

@@ -1,0 +1,288 @@
+"""The decomposition stage without host synchronisation (``sync_free=True``).
+
+:func:`~kfac_func.step.decompose.decompose_layers` checks every factor and every result on
+the host and retries a failed decomposition in float64 with jitter
+(:func:`~kfac_func.core.decomposition.eigh_factor`): a read of the device for each. Here
+the decisions stay on the device, so that a decomposition step can run compiled and be
+captured whole:
+
+- the factors of one shape are decomposed together (one batched ``eigh`` or inverse per
+  shape; a diagonal side is its clamped entries, a placeholder side ones, a side
+  refreshed by QR one power iteration), in the dtypes of the checked path, so that every
+  result equals its result when the factors are sound;
+- each layer keeps its previous decomposition where the new one is not finite
+  (``torch.where``), and its ``usable`` flag (a 0-d bool tensor in the state) says
+  whether its decomposition is applied: False while the layer's factors hold no data
+  (every update skipped) or no decomposition of it came out finite; the preconditioning
+  of ``sync_free`` steps passes such a layer's gradient unchanged.
+
+The running factors are finite by construction (a batch factor with NaN/Inf is never
+folded in), so a non-finite result means an overflow of the storage dtype; the retries of
+the checked path are not run for it. An error raised by the solver itself (LAPACK's
+failure to converge) is left to the caller (the adapter's compiled step reruns the step
+eagerly, with those retries).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, MutableMapping
+from typing import Any
+
+import torch
+
+from kfac_func.core.conventions import decomposition_dtype
+from kfac_func.core.decomposition import (
+    Decomposition,
+    EigenDecomposition,
+    InverseDecomposition,
+    eigenvalue_outer,
+    solver_error,
+)
+from kfac_func.core.ekfac import from_eigen
+from kfac_func.core.layer_decomposition import placeholder_side, precompute_outer
+from kfac_func.core.stacks import stacked
+from kfac_func.state import KFACConfig, LayerState
+from kfac_func.step.accumulate import no_data
+from kfac_func.step.decompose import needs_decomposition, warm_start
+from kfac_func.step.grouped_fold import all_finite_rows
+from kfac_func.step.grouping import leaves_of, rebuild
+
+__all__ = ["decompose_layers_on_device", "power_refresh", "solver_failed"]
+
+# torch.linalg.LinAlgError (not among the exports of torch's type stubs)
+_LINALG_ERROR: type[RuntimeError] = getattr(torch.linalg, "LinAlgError")  # noqa: B009
+
+# one side's result: (eigenvectors or None, eigenvalues) or (inverse,), and its flag
+_Side = tuple[tuple[Any, ...], torch.Tensor]
+
+
+def decompose_layers_on_device(
+    layers: MutableMapping[str, LayerState],
+    damping: float,
+    config: KFACConfig,
+    *,
+    update_inverses: bool,
+    eigh_device: torch.device | None = None,
+) -> set[str]:
+    """:func:`~kfac_func.step.decompose.decompose_layers` (in place) without reading the
+    device on the host (see the module docstring). Returns the layers that got a new
+    decomposition (or kept their previous one where the new one was not finite).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> state = kf.init(kf.register(nn.Linear(2, 2)), convention="kfac-pytorch")
+        >>> layers = dict(state.layers)
+        >>> decompose_layers_on_device(layers, 0.1, state.config, update_inverses=True)
+        {''}
+        >>> layers[""].decomposition.da, layers[""].usable
+        (tensor([1., 1., 1.]), tensor(True))
+    """
+    todo = [
+        name
+        for name, ls in layers.items()
+        if needs_decomposition(ls, config, update_inverses=update_inverses)
+    ]
+    if not todo:
+        return set()
+    eigen = config.compute_method in ("eigen", "ekfac")
+    sides = _sides(layers, todo, config, damping, eigen, eigh_device)
+    dgda = _outers(layers, todo, sides, config, damping) if eigen else {}
+    for name in todo:
+        ls = layers[name]
+        (ra, oka), (rg, okg) = sides[(name, 0)], sides[(name, 1)]
+        new: Decomposition
+        if eigen:
+            eig = EigenDecomposition(ra[0], ra[1], rg[0], rg[1], dgda.get(name))
+            if eig.dgda is None and precompute_outer(
+                config.compute_method == "eigen" and config.compute_eigenvalue_outer_product,
+                ls.spec.diagonal,
+            ):
+                eig = EigenDecomposition(eig.qa, eig.da, eig.qg, eig.dg, _outer(eig, damping))
+            new = from_eigen(eig) if config.compute_method == "ekfac" else eig
+        else:
+            new = InverseDecomposition(ra[0], rg[0])
+        layers[name] = _select(ls, new, oka & okg, config)
+    return set(todo)
+
+
+def solver_failed(err: BaseException) -> bool:
+    """Whether ``err``, raised by a step, is a linear-algebra solver's failure (LAPACK's
+    ``LinAlgError``, or a GPU solver library's error, see
+    :func:`~kfac_func.core.decomposition.solver_error`): what the checked decomposition
+    stage retries.
+
+    Example:
+        >>> solver_failed(torch.linalg.LinAlgError("linalg.eigh: failed to converge"))
+        True
+        >>> solver_failed(ValueError("bad input"))
+        False
+    """
+    return isinstance(err, _LINALG_ERROR) or solver_error(err)
+
+
+def _sides(
+    layers: MutableMapping[str, LayerState],
+    todo: list[str],
+    config: KFACConfig,
+    damping: float,
+    eigen: bool,
+    eigh_device: torch.device | None,
+) -> dict[tuple[str, int], _Side]:
+    """Each side's decomposition and finiteness flag: the dense factors of one shape
+    together, the others one by one."""
+    dtype = config.inv_dtype
+    cdt = decomposition_dtype(config.convention, dtype)
+    out: dict[tuple[str, int], _Side] = {}
+    groups: dict[Hashable, list[tuple[tuple[str, int], torch.Tensor]]] = {}
+    for name in todo:
+        ls = layers[name]
+        w = warm_start(ls, config) if eigen else None
+        for side, factor in ((0, ls.a_factor), (1, ls.g_factor)):
+            key = (name, side)
+            if ls.spec.placeholder[side]:
+                ones = placeholder_side(factor, dtype=dtype)
+                out[key] = (((None, ones) if eigen else (ones,)), _true(factor))
+            elif ls.spec.diagonal[side]:
+                out[key] = _one(_diagonal(factor, damping, eigen, dtype, cdt))
+            elif w is not None:
+                previous = w.qg if side else w.qa
+                assert previous is not None
+                out[key] = _one(power_refresh(factor, previous, dtype=dtype))
+            else:
+                groups.setdefault((tuple(factor.shape), factor.dtype, factor.device), []).append(
+                    (key, factor)
+                )
+    for members in groups.values():
+        stack = stacked([f for _, f in members])[0]
+        results = _dense(stack, damping, eigen, dtype, cdt, eigh_device)
+        flags = all_finite_rows(list(results)).all(dim=1)
+        for k, (key, _) in enumerate(members):
+            out[key] = (tuple(r[k] for r in results), flags[k])
+    return out
+
+
+def _dense(
+    stack: torch.Tensor,
+    damping: float,
+    eigen: bool,
+    dtype: torch.dtype,
+    cdt: torch.dtype,
+    eigh_device: torch.device | None,
+) -> tuple[torch.Tensor, ...]:
+    """``(eigenvectors, eigenvalues)`` or ``(inverse,)`` of a stack of dense factors, as
+    :func:`~kfac_func.core.decomposition.eigh_factor` and
+    :func:`~kfac_func.core.decomposition.damped_inverse` compute them (without checks)."""
+    home = stack.device
+    run_on = eigh_device if eigh_device is not None else home
+    if eigen:
+        d, q = torch.linalg.eigh(stack.to(run_on, cdt))
+        return q.to(home, dtype).contiguous(), d.to(home, dtype).clamp(min=0.0)
+    f = stack.to(cdt)
+    eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
+    return (torch.linalg.inv(f + damping * eye).to(dtype).contiguous(),)
+
+
+def _diagonal(
+    factor: torch.Tensor, damping: float, eigen: bool, dtype: torch.dtype, cdt: torch.dtype
+) -> tuple[Any, ...]:
+    """A diagonal side: ``(None, clamped entries)`` or ``(1 / (d + λ),)`` (the
+    pseudo-inverse's cut-off when ``λ = 0``), as the checked path computes it."""
+    if eigen:
+        return None, factor.to(dtype).clamp(min=0.0)
+    den = factor.to(cdt) + damping
+    if damping > 0:
+        return ((1.0 / den).to(dtype),)
+    cutoff = den.amax(dim=-1, keepdim=True) * torch.finfo(den.dtype).eps * den.shape[-1]
+    zero = torch.zeros((), dtype=den.dtype, device=den.device)
+    return (torch.where(den > cutoff, 1.0 / den, zero).to(dtype),)
+
+
+def power_refresh(
+    factor: torch.Tensor, q: torch.Tensor, *, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One power iteration from the eigenvectors ``q`` (:func:`~kfac_func.core.decomposition.
+    refresh_eigh` without its checks and fallback): ``F q = Q R``, the columns by
+    decreasing norm, ``Q``'s signs such that ``diag(R) ≥ 0``; returns ``(Q, diag(R))``
+    with the eigenvalues clamped at 0.
+
+    Example:
+        >>> q, d = power_refresh(torch.diag(torch.tensor([3.0, 1.0])), torch.eye(2),
+        ...                      dtype=torch.float32)
+        >>> d
+        tensor([3., 1.])
+    """
+    p = factor.to(q.dtype) @ q
+    order = torch.linalg.vector_norm(p, dim=-2).argsort(dim=-1, descending=True)
+    p = p.gather(-1, order.unsqueeze(-2).expand_as(p))
+    qn, r = torch.linalg.qr(p)
+    diag = r.diagonal(dim1=-2, dim2=-1)
+    sign = torch.where(diag < 0, -1.0, 1.0).to(qn.dtype)
+    qn, d = (qn * sign.unsqueeze(-2)).to(dtype), (diag * sign).to(dtype)
+    return qn.contiguous(), d.clamp(min=0.0)
+
+
+def _outers(
+    layers: MutableMapping[str, LayerState],
+    todo: list[str],
+    sides: dict[tuple[str, int], _Side],
+    config: KFACConfig,
+    damping: float,
+) -> dict[str, torch.Tensor]:
+    """``dgda`` of the layers whose eigenvalues have equal shapes, computed together."""
+    if config.compute_method != "eigen" or not config.compute_eigenvalue_outer_product:
+        return {}
+    groups: dict[Hashable, list[str]] = {}
+    for name in todo:
+        if any(layers[name].spec.diagonal):
+            continue
+        da, dg = sides[(name, 0)][0][1], sides[(name, 1)][0][1]
+        groups.setdefault((tuple(da.shape), tuple(dg.shape), da.dtype), []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    for names in groups.values():
+        if len(names) < 2:
+            continue
+        da = stacked([sides[(n, 0)][0][1] for n in names])[0]
+        dg = stacked([sides[(n, 1)][0][1] for n in names])[0]
+        out.update(zip(names, eigenvalue_outer(dg, da, damping).unbind(0)))
+    return out
+
+
+def _outer(eig: EigenDecomposition, damping: float) -> torch.Tensor:
+    return eigenvalue_outer(eig.dg, eig.da, damping)
+
+
+def _select(
+    ls: LayerState, new: Decomposition, finite: torch.Tensor, config: KFACConfig
+) -> LayerState:
+    """The layer with ``new`` where ``finite``, else its previous decomposition (zeros
+    when it had none, or one of another structure), and its ``usable`` flag."""
+    old = ls.decomposition
+    fresh = leaves_of(new)
+    same = old is not None and [(t.shape, t.dtype) for t in leaves_of(old) if t is not None] == [
+        (t.shape, t.dtype) for t in fresh
+    ]
+    if same:
+        kept = [o.to(t.device) for o, t in zip(leaves_of(old), fresh)]
+        before = _true(fresh[0]) if ls.usable is None else ls.usable
+    else:
+        kept = [torch.zeros_like(t) for t in fresh]
+        before = torch.zeros((), dtype=torch.bool, device=fresh[0].device)
+    chosen = rebuild(new, iter(torch.where(finite, t, k) for t, k in zip(fresh, kept)))
+    usable = finite | before
+    empty = no_data(ls, config)
+    if empty is not None:
+        usable = usable & ~empty
+    return ls.replace(decomposition=chosen, usable=usable)
+
+
+def _one(result: tuple[Any, ...]) -> _Side:
+    """A side decomposed alone, with its finiteness flag."""
+    tensors = [t for t in result if t is not None]
+    flags = all_finite_rows([t.unsqueeze(0) for t in tensors]).all()
+    return result, flags
+
+
+def _true(like: torch.Tensor) -> torch.Tensor:
+    return torch.ones((), dtype=torch.bool, device=like.device)
