@@ -276,14 +276,17 @@ def takes_batch(ls: LayerState, config: KFACConfig) -> bool:
 
 
 def running_average(old: torch.Tensor, batch: torch.Tensor, decay: float) -> torch.Tensor:
-    """``decay · old + (1 − decay) · batch``: one new tensor, ``decay · old``, then the batch
-    added in place (the same rounding for one layer's factor and for a stack of them).
+    """``decay · old + (1 − decay) · batch``: the two products, then their sum in place of
+    the first; each operation rounded on its own, so that one layer's factor, a stack of
+    them, and the fused kernel of a compiled step (which computes the same three
+    operations) round alike. (``add_(batch, alpha=...)`` would round the product and the
+    sum once, eagerly, but not in a compiled step.)
 
     Example:
         >>> running_average(torch.ones(2), torch.zeros(2), 0.75)
         tensor([0.7500, 0.7500])
     """
-    return old.mul(decay).add_(batch, alpha=1 - decay)
+    return old.mul(decay).add_(batch.mul(1 - decay))
 
 
 @without_autocast
