@@ -44,14 +44,13 @@ def _mlp(dtype: torch.dtype) -> nn.Module:
 
 
 CASES = {
-    "eigen": ({}, {}),
+    "eigen-graft-adam": ({}, {"grafting": "adam"}),
     "inverse": ({"compute_method": "inverse"}, {}),
     "ekfac": ({"compute_method": "ekfac"}, {}),
     "moments-qr": (
         {"eigenbasis_refresh": "qr"},
         {"eigenbasis_moments": True, "moment_beta1": 0.9, "kl_clip": None},
     ),
-    "graft-adam": ({}, {"grafting": "adam", "kl_clip": None}),
 }
 
 

@@ -301,3 +301,49 @@ def test_compiled_grouped_steps_equal_eager_as_the_counters_change() -> None:
             for pa, pb in zip(models[0].parameters(), models[1].parameters()):
                 pa.add_(pa.grad, alpha=-0.01)
                 pb.add_(pa.grad, alpha=-0.01)
+
+
+def test_batch_factors_built_together_equal_each_layers_own() -> None:
+    """The batch factors of equal-shaped layers, scaled (by different scales) and
+    symmetrised as stacks, are each layer's own bit for bit; a layer with two calls or two
+    micro-batches takes its own path, one that saw nothing is left out."""
+    from kfac_func.blocks import Gram
+    from kfac_func.step.accumulate import MicroBatchStats, factors_from_stats
+    from kfac_func.step.grouped_batch import batch_factors_grouped
+
+    gen = torch.Generator().manual_seed(0)
+
+    def gram(n: int, rows: int, spatial: int = 1) -> Gram:
+        x = torch.randn(rows, n, generator=gen)
+        return Gram(x.T @ x + 1e-3 * torch.randn(n, n, generator=gen), rows, spatial)
+
+    config = kf.init(kf.register(nn.Linear(2, 2))).config
+    wide = kf.register(nn.Linear(4, 3))[""]  # factors of 5 and 3 columns
+    narrow = kf.register(nn.Linear(3, 3))[""]
+    stats = {
+        "a": [MicroBatchStats([gram(5, 8)], [gram(3, 8)], 8, 0.125)],
+        "b": [MicroBatchStats([gram(5, 12, 3)], [gram(3, 12, 3)], 4, 0.25)],
+        "c": [MicroBatchStats([gram(5, 6)], [gram(3, 6)], 6, 1.0)],
+        "two calls": [MicroBatchStats([gram(5, 4), gram(5, 4)], [gram(3, 4), gram(3, 4)], 4, 0.25)],
+        "two batches": [
+            MicroBatchStats([gram(5, 4)], [gram(3, 4)], 4, 0.25),
+            MicroBatchStats([gram(5, 4)], [gram(3, 4)], 4, 0.25),
+        ],
+        "alone": [MicroBatchStats([gram(4, 4)], [gram(3, 4)], 4, 0.25)],
+        "unseen": [MicroBatchStats([], [], 4, 0.25)],
+    }
+    specs = {n: narrow if n == "alone" else wide for n in stats}
+    asked: list[str] = []
+
+    def stats_of(name: str) -> list[MicroBatchStats]:
+        asked.append(name)
+        return stats[name]
+
+    got = batch_factors_grouped(specs, stats_of, config)
+    assert sorted(asked) == sorted(stats)  # each layer's statistics asked for once
+    assert sorted(got) == sorted(set(stats) - {"unseen"})
+    for name, (a, g, w) in got.items():
+        ref = factors_from_stats(name, stats[name], config)
+        assert ref is not None
+        assert torch.equal(a, ref[0]) and torch.equal(g, ref[1]) and w == ref[2], name
+    assert got["a"][0]._base is got["c"][0]._base  # one stack

@@ -37,6 +37,7 @@ from kfac_func.distributed.plan import Plan
 from kfac_func.distributed.reducer import OrderedReducer
 from kfac_func.step.accumulate import MicroBatchStats, factors_from_stats
 from kfac_func.step.checks import rows_cheaper_count
+from kfac_func.step.grouped_batch import batch_factors_grouped
 
 __all__ = ["HookRecorder", "remove_handles"]
 
@@ -380,6 +381,10 @@ class HookRecorder(PreconditionerBase):
     def _layer_factors(
         self, name: str, spec: LayerSpec
     ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        return factors_from_stats(name, self._layer_stats(name, spec), self._state.config)
+
+    def _layer_stats(self, name: str, spec: LayerSpec) -> list[MicroBatchStats]:
+        """The layer's statistics of every micro-batch of the window."""
         cfg = self._state.config
         stats = []
         for mb in self._micro:
@@ -388,7 +393,7 @@ class HookRecorder(PreconditionerBase):
             if not self.update_factors_in_hook:
                 a, g = call_grams(spec, a, g, cfg.factor_dtype)
             stats.append(MicroBatchStats(a, g, mb.batch_size, self._loss_scale(mb.batch_size)))
-        return factors_from_stats(name, stats, cfg)
+        return stats
 
     def _batch_factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
         """Local factors of the layers whose reduction has not started in the hooks.
@@ -398,14 +403,22 @@ class HookRecorder(PreconditionerBase):
         loss, hold the micro-batches and must not keep them alive after the step).
         """
         out = {}
+        together = getattr(self, "grouped", False) and self.comm.world_size == 1
+        stats: dict[str, list[MicroBatchStats]] = {}
         for name, spec in self.layers.items():
             if self._reducer is None or not self._reducer.offered(name):
-                factors = self._layer_factors(name, spec)
-                if factors is not None:
-                    out[name] = factors
+                if together:  # made below, the layers of one shape together
+                    stats[name] = self._layer_stats(name, spec)
+                else:
+                    factors = self._layer_factors(name, spec)
+                    if factors is not None:
+                        out[name] = factors
             for mb in self._micro:
                 mb.a.pop(name, None)
                 mb.g.pop(name, None)
+        if together:
+            specs = {name: self.layers[name] for name in stats}
+            out = batch_factors_grouped(specs, stats.pop, self._state.config)
         return out
 
 

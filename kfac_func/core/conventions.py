@@ -156,7 +156,15 @@ def initial_factor(
 
 
 def decomposition_dtype(convention: Convention, inv_dtype: torch.dtype) -> torch.dtype:
-    """Precision in which eigh / inverse run (the result is stored in ``inv_dtype``)."""
-    if convention == "kfac-pytorch":
-        return torch.float32
+    """Precision in which eigh / inverse run (the result is stored in ``inv_dtype``).
+
+    Example:
+        >>> [decomposition_dtype("fisher", t) for t in (torch.bfloat16, torch.float64)]
+        [torch.float32, torch.float64]
+    """
+    if convention == "kfac-pytorch" or inv_dtype in _TO_FLOAT32:
+        return torch.float32  # named without a dispatched call (it is made for every layer)
     return torch.promote_types(inv_dtype, torch.float32)
+
+
+_TO_FLOAT32 = (torch.float16, torch.bfloat16, torch.float32)

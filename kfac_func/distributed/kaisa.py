@@ -72,6 +72,7 @@ from kfac_func.step.precondition import (
 from kfac_func.step.sync_free import (
     apply_selected,
     check_sync_free,
+    leave_sync_free,
     report_layers,
 )
 
@@ -377,6 +378,10 @@ def update_distributed(
     lam = resolve(damping, step)
     check_hyper("damping", lam, lambda v: v >= 0, ">= 0")
     layers = dict(state.layers)
+    # what one-process sync_free steps decided on the device (this step checks its
+    # factors and decompositions on the host): one read, only when they left anything
+    leave_sync_free(layers)
+    state = state.replace(layers=dict(layers))
     decay, statistics = 1.0, None  # this step's captures, when factors update
     factors_now = bool(resolve(update_factors, step))
     if factors_now:

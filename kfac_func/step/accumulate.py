@@ -40,7 +40,9 @@ __all__ = [
     "fold_deferred",
     "fold_factors",
     "fold_layers",
+    "host_knows_data",
     "layer_batch_factors",
+    "layer_stats",
     "no_data",
     "running_average",
     "settle_folds",
@@ -104,6 +106,13 @@ def layer_batch_factors(
     spec: LayerSpec, micro_batches: Sequence[Captures], config: KFACConfig
 ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
     """:func:`factors_from_stats` of captures (one per micro-batch)."""
+    return factors_from_stats(spec.name, layer_stats(spec, micro_batches, config), config)
+
+
+def layer_stats(
+    spec: LayerSpec, micro_batches: Sequence[Captures], config: KFACConfig
+) -> list[MicroBatchStats]:
+    """The layer's statistics in each of the captures (one per micro-batch) that saw it."""
     stats = []
     for cap in micro_batches:
         lc = cap.layers.get(spec.name)
@@ -111,7 +120,7 @@ def layer_batch_factors(
             continue
         a, g = call_grams(spec, lc.inputs, lc.output_grads, config.factor_dtype)
         stats.append(MicroBatchStats(a, g, cap.batch_size, cap.loss_scale))
-    return factors_from_stats(spec.name, stats, config)
+    return stats
 
 
 def fold_checked(
@@ -239,9 +248,15 @@ def no_data(ls: LayerState, config: KFACConfig) -> torch.Tensor | None:
         >>> no_data(ls, state.config)
         tensor(True)
     """
-    if config.convention != "fisher" or ls.factor_skips is None or ls.factor_updates == 0:
+    if host_knows_data(ls, config) or ls.factor_skips is None:
         return None
-    return ls.factor_skips == ls.factor_updates
+    return torch.eq(ls.factor_skips, ls.factor_updates)
+
+
+def host_knows_data(ls: LayerState, config: KFACConfig) -> bool:
+    """Whether the host knows that the layer's factors hold data (or that they do not),
+    where :func:`no_data` is None."""
+    return bool(config.convention != "fisher" or ls.factor_skips is None or ls.factor_updates == 0)
 
 
 def fold_factors(

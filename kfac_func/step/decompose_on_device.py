@@ -42,9 +42,8 @@ from kfac_func.core.ekfac import from_eigen
 from kfac_func.core.layer_decomposition import placeholder_side, precompute_outer
 from kfac_func.core.stacks import stacked
 from kfac_func.state import KFACConfig, LayerState
-from kfac_func.step.accumulate import no_data
 from kfac_func.step.decompose import needs_decomposition, warm_start
-from kfac_func.step.grouped_fold import all_finite_rows
+from kfac_func.step.grouped_fold import all_finite_rows, no_data_rows
 from kfac_func.step.grouping import leaves_of, rebuild
 
 __all__ = ["decompose_layers_on_device", "power_refresh", "solver_failed"]
@@ -89,6 +88,7 @@ def decompose_layers_on_device(
     eigen = config.compute_method in ("eigen", "ekfac")
     sides = _sides(layers, todo, config, damping, eigen, eigh_device)
     dgda = _outers(layers, todo, sides, config, damping) if eigen else {}
+    made: dict[str, tuple[Decomposition, torch.Tensor, torch.Tensor]] = {}
     for name in todo:
         ls = layers[name]
         (ra, oka), (rg, okg) = sides[(name, 0)], sides[(name, 1)]
@@ -103,7 +103,12 @@ def decompose_layers_on_device(
             new = from_eigen(eig) if config.compute_method == "ekfac" else eig
         else:
             new = InverseDecomposition(ra[0], rg[0])
-        layers[name] = _select(ls, new, oka & okg, config)
+        made[name] = (new, oka, okg)
+    groups: dict[Hashable, list[str]] = {}
+    for name, (new, _, _) in made.items():
+        groups.setdefault(_select_key(layers[name], new), []).append(name)
+    for names in groups.values():
+        _select_group(layers, names, made, config)
     return set(todo)
 
 
@@ -157,9 +162,10 @@ def _sides(
     for members in groups.values():
         stack = stacked([f for _, f in members])[0]
         results = _dense(stack, damping, eigen, dtype, cdt, eigh_device)
-        flags = all_finite_rows(list(results)).all(dim=1)
+        flags = all_finite_rows(list(results)).all(dim=1).unbind(0)
+        each = list(zip(*(r.unbind(0) for r in results)))
         for k, (key, _) in enumerate(members):
-            out[key] = (tuple(r[k] for r in results), flags[k])
+            out[key] = (each[k], flags[k])
     return out
 
 
@@ -253,28 +259,66 @@ def _outer(eig: EigenDecomposition, damping: float) -> torch.Tensor:
     return eigenvalue_outer(eig.dg, eig.da, damping)
 
 
-def _select(
-    ls: LayerState, new: Decomposition, finite: torch.Tensor, config: KFACConfig
-) -> LayerState:
-    """The layer with ``new`` where ``finite``, else its previous decomposition (zeros
-    when it had none, or one of another structure), and its ``usable`` flag."""
+def _select_key(ls: LayerState, new: Decomposition) -> Hashable:
+    """What layers must share to have their new decompositions selected together: the
+    shapes of the new tensors, whether the previous decomposition has the same ones, and
+    whether the layer has a ``usable`` flag."""
+    fresh = _layout(new)
+    return (type(new).__name__, fresh, _same_layout(ls, new), ls.usable is None)
+
+
+def _layout(dec: Decomposition) -> tuple[Hashable, ...]:
+    return tuple((tuple(t.shape), t.dtype, t.device) for t in leaves_of(dec))
+
+
+def _same_layout(ls: LayerState, new: Decomposition) -> bool:
+    """Whether the layer's previous decomposition has the tensors ``new`` has."""
     old = ls.decomposition
-    fresh = leaves_of(new)
-    same = old is not None and [(t.shape, t.dtype) for t in leaves_of(old) if t is not None] == [
-        (t.shape, t.dtype) for t in fresh
-    ]
-    if same:
-        kept = [o.to(t.device) for o, t in zip(leaves_of(old), fresh)]
-        before = _true(fresh[0]) if ls.usable is None else ls.usable
+    return old is not None and type(old) is type(new) and _layout(old) == _layout(new)
+
+
+def _select_group(
+    layers: MutableMapping[str, LayerState],
+    names: list[str],
+    made: dict[str, tuple[Decomposition, torch.Tensor, torch.Tensor]],
+    config: KFACConfig,
+) -> None:
+    """Each layer of ``names`` (one :func:`_select_key`) with its new decomposition where
+    both sides came out finite, else its previous one (zeros when it had none, or one of
+    another structure), and its ``usable`` flag; the layers stacked, a few operations for
+    all of them (in place)."""
+    states = [layers[n] for n in names]
+    first = states[0]
+    news = [made[n][0] for n in names]
+    ok = stacked([made[n][1] for n in names])[0] & stacked([made[n][2] for n in names])[0]
+    fresh = [stacked(list(ts))[0] for ts in zip(*(leaves_of(d) for d in news))]
+    device = fresh[0].device
+    if _same_layout(first, news[0]):
+        kept = [
+            stacked([t.to(device) for t in ts])[0]
+            for ts in zip(*(leaves_of(ls.decomposition) for ls in states))
+        ]
+        if first.usable is None:
+            before = torch.ones(len(names), dtype=torch.bool, device=device)
+        else:
+            before = stacked([ls.usable for ls in states])[0]  # type: ignore[misc]
     else:
         kept = [torch.zeros_like(t) for t in fresh]
-        before = torch.zeros((), dtype=torch.bool, device=fresh[0].device)
-    chosen = rebuild(new, iter(torch.where(finite, t, k) for t, k in zip(fresh, kept)))
-    usable = finite | before
-    empty = no_data(ls, config)
+        before = torch.zeros(len(names), dtype=torch.bool, device=device)
+    chosen = [torch.where(_rows(ok, t), t, k) for t, k in zip(fresh, kept)]
+    usable = ok | before
+    empty = no_data_rows(states, config)
     if empty is not None:
-        usable = usable & ~empty
-    return ls.replace(decomposition=chosen, usable=usable)
+        usable = usable & ~empty.to(device)
+    per = [t.unbind(0) for t in chosen]
+    for i, (name, ls, flag) in enumerate(zip(names, states, usable.unbind(0))):
+        dec = rebuild(news[i], iter(p[i] for p in per))
+        layers[name] = ls.replace(decomposition=dec, usable=flag)
+
+
+def _rows(flags: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """One flag per row of ``like``, shaped to broadcast over it."""
+    return flags.reshape(-1, *([1] * (like.dim() - 1)))
 
 
 def _one(result: tuple[Any, ...]) -> _Side:

@@ -23,7 +23,7 @@ from kfac_func.step.accumulate import (
     LayerFactors,
     add_skips,
     fold_deferred,
-    no_data,
+    host_knows_data,
     running_average,
     settle_folds,
     settle_on_device,
@@ -31,7 +31,7 @@ from kfac_func.step.accumulate import (
 )
 from kfac_func.step.hyper import NonFinite
 
-__all__ = ["all_finite_rows", "fold_layers_grouped"]
+__all__ = ["all_finite_rows", "fold_layers_grouped", "no_data_rows"]
 
 
 def all_finite_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -91,8 +91,9 @@ def fold_layers_grouped(
             pending.append((name, checks, before))
             continue
         states = [layers[n] for n in names]
-        a = torch.stack([batches[n][0] for n in names])
-        g = torch.stack([batches[n][1] for n in names])
+        # the batch factors of a group built together are views of one stack already
+        a = stacked([batches[n][0] for n in names])[0]
+        g = stacked([batches[n][1] for n in names])[0]
         for n in names:
             del batches[n]
         old_a = stacked([ls.a_factor for ls in states])[0]
@@ -101,7 +102,7 @@ def fold_layers_grouped(
             new_a, new_g = a, g
         else:
             new_a, new_g = running_average(old_a, a, decay), running_average(old_g, g, decay)
-        empty = _no_data(states, config) if sync_free else None
+        empty = no_data_rows(states, config) if sync_free else None
         if empty is not None:  # layers whose updates were all skipped take the batch
             new_a = torch.where(_rows(empty, a), a, new_a)
             new_g = torch.where(_rows(empty, g), g, new_g)
@@ -128,16 +129,16 @@ def fold_layers_grouped(
         settle_folds(layers, pending, nonfinite)
 
 
-def _no_data(states: Sequence[LayerState], config: KFACConfig) -> torch.Tensor | None:
+def no_data_rows(states: Sequence[LayerState], config: KFACConfig) -> torch.Tensor | None:
     """:func:`~kfac_func.step.accumulate.no_data` of a group, one flag per layer, in a
     few operations (None where the host knows for every layer)."""
-    if all(no_data(ls, config) is None for ls in states):
+    if all(host_knows_data(ls, config) for ls in states):
         return None
     device = states[0].a_factor.device
     zero = torch.zeros((), dtype=torch.int64, device=device)
     skips = stacked([zero if ls.factor_skips is None else ls.factor_skips for ls in states])[0]
     # a layer the host knows about compares with -1, which no count equals
-    known = [ls.factor_updates if no_data(ls, config) is not None else -1 for ls in states]
+    known = [-1 if host_knows_data(ls, config) else ls.factor_updates for ls in states]
     return skips == torch.tensor(known, dtype=torch.int64, device=device)
 
 

@@ -21,7 +21,12 @@ import torch
 from kfac_func.blocks import Rows
 from kfac_func.captures import Captures
 from kfac_func.state import KFACConfig, KFACState, LayerState
-from kfac_func.step.accumulate import LayerFactors, fold_layers, layer_batch_factors
+from kfac_func.step.accumulate import (
+    LayerFactors,
+    fold_layers,
+    layer_batch_factors,
+    layer_stats,
+)
 from kfac_func.step.autocast import without_autocast
 from kfac_func.step.basis import BasisMoments, carry_moments, moment_bases
 from kfac_func.step.checks import validate_grads
@@ -29,6 +34,7 @@ from kfac_func.step.decompose import check_eigh_device, decompose_layers
 from kfac_func.step.decompose_on_device import decompose_layers_on_device, solver_failed
 from kfac_func.step.ekfac import update_scales
 from kfac_func.step.grouped import precondition_layers_grouped
+from kfac_func.step.grouped_batch import batch_factors_grouped
 from kfac_func.step.grouped_fold import fold_layers_grouped
 from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, resolve, take
 from kfac_func.step.precondition import (
@@ -145,7 +151,8 @@ def update(
         batched_eigh, eigh_device: one batched eigh per factor shape across layers, and
             the device eigh runs on (``"cpu"``: offload it); see :func:`kfac_func.decompose`.
         grouped: compute the layers of one shape together, as stacked tensors: their
-            running factors (see :mod:`kfac_func.step.grouped_fold`), their
+            batch factors from ``captures`` (see :mod:`kfac_func.step.grouped_batch`),
+            their running factors (see :mod:`kfac_func.step.grouped_fold`), their
             preconditioning (see :mod:`kfac_func.step.grouped`) and, for the eigen
             methods, their eigendecompositions (as ``batched_eigh``) and precomputed
             ``dgda``. The operations of those stages grow with the number of distinct
@@ -201,8 +208,16 @@ def update(
         decay = resolve(factor_decay, step)
         check_hyper("factor_decay", decay, lambda v: 0 <= v <= 1, "in [0, 1]")
         micro = as_list(captures) if captures is not None else None
+        made: dict[str, LayerFactors] | None = None
+        if grouped and micro is not None:  # the layers of one shape together
+            specs = {name: ls.spec for name, ls in layers.items()}
+            made = batch_factors_grouped(
+                specs, lambda name: layer_stats(specs[name], micro, config), config
+            )
 
         def batch_of(name: str, ls: LayerState) -> LayerFactors | None:
+            if made is not None:
+                return made.pop(name, None)
             if micro is not None:
                 return layer_batch_factors(ls.spec, micro, config)
             return take(batch_factors, name, donate)
