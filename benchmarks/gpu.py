@@ -47,7 +47,10 @@ the budget is spent):
    steps (model, optimizer and K-FAC state included; "n/a" on the CPU). Host
    synchronisations are counted on one extra step of each kind under
    ``torch.cuda.set_sync_debug_mode("warn")`` (one warning per synchronising call;
-   weighted like the time; "n/a" on the CPU). Ratios are to AdamW on the same model.
+   weighted like the time; "n/a" on the CPU). Kernel launches are counted on one more
+   step of each kind under ``torch.profiler`` (the host's launch calls, ``cudaLaunchKernel``
+   and kin, and the kernels that ran; forward and backward included; CUDA only).
+   Ratios are to AdamW on the same model.
    Each model gets an equal share of the budget left when the part starts, and each
    variant an equal share of its model's remainder: a variant stops repeating when its
    share is spent (after at least one timed repetition).
@@ -80,6 +83,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import gc
 import json
 import math
@@ -197,6 +201,31 @@ def count_syncs(device: torch.device) -> Iterator[list[int]]:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     found[0] = sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
+# the CUDA runtime and driver calls that launch work on the device (kernels, a captured graph)
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
+
+
+def count_launches(step: Callable[[], Any], device: torch.device) -> dict[str, int] | None:
+    """``{"launches": ..., "kernels": ...}`` of one call of ``step`` on a GPU, from the
+    profiler: the host's launch calls (:data:`LAUNCH_CALLS`: what costs ~5-10 µs each
+    before any Python) and the kernels that ran on the device; None on a CPU."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    launches = kernels = 0
+    for evt in prof.key_averages():
+        if evt.key in LAUNCH_CALLS:
+            launches += evt.count
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            kernels += evt.count
+    return {"launches": launches, "kernels": kernels}
 
 
 def free_memory(device: torch.device) -> None:
@@ -422,6 +451,7 @@ def time_variant(
                 break  # another repetition would not fit; the sync count below still does
         peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
         syncs: float | None = None
+        launches: dict[str, dict[str, int] | None] = {}
         if cuda:
             syncs = 0.0
             for k, w in weights.items():
@@ -432,6 +462,11 @@ def time_variant(
                     trainer.step(x, y)
                 torch.cuda.synchronize()
                 syncs += w * n[0]
+            for k in weights:  # kernel launches of each step kind (forward+backward too)
+                trainer.at_kind(k)
+                x, y = wl.batch(device)
+                step = functools.partial(trainer.step, x, y)
+                launches[KIND_NAMES[k]] = count_launches(step, device)
         medians = {k: statistics.median(s) for k, s in samples.items()}
         loss = float(trainer.loss)
         state_mib = trainer.pre.memory_usage()["total"] / 2**20 if trainer.pre is not None else None
@@ -446,6 +481,7 @@ def time_variant(
             "reps": len(next(iter(samples.values()))),
             "peak_mib": peak,
             "syncs_per_step": syncs,
+            "launches_per_kind": launches or None,
             "kfac_state_mib": state_mib,
             "kfac_layers": layers,
             "final_loss": loss,
@@ -715,9 +751,13 @@ def markdown(results: dict[str, Any]) -> str:
         for r in st["rows"]:
             if "ms" not in r:
                 why = r.get("error") or r.get("skipped", "")
-                rows.append([r["model"], r["optimizer"], r["intervals"], *["-"] * 7, why])
+                rows.append([r["model"], r["optimizer"], r["intervals"], *["-"] * 7, why, ""])
                 continue
             kinds = ", ".join(f"{k} {v:.1f}" for k, v in r["ms_per_kind"].items())
+            counted = r.get("launches_per_kind") or {}
+            launched = ", ".join(
+                f"{k} {c['launches']}/{c['kernels']}" for k, c in counted.items() if c
+            )
             rows.append(
                 [
                     r["model"],
@@ -731,6 +771,7 @@ def markdown(results: dict[str, Any]) -> str:
                     _f(r["kfac_state_mib"], ".1f"),
                     str(r["reps"]),
                     kinds if r["intervals"] != "-" else "",
+                    launched,
                 ]
             )
         out += _table(
@@ -746,6 +787,7 @@ def markdown(results: dict[str, Any]) -> str:
                 "K-FAC state MiB",
                 "reps",
                 "ms per step kind",
+                "launches/kernels per step kind",
             ],
             rows,
         )

@@ -223,6 +223,9 @@ def test_a_decomposition_that_is_not_finite_keeps_the_previous_one() -> None:
     assert not bool(new.layers["0"].usable) and bool(new.layers["2"].usable)
     assert torch.equal(out["0.weight"], grads["0.weight"])
     assert not torch.equal(out["2.weight"], grads["2.weight"])
+    plain = kf.precondition_grads(new, grads, damping=1e-2)  # checked on the host: the same
+    assert torch.equal(plain["0.weight"], grads["0.weight"])
+    assert not torch.equal(plain["2.weight"], grads["2.weight"])
     _, good = kf.update(state, grads, update_factors=False, sync_free=True, damping=1e-2)
     bad = good.replace(layers={**good.layers, "0": good.layers["0"].replace(a_factor=huge)})
     out, kept = kf.update(bad, grads, update_factors=False, sync_free=True, damping=1e-2)

@@ -70,6 +70,7 @@ def test_gpu_script_quick(tmp_path: Path) -> None:
         assert _finite(r["ms"]) and r["ms"] > 0, r
         assert _finite(r["ms_vs_adamw"]) and _finite(r["final_loss"]), r
         assert r["peak_mib"] is None and r["syncs_per_step"] is None  # CUDA only
+        assert r["launches_per_kind"] is None
         assert set(r["ms_per_kind"]) == set(r["kind_weights"]), r
         assert all(_finite(v) for v in r["ms_per_kind"].values()), r
         assert math.isclose(sum(r["kind_weights"].values()), 1.0), r

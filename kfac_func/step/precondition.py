@@ -31,7 +31,13 @@ from kfac_func.step.hyper import (
     take,
 )
 from kfac_func.step.layer_step import Grafting, graft, precondition_layer, precondition_with
-from kfac_func.step.sync_free import apply_selected, count_skips, keep_where, layer_finite
+from kfac_func.step.sync_free import (
+    apply_selected,
+    count_skips,
+    keep_where,
+    layer_finite,
+    usable_only,
+)
 
 __all__ = [
     "Grafting",
@@ -113,6 +119,8 @@ def precondition_grads(
     lam = resolve(DEFAULT_DAMPING if damping is None else damping, state.step)
     check_hyper("damping", lam, lambda v: v >= 0, ">= 0")
     layers: Mapping[str, LayerState] = state.layers
+    if not sync_free:  # decompositions that sync_free steps judged on the device
+        layers = usable_only(layers)
     if basis_moments is not None:
         basis_moments.check(state.config.compute_method)
     elif damping is not None:

@@ -46,6 +46,7 @@ __all__ = [
     "leave_sync_free",
     "report_layers",
     "report_skipped",
+    "usable_only",
 ]
 
 
@@ -241,15 +242,35 @@ def leave_sync_free(layers: MutableMapping[str, LayerState]) -> None:
     if not any(ls.factor_skips is not None or ls.usable is not None for ls in layers.values()):
         return
     report_layers(layers)
+    layers.update(usable_only(layers))
+    for name, ls in layers.items():
+        if ls.factor_skips is not None:
+            layers[name] = ls.replace(factor_skips=None)
+
+
+def usable_only(layers: Mapping[str, LayerState]) -> dict[str, LayerState]:
+    """``layers`` (a new dict) with each ``usable`` flag read on the host (one
+    synchronisation, only when there are flags) and dropped: a layer whose decomposition
+    is not usable has none (its gradient passes unchanged), as a step that checks on the
+    host needs them.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> state = kf.decompose(kf.init(kf.register(nn.Linear(2, 1)), convention="kfac-pytorch"))
+        >>> off = {"": state.layers[""].replace(usable=torch.tensor(False))}
+        >>> usable_only(off)[""].decomposition is None
+        True
+    """
+    out = dict(layers)
     flagged = [(name, ls, ls.usable) for name, ls in layers.items() if ls.usable is not None]
     if flagged:
         device = flagged[0][2].device
         usable = torch.stack([u.to(device) for _, _, u in flagged])
         for (name, ls, _), ok in zip(flagged, usable.tolist()):
-            layers[name] = ls.replace(decomposition=ls.decomposition if ok else None, usable=None)
-    for name, ls in layers.items():
-        if ls.factor_skips is not None:
-            layers[name] = ls.replace(factor_skips=None)
+            out[name] = ls.replace(decomposition=ls.decomposition if ok else None, usable=None)
+    return out
 
 
 def report_skipped(state: KFACState) -> tuple[dict[str, int], KFACState]:
