@@ -40,6 +40,7 @@ __all__ = [
     "eigh_factor",
     "eigh_factors",
     "eigh_or_refresh",
+    "power_refresh",
     "refresh_eigh",
     "solver_error",
 ]
@@ -306,20 +307,37 @@ def refresh_eigh(
         tensor([3., 1.])
     """
     try:
-        p = factor.to(q.dtype) @ q
-        # largest columns first: QR then fits the (near-)null directions last, into the
-        # complement of the others, instead of orthogonalising against their noise
-        order = torch.linalg.vector_norm(p, dim=-2).argsort(dim=-1, descending=True)
-        p = p.gather(-1, order.unsqueeze(-2).expand_as(p))
-        qn, r = torch.linalg.qr(p)
-        diag = r.diagonal(dim1=-2, dim2=-1)
-        sign = torch.where(diag < 0, -1.0, 1.0).to(qn.dtype)
-        qn, d = (qn * sign.unsqueeze(-2)).to(dtype), (diag * sign).to(dtype)
+        qn, d = power_refresh(factor, q, dtype=dtype)
         if all_finite(qn) and all_finite(d):
-            return qn.contiguous(), d.clamp(min=0.0)
+            return qn, d
     except RuntimeError:
         pass
     return eigh_factor(factor, dtype=dtype, compute_dtype=compute_dtype, device=device, label=label)
+
+
+def power_refresh(
+    factor: torch.Tensor, q: torch.Tensor, *, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The power iteration of :func:`refresh_eigh`, without its checks and fallback:
+    ``F q = Q R``, the columns by decreasing norm, ``Q``'s signs such that
+    ``diag(R) ≥ 0``; returns ``(Q, diag(R))`` in ``dtype``, the eigenvalues clamped at 0.
+
+    Example:
+        >>> q, d = power_refresh(torch.diag(torch.tensor([3.0, 1.0])), torch.eye(2),
+        ...                      dtype=torch.float32)
+        >>> d
+        tensor([3., 1.])
+    """
+    p = factor.to(q.dtype) @ q
+    # largest columns first: QR then fits the (near-)null directions last, into the
+    # complement of the others, instead of orthogonalising against their noise
+    order = torch.linalg.vector_norm(p, dim=-2).argsort(dim=-1, descending=True)
+    p = p.gather(-1, order.unsqueeze(-2).expand_as(p))
+    qn, r = torch.linalg.qr(p)
+    diag = r.diagonal(dim1=-2, dim2=-1)
+    sign = torch.where(diag < 0, -1.0, 1.0).to(qn.dtype)
+    qn, d = (qn * sign.unsqueeze(-2)).to(dtype), (diag * sign).to(dtype)
+    return qn.contiguous(), d.clamp(min=0.0)
 
 
 def eigh_or_refresh(

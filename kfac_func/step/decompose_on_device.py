@@ -36,6 +36,7 @@ from kfac_func.core.decomposition import (
     EigenDecomposition,
     InverseDecomposition,
     eigenvalue_outer,
+    power_refresh,
     solver_error,
 )
 from kfac_func.core.ekfac import from_eigen
@@ -46,7 +47,7 @@ from kfac_func.step.decompose import needs_decomposition, warm_start
 from kfac_func.step.grouped_fold import all_finite_rows, no_data_rows
 from kfac_func.step.grouping import leaves_of, rebuild
 
-__all__ = ["decompose_layers_on_device", "power_refresh", "solver_failed"]
+__all__ = ["decompose_layers_on_device", "solver_failed"]
 
 # torch.linalg.LinAlgError (not among the exports of torch's type stubs)
 _LINALG_ERROR: type[RuntimeError] = getattr(torch.linalg, "LinAlgError")  # noqa: B009
@@ -203,30 +204,6 @@ def _diagonal(
     cutoff = den.amax(dim=-1, keepdim=True) * torch.finfo(den.dtype).eps * den.shape[-1]
     zero = torch.zeros((), dtype=den.dtype, device=den.device)
     return (torch.where(den > cutoff, 1.0 / den, zero).to(dtype),)
-
-
-def power_refresh(
-    factor: torch.Tensor, q: torch.Tensor, *, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One power iteration from the eigenvectors ``q`` (:func:`~kfac_func.core.decomposition.
-    refresh_eigh` without its checks and fallback): ``F q = Q R``, the columns by
-    decreasing norm, ``Q``'s signs such that ``diag(R) ≥ 0``; returns ``(Q, diag(R))``
-    with the eigenvalues clamped at 0.
-
-    Example:
-        >>> q, d = power_refresh(torch.diag(torch.tensor([3.0, 1.0])), torch.eye(2),
-        ...                      dtype=torch.float32)
-        >>> d
-        tensor([3., 1.])
-    """
-    p = factor.to(q.dtype) @ q
-    order = torch.linalg.vector_norm(p, dim=-2).argsort(dim=-1, descending=True)
-    p = p.gather(-1, order.unsqueeze(-2).expand_as(p))
-    qn, r = torch.linalg.qr(p)
-    diag = r.diagonal(dim1=-2, dim2=-1)
-    sign = torch.where(diag < 0, -1.0, 1.0).to(qn.dtype)
-    qn, d = (qn * sign.unsqueeze(-2)).to(dtype), (diag * sign).to(dtype)
-    return qn.contiguous(), d.clamp(min=0.0)
 
 
 def _outers(
