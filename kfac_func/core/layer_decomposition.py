@@ -33,6 +33,7 @@ from kfac_func.core.decomposition import (
 Eigenpair = tuple[torch.Tensor, torch.Tensor]
 
 __all__ = [
+    "damped_reciprocal",
     "decomposition_shapes",
     "diagonal_eigenvalues",
     "diagonal_inverse",
@@ -75,6 +76,22 @@ def diagonal_inverse(
     """
     if not all_finite(factor):
         raise DecompositionError("inverse: the factor holds NaN/Inf")
+    return damped_reciprocal(factor, damping, dtype=dtype, compute_dtype=compute_dtype)
+
+
+def damped_reciprocal(
+    factor: torch.Tensor,
+    damping: float,
+    *,
+    dtype: torch.dtype,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """:func:`diagonal_inverse` without its check of the factor.
+
+    Example:
+        >>> damped_reciprocal(torch.tensor([1.0, 3.0]), 1.0, dtype=torch.float32)
+        tensor([0.5000, 0.2500])
+    """
     den = factor.to(compute_dtype or torch.promote_types(dtype, torch.float32)) + damping
     if damping > 0:
         return (1.0 / den).to(dtype)

@@ -40,10 +40,14 @@ from kfac_func.core.decomposition import (
     solver_error,
 )
 from kfac_func.core.ekfac import from_eigen
-from kfac_func.core.layer_decomposition import placeholder_side, precompute_outer
+from kfac_func.core.layer_decomposition import (
+    damped_reciprocal,
+    placeholder_side,
+    precompute_outer,
+)
 from kfac_func.core.stacks import stacked
 from kfac_func.state import KFACConfig, LayerState
-from kfac_func.step.decompose import needs_decomposition, warm_start
+from kfac_func.step.decompose import batched_outers, needs_decomposition, warm_start
 from kfac_func.step.grouped_fold import all_finite_rows, no_data_rows
 from kfac_func.step.grouping import leaves_of, rebuild
 
@@ -88,7 +92,8 @@ def decompose_layers_on_device(
         return set()
     eigen = config.compute_method in ("eigen", "ekfac")
     sides = _sides(layers, todo, config, damping, eigen, eigh_device)
-    dgda = _outers(layers, todo, sides, config, damping) if eigen else {}
+    pairs = {key: side[0] for key, side in sides.items()} if eigen else {}
+    dgda = batched_outers(layers, config, pairs, damping)  # type: ignore[arg-type]
     made: dict[str, tuple[Decomposition, torch.Tensor, torch.Tensor]] = {}
     for name in todo:
         ls = layers[name]
@@ -198,38 +203,7 @@ def _diagonal(
     pseudo-inverse's cut-off when ``λ = 0``), as the checked path computes it."""
     if eigen:
         return None, factor.to(dtype).clamp(min=0.0)
-    den = factor.to(cdt) + damping
-    if damping > 0:
-        return ((1.0 / den).to(dtype),)
-    cutoff = den.amax(dim=-1, keepdim=True) * torch.finfo(den.dtype).eps * den.shape[-1]
-    zero = torch.zeros((), dtype=den.dtype, device=den.device)
-    return (torch.where(den > cutoff, 1.0 / den, zero).to(dtype),)
-
-
-def _outers(
-    layers: MutableMapping[str, LayerState],
-    todo: list[str],
-    sides: dict[tuple[str, int], _Side],
-    config: KFACConfig,
-    damping: float,
-) -> dict[str, torch.Tensor]:
-    """``dgda`` of the layers whose eigenvalues have equal shapes, computed together."""
-    if config.compute_method != "eigen" or not config.compute_eigenvalue_outer_product:
-        return {}
-    groups: dict[Hashable, list[str]] = {}
-    for name in todo:
-        if any(layers[name].spec.diagonal):
-            continue
-        da, dg = sides[(name, 0)][0][1], sides[(name, 1)][0][1]
-        groups.setdefault((tuple(da.shape), tuple(dg.shape), da.dtype), []).append(name)
-    out: dict[str, torch.Tensor] = {}
-    for names in groups.values():
-        if len(names) < 2:
-            continue
-        da = stacked([sides[(n, 0)][0][1] for n in names])[0]
-        dg = stacked([sides[(n, 1)][0][1] for n in names])[0]
-        out.update(zip(names, eigenvalue_outer(dg, da, damping).unbind(0)))
-    return out
+    return (damped_reciprocal(factor, damping, dtype=dtype, compute_dtype=cdt),)
 
 
 def _outer(eig: EigenDecomposition, damping: float) -> torch.Tensor:
