@@ -106,6 +106,9 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             model = make_model()
             pre = kf.KFACPreconditioner(model, collective_timeout=timedelta(seconds=TIMEOUT_S))
             Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
+            # every rank has built its groups (gloo connects them pairwise) before the last
+            # one dies: dying sooner closes a connection another rank is still making
+            dist.barrier()
             if last:
                 if world == 4:  # stalls: only the timeout can tell
                     time.sleep(TIMEOUT_S + 2)
