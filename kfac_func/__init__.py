@@ -43,7 +43,6 @@ from kfac_func.core.layer_decomposition import eigen_decompose, inverse_decompos
 from kfac_func.core.preconditioning import kl_clip_scale, precondition
 from kfac_func.core.quadratic import QuadraticSolution, lm_damping, solve_quadratic
 from kfac_func.distributed.communicator import AllreduceMethod, Communicator, RankMismatchError
-from kfac_func.distributed.kaisa import update_distributed
 from kfac_func.distributed.plan import (
     AssignmentStrategy,
     DistributedStrategy,
@@ -51,6 +50,7 @@ from kfac_func.distributed.plan import (
     Plan,
     make_plan,
 )
+from kfac_func.distributed.step import update_distributed
 from kfac_func.parallel.gpt_neox import ExperimentalFeatureWarning, GPTNeoXKFACPreconditioner
 from kfac_func.parallel.plan import ParallelPlan, make_parallel_plan, register_parallel
 from kfac_func.parallel.preconditioner import ParallelKFACPreconditioner
@@ -67,6 +67,7 @@ from kfac_func.step.curvature import curvature_gram
 from kfac_func.step.decompose import decompose
 from kfac_func.step.ekfac import correct_eigenvalues
 from kfac_func.step.hyper import NonFiniteError, exp_decay_factor_averaging
+from kfac_func.step.options import StepOptions
 from kfac_func.step.precondition import precondition_grads
 from kfac_func.step.sync_free import report_skipped
 from kfac_func.step.update import update
@@ -113,6 +114,7 @@ __all__ = [
     "Plan",
     "QuadraticSolution",
     "RankMismatchError",
+    "StepOptions",
     "__version__",
     "a_factor",
     "accumulate_factors",

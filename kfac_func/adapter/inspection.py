@@ -15,6 +15,7 @@ from torch import nn
 from kfac_func.adapter.arguments import HYPER, PreconditionerBase
 from kfac_func.blocks import Gram, LayerTable
 from kfac_func.step.diagnostics import DOMINANCE, JUDGE_LIMIT, damping_dominance, judged_at
+from kfac_func.step.options import StepOptions
 
 __all__ = ["InspectionMixin", "check_factor_rows"]
 
@@ -45,6 +46,7 @@ class InspectionMixin(PreconditionerBase):
     sync_free: bool
     batched_eigh: bool
     eigh_device: torch.device | None
+    grouped: bool
     distributed_strategy: Any
 
     def _layer_grads(self) -> dict[str, torch.Tensor]:
@@ -132,19 +134,27 @@ class InspectionMixin(PreconditionerBase):
         usage["total"] = sum(usage.values())
         return usage
 
-    def _rule_kwargs(self) -> dict[str, Any]:
-        return {
-            "grafting": self.grafting,
-            "graft_beta2": self.graft_beta2,
-            "graft_eps": self.graft_eps,
-            "eigenbasis_moments": self.eigenbasis_moments,
-            "moment_beta2": self.moment_beta2,
-            "moment_eps": self.moment_eps,
-            "moment_beta1": self.moment_beta1,
-            "sync_free": self.sync_free,
-            "batched_eigh": self.batched_eigh,
-            "eigh_device": self.eigh_device,
-        }
+    def _step_options(self, **this_step: Any) -> StepOptions:
+        """The settings of a step (:class:`kfac_func.StepOptions`): the preconditioner's
+        attributes as they are now, with ``this_step``'s values (its damping, whether it
+        updates the factors and the decompositions)."""
+        return StepOptions(
+            factor_decay=self.factor_decay,
+            kl_clip=self.kl_clip,
+            lr=self.lr,
+            grafting=self.grafting,
+            graft_beta2=self.graft_beta2,
+            graft_eps=self.graft_eps,
+            eigenbasis_moments=self.eigenbasis_moments,
+            moment_beta2=self.moment_beta2,
+            moment_eps=self.moment_eps,
+            moment_beta1=self.moment_beta1,
+            sync_free=self.sync_free,
+            batched_eigh=self.batched_eigh,
+            eigh_device=self.eigh_device,
+            grouped=self.grouped,
+            **this_step,
+        )
 
     def __repr__(self) -> str:
         hyper = ", ".join(f"{k}={getattr(self, k)!r}" for k in HYPER)

@@ -42,9 +42,9 @@ from kfac_func.distributed.dtensor import (
     describe_parameters,
     is_dtensor,
 )
-from kfac_func.distributed.kaisa import update_distributed
 from kfac_func.distributed.plan import AssignmentStrategy, DistributedStrategy, make_plan
 from kfac_func.distributed.sharded import release_unowned
+from kfac_func.distributed.step import update_distributed
 from kfac_func.state import KFACState, init
 from kfac_func.step.adaptive import AdaptiveInfo, init_adaptive
 from kfac_func.step.basis import BasisMoments
@@ -428,6 +428,9 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
             damping = self._state.adaptive.damping
             raw = {k: g.clone() for k, g in grads.items()}
         factors_now = bool(batch) or reducer is not None or captures is not None
+        options = self._step_options(
+            damping=damping, update_factors=factors_now, update_inverses=update_inverses
+        )
         # whether the damping may be judged this step (once the factors settle, see
         # _warn_if_damping_dominates); the adaptive step tunes the damping itself, and the
         # eigenbasis moments set the step without it: nothing to warn about there
@@ -451,15 +454,8 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
                 captures=captures,
                 batch_factors=batch if batch else None,
                 rows=rows,
-                damping=damping,
-                factor_decay=self.factor_decay,
-                kl_clip=self.kl_clip,
-                lr=self.lr,
-                update_factors=bool(batch) or captures is not None,
-                update_inverses=update_inverses,
                 donate=True,
-                grouped=self.grouped,
-                **self._rule_kwargs(),
+                options=options,
             )
         else:
             new_grads, self._state = update_distributed(
@@ -470,14 +466,8 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
                 captures=captures,
                 batch_factors=batch if batch else None,
                 factor_reducer=reducer,
-                damping=damping,
-                factor_decay=self.factor_decay,
-                kl_clip=self.kl_clip,
-                lr=self.lr,
-                update_factors=bool(batch) or reducer is not None or captures is not None,
-                update_inverses=update_inverses,
                 rows=rows,
-                **self._rule_kwargs(),
+                options=options,
             )
         copy_back(grads, new_grads)
         if check:

@@ -20,7 +20,7 @@ import torch
 
 from kfac_func.state import KFACState
 from kfac_func.step.decompose_on_device import solver_failed
-from kfac_func.step.hyper import check_step_hyper
+from kfac_func.step.options import StepOptions
 from kfac_func.step.sync_free import report_skipped
 from kfac_func.step.update import update
 
@@ -76,16 +76,17 @@ class SyncFreeMixin:
             self._compiled = torch.compile(update, fullgraph=True)
         compiled = self._compiled
 
-        def step(state: KFACState, grads: Any, **kwargs: Any) -> Any:
-            # schedules resolved and values checked eagerly: a value that changes between
-            # calls is symbolic in the compiled step, which checks nothing then
-            resolved = check_step_hyper(int(state.step), kwargs)
+        def step(state: KFACState, grads: Any, *, options: StepOptions, **kwargs: Any) -> Any:
+            # schedules resolved and values checked eagerly, and handed over as keywords:
+            # a number that changes between calls is symbolic in the compiled step, which
+            # checks nothing then
+            settings = options.at(int(state.step)).settings()
             try:
-                return compiled(state, grads, **resolved)
+                return compiled(state, grads, **kwargs, **settings)
             except RuntimeError as err:
                 if not solver_failed(err):
                     raise
-                return update(state, grads, **resolved)
+                return update(state, grads, **kwargs, **settings)
 
         return step
 

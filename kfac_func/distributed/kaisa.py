@@ -1,18 +1,17 @@
-"""`update_distributed`: the K-FAC step of :func:`kfac_func.update`, executed under a plan.
+"""KAISA's factor and decomposition stages of :func:`kfac_func.update_distributed`
+(composed in :mod:`kfac_func.distributed.step`).
 
-Composition only: the stages of :mod:`kfac_func.step` and the factor decompositions do
-the math, :class:`kfac_func.distributed.communicator.Communicator` moves tensors, the
-:class:`kfac_func.distributed.plan.Plan` says who does what. Per step:
+The stages of :mod:`kfac_func.step` and the factor decompositions do the math,
+:class:`kfac_func.distributed.communicator.Communicator` moves tensors, the
+:class:`kfac_func.distributed.plan.Plan` says who does what:
 
-1. every rank computes its local batch factors; they are averaged over ranks (weighted
-   like micro-batches, see :func:`kfac_func.core.conventions.micro_batch_weights`) by a
-   bucketed asynchronous all-reduce, or, under ``MEM_OPT`` where only the owner needs
-   them, by a reduce to the owner (half the bytes);
+1. every rank computes its local batch factors (:func:`local_batch_factors`); they are
+   averaged over ranks (weighted like micro-batches, see
+   :func:`kfac_func.core.conventions.micro_batch_weights`) by a bucketed asynchronous
+   all-reduce, or, under ``MEM_OPT`` where only the owner needs them, by a reduce to the
+   owner (half the bytes), and folded (:func:`reduce_factors`);
 2. the owners decompose their factors and broadcast the results to the layer's grad
-   workers (``COMM_OPT``, ``HYBRID_OPT``);
-3. grad workers precondition; under ``MEM_OPT``/``HYBRID_OPT`` they broadcast the result
-   (with a flag saying whether it was preconditioned) to their receiver group;
-4. every rank applies the same kl_clip scale to the same tensors.
+   workers (:func:`decompose_owned`; ``COMM_OPT``, ``HYBRID_OPT``).
 
 Gradients must already be averaged over data-parallel ranks (as DDP does). Each rank
 keeps a full :class:`KFACState`; under ``MEM_OPT`` a rank's factors are current only for
@@ -21,12 +20,11 @@ the layers it owns, and decompositions live only on grad workers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from kfac_func.blocks import Rows
 from kfac_func.captures import Captures
 from kfac_func.core.conventions import decomposition_dtype
 from kfac_func.core.decomposition import (
@@ -45,46 +43,29 @@ from kfac_func.core.layer_decomposition import (
 )
 from kfac_func.core.tied_factors import stacked_like
 from kfac_func.distributed.communicator import Communicator, Pending
-from kfac_func.distributed.dtensor import has_dtensors
-from kfac_func.distributed.ekfac import reduce_scales
 from kfac_func.distributed.plan import DistributedStrategy, Plan
 from kfac_func.distributed.reducer import OrderedReducer
-from kfac_func.distributed.sharded import precondition_sharded, sharded_layouts
 from kfac_func.state import KFACState, LayerState
 from kfac_func.step.accumulate import fold_checked, layer_batch_factors
-from kfac_func.step.autocast import without_autocast
-from kfac_func.step.basis import BasisMoments, carry_moments, moment_bases
-from kfac_func.step.checks import check_grads_mapping, layer_matrix
 from kfac_func.step.decompose import (
     batched_eigenpairs,
-    check_eigh_device,
     decomposition_failed,
     needs_decomposition,
     warm_start,
 )
-from kfac_func.step.grouped import preconditioned_layers
-from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, resolve
-from kfac_func.step.precondition import (
-    Grafting,
-    apply_preconditioned,
-    captured_rows,
-)
-from kfac_func.step.sync_free import (
-    apply_selected,
-    check_sync_free,
-    leave_sync_free,
-    report_layers,
-)
+from kfac_func.step.hyper import NonFinite, as_list
 
 __all__ = [
+    "check_plan",
+    "decompose_owned",
     "local_batch_factors",
     "offer_factors",
+    "reduce_factors",
     "start_factor_reduction",
-    "update_distributed",
 ]
 
 
-def _check_plan(state: KFACState, plan: Plan) -> list[str]:
+def check_plan(state: KFACState, plan: Plan) -> list[str]:
     """The layers in the plan's (name) order, which every rank shares whatever the order
     of its state: reductions are issued and the kl_clip sum is taken in this order."""
     if set(state.layers) != set(plan.layers):
@@ -123,7 +104,7 @@ def start_factor_reduction(state: KFACState, plan: Plan, comm: Communicator) -> 
     dst = None
     if plan.strategy is DistributedStrategy.MEM_OPT:
         dst = {name: plan.layers[name].a_owner for name in plan.layers}
-    order = _check_plan(state, plan)
+    order = check_plan(state, plan)
     return OrderedReducer(comm, order, symmetric=[True, True, False], dst=dst)
 
 
@@ -148,7 +129,7 @@ def offer_factors(
     reducer.ready(ls.spec.name, [w * a, w * g, weight], symmetric)
 
 
-def _reduce_factors(
+def reduce_factors(
     state: KFACState,
     names: list[str],
     local: BatchFactors,
@@ -158,6 +139,9 @@ def _reduce_factors(
     nonfinite: NonFinite,
     reducer: OrderedReducer | None,
 ) -> dict[str, LayerState]:
+    """The layers with this step's factors folded in by the ranks that keep them: the
+    local batch factors ``local`` averaged over ranks (the reduction of ``reducer`` where
+    it started already)."""
     cfg = state.config
     layers = dict(state.layers)
     if comm.world_size == 1:  # nothing to average: fold the local factors as update() does
@@ -180,7 +164,7 @@ def _reduce_factors(
     return layers
 
 
-def _decompose(
+def decompose_owned(
     state: KFACState,
     layers: dict[str, LayerState],
     names: list[str],
@@ -288,199 +272,3 @@ def _basis(received: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Ten
     """``(eigenvectors, eigenvalues)`` of one side as broadcast: a diagonal side sends its
     eigenvalues only."""
     return (None, received[0]) if len(received) == 1 else (received[0], received[1])
-
-
-@without_autocast
-def update_distributed(
-    state: KFACState,
-    grads: Mapping[str, torch.Tensor],
-    *,
-    plan: Plan,
-    comm: Communicator,
-    captures: Captures | Sequence[Captures] | None = None,
-    batch_factors: BatchFactors | None = None,
-    factor_reducer: OrderedReducer | None = None,
-    damping: Hyper = 1e-3,
-    factor_decay: Hyper = 0.95,
-    kl_clip: Hyper | None = 1e-3,
-    lr: Hyper = 0.1,
-    update_factors: bool | Callable[[int], bool] = True,
-    update_inverses: bool | Callable[[int], bool] = True,
-    nonfinite: NonFinite = "skip",
-    rows: Mapping[str, Rows] | None = None,
-    grafting: str | None = None,
-    graft_beta2: float = 0.999,
-    graft_eps: float = 1e-8,
-    eigenbasis_moments: bool = False,
-    moment_beta2: float = 0.999,
-    moment_eps: float = 1e-8,
-    moment_beta1: float = 0.0,
-    sync_free: bool = False,
-    batched_eigh: bool = False,
-    eigh_device: torch.device | str | None = None,
-) -> tuple[dict[str, torch.Tensor], KFACState]:
-    """:func:`kfac_func.update` across ranks, with the communication of ``plan``.
-
-    Every rank calls it with its local captures and the rank-averaged gradients; every
-    rank returns the same preconditioned gradients. Arguments are those of
-    :func:`kfac_func.update`, plus the plan and its :class:`Communicator`, and
-    ``batch_factors`` (``{layer: (A, G, weight)}`` of this rank, as from
-    :func:`local_batch_factors`) for callers that built the factors already (the hooks of
-    the stateful adapter) instead of ``captures``, ``factor_reducer`` (from
-    :func:`start_factor_reduction`) holding layers whose reduction already started, and
-    ``rows`` (see :func:`kfac_func.step.precondition.precondition_layer`; on one rank they are taken
-    from ``captures``; with several ranks the gradients are averages, which local rows
-    never reproduce). With ``sync_free=True`` (see :func:`kfac_func.update`) the grad
-    workers check the gradients on the device and the flags that travel with broadcast
-    gradients select on the receivers' devices: a step that only preconditions reads
-    nothing on the host. DTensor gradients (FSDP2, HSDP, tensor parallelism: each rank's
-    shards, as ``param.grad`` holds them) are gathered onto each layer's grad workers and
-    come back as DTensors of the same placements (:mod:`kfac_func.distributed.sharded`);
-    the captures must then hold the whole layers' inputs and output-gradients (the
-    adapter's hooks gather tensor-parallel shards), and ``sync_free`` does not apply.
-    ``batched_eigh`` and ``eigh_device`` (see
-    :func:`kfac_func.decompose`) apply to the factors each owner decomposes.
-
-    Example:
-        >>> import torch
-        >>> from torch import nn
-        >>> import kfac_func as kf
-        >>> model = nn.Linear(3, 2)
-        >>> layers = kf.register(model)
-        >>> plan = kf.make_plan(layers, world_size=1)
-        >>> comm = kf.Communicator(plan)  # no process group: one rank
-        >>> _, grads, caps = kf.capture(model, dict(model.named_parameters()),
-        ...                             torch.randn(4, 3), lambda o: o.pow(2).mean())
-        >>> new_grads, state = kf.update_distributed(kf.init(layers), grads, captures=caps,
-        ...                                          plan=plan, comm=comm)
-        >>> state.step
-        1
-    """
-    if nonfinite not in ("skip", "raise"):
-        raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
-    check_sync_free(sync_free, nonfinite)
-    names = _check_plan(state, plan)
-    graft_settings = None
-    if grafting is not None:
-        graft_settings = Grafting(grafting, graft_beta2, graft_eps).check()
-    basis_settings = None
-    if eigenbasis_moments:
-        basis_settings = BasisMoments(moment_beta2, moment_eps, moment_beta1).check(
-            state.config.compute_method
-        )
-    check_grads_mapping(grads)  # before any collective
-    # DTensor gradients (FSDP2, tensor parallelism): placements checked before any other
-    # collective; their preconditioning stage is kfac_func.distributed.sharded's
-    layouts = sharded_layouts(state.layers, grads, names, comm) if has_dtensors(grads) else None
-    eigh_device = check_eigh_device(eigh_device)
-    changes: dict[str, dict[str, object]] = {}
-    step = state.step
-    lam = resolve(damping, step)
-    check_hyper("damping", lam, lambda v: v >= 0, ">= 0")
-    layers = dict(state.layers)
-    # what one-process sync_free steps decided on the device (this step checks its
-    # factors and decompositions on the host): one read, only when they left anything
-    leave_sync_free(layers)
-    state = state.replace(layers=dict(layers))
-    decay, statistics = 1.0, None  # this step's captures, when factors update
-    factors_now = bool(resolve(update_factors, step))
-    if factors_now:
-        if captures is not None and batch_factors is not None:
-            raise ValueError("give captures= or batch_factors=, not both")
-        if captures is None and batch_factors is None and factor_reducer is None:
-            raise ValueError("update_factors=True needs captures= (from kfac_func.capture)")
-        decay = resolve(factor_decay, step)
-        check_hyper("factor_decay", decay, lambda v: 0 <= v <= 1, "in [0, 1]")
-        local = batch_factors or {}
-        if captures is not None:
-            local = local_batch_factors(state, captures)
-            statistics = as_list(captures)
-        layers = _reduce_factors(state, names, local, plan, comm, decay, nonfinite, factor_reducer)
-    before = moment_bases(layers)
-    inverses = bool(resolve(update_inverses, step))
-    layers, fresh = _decompose(
-        state, layers, names, plan, comm, lam, inverses, batched_eigh, eigh_device
-    )
-    carry_moments(layers, before, fresh)
-    if state.config.compute_method == "ekfac" and statistics is not None:
-        reduce_scales(
-            layers, names, statistics, plan, comm, state.config.inv_dtype, decay, nonfinite, fresh
-        )
-
-    if layouts is not None:  # DTensor gradients: see kfac_func.distributed.sharded
-        args = (lam, kl_clip, lr, step, nonfinite, graft_settings, basis_settings, changes)
-        out = precondition_sharded(layers, grads, layouts, names, plan, comm, *args)
-        layers.update({n: layers[n].replace(**c) for n, c in changes.items()})
-        return out, state.replace(layers=layers, step=step + 1)
-    rank = comm.rank
-    if basis_settings is not None or sync_free:
-        rows = {}  # eigenbasis moments need the gradient matrix itself
-    elif rows is None and captures is not None and comm.world_size == 1:
-        rows = captured_rows(state, captures)
-    rows = rows or {}
-    mine = [
-        name
-        for name in names
-        if rank in plan.layers[name].grad_workers and layers[name].decomposition is not None
-    ]
-    # the layers this rank preconditions, group by group (validates every gradient
-    # before any travels; the default mode's checks are read once, warned or raised)
-    owned = preconditioned_layers(
-        layers,
-        grads,
-        mine,
-        lam,
-        step=step,
-        nonfinite=nonfinite,
-        sync_free=sync_free,
-        rows=rows,
-        grafting=graft_settings,
-        basis_moments=basis_settings,
-        changes=changes,
-    )
-    finite: dict[str, torch.Tensor] = {}  # sync_free: the grad workers' checks, on device
-    results: list[tuple[str, torch.Tensor, Pending]] = []
-    for name in names:
-        ls = layers[name]
-        m = layer_matrix(ls, grads)
-        p = m
-        if name in owned:
-            p, flag = owned[name]
-            if sync_free:
-                finite[name] = flag
-        if plan.broadcast_gradients:
-            # the sender's flag says whether it preconditioned the layer
-            flag = torch.full((1,), float(p is not m), dtype=m.dtype, device=m.device)
-            if name in finite:
-                flag = finite[name].to(m.dtype).reshape(1)
-            src = plan.src_of(name, rank)
-            sent = [p, flag] if rank == src else [torch.empty_like(m), flag]
-            pending = comm.broadcast(
-                sent, src=src, ranks=plan.receiver_group_of(rank), kind="gradients"
-            )
-        else:
-            pending = Pending(finish=[lambda p=p: [p]])
-        results.append((name, m, pending))
-    received = [(name, m, pending.wait()) for name, m, pending in results]
-    if sync_free:
-        done_flags = [
-            (layers[n].spec, got[0], m, got[1][0] > 0 if plan.broadcast_gradients else finite[n])
-            for n, m, got in received
-            if plan.broadcast_gradients or n in finite
-        ]
-        out = apply_selected(grads, done_flags, kl_clip=kl_clip, lr=lr, step=step)
-        for name, change in changes.items():
-            layers[name] = layers[name].replace(**change)
-        if factors_now:  # this step reads the device anyway
-            report_layers(layers)
-        return out, state.replace(layers=layers, step=step + 1)
-    if plan.broadcast_gradients:  # the senders' flags, read in one host synchronisation
-        flags = [got[1] for *_, got in received]
-        ok = torch.cat([f.to(flags[0].device) for f in flags]).tolist() if flags else []
-    else:
-        ok = [got[0] is not m for _, m, got in received]
-    done = [(layers[n].spec, got[0], m) for (n, m, got), k in zip(received, ok) if k]
-    out = apply_preconditioned(grads, done, kl_clip=kl_clip, lr=lr, step=step)
-    for name, change in changes.items():  # the running moments, on the grad workers
-        layers[name] = layers[name].replace(**change)
-    return out, state.replace(layers=layers, step=step + 1)

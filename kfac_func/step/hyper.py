@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Literal, TypeVar
 
 import torch
 
@@ -21,7 +21,6 @@ __all__ = [
     "NonFiniteError",
     "as_list",
     "check_hyper",
-    "check_step_hyper",
     "clip_and_rate",
     "exp_decay_factor_averaging",
     "non_finite",
@@ -52,7 +51,7 @@ def check_hyper(name: str, value: float | None, ok: Callable[[float], bool], exp
 
     Inside a compiled step (``torch.compile`` traces it, and a value that changed between
     calls is symbolic there) nothing is checked: the caller checks the values eagerly
-    first (:func:`check_step_hyper`).
+    first (:meth:`kfac_func.StepOptions.at`).
 
     Example:
         >>> check_hyper("lr", -1.0, lambda v: v >= 0, ">= 0")
@@ -137,28 +136,9 @@ def non_finite(layer: str, what: str, mode: NonFinite) -> None:
 
 
 HYPER_CHECKS: dict[str, tuple[Callable[[float], bool], str]] = {
+    # the hyperparameters a step resolves at its step, with their ranges
     "lr": (lambda v: v >= 0, ">= 0"),
     "kl_clip": (lambda v: v > 0, "> 0 (or None to disable)"),
     "damping": (lambda v: v >= 0, ">= 0"),
     "factor_decay": (lambda v: 0 <= v <= 1, "in [0, 1]"),
 }
-
-
-def check_step_hyper(step: int, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` of a step with its hyperparameters (``lr``, ``kl_clip``, ``damping``,
-    ``factor_decay``) resolved at ``step`` and checked, eagerly: what a compiled step is
-    handed (its own checks are skipped while compiling, see :func:`check_hyper`).
-
-    Example:
-        >>> check_step_hyper(3, {"lr": lambda k: 0.1 / k, "kl_clip": None})["lr"]
-        0.03333333333333333
-    """
-    out = dict(kwargs)
-    for name, (ok, expected) in HYPER_CHECKS.items():
-        value = out.get(name)
-        if value is None or isinstance(value, torch.Tensor):
-            continue
-        value = resolve(value, step)
-        check_hyper(name, value, ok, expected)
-        out[name] = value
-    return out

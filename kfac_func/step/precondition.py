@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -25,12 +26,11 @@ from kfac_func.step.hyper import (
     Hyper,
     NonFinite,
     as_list,
-    check_hyper,
     clip_and_rate,
-    resolve,
     take,
 )
 from kfac_func.step.layer_step import Grafting, graft, precondition_layer, precondition_with
+from kfac_func.step.options import StepOptions, step_options
 from kfac_func.step.sync_free import (
     apply_selected,
     count_skips,
@@ -58,19 +58,20 @@ def precondition_grads(
     state: KFACState,
     grads: Mapping[str, torch.Tensor],
     *,
-    damping: Hyper | None = None,
-    kl_clip: Hyper | None = 1e-3,
-    lr: Hyper = 0.1,
-    nonfinite: NonFinite = "skip",
     rows: Mapping[str, Rows] | None = None,
-    grafting: Grafting | None = None,
-    basis_moments: BasisMoments | None = None,
-    sync_free: bool = False,
-    grouped: bool = True,
+    options: StepOptions | None = None,
+    **settings: Any,
 ) -> dict[str, torch.Tensor]:
     """Precondition the gradients of every decomposed layer; others pass unchanged.
 
-    With ``basis_moments``, each layer's gradient is scaled by the state's running moment
+    The settings are those of :class:`kfac_func.StepOptions` (``options=``, keywords, or
+    both; the keywords override ``options``); this stage reads ``damping``, ``kl_clip``,
+    ``lr``, ``nonfinite``, the grafting and eigenbasis-moment settings, ``sync_free`` and
+    ``grouped``, and leaves the others to the stages that use them. ``grafting`` may also
+    be a :class:`Grafting` value, and ``basis_moments=`` a
+    :class:`~kfac_func.step.basis.BasisMoments` value, spelling out those settings.
+
+    With ``eigenbasis_moments``, each layer's gradient is scaled by the state's running moment
     in its eigenbasis instead of by the eigenvalues (see
     :mod:`kfac_func.core.basis_moments`). With ``grafting``, each layer's preconditioned
     gradient then takes the norm of the grafted optimizer's step (see
@@ -116,16 +117,18 @@ def precondition_grads(
         >>> kf.precondition_grads(state, g, damping=1.0, kl_clip=None)["weight"]
         tensor([[0.5000]])
     """
-    lam = resolve(DEFAULT_DAMPING if damping is None else damping, state.step)
-    check_hyper("damping", lam, lambda v: v >= 0, ">= 0")
+    opts = step_options(options, _spelled_out(settings))
+    damping, sync_free, nonfinite = opts.damping, opts.sync_free, opts.nonfinite
+    kl_clip, lr = opts.kl_clip, opts.lr
+    grafting = opts.grafting_settings()
+    basis_moments = opts.basis_settings(state.config.compute_method)
+    lam = opts.damping_at(state.step)
     layers: Mapping[str, LayerState] = state.layers
     if not sync_free:  # decompositions that sync_free steps judged on the device
         layers = usable_only(layers)
-    if basis_moments is not None:
-        basis_moments.check(state.config.compute_method)
-    elif damping is not None:
+    if basis_moments is None and damping is not None:
         layers = _damped_by(layers, lam)
-    if grouped:
+    if opts.grouped:
         return precondition_layers_grouped(
             layers,
             grads,
@@ -165,7 +168,25 @@ def precondition_grads(
     )
 
 
-DEFAULT_DAMPING = 1e-3
+def _spelled_out(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with a :class:`Grafting` value of ``grafting`` and a
+    :class:`~kfac_func.step.basis.BasisMoments` value of ``basis_moments`` (the stage's
+    own spelling of them) as the fields of :class:`~kfac_func.StepOptions`."""
+    out = dict(settings)
+    graft = out.get("grafting")
+    if isinstance(graft, Grafting):
+        out.update(grafting=graft.mode, graft_beta2=graft.beta2, graft_eps=graft.eps)
+    moments = out.pop("basis_moments", None)
+    if isinstance(moments, BasisMoments):
+        out.update(
+            eigenbasis_moments=True,
+            moment_beta2=moments.beta2,
+            moment_eps=moments.eps,
+            moment_beta1=moments.beta1,
+        )
+    elif moments is not None:
+        raise TypeError(f"basis_moments must be a BasisMoments or None, got {moments!r}")
+    return out
 
 
 def _damped_by(layers: Mapping[str, LayerState], damping: float) -> Mapping[str, LayerState]:

@@ -14,7 +14,8 @@ Hyperparameters are numbers or ``step -> value`` callables, evaluated at ``state
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -28,7 +29,7 @@ from kfac_func.step.accumulate import (
     layer_stats,
 )
 from kfac_func.step.autocast import without_autocast
-from kfac_func.step.basis import BasisMoments, carry_moments, moment_bases
+from kfac_func.step.basis import carry_moments, moment_bases
 from kfac_func.step.checks import validate_grads
 from kfac_func.step.decompose import check_eigh_device, decompose_layers
 from kfac_func.step.decompose_on_device import decompose_layers_on_device, solver_failed
@@ -36,14 +37,14 @@ from kfac_func.step.ekfac import update_scales
 from kfac_func.step.grouped import precondition_layers_grouped
 from kfac_func.step.grouped_batch import batch_factors_grouped
 from kfac_func.step.grouped_fold import fold_layers_grouped
-from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, resolve, take
+from kfac_func.step.hyper import as_list, check_hyper, resolve, take
+from kfac_func.step.options import StepOptions, step_options
 from kfac_func.step.precondition import (
-    Grafting,
     captured_rows,
     precondition_layers,
     precondition_layers_sync_free,
 )
-from kfac_func.step.sync_free import check_sync_free, leave_sync_free
+from kfac_func.step.sync_free import leave_sync_free
 
 __all__ = ["update"]
 
@@ -56,28 +57,17 @@ def update(
     captures: Captures | Sequence[Captures] | None = None,
     batch_factors: Mapping[str, LayerFactors] | None = None,
     rows: Mapping[str, Rows] | None = None,
-    damping: Hyper = 1e-3,
-    factor_decay: Hyper = 0.95,
-    kl_clip: Hyper | None = 1e-3,
-    lr: Hyper = 0.1,
-    update_factors: bool | Callable[[int], bool] = True,
-    update_inverses: bool | Callable[[int], bool] = True,
-    nonfinite: NonFinite = "skip",
     donate: bool = False,
-    grafting: str | None = None,
-    graft_beta2: float = 0.999,
-    graft_eps: float = 1e-8,
-    eigenbasis_moments: bool = False,
-    moment_beta2: float = 0.999,
-    moment_eps: float = 1e-8,
-    moment_beta1: float = 0.0,
-    sync_free: bool = False,
-    batched_eigh: bool = False,
-    eigh_device: torch.device | str | None = None,
-    grouped: bool = True,
+    options: StepOptions | None = None,
+    **settings: Any,
 ) -> tuple[dict[str, torch.Tensor], KFACState]:
     """One K-FAC step: returns ``(preconditioned_grads, new_state)``; inputs are untouched
     (unless donated).
+
+    The step's settings (damping, factor_decay, kl_clip, lr, update_factors,
+    update_inverses, nonfinite, grafting, eigenbasis moments, sync_free, grouped, ...) are
+    the fields of :class:`kfac_func.StepOptions`, described there: pass them as
+    ``options=``, as keywords, or both (the keywords override ``options``).
 
     Args:
         state: from :func:`kfac_func.init` or a previous ``update``.
@@ -90,19 +80,6 @@ def update(
             used on one process), instead of ``captures``.
         rows: ``{layer: [(input rows, output-gradient rows), ...]}`` of Linear layers (see
             :func:`precondition_layer`); taken from ``captures`` when not given.
-        damping: Tikhonov damping λ.
-        factor_decay: running-average coefficient in [0, 1] (0: the batch factors replace
-            the average).
-        kl_clip: gradient-scale clipping; None disables it.
-        lr: learning rate used by the kl_clip scale.
-        update_factors: fold the captures into the factors this step.
-        update_inverses: recompute decompositions this step (layers without one are
-            always decomposed once their factors hold data). Under
-            ``compute_method="ekfac"`` the corrected eigenvalues are updated from
-            ``captures`` whenever the factors are (restarted in a basis computed this
-            step; see :func:`kfac_func.correct_eigenvalues`).
-        nonfinite: ``"skip"`` (warn, keep that layer's state, pass its gradient
-            unchanged) or ``"raise"`` (:class:`NonFiniteError`) on NaN/Inf.
         donate: hand ``state`` over to the step (as JAX's buffer donation): its
             ``layers`` dict is updated in place, each layer's entry replaced as soon as
             its new factors or decomposition exist, so that the old ones are freed one
@@ -116,50 +93,10 @@ def update(
             are the same as without donation. Missing or misshapen gradients are refused
             before anything changes; an error after that (``nonfinite="raise"``) leaves
             each layer of the donated state either as it was or as the step left it.
-        grafting: ``"sgd"`` or ``"adam"``: each layer's preconditioned gradient takes the
-            norm of that optimizer's step for the layer (K-FAC's direction, the grafted
-            optimizer's length; see :mod:`kfac_func.core.grafting`), before ``kl_clip``
-            (usually None with grafting). Adam's running second moments live in the
-            state (``LayerState.graft_moment``), its bias correction counts from step 0.
-        graft_beta2, graft_eps: Adam grafting's ``β₂`` and ``eps``.
-        eigenbasis_moments: divide each layer's gradient in its eigenbasis by the root of
-            a running second moment of the gradient there (Adam's step in K-FAC's
-            eigenbasis, the idea of SOAP; see :mod:`kfac_func.core.basis_moments`)
-            instead of by the eigenvalues plus damping (``"eigen"`` or ``"ekfac"``). The
-            moments live in the state (``LayerState.basis_moment``), are carried into
-            each new eigenbasis, and start with a layer's first decomposition. Usually
-            with ``kl_clip=None`` and the learning rate of Adam.
-        moment_beta2, moment_eps: the moments' ``β₂`` and ``ε``.
-        moment_beta1: Adam's ``β₁`` for eigenbasis moments: the gradient is averaged
-            first (``LayerState.basis_momentum``) and the average preconditioned, as
-            SOAP does; use the consuming optimizer without momentum then. 0: none.
-        sync_free: precondition without host synchronisation (see
-            :mod:`kfac_func.step.sync_free`): each layer's gradient is checked for NaN/Inf
-            on the device and ``torch.where`` selects its preconditioned or its raw
-            gradient; the kl_clip scale stays a tensor. Factor updates and
-            decompositions decide on the device too (see
-            :mod:`kfac_func.step.decompose_on_device`; ``LayerState.factor_skips`` and
-            ``LayerState.usable``): no step kind reads anything on the host, and
-            ``torch.compile(update, fullgraph=True)`` traces each whole. Skipped
-            layers are counted in the state (``LayerState.grad_skips``) and warned
-            about by :func:`kfac_func.report_skipped` (or by the next step without
-            ``sync_free``). With every gradient and factor finite the results equal the
-            default's dense path exactly (the rows of ``captures``/``rows`` are not
-            used). Needs ``nonfinite="skip"``. Under ``eigenbasis_moments`` a
-            skipped step still counts in ``moment_count`` (the moments themselves keep
-            their values).
-        batched_eigh, eigh_device: one batched eigh per factor shape across layers, and
-            the device eigh runs on (``"cpu"``: offload it); see :func:`kfac_func.decompose`.
-        grouped: compute the layers of one shape together, as stacked tensors: their
-            batch factors from ``captures`` (see :mod:`kfac_func.step.grouped_batch`),
-            their running factors (see :mod:`kfac_func.step.grouped_fold`), their
-            preconditioning (see :mod:`kfac_func.step.grouped`) and, for the eigen
-            methods, their eigendecompositions (as ``batched_eigh``) and precomputed
-            ``dgda``. The operations of those stages grow with the number of distinct
-            layer shapes, not of layers. The results are those of the per-layer step
-            (``grouped=False``) to rounding.
-
-    All hyperparameters may be ``step -> value`` callables, evaluated at ``state.step``.
+        options: the step's settings (:class:`kfac_func.StepOptions`; None: its
+            defaults).
+        **settings: fields of :class:`kfac_func.StepOptions`, overriding ``options``
+            (a TypeError names any other keyword).
 
     Example:
         >>> import torch
@@ -174,38 +111,29 @@ def update(
         >>> new_grads, state = kf.update(state, grads, captures=caps, damping=1e-2)
         >>> state.step, sorted(new_grads) == sorted(params)
         (1, True)
-        >>> new_grads, state = kf.update(state, grads, captures=caps, donate=True)
+        >>> opts = kf.StepOptions(damping=1e-2, grafting="adam", kl_clip=None)
+        >>> new_grads, state = kf.update(state, grads, captures=caps, options=opts, donate=True)
         >>> state.step
         2
     """
-    if nonfinite not in ("skip", "raise"):
-        raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
-    check_sync_free(sync_free, nonfinite)
-    if not isinstance(grouped, bool):
-        raise TypeError(f"grouped must be a bool, got {grouped!r}")
-    graft_settings = None
-    if grafting is not None:
-        graft_settings = Grafting(grafting, graft_beta2, graft_eps).check()
+    opts = step_options(options, settings)
     step, config = state.step, state.config
-    basis_settings = None
-    if eigenbasis_moments:
-        basis_settings = BasisMoments(moment_beta2, moment_eps, moment_beta1).check(
-            config.compute_method
-        )
+    graft_settings = opts.grafting_settings()
+    basis_settings = opts.basis_settings(config.compute_method)
+    sync_free, grouped, nonfinite = opts.sync_free, opts.grouped, opts.nonfinite
     validate_grads(state.layers, grads)  # before anything changes, donated or not
-    eigh_device = check_eigh_device(eigh_device)
     layers = state.layers if donate else dict(state.layers)
     if not sync_free:
         leave_sync_free(layers)  # what earlier sync_free steps left on the device
     micro: list[Captures] | None = None  # this step's statistics, when factors update
     decay = 1.0
-    factors_now = bool(resolve(update_factors, step))
+    factors_now = bool(resolve(opts.update_factors, step))
     if factors_now:
         if captures is not None and batch_factors is not None:
             raise ValueError("give captures= or batch_factors=, not both")
         if captures is None and batch_factors is None:
             raise ValueError("update_factors=True needs captures= (from kfac_func.capture)")
-        decay = resolve(factor_decay, step)
+        decay = resolve(opts.factor_decay, step)
         check_hyper("factor_decay", decay, lambda v: 0 <= v <= 1, "in [0, 1]")
         micro = as_list(captures) if captures is not None else None
         made: dict[str, LayerFactors] | None = None
@@ -225,10 +153,10 @@ def update(
         (fold_layers_grouped if grouped else fold_layers)(
             layers, batch_of, decay, config, nonfinite, sync_free
         )
-    lam = resolve(damping, step)
-    check_hyper("damping", lam, lambda v: v >= 0, ">= 0")
+    lam = opts.damping_at(step)
     before = moment_bases(layers)
-    inverses_now = bool(resolve(update_inverses, step))
+    inverses_now = bool(resolve(opts.update_inverses, step))
+    eigh_device = check_eigh_device(opts.eigh_device)
     if sync_free:
         fresh = _decompose_on_device(layers, lam, config, inverses_now, eigh_device, grouped)
     else:
@@ -237,7 +165,7 @@ def update(
             lam,
             config,
             update_inverses=inverses_now,
-            batched_eigh=batched_eigh,
+            batched_eigh=opts.batched_eigh,
             eigh_device=eigh_device,
             grouped=grouped,
         )
@@ -253,8 +181,8 @@ def update(
             layers,
             grads,
             lam,
-            kl_clip=kl_clip,
-            lr=lr,
+            kl_clip=opts.kl_clip,
+            lr=opts.lr,
             step=step,
             nonfinite=nonfinite,
             sync_free=sync_free,
@@ -269,8 +197,8 @@ def update(
             layers,
             grads,
             lam,
-            kl_clip=kl_clip,
-            lr=lr,
+            kl_clip=opts.kl_clip,
+            lr=opts.lr,
             step=step,
             grafting=graft_settings,
             basis_moments=basis_settings,
@@ -281,8 +209,8 @@ def update(
             layers,
             grads,
             lam,
-            kl_clip=kl_clip,
-            lr=lr,
+            kl_clip=opts.kl_clip,
+            lr=opts.lr,
             step=step,
             nonfinite=nonfinite,
             rows=rows,

@@ -1,0 +1,239 @@
+"""`StepOptions`: every setting of a K-FAC step, as one frozen value.
+
+:func:`kfac_func.update`, :func:`kfac_func.update_distributed`,
+:func:`kfac_func.precondition_grads` and :class:`kfac_func.KFACPreconditioner` read their
+step settings from it (each stage the ones it uses). The functions take it as
+``options=`` and any of its fields as keywords, which override it:
+
+    opts = kf.StepOptions(damping=1e-2, grafting="adam", kl_clip=None)
+    grads, state = kf.update(state, grads, captures=caps, options=opts)
+    grads, state = kf.update(state, grads, captures=caps, options=opts, lr=0.05)
+
+Settings that do not depend on the step are checked when the value is made (a ValueError
+or TypeError names the setting); hyperparameters, which may be ``step -> value``
+callables, are checked at each step (:meth:`StepOptions.at`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kfac_func.step.basis import BasisMoments
+from kfac_func.step.decompose import check_eigh_device
+from kfac_func.step.hyper import HYPER_CHECKS, Hyper, NonFinite, check_hyper, resolve
+from kfac_func.step.layer_step import Grafting
+from kfac_func.step.sync_free import check_sync_free
+
+__all__ = ["DEFAULT_DAMPING", "StepOptions", "step_options"]
+
+DEFAULT_DAMPING = 1e-3
+"""The damping of a step given none (``StepOptions.damping=None``) that decomposes."""
+
+_FLAGS = ("eigenbasis_moments", "sync_free", "batched_eigh", "grouped")
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """The settings of a K-FAC step; see :func:`kfac_func.update` for the step itself.
+
+    Attributes:
+        damping: Tikhonov damping λ. None: ``1e-3`` for a step that decomposes; for
+            :func:`kfac_func.precondition_grads` alone, the damping each decomposition
+            was made with (see there).
+        factor_decay: running-average coefficient of the factors in [0, 1] (0: the
+            batch factors replace the average).
+        kl_clip: gradient-scale clipping, ``min(1, sqrt(kl_clip / |lr² Σ P ⊙ grad|))``;
+            None disables it.
+        lr: learning rate used by the kl_clip scale.
+        update_factors: fold this step's statistics into the factors.
+        update_inverses: recompute the decompositions this step (layers without one are
+            always decomposed once their factors hold data). Under
+            ``compute_method="ekfac"`` the corrected eigenvalues are updated from the
+            captures whenever the factors are (restarted in a basis computed this step;
+            see :func:`kfac_func.correct_eigenvalues`).
+        nonfinite: ``"skip"`` (warn, keep that layer's state, pass its gradient
+            unchanged) or ``"raise"`` (:class:`kfac_func.NonFiniteError`) on NaN/Inf.
+        grafting: ``"sgd"`` or ``"adam"``: each layer's preconditioned gradient takes the
+            norm of that optimizer's step for the layer (K-FAC's direction, the grafted
+            optimizer's length; see :mod:`kfac_func.core.grafting`), before ``kl_clip``
+            (usually None with grafting). Adam's running second moments live in the
+            state (``LayerState.graft_moment``), its bias correction counts from step 0.
+        graft_beta2, graft_eps: Adam grafting's ``β₂`` and ``eps``.
+        eigenbasis_moments: divide each layer's gradient in its eigenbasis by the root of
+            a running second moment of the gradient there (Adam's step in K-FAC's
+            eigenbasis, the idea of SOAP; see :mod:`kfac_func.core.basis_moments`)
+            instead of by the eigenvalues plus damping (``"eigen"`` or ``"ekfac"``). The
+            moments live in the state (``LayerState.basis_moment``), are carried into each
+            new eigenbasis, and start with a layer's first decomposition. Usually with
+            ``kl_clip=None`` and the learning rate of Adam.
+        moment_beta2, moment_eps: the moments' ``β₂`` and ``ε``.
+        moment_beta1: Adam's ``β₁`` for eigenbasis moments: the gradient is averaged first
+            (``LayerState.basis_momentum``) and the average preconditioned, as SOAP does;
+            use the consuming optimizer without momentum then. 0: none.
+        sync_free: decide on the device (see :mod:`kfac_func.step.sync_free`): each
+            layer's gradient is checked for NaN/Inf there and ``torch.where`` selects its
+            preconditioned or its raw gradient; the kl_clip scale stays a tensor. On one
+            process factor updates and decompositions decide on the device too (see
+            :mod:`kfac_func.step.decompose_on_device`; ``LayerState.factor_skips`` and
+            ``LayerState.usable``): no step kind reads anything on the host, and
+            ``torch.compile(kfac_func.update, fullgraph=True)`` traces each whole. Skipped
+            layers are counted in the state (``LayerState.grad_skips``) and warned about
+            by :func:`kfac_func.report_skipped` (or by the next step without
+            ``sync_free``). With every gradient and factor finite the results equal the
+            default's dense path exactly (captured rows are not used). Needs
+            ``nonfinite="skip"``. Under ``eigenbasis_moments`` a skipped step still counts
+            in ``moment_count`` (the moments themselves keep their values).
+        batched_eigh: one batched eigh per factor shape across layers (see
+            :func:`kfac_func.decompose`).
+        eigh_device: the device eigh runs on (``"cpu"``: offload it); None: the factors'.
+        grouped: compute the layers of one shape together, as stacked tensors: their batch
+            factors (:mod:`kfac_func.step.grouped_batch`), running factors
+            (:mod:`kfac_func.step.grouped_fold`), preconditioning
+            (:mod:`kfac_func.step.grouped`) and, for the eigen methods,
+            eigendecompositions (as ``batched_eigh``) and precomputed ``dgda``. The
+            operations of those stages grow with the number of distinct layer shapes, not
+            of layers. The results are those of the per-layer step (``grouped=False``) to
+            rounding.
+
+    All hyperparameters (``damping``, ``factor_decay``, ``kl_clip``, ``lr``,
+    ``update_factors``, ``update_inverses``) may be ``step -> value`` callables, evaluated
+    at ``state.step``.
+
+    Example:
+        >>> import kfac_func as kf
+        >>> opts = kf.StepOptions(damping=1e-2, grafting="adam", kl_clip=None)
+        >>> opts.replace(lr=0.05).lr, opts.grafting_settings()
+        (0.05, Grafting(mode='adam', beta2=0.999, eps=1e-08))
+        >>> kf.StepOptions(nonfinite="ignore")
+        Traceback (most recent call last):
+        ...
+        ValueError: nonfinite must be 'skip' or 'raise', got 'ignore'
+    """
+
+    damping: Hyper | None = None
+    factor_decay: Hyper = 0.95
+    kl_clip: Hyper | None = 1e-3
+    lr: Hyper = 0.1
+    update_factors: bool | Callable[[int], bool] = True
+    update_inverses: bool | Callable[[int], bool] = True
+    nonfinite: NonFinite = "skip"
+    grafting: str | None = None
+    graft_beta2: float = 0.999
+    graft_eps: float = 1e-8
+    eigenbasis_moments: bool = False
+    moment_beta2: float = 0.999
+    moment_eps: float = 1e-8
+    moment_beta1: float = 0.0
+    sync_free: bool = False
+    batched_eigh: bool = False
+    eigh_device: torch.device | str | None = None
+    grouped: bool = True
+
+    def __post_init__(self) -> None:
+        if torch.compiler.is_compiling():
+            return  # checked eagerly by the caller of the compiled step
+        if self.nonfinite not in ("skip", "raise"):
+            raise ValueError(f"nonfinite must be 'skip' or 'raise', got {self.nonfinite!r}")
+        for name in _FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        check_sync_free(self.sync_free, self.nonfinite)
+        self.grafting_settings()
+        if self.eigenbasis_moments:
+            BasisMoments(self.moment_beta2, self.moment_eps, self.moment_beta1).check("eigen")
+        object.__setattr__(self, "eigh_device", check_eigh_device(self.eigh_device))
+
+    def replace(self, **changes: Any) -> StepOptions:
+        """A copy with ``changes`` (fields of this class; a TypeError names any other).
+
+        Example:
+            >>> StepOptions().replace(damping=0.1).damping
+            0.1
+        """
+        unknown = sorted(set(changes) - set(FIELDS))
+        if unknown:
+            raise TypeError(
+                f"unknown step settings {unknown}: the settings are StepOptions' fields "
+                f"{sorted(FIELDS)}"
+            )
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def grafting_settings(self) -> Grafting | None:
+        """The grafting of this step, checked (None: no grafting)."""
+        if self.grafting is None:
+            return None
+        return Grafting(self.grafting, self.graft_beta2, self.graft_eps).check()
+
+    def basis_settings(self, compute_method: str) -> BasisMoments | None:
+        """The eigenbasis moments of this step for a state of ``compute_method``, checked
+        (None: not used)."""
+        if not self.eigenbasis_moments:
+            return None
+        moments = BasisMoments(self.moment_beta2, self.moment_eps, self.moment_beta1)
+        return moments.check(compute_method)
+
+    def at(self, step: int) -> StepOptions:
+        """These options with every hyperparameter evaluated at ``step`` and checked (a
+        ValueError names a bad value): what a compiled step is handed, whose own checks
+        are skipped while compiling.
+
+        Example:
+            >>> opts = StepOptions(lr=lambda k: 0.1 / k, update_inverses=lambda k: k % 5 == 0)
+            >>> opts.at(10).lr, opts.at(10).update_inverses, opts.at(11).update_inverses
+            (0.01, True, False)
+        """
+        values: dict[str, Any] = {}
+        for name, (ok, expected) in HYPER_CHECKS.items():
+            value = getattr(self, name)
+            if value is None or isinstance(value, torch.Tensor):
+                continue
+            value = resolve(value, step)
+            check_hyper(name, value, ok, expected)
+            values[name] = value
+        for name in ("update_factors", "update_inverses"):
+            values[name] = bool(resolve(getattr(self, name), step))
+        return dataclasses.replace(self, **values)
+
+    def settings(self) -> dict[str, Any]:
+        """``{field: value}``: these options as the keywords of a step function.
+
+        Example:
+            >>> StepOptions(lr=0.5).settings()["lr"]
+            0.5
+        """
+        return {name: getattr(self, name) for name in FIELDS}
+
+    def damping_at(self, step: int) -> float:
+        """The damping of a step that decomposes, at ``step`` (checked)."""
+        lam = resolve(DEFAULT_DAMPING if self.damping is None else self.damping, step)
+        check_hyper("damping", lam, lambda v: v >= 0, ">= 0")
+        return lam
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(StepOptions))
+
+
+def step_options(options: StepOptions | None, settings: Mapping[str, Any]) -> StepOptions:
+    """``options`` (the defaults when None) with the keyword ``settings`` of a call
+    applied: how the step functions read their settings.
+
+    Example:
+        >>> step_options(None, {"damping": 0.1}).damping
+        0.1
+        >>> step_options(StepOptions(lr=0.2), {"dampnig": 0.1})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: unknown step settings ['dampnig']: the settings are StepOptions' fields [...]
+    """
+    if options is None:
+        if torch.compiler.is_compiling():
+            return StepOptions(**settings)
+        return StepOptions().replace(**settings)
+    if not isinstance(options, StepOptions):
+        raise TypeError(f"options must be a kfac_func.StepOptions, got {options!r}")
+    return options.replace(**settings)
