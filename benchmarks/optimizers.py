@@ -105,24 +105,33 @@ class Workload:
     test_loss: Callable[[nn.Module], float]
     steps: int
     outputs: tuple[str, ...]  # names of output layers (AdamW under Muon)
+    face: bool = False  # K-FAC through ``kf.KFAC`` (the optimizer face), not the parts
 
 
-def lm_workload(quick: bool) -> Workload:
+def lm_workload(
+    quick: bool,
+    size: tuple[int, int, int, int] = (48, 64, 2, 4),
+    steps: int = 300,
+    name: str = "lm",
+    batch_size: int = 32,
+) -> Workload:
+    """The character LM; ``size``: context, d_model, blocks, heads; ``batch_size``
+    windows a step (``quick``: tiny)."""
     data = lm.CharData()
-    context, d_model, layers, heads = (16, 16, 1, 2) if quick else (48, 64, 2, 4)
-    batch_size = 8 if quick else 32
+    context, d_model, layers, heads = (16, 16, 1, 2) if quick else size
+    batch_size = 8 if quick else batch_size
     x_test, y_test = data.test_windows(context, 8 if quick else 128)
 
     def make() -> nn.Module:
         return lm.CharTransformer(data.vocab, context, d_model, layers, heads)
 
     return Workload(
-        "lm",
+        name,
         make,
         lambda g: data.batch(batch_size, context, g),
         lm.lm_loss,
         lambda model: lm.evaluate(model, x_test, y_test),
-        6 if quick else 300,
+        6 if quick else steps,
         ("head",),
     )
 
@@ -217,19 +226,32 @@ class Stepper:
     learning-rate scheduler stepping. K-FAC's variants follow the recipe: SGD on the
     parameters it preconditions, AdamW on the others (none in these workloads)."""
 
-    def __init__(self, name: str, model: nn.Module, lr: float, w: Workload, steps: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: nn.Module,
+        lr: float,
+        w: Workload,
+        steps: int,
+        settings: dict[str, Any] | None = None,
+    ) -> None:
+        """``settings``: keyword arguments that replace the recipe's (``betas`` of AdamW,
+        ``momentum`` of SGD or Muon, ``damping`` or a preconditioner argument of K-FAC,
+        any argument of SOAP / PSGD-Kron); None: the recipe as it is."""
         self.pre: kf.KFACPreconditioner | None = None
+        self.face: kf.KFAC | None = None
         self.opts: list[torch.optim.Optimizer] = []
         self.loss = w.loss
         self.model = model
         schedule = lm.lr_schedule(max(1, steps // 10), steps)
         params = list(model.parameters())
+        s = dict(settings or {})
         if name in KFAC:
-            self._kfac(name, model, lr, schedule)
+            self._kfac(name, model, lr, schedule, s, w.face)
         elif name == "sgd":
-            self.opts = [torch.optim.SGD(params, lr=lr, momentum=0.9)]
+            self.opts = [torch.optim.SGD(params, lr=lr, **{"momentum": 0.9, **s})]
         elif name == "adamw":
-            self.opts = [torch.optim.AdamW(params, lr=lr, weight_decay=0.0)]
+            self.opts = [torch.optim.AdamW(params, lr=lr, **{"weight_decay": 0.0, **s})]
         elif name == "muon":
             hidden = [
                 p
@@ -239,21 +261,54 @@ class Stepper:
             ids = {id(p) for p in hidden}
             rest = [p for p in params if id(p) not in ids]
             self.opts = [
-                torch.optim.Muon(hidden, lr=lr, adjust_lr_fn="match_rms_adamw"),
+                torch.optim.Muon(hidden, lr=lr, **{"adjust_lr_fn": "match_rms_adamw", **s}),
                 torch.optim.AdamW(rest, lr=LRS["adamw"][-1], weight_decay=0.0),
             ]
         else:
             hb = _heavyball()
             assert hb is not None
             cls = hb.SOAP if name == "soap" else hb.PSGDKron
-            self.opts = [cls(params, lr=lr)]
+            self.opts = [cls(params, lr=lr, **s)]
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in self.opts]
 
     def _kfac(
-        self, name: str, model: nn.Module, lr: float, schedule: Callable[[int], float]
+        self,
+        name: str,
+        model: nn.Module,
+        lr: float,
+        schedule: Callable[[int], float],
+        settings: dict[str, Any],
+        face: bool = False,
     ) -> None:
         method, momentum, dampening, clip, (fac, inv), decay, extra = KFAC[name]
         adaptive = name == "kfac-adaptive"
+        damping = settings.pop("damping", lr if adaptive else 1e-3)
+        kwargs: dict[str, Any] = {
+            "damping": damping,
+            "factor_decay": decay,
+            "factor_update_steps": fac,
+            "inv_update_steps": inv,
+            "kl_clip": None if clip is None else (lambda step: clip * schedule(step) ** 2),
+            "scaling": "fisher",
+            "compute_method": method,
+            **extra,
+            **settings,
+        }
+        if face:  # one torch.optim.Optimizer: the preconditioner, SGD and AdamW inside
+            if adaptive:
+                raise ValueError("kfac-adaptive has no optimizer face")
+            self.face = kf.KFAC(
+                model,
+                lr=lr,
+                base=torch.optim.SGD,
+                base_kwargs={"momentum": momentum, "dampening": dampening},
+                others=torch.optim.AdamW,
+                others_kwargs={"lr": LRS["adamw"][-1], "weight_decay": 0.0},
+                **kwargs,
+            )
+            self.pre = self.face.preconditioner
+            self.opts = [self.face]
+            return
         mine, rest = kf.register(model).split_parameters(model)
         sgd = torch.optim.SGD(mine, lr=lr, momentum=momentum, dampening=dampening)
         self.opts = [] if adaptive else [sgd]
@@ -261,16 +316,9 @@ class Stepper:
             self.opts.append(torch.optim.AdamW(rest, lr=LRS["adamw"][-1], weight_decay=0.0))
         self.pre = kf.KFACPreconditioner(
             model,
-            damping=lr if adaptive else 1e-3,
-            factor_decay=decay,
-            factor_update_steps=fac,
-            inv_update_steps=inv,
-            kl_clip=None if clip is None else (lambda step: clip * schedule(step) ** 2),
             lr=lambda step: sgd.param_groups[0]["lr"],
-            scaling="fisher",
-            compute_method=method,
             adaptive=kf.AdaptiveStepper(model, loss="cross_entropy") if adaptive else None,
-            **extra,
+            **kwargs,
         )
 
     def zero_grad(self) -> None:
@@ -279,7 +327,7 @@ class Stepper:
     def step(self, x: torch.Tensor, y: torch.Tensor, loss: torch.Tensor) -> None:
         if self.pre is not None and self.pre.adaptive is not None:
             self.pre.step(inputs=x, loss=loss, loss_closure=lambda: self.loss(self.model(x), y))
-        elif self.pre is not None:
+        elif self.pre is not None and self.face is None:  # the face steps its own
             self.pre.step()
         for o, s in zip(self.opts, self.schedulers):
             o.step()
@@ -288,28 +336,48 @@ class Stepper:
 
 def run(name: str, lr: float, w: Workload, seed: int, eval_every: int) -> list[dict[str, float]]:
     """Train once; one row per evaluation: step, seconds (training only), test loss."""
+    return train(name, lr, w, seed, eval_every)[0]
+
+
+def train(
+    name: str,
+    lr: float,
+    w: Workload,
+    seed: int,
+    eval_every: int,
+    settings: dict[str, Any] | None = None,
+) -> tuple[list[dict[str, float]], dict[str, float]]:
+    """Train once: the rows of :func:`run`, and the training seconds split into
+    ``fwd_bwd_seconds`` (zero_grad, forward, loss, backward: K-FAC's statistics hooks run
+    here) and ``optimizer_seconds`` (preconditioner, optimizers and schedulers), with
+    ``steps``, the steps taken (fewer than ``w.steps`` where the loss stopped being
+    finite). Batches and evaluations are not timed. ``settings``: see :class:`Stepper`."""
     torch.manual_seed(seed)
     model = w.make()
-    stepper = Stepper(name, model, lr, w, w.steps)
+    stepper = Stepper(name, model, lr, w, w.steps, settings)
     batches = torch.Generator().manual_seed(1000 + seed)
     rows = [{"step": 0, "seconds": 0.0, "test_loss": w.test_loss(model)}]
-    elapsed = 0.0
+    fwd_bwd = opt = 0.0
+    step = 0
     for step in range(1, w.steps + 1):
         x, y = w.batch(batches)
         start = time.perf_counter()
         stepper.zero_grad()
         loss = w.loss(model(x), y)
         loss.backward()
+        middle = time.perf_counter()
         stepper.step(x, y, loss.detach())
-        elapsed += time.perf_counter() - start
+        end = time.perf_counter()
+        fwd_bwd += middle - start
+        opt += end - middle
         if step % eval_every == 0 or step == w.steps:
             loss = w.test_loss(model)
-            rows.append({"step": step, "seconds": elapsed, "test_loss": loss})
+            rows.append({"step": step, "seconds": fwd_bwd + opt, "test_loss": loss})
             if not math.isfinite(loss):
                 break
     if stepper.pre is not None:
         stepper.pre.remove()
-    return rows
+    return rows, {"fwd_bwd_seconds": fwd_bwd, "optimizer_seconds": opt, "steps": step}
 
 
 def first_reach(rows: list[dict[str, float]], target: float) -> tuple[float, float]:

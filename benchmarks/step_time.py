@@ -69,7 +69,7 @@ import pstats
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -415,10 +415,11 @@ def cpu_model() -> str:
     return str(load_example("common").cpu_model()) or "unknown"
 
 
-def git_commit() -> dict[str, Any]:
+def git_commit(exclude: Sequence[str] = ("examples/results",)) -> dict[str, Any]:
     """``{"commit": HEAD, "dirty": whether tracked files differ from it}`` of this
-    checkout, as the examples' results record it (``examples/common.py``)."""
-    commit, dirty = load_example("common").checkout()
+    checkout, as the examples' results record it (``examples/common.py``; the paths of
+    ``exclude``, results a run rewrites, do not count)."""
+    commit, dirty = load_example("common").checkout(exclude)
     return {"commit": commit or None, "dirty": bool(dirty)}
 
 

@@ -351,11 +351,17 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def checkout() -> tuple[str, bool]:
+def checkout(exclude: Sequence[str] = ("examples/results",)) -> tuple[str, bool]:
     """``(git rev-parse HEAD, whether tracked files differ from it)`` of the repository (the
-    committed results under ``examples/results`` that a run rewrites do not count)."""
+    paths of ``exclude``, by default the committed results under ``examples/results`` that
+    a run rewrites, do not count)."""
     dirty = _git(
-        "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)examples/results"
+        "status",
+        "--porcelain",
+        "--untracked-files=no",
+        "--",
+        ".",
+        *(f":(exclude){path}" for path in exclude),
     )
     return _git("rev-parse", "HEAD"), bool(dirty)
 

@@ -1,0 +1,298 @@
+"""The numbers and tables of ``benchmarks/race.py``: the tie rule, time to a target, the
+summary rows of a results file, and the Markdown tables of ``docs/benchmarks.md``.
+
+Nothing here trains or imports torch: it reads the rows that ``race.py`` writes.
+
+Rules
+-----
+- **Tie**: two optimizers' final test losses over the evaluation seeds *tie* when their
+  ranges (min–max) overlap; otherwise the one whose whole range is lower is *better*.
+- **Time to a target**: per evaluation seed, the steps and training seconds of the first
+  evaluation at or below the target (evaluations every ``eval_every`` steps); the mean
+  over the seeds when every seed gets there, else "never" with how many did.
+- **Targets**: AdamW's final test loss (mean over the evaluation seeds) and the best
+  optimizer's (the lowest mean).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from collections.abc import Iterable, Sequence
+from decimal import ROUND_HALF_EVEN, Decimal
+from pathlib import Path
+from typing import Any
+
+Row = dict[str, float]
+"""One evaluation of a run: ``step``, ``seconds`` (training only), ``test_loss``."""
+
+REFERENCE = "adamw"
+"""The optimizer whose final test loss is the first target."""
+
+TIE_RULE = (
+    "tie: the min-max ranges of the final test loss over the evaluation seeds overlap; "
+    "otherwise the optimizer whose whole range is lower is better"
+)
+
+PLACEHOLDER = (
+    "No results yet: `python benchmarks/race.py --workloads {w} --out benchmarks/results` "
+    "writes them."
+)
+"""What a docs block holds while its workload has no results file."""
+
+
+def finite(x: float | None) -> float:
+    """``x``, or ``inf`` for None (how a results file stores a non-finite loss) and NaN."""
+    return math.inf if x is None or not math.isfinite(x) else float(x)
+
+
+def tie(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Whether the ranges of ``a`` and ``b`` (final losses over seeds) overlap.
+
+    Example:
+        >>> tie([1.50, 1.52], [1.51, 1.60]), tie([1.50, 1.52], [1.53, 1.60])
+        (True, False)
+    """
+    a, b = [finite(x) for x in a], [finite(x) for x in b]
+    if math.isinf(max(a)) and math.isinf(max(b)):
+        return True  # both diverged on a seed: neither range is known
+    return max(a) >= min(b) and max(b) >= min(a)
+
+
+def verdict(a: Sequence[float], b: Sequence[float]) -> str:
+    """``"better"``, ``"tie"`` or ``"worse"``: ``a``'s final losses against ``b``'s (lower
+    is better; :func:`tie` decides a tie).
+
+    Example:
+        >>> verdict([1.2, 1.3], [1.4, 1.5]), verdict([1.2, 1.45], [1.4, 1.5])
+        ('better', 'tie')
+    """
+    if tie(a, b):
+        return "tie"
+    return "better" if max(finite(x) for x in a) < min(finite(x) for x in b) else "worse"
+
+
+def first_reach(rows: Sequence[Row], target: float) -> tuple[float, float]:
+    """``(step, seconds)`` of the first evaluation at or below ``target`` (inf: never)."""
+    for r in rows:
+        if finite(r["test_loss"]) <= target:
+            return r["step"], r["seconds"]
+    return math.inf, math.inf
+
+
+def time_to_target(curves: Sequence[Sequence[Row]], target: float) -> dict[str, Any]:
+    """Steps and seconds to ``target`` over the curves of the evaluation seeds: the means
+    (None unless every seed reaches it), how many seeds reach it, and the values per seed
+    (None: never).
+
+    Example:
+        >>> rows = lambda *losses: [
+        ...     {"step": 10 * i, "seconds": 1.0 * i, "test_loss": v} for i, v in enumerate(losses)
+        ... ]
+        >>> t = time_to_target([rows(3, 2, 1), rows(3, 1.5, 1)], 1.5)
+        >>> t["steps"], t["seconds"], t["reached"]
+        (15, 1.5, 2)
+        >>> time_to_target([rows(3, 2, 1), rows(3, 2, 2)], 1.5)["seconds"] is None
+        True
+    """
+    reach = [first_reach(c, target) for c in curves]
+    per_steps = [None if math.isinf(s) else s for s, _ in reach]
+    per_secs = [None if math.isinf(t) else t for _, t in reach]
+    reached = sum(s is not None for s in per_steps)
+    every = reached == len(curves) and reached > 0
+    return {
+        "steps": statistics.mean(per_steps) if every else None,  # type: ignore[arg-type]
+        "seconds": statistics.mean(per_secs) if every else None,  # type: ignore[arg-type]
+        "reached": reached,
+        "seeds": len(curves),
+        "steps_per_seed": per_steps,
+        "seconds_per_seed": per_secs,
+    }
+
+
+def final_loss(rows: Sequence[Row]) -> float:
+    """The last evaluation's test loss (inf where it is not finite)."""
+    return finite(rows[-1]["test_loss"])
+
+
+def summarize(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """The targets and one summary row per optimizer of a workload's ``runs`` (the records
+    of ``race.py``: ``optimizer``, ``phase`` ``"tune"`` or ``"eval"``, ``lr``, ``settings``,
+    ``seed``, ``rows``, ``fwd_bwd_seconds``, ``optimizer_seconds``, ``steps``). The
+    evaluation runs of an optimizer are those of its chosen setting; the reference
+    (AdamW) must be among them."""
+    runs = list(runs)
+    names = list(dict.fromkeys(r["optimizer"] for r in runs))
+    evals = {n: [r for r in runs if r["optimizer"] == n and r["phase"] == "eval"] for n in names}
+    finals = {n: [final_loss(r["rows"]) for r in evals[n]] for n in names}
+    means = {
+        n: statistics.mean(f) if all(map(math.isfinite, f)) else math.inf for n, f in finals.items()
+    }
+    best = min(names, key=lambda n: means[n])
+    targets = {"reference": REFERENCE, "reference_loss": means[REFERENCE], "best": best}
+    targets["best_loss"] = means[best]
+    rows = []
+    for n in names:
+        tuning = [r for r in runs if r["optimizer"] == n and r["phase"] == "tune"]
+        lrs = sorted({r["lr"] for r in tuning})
+        chosen = evals[n][0]
+        curves = [r["rows"] for r in evals[n]]
+        steps = [max(1, r["steps"]) for r in evals[n]]
+        f = finals[n]
+        fb = statistics.mean(1e3 * r["fwd_bwd_seconds"] / s for r, s in zip(evals[n], steps))
+        op = statistics.mean(1e3 * r["optimizer_seconds"] / s for r, s in zip(evals[n], steps))
+        to_ref = time_to_target(curves, means[REFERENCE])
+        to_best = time_to_target(curves, means[best])
+        rows.append(
+            {
+                "optimizer": n,
+                "lr": chosen["lr"],
+                "settings": chosen["settings"],
+                "tuning_runs": len(tuning),
+                "lr_at_grid_edge": len(lrs) > 1 and chosen["lr"] in (lrs[0], lrs[-1]),
+                "eval_seeds": [r["seed"] for r in evals[n]],
+                "finals": [json_float(x) for x in f],
+                "final_mean": json_float(means[n]),
+                "final_std": json_float(_std(f)),
+                "final_min": json_float(min(f)),
+                "final_max": json_float(max(f)),
+                "vs_reference": verdict(f, finals[REFERENCE]) if n != REFERENCE else "-",
+                "vs_best": "best" if n == best else ("tie" if tie(f, finals[best]) else "worse"),
+                **{f"{k}_to_reference": v for k, v in to_ref.items()},
+                **{f"{k}_to_best": v for k, v in to_best.items()},
+                "fwd_bwd_ms_per_step": fb,
+                "optimizer_ms_per_step": op,
+                "ms_per_step": fb + op,
+            }
+        )
+    return {"targets": {k: json_float(v) for k, v in targets.items()}, "rows": rows}
+
+
+def _std(values: Sequence[float]) -> float:
+    """The sample standard deviation (0 for one value, inf where a value is not finite)."""
+    if not all(map(math.isfinite, values)):
+        return math.inf
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def json_float(x: Any) -> Any:
+    """Non-finite floats as None (JSON has no infinity)."""
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+# --------------------------------------------------------------------------- Markdown
+
+
+def rounded(x: float, places: int) -> str:
+    """``x`` to ``places`` decimals, rounded as the docs-numbers test rounds
+    (``Decimal(str(x))``, half to even), so that a quoted number is found in the file.
+
+    Example:
+        >>> rounded(0.12345, 4), rounded(108.333, 0), rounded(2.5, 0)
+        ('0.1234', '108', '2')
+    """
+    q = Decimal(1).scaleb(-places) if places else Decimal(1)
+    return str(Decimal(str(x)).quantize(q, rounding=ROUND_HALF_EVEN))
+
+
+def _setting(row: dict[str, Any]) -> str:
+    parts = [f"lr {row['lr']:g}"]
+    for k, v in row["settings"].items():
+        value = "/".join(f"{b:g}" for b in v) if isinstance(v, (list, tuple)) else f"{v:g}"
+        parts.append(f"{k} {value}")
+    edge = " (grid edge)" if row["lr_at_grid_edge"] else ""
+    return ", ".join(parts) + edge
+
+
+def _reach(row: dict[str, Any], which: str) -> tuple[str, str]:
+    secs, steps = row[f"seconds_to_{which}"], row[f"steps_to_{which}"]
+    if secs is None:
+        return f"never ({row[f'reached_to_{which}']}/{row[f'seeds_to_{which}']})", "never"
+    return rounded(secs, 1), rounded(steps, 0)
+
+
+def _loss(x: float | None) -> str:
+    return "diverged" if x is None else rounded(x, 4)
+
+
+def render(doc: dict[str, Any], plot: bool = False) -> str:
+    """The Markdown of one workload's results ``doc`` (a ``race_<workload>.json``): what
+    was run, the table, and the plot when ``plot``."""
+    w, s, t = doc["workload"], doc["summary"], doc["summary"]["targets"]
+    machine = doc["machine"]
+    seeds = ", ".join(str(x) for x in doc["tuning"]["eval_seeds"])
+    commit = (doc.get("commit") or "unknown")[:10]
+    dirty = " with uncommitted changes" if doc.get("dirty") else ""
+    lines = [
+        f"Results: `benchmarks/results/race_{w}.json` (`{doc['command']}`).",
+        "<!-- settings -->",
+        f"{doc['description']}; {doc['steps']} steps, test loss every {doc['eval_every']}. "
+        f"CPU `{machine['cpu']}`, {machine['threads']} thread(s), torch `{machine['torch']}`, "
+        f"commit `{commit}`{dirty}.",
+        "",
+        f"Tuning: {doc['tuning']['statement']} Targets: AdamW's final test loss "
+        f"{_loss(t['reference_loss'])}, the best's ({t['best']}) {_loss(t['best_loss'])} "
+        f"(means over seeds {seeds}). Tie rule: ranges overlap.",
+        "",
+        "| optimizer | best setting | s to AdamW's | steps | s to best's | steps | "
+        "final test loss | min–max | vs AdamW | vs best | fwd+bwd ms/step | opt ms/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in s["rows"]:
+        ref_s, ref_n = _reach(r, "reference")
+        best_s, best_n = _reach(r, "best")
+        spread = (
+            "diverged"
+            if r["final_mean"] is None
+            else f"{rounded(r['final_mean'], 4)} ± {rounded(r['final_std'], 4)}"
+        )
+        lines.append(
+            f"| {r['optimizer']} | {_setting(r)} | {ref_s} | {ref_n} | {best_s} | {best_n} | "
+            f"{spread} | {_loss(r['final_min'])}–{_loss(r['final_max'])} | "
+            f"{r['vs_reference']} | {r['vs_best']} | {rounded(r['fwd_bwd_ms_per_step'], 1)} | "
+            f"{rounded(r['optimizer_ms_per_step'], 1)} |"
+        )
+    if plot:
+        lines += ["", f"![{w}: test loss against seconds](../benchmarks/results/race_{w}.png)"]
+    return "\n".join(lines)
+
+
+def markers(workload: str) -> tuple[str, str]:
+    """The comments that open and close a workload's block in the docs page."""
+    return f"<!-- race:{workload}:start -->", f"<!-- race:{workload}:end -->"
+
+
+def block(results: Path, workload: str) -> str:
+    """What the docs block of ``workload`` holds: :func:`render` of
+    ``results/race_<workload>.json`` (its plot when ``race_<workload>.png`` is there too),
+    or :data:`PLACEHOLDER` while there is none. Quick (smoke-test) results are refused."""
+    path = results / f"race_{workload}.json"
+    if not path.exists():
+        return PLACEHOLDER.format(w=workload)
+    doc = json.loads(path.read_text())
+    if doc.get("quick"):
+        raise ValueError(f"{path}: results of --quick, a smoke test, are not for the docs")
+    return render(doc, plot=(results / f"race_{workload}.png").exists())
+
+
+def blocks_of(page: str) -> dict[str, str]:
+    """The workload blocks of a docs page: workload -> the text between its markers."""
+    found = re.finditer(r"<!-- race:([\w-]+):start -->\n(.*?)\n<!-- race:\1:end -->", page, re.S)
+    return {m.group(1): m.group(2) for m in found}
+
+
+def write_tables(page: Path, results: Path) -> list[str]:
+    """Rewrite every workload block of ``page`` from ``results``; returns the workloads
+    whose block changed."""
+    text = page.read_text()
+    changed = []
+    for workload, old in blocks_of(text).items():
+        new = block(results, workload)
+        if new != old:
+            start, end = markers(workload)
+            text = text.replace(f"{start}\n{old}\n{end}", f"{start}\n{new}\n{end}")
+            changed.append(workload)
+    page.write_text(text)
+    return changed
