@@ -15,8 +15,10 @@ Tuning budget (the same for every optimizer of a workload)
 (``race_workloads.lr_grid``); on the LM workloads (``lm``, ``lm4x``, ``gpt2``) each with
 both values of the optimizer's second knob (``race_workloads.KNOBS``: AdamW's betas
 (0.9, 0.999) and (0.9, 0.95), SOAP's betas, SGD's and Muon's momentum, PSGD-Kron's
-momentum, K-FAC's damping, ``kfac-moments``' second-moment decay): 8 runs per optimizer;
-on the others the recipe's value: 4 runs per optimizer (on ``autoencoder`` every grid is
+momentum, K-FAC's damping, ``kfac-moments``' second-moment decay), on the others the
+recipe's value; then 2 more learning rates around the best of those (``race_workloads.refine``:
+beyond it at a grid edge, halfway to its neighbours inside): 10 runs per
+optimizer on the LMs, 6 on the others (on ``autoencoder`` every grid is
 centred on twice those values: ``RaceWorkload.lr_scale``). The runs are on the tuning seed
 (0); the setting with the lowest final test loss is then run on the evaluation seeds (1,
 2, 3). Every optimizer has the same schedule (linear warm-up over a tenth of the steps,
@@ -66,9 +68,11 @@ REWRITTEN = ("examples/results", "benchmarks/results", "docs/benchmarks.md")
 """Paths a run (or ``--tables``) rewrites: changes there do not make the tree dirty."""
 
 
-def tuning_statement(w: rw.RaceWorkload, points: int, seed: int, eval_seeds: list[int]) -> str:
+def tuning_statement(
+    w: rw.RaceWorkload, points: int, seed: int, eval_seeds: list[int], refine: int
+) -> str:
     """The tuning budget of ``w`` in words (in the results file and the docs)."""
-    per = points * (2 if w.tune_knob else 1)
+    per = points * (2 if w.tune_knob else 1) + refine
     knob = (
         " × both values of its second knob (AdamW: betas 0.9/0.999 and 0.9/0.95)"
         if w.tune_knob
@@ -78,8 +82,9 @@ def tuning_statement(w: rw.RaceWorkload, points: int, seed: int, eval_seeds: lis
     seeds = ", ".join(map(str, eval_seeds))
     return (
         f"{per} runs per optimizer on seed {seed}: {points} learning rates a factor of 2 "
-        f"apart around {scale}optimizers.py's{knob}; the lowest final test loss is run on "
-        f"seeds {seeds}."
+        f"apart around {scale}optimizers.py's{knob}, then {refine} more around the best of "
+        "those (beyond it at a grid edge, halfway to its neighbours inside); the lowest "
+        f"final test loss is run on seeds {seeds}."
     )
 
 
@@ -109,6 +114,11 @@ def race(w: rw.RaceWorkload, args: argparse.Namespace, log: Any) -> list[dict[st
         tuning = []
         for lr, settings in rw.grid(name, w, args.lr_points):
             tuning.append(run_once(name, lr, settings, w, args.tuning_seed, "tune"))
+            log(tuning[-1])
+        best = min(tuning, key=lambda r: race_report.final_loss(r["rows"]))
+        tried = [r["lr"] for r in tuning if r["settings"] == best["settings"]]
+        for lr in rw.refine(tried, best["lr"], args.refine_points):  # around the best
+            tuning.append(run_once(name, lr, best["settings"], w, args.tuning_seed, "tune"))
             log(tuning[-1])
         best = min(tuning, key=lambda r: race_report.final_loss(r["rows"]))
         runs += tuning
@@ -166,7 +176,7 @@ def estimate(w: rw.RaceWorkload, args: argparse.Namespace) -> float:
         grid = rw.grid(name, w, args.lr_points)
         lr, settings = grid[len(grid) // 2]
         r = run_once(name, lr, settings, w, args.tuning_seed, "tune")
-        runs = len(grid) + len(args.eval_seeds)
+        runs = len(grid) + args.refine_points + len(args.eval_seeds)
         total += runs * r["wall_seconds"]
         print(
             f"{w.name:>12} {name:>16}: one run {r['wall_seconds']:6.1f} s wall "
@@ -198,6 +208,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="optimizers (default: %(default)s; adamw, the reference, is always added)",
     )
     p.add_argument("--lr-points", type=int, default=rw.LR_POINTS, help="learning rates per grid")
+    p.add_argument(
+        "--refine-points",
+        type=int,
+        default=rw.REFINE_POINTS,
+        help="learning rates added around the best of the grid (default %(default)s)",
+    )
     p.add_argument("--tuning-seed", type=int, default=0, help="seed of the tuning runs")
     p.add_argument("--eval-seeds", type=int, nargs="+", default=[1, 2, 3], help="evaluation seeds")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
@@ -239,7 +255,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("-q", "--silent", action="store_true", help="no line per run")
     args = p.parse_args(argv)
     if args.quick:
-        args.lr_points, args.eval_seeds = 2, args.eval_seeds[:2]
+        args.lr_points, args.eval_seeds, args.refine_points = 2, args.eval_seeds[:2], 1
     if args.out is None:
         args.out = str(Path(tempfile.mkdtemp()) if args.quick else OUT)
     if args.quick and Path(args.out).resolve() == RESULTS.resolve():
@@ -332,9 +348,12 @@ def race_workload(
             "tune_knob": w.tune_knob,
             "lr_scale": w.lr_scale,
             "grids": {n: rw.grid(n, w, args.lr_points) for n in args.optimizers},
-            "runs_per_optimizer": args.lr_points * (2 if w.tune_knob else 1),
+            "refine_points": args.refine_points,
+            "runs_per_optimizer": args.lr_points * (2 if w.tune_knob else 1) + args.refine_points,
             "knobs": {n: {"name": rw.KNOBS[n][0], "values": rw.KNOBS[n][1]} for n in rw.KNOBS},
-            "statement": tuning_statement(w, args.lr_points, args.tuning_seed, args.eval_seeds),
+            "statement": tuning_statement(
+                w, args.lr_points, args.tuning_seed, args.eval_seeds, args.refine_points
+            ),
             "rule": "lowest final test loss on the tuning seed",
         },
         "tie_rule": race_report.TIE_RULE,

@@ -88,6 +88,40 @@ def grid(name: str, w: RaceWorkload, points: int = LR_POINTS) -> list[tuple[floa
     return [(lr, {knob: v}) for lr in lrs for v in (values if w.tune_knob else values[:1])]
 
 
+REFINE_POINTS = 2
+"""Learning rates added to every optimizer's grid around the best of its first ones."""
+
+
+def refine(lrs: list[float], best: float, points: int = REFINE_POINTS) -> list[float]:
+    """``points`` more learning rates around ``best`` of the grid ``lrs`` (the same rule
+    for every optimizer): beyond it, a factor of 2 at a time, when it is the grid's
+    lowest or highest (the optimum may lie outside the grid); otherwise halfway (a factor
+    of √2) on either side, then further out. Rounded to 2 significant digits; never a
+    rate already tried.
+
+    Example:
+        >>> refine([0.1, 0.2, 0.4, 0.8], 0.8), refine([0.1, 0.2, 0.4, 0.8], 0.1)
+        ([1.6, 3.2], [0.05, 0.025])
+        >>> refine([0.1, 0.2, 0.4, 0.8], 0.2)
+        [0.28, 0.14]
+    """
+    lo, hi = min(lrs), max(lrs)
+    if best >= hi and best > lo:
+        factors = [2.0**k for k in range(1, points + 1)]
+    elif best <= lo and best < hi:
+        factors = [2.0**-k for k in range(1, points + 1)]
+    else:
+        factors = [f for k in range(1, points + 1) for f in (2 ** (k / 2), 2 ** (-k / 2))]
+    out: list[float] = []
+    for f in factors:
+        lr = _round2(best * f)
+        if lr not in lrs and lr not in out:
+            out.append(lr)
+        if len(out) == points:
+            break
+    return out
+
+
 @dataclass
 class RaceWorkload(Workload):
     """A :class:`optimizers.Workload` with what the race needs besides."""

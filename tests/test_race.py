@@ -141,6 +141,21 @@ def test_the_grid_is_equal_for_every_optimizer() -> None:
     }
 
 
+def test_the_refinement_brackets_the_best_learning_rate() -> None:
+    """Two more rates for every optimizer: beyond a best at either edge of its grid,
+    halfway to its neighbours inside, never one already tried."""
+    import race_workloads as rw
+
+    grid = [0.1, 0.2, 0.4, 0.8]
+    assert rw.refine(grid, 0.8) == [1.6, 3.2]
+    assert rw.refine(grid, 0.1) == [0.05, 0.025]
+    assert rw.refine(grid, 0.4) == [0.57, 0.28]
+    assert rw.refine([0.1], 0.1) == [0.14, 0.071]  # one point: both sides
+    for best in grid:
+        got = rw.refine(grid, best)
+        assert len(got) == rw.REFINE_POINTS and not set(got) & set(grid)
+
+
 def test_rounding_matches_the_docs_numbers_test() -> None:
     from decimal import Decimal
 
@@ -168,7 +183,7 @@ def _check(doc: dict[str, Any], tmp_path: Path, optimizers: list[str]) -> None:
     assert doc["quick"] and doc["commit"] and isinstance(doc["dirty"], bool)
     assert doc["machine"]["threads"] == 1 and doc["machine"]["cpu"]
     per = doc["tuning"]["runs_per_optimizer"]
-    assert per == 2 * (2 if doc["tuning"]["tune_knob"] else 1)
+    assert per == 2 * (2 if doc["tuning"]["tune_knob"] else 1) + 1  # --quick: 1 refinement
     names = [r["optimizer"] for r in doc["summary"]["rows"]]
     assert names == optimizers
     for name in names:
