@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from optimizers import LRS, Workload, digits_workload, lm, lm_workload
 from step_time import load_example
+from tied_lm import GPT2Chars
 from torch import nn
 
 DEFAULT_OPTIMIZERS = (
@@ -166,32 +167,6 @@ def race_lm4x(quick: bool) -> RaceWorkload:
         description=f"CharTransformer: context {context}, d_model {d_model}, {blocks} blocks, "
         f"{heads} heads; batch {batch} windows; test: 128 windows; loss nats/char",
     )
-
-
-class GPT2Chars(nn.Module):
-    """A tiny Hugging Face ``GPT2LMHeadModel`` (built from a ``GPT2Config``, random
-    initialisation, tied head, no dropout) over characters, returning its logits."""
-
-    def __init__(self, vocab: int, context: int, n_embd: int, n_layer: int, n_head: int) -> None:
-        super().__init__()
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        config = GPT2Config(
-            n_layer=n_layer,
-            n_embd=n_embd,
-            n_head=n_head,
-            n_positions=context,
-            vocab_size=vocab,
-            bos_token_id=0,
-            eos_token_id=0,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-        self.gpt = GPT2LMHeadModel(config)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.gpt(input_ids=idx).logits
 
 
 def race_gpt2(quick: bool) -> RaceWorkload:

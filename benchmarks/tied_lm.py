@@ -44,16 +44,20 @@ SKIP = [r"(^|\.)wte$", r"(^|\.)lm_head$"]
 
 
 class GPT2Chars(nn.Module):
-    """``GPT2LMHeadModel`` returning its logits (tied head, random init)."""
+    """``GPT2LMHeadModel`` over characters returning its logits (built from a
+    ``GPT2Config``: tied head, random init, no dropout; 2 layers, n_embd 64, 2 heads unless
+    told)."""
 
-    def __init__(self, vocab: int, context: int) -> None:
+    def __init__(
+        self, vocab: int, context: int, n_embd: int = 64, n_layer: int = 2, n_head: int = 2
+    ) -> None:
         super().__init__()
         from transformers import GPT2Config, GPT2LMHeadModel
 
         config = GPT2Config(
-            n_layer=2,
-            n_embd=64,
-            n_head=2,
+            n_layer=n_layer,
+            n_embd=n_embd,
+            n_head=n_head,
             n_positions=context,
             vocab_size=vocab,
             bos_token_id=0,
