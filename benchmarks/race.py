@@ -236,6 +236,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="rewrite the tables of docs/benchmarks.md from the results files and exit",
     )
+    p.add_argument(
+        "--resummarize",
+        action="store_true",
+        help="recompute the summary of every results file from its runs (with this "
+        "commit's rules, recorded as summarized_by) and exit",
+    )
     p.add_argument("--results", default=str(RESULTS), help="results folder read by --tables")
     p.add_argument("--docs", default=str(DOCS_PAGE), help="docs page written by --tables")
     p.add_argument(
@@ -269,6 +275,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.resummarize:
+        for path in sorted(Path(args.results).glob("race_*.json")):
+            doc = json.loads(path.read_text())
+            doc["summary"] = race_report.summarize(doc["runs"])
+            doc["summarized_by"] = git_commit(REWRITTEN)["commit"]
+            path.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+            print(f"{path}: summary recomputed from its runs")
+        return 0
     if args.tables:
         changed = race_report.write_tables(Path(args.docs), Path(args.results))
         print(f"{args.docs}: {', '.join(changed) or 'no'} table(s) rewritten")

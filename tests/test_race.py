@@ -105,6 +105,41 @@ def test_summary_targets_verdicts_and_step_costs() -> None:
     assert kfac["optimizer_ms_per_step"] == pytest.approx(2e3 / 20)
 
 
+def test_steps_to_muons_final_loss_are_counted_where_muon_raced() -> None:
+    """The fewest-steps yardstick: every optimizer's steps to Muon's mean final loss, in
+    the summary and as a column of the table (absent where Muon did not race)."""
+    runs = []
+    for name, losses in (
+        ("adamw", (3.0, 2.0, 1.5)),
+        ("muon", (3.0, 1.5, 1.0)),
+        ("kfac-moments", (3.0, 1.0, 0.5)),
+    ):
+        runs.append(record(name, "tune", 0, curve(*losses)))
+        runs += [record(name, "eval", seed, curve(*losses)) for seed in (1, 2)]
+    s = rr.summarize(runs)
+    assert s["targets"]["muon_loss"] == 1.0
+    rows = {r["optimizer"]: r for r in s["rows"]}
+    assert rows["kfac-moments"]["steps_to_muon"] == 10 and rows["muon"]["steps_to_muon"] == 20
+    assert rows["adamw"]["steps_to_muon"] is None and rows["adamw"]["reached_to_muon"] == 0
+    doc = {
+        "workload": "w",
+        "summary": s,
+        "machine": {"cpu": "c", "threads": 1, "torch": "t"},
+        "tuning": {"eval_seeds": [1, 2], "statement": "x."},
+        "commit": "abc",
+        "command": "python benchmarks/race.py",
+        "description": "d",
+        "steps": 20,
+        "eval_every": 10,
+    }
+    text = rr.render(doc)
+    assert "| steps to Muon's |" in text and "Muon's 1.0000" in text
+    assert "| never (0/2) | 1.5000" in text  # AdamW's row
+    without = rr.summarize([r for r in runs if r["optimizer"] != "muon"])
+    assert "muon_loss" not in without["targets"]
+    assert "Muon" not in rr.render({**doc, "summary": without})
+
+
 def test_a_diverged_optimizer_is_never_best() -> None:
     runs = _synthetic_runs()
     for r in runs:
