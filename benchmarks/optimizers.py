@@ -70,6 +70,7 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from race_report import first_reach  # noqa: E402
 from step_time import cpu_model, load_example  # noqa: E402
 
 import kfac_func as kf  # noqa: E402
@@ -156,14 +157,21 @@ def digits_workload(quick: bool) -> Workload:
         idx = torch.randint(0, split, (64,), generator=g)
         return x_train[idx], y_train[idx]
 
+    test_loss = classifier_test_loss(x_test, y_test)
+    return Workload("digits", make, batch, F.cross_entropy, test_loss, 6 if quick else 400, ("4",))
+
+
+def classifier_test_loss(x: torch.Tensor, y: torch.Tensor) -> Callable[[nn.Module], float]:
+    """The test loss of a classifier: cross-entropy on ``(x, y)`` in eval mode."""
+
     @torch.no_grad()
     def test_loss(model: nn.Module) -> float:
         model.eval()
-        loss = float(F.cross_entropy(model(x_test), y_test))
+        loss = float(F.cross_entropy(model(x), y))
         model.train()
         return loss
 
-    return Workload("digits", make, batch, F.cross_entropy, test_loss, 6 if quick else 400, ("4",))
+    return test_loss
 
 
 WORKLOADS = {"lm": lm_workload, "digits": digits_workload}
@@ -378,14 +386,6 @@ def train(
     if stepper.pre is not None:
         stepper.pre.remove()
     return rows, {"fwd_bwd_seconds": fwd_bwd, "optimizer_seconds": opt, "steps": step}
-
-
-def first_reach(rows: list[dict[str, float]], target: float) -> tuple[float, float]:
-    """``(step, seconds)`` of the first evaluation at or below ``target`` (inf: never)."""
-    for r in rows:
-        if r["test_loss"] <= target:
-            return r["step"], r["seconds"]
-    return math.inf, math.inf
 
 
 def _fmt(v: float) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from optimizers import LRS, Workload, digits_workload, lm, lm_workload
+from optimizers import LRS, Workload, classifier_test_loss, digits_workload, lm, lm_workload
 from step_time import load_example
 from tied_lm import GPT2Chars
 from torch import nn
@@ -208,17 +208,6 @@ def race_digits(quick: bool) -> RaceWorkload:
     )
 
 
-def _classifier_test_loss(x: torch.Tensor, y: torch.Tensor) -> Callable[[nn.Module], float]:
-    @torch.no_grad()
-    def test_loss(model: nn.Module) -> float:
-        model.eval()
-        loss = float(F.cross_entropy(model(x), y))
-        model.train()
-        return loss
-
-    return test_loss
-
-
 def _sampler(
     x: torch.Tensor, y: torch.Tensor, batch_size: int
 ) -> Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]:
@@ -243,7 +232,7 @@ def race_mnist5k_cnn(quick: bool) -> RaceWorkload:
         make,
         _sampler(data.x_train, data.y_train, 16 if quick else 64),
         F.cross_entropy,
-        _classifier_test_loss(data.x_test, data.y_test),
+        classifier_test_loss(data.x_test, data.y_test),
         6 if quick else 300,
         ("fc2",),
         eval_every=2 if quick else 25,

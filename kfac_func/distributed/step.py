@@ -41,7 +41,7 @@ from kfac_func.step.basis import carry_moments, moment_bases
 from kfac_func.step.checks import check_grads_mapping, layer_matrix
 from kfac_func.step.decompose import check_eigh_device
 from kfac_func.step.grouped import preconditioned_layers
-from kfac_func.step.hyper import as_list, check_hyper, resolve
+from kfac_func.step.hyper import as_list, resolve
 from kfac_func.step.options import StepOptions, step_options
 from kfac_func.step.precondition import apply_preconditioned, captured_rows
 from kfac_func.step.sync_free import apply_selected, leave_sync_free, report_layers
@@ -204,8 +204,7 @@ def _factor_stage(
         raise ValueError("give captures= or batch_factors=, not both")
     if captures is None and batch_factors is None and reducer is None:
         raise ValueError("update_factors=True needs captures= (from kfac_func.capture)")
-    decay = resolve(opts.factor_decay, step)
-    check_hyper("factor_decay", decay, lambda v: 0 <= v <= 1, "in [0, 1]")
+    decay = opts.decay_at(step)
     local = batch_factors or {}
     statistics = None
     if captures is not None:

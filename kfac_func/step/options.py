@@ -208,6 +208,18 @@ class StepOptions:
         """
         return {name: getattr(self, name) for name in FIELDS}
 
+    def decay_at(self, step: int) -> float:
+        """The factor decay at ``step`` (checked: in [0, 1]).
+
+        Example:
+            >>> StepOptions(factor_decay=lambda k: 1 - 1 / (k + 1)).decay_at(3)
+            0.75
+        """
+        decay = resolve(self.factor_decay, step)
+        ok, expected = HYPER_CHECKS["factor_decay"]
+        check_hyper("factor_decay", decay, ok, expected)
+        return decay
+
     def damping_at(self, step: int) -> float:
         """The damping of a step that decomposes, at ``step`` (checked)."""
         lam = resolve(DEFAULT_DAMPING if self.damping is None else self.damping, step)

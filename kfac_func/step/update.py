@@ -37,7 +37,7 @@ from kfac_func.step.ekfac import update_scales
 from kfac_func.step.grouped import precondition_layers_grouped
 from kfac_func.step.grouped_batch import batch_factors_grouped
 from kfac_func.step.grouped_fold import fold_layers_grouped
-from kfac_func.step.hyper import as_list, check_hyper, resolve, take
+from kfac_func.step.hyper import as_list, resolve, take
 from kfac_func.step.options import StepOptions, step_options
 from kfac_func.step.precondition import (
     captured_rows,
@@ -133,8 +133,7 @@ def update(
             raise ValueError("give captures= or batch_factors=, not both")
         if captures is None and batch_factors is None:
             raise ValueError("update_factors=True needs captures= (from kfac_func.capture)")
-        decay = resolve(opts.factor_decay, step)
-        check_hyper("factor_decay", decay, lambda v: 0 <= v <= 1, "in [0, 1]")
+        decay = opts.decay_at(step)
         micro = as_list(captures) if captures is not None else None
         made: dict[str, LayerFactors] | None = None
         if grouped and micro is not None:  # the layers of one shape together
