@@ -26,7 +26,8 @@ step, first and second moments, in K-FAC's eigenbasis — SOAP's update with K-F
 ``kfac-moments-fast`` (the same with the factor statistics of each call from at most 512
 of its rows — every k-th position, scaled; on digits, whose calls have no positions, it
 is ``kfac-moments`` with batched eigendecompositions — and equal-shaped factors
-decomposed in one batched ``eigh``) and
+decomposed in one batched ``eigh``), ``kfac-moments-fresh`` (``kfac-moments`` on SOAP's
+schedule: factor statistics every step with decay 0.9 and eigenbases every 2 steps) and
 ``kfac-adaptive`` (no optimizer: the quadratic model's learning rate and momentum,
 Levenberg–Marquardt damping; its "learning rates" are the starting dampings). Every
 optimizer gets the same schedule (linear warm-up, cosine decay to 10 %), the same
@@ -88,6 +89,7 @@ LRS: dict[str, tuple[float, ...]] = {
     "kfac-ekfac-adam": (1e-3, 3e-3),
     "kfac-moments": (7e-3, 1.4e-2),
     "kfac-moments-fast": (7e-3, 1.4e-2),
+    "kfac-moments-fresh": (7e-3, 1.4e-2),
     "kfac-adaptive": (0.1, 1.0),  # the starting damping: no learning rate to sweep
 }
 """Learning-rate sweep per optimizer (Muon's is for its matrices; its AdamW part uses
@@ -222,6 +224,17 @@ KFAC = {
             "factor_rows": 512,
             "batched_eigh": True,
         },
+    ),
+    # SOAP's schedule (statistics of every step, a short running average, the eigenbases
+    # two steps old at most): a stale eigenbasis is what kept kfac-moments behind SOAP
+    "kfac-moments-fresh": (
+        "eigen",
+        0.0,
+        0.0,
+        None,
+        (1, 2),
+        0.9,
+        {"eigenbasis_moments": True, "moment_beta2": 0.95, "moment_beta1": 0.9},
     ),
     # the quadratic model's learning rate and momentum, adaptive damping ("lr": its start)
     "kfac-adaptive": ("eigen", 0.0, 0.0, None, (1, 5), 0.95, {}),
