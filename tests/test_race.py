@@ -176,6 +176,22 @@ def test_the_grid_is_equal_for_every_optimizer() -> None:
     }
 
 
+def test_the_two_moments_variants_differ_in_the_schedule_only() -> None:
+    """docs/benchmarks.md reads the distance of the two ``kfac-moments`` rows as the cost
+    of a stale eigenbasis: everything but the update intervals and the factor decay is
+    the same recipe, learning-rate grid and second knob."""
+    import optimizers
+    import race_workloads as rw
+
+    lazy, fresh = (list(optimizers.KFAC[n]) for n in ("kfac-moments", "kfac-moments-fresh"))
+    assert lazy[4] == (5, 5) and fresh[4] == (1, 2)
+    assert (lazy[5], fresh[5]) == (0.8, 0.9)
+    del lazy[4:6], fresh[4:6]
+    assert lazy == fresh
+    assert optimizers.LRS["kfac-moments"] == optimizers.LRS["kfac-moments-fresh"]
+    assert rw.KNOBS["kfac-moments"] == rw.KNOBS["kfac-moments-fresh"]
+
+
 def test_the_refinement_brackets_the_best_learning_rate() -> None:
     """Two more rates for every optimizer: beyond a best at either edge of its grid,
     halfway to its neighbours inside, never one already tried."""
