@@ -15,7 +15,7 @@ Tuning budget (the same for every optimizer of a workload)
 (``race_workloads.lr_grid``); on the LM workloads (``lm``, ``lm4x``, ``gpt2``) each with
 both values of the optimizer's second knob (``race_workloads.KNOBS``: AdamW's betas
 (0.9, 0.999) and (0.9, 0.95), SOAP's betas, SGD's and Muon's momentum, PSGD-Kron's
-momentum, K-FAC's damping, ``kfac-moments``' second-moment decay), on the others the
+momentum, K-FAC's damping, the ``kfac-moments`` variants' second-moment decay), on the others the
 recipe's value; then 2 more learning rates around the best of those (``race_workloads.refine``:
 beyond it at a grid edge, halfway to its neighbours inside): 10 runs per
 optimizer on the LMs, 6 on the others (on ``autoencoder`` every grid is
