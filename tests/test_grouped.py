@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from fixture_models import FIXTURES, Fixture, T
+from numerics import assert_close_where_determined, assert_same_states
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -35,6 +36,15 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "moments-sync-free": {"eigenbasis_moments": True, "sync_free": True, "kl_clip": None},
 }
 METHODS = ("eigen", "inverse", "ekfac")
+TOL: dict[str, float] = {"rel": 1e-9, "rtol": 1e-12, "atol": 1e-14}
+"""float64: K-FAC's damped step is a continuous function of its inputs; compared where A's
+and G's eigenvalues exceed 1e-9 of the largest (above the rounding noise of a null
+direction, about 1e-16 of the largest) to a few hundred units of rounding."""
+MOMENTS_TOL: dict[str, float] = {"rel": 1e-6, "rtol": 1e-10, "atol": 1e-12}
+"""float64, Adam's step in the eigenbasis: each coordinate is divided by its own root mean
+square, so a coordinate 10⁻ᵏ of the largest carries 10ᵏ times the relative rounding of the
+projection; compared where the eigenvalues exceed 1e-6 of the largest, with four orders of
+magnitude of that amplification allowed (1e-10 against float64's 1e-16)."""
 
 
 def _register(fx: Fixture, model: nn.Module) -> kf.LayerTable:
@@ -71,10 +81,6 @@ def _steps(
     return out
 
 
-def _tensors(state: kf.KFACState) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in kf.state_to_dict(state).items() if isinstance(v, torch.Tensor)}
-
-
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 @pytest.mark.parametrize("name", sorted(FIXTURES))
 def test_grouped_equals_per_layer_on_fixture_models(name: str, setting: str) -> None:
@@ -84,16 +90,11 @@ def test_grouped_equals_per_layer_on_fixture_models(name: str, setting: str) -> 
         grouped = _steps(fx, F64, method, SETTINGS[setting], grouped=True)
         per_layer = _steps(fx, F64, method, SETTINGS[setting], grouped=False)
         for (g1, s1), (g2, s2) in zip(grouped, per_layer):
-            assert g1.keys() == g2.keys()
-            for k in g1:
-                torch.testing.assert_close(g1[k], g2[k], rtol=1e-12, atol=1e-14, msg=k)
-            t1, t2 = _tensors(s1), _tensors(s2)
-            assert t1.keys() == t2.keys()
-            for k in t1:
-                torch.testing.assert_close(t1[k], t2[k], rtol=1e-12, atol=1e-14, msg=k)
-            assert [ls.moment_count for ls in s1.layers.values()] == [
-                ls.moment_count for ls in s2.layers.values()
-            ]
+            # Adam's step in an eigenbasis (the moments) is unique only where the factors
+            # determine it (see numerics): compared there, the rest entry by entry
+            tol = MOMENTS_TOL if SETTINGS[setting].get("eigenbasis_moments") else TOL
+            assert_close_where_determined(g1, g2, s2, **tol)
+            assert_same_states(s1, s2, **tol)
         # the fixture has groups: the step did not fall back to one layer at a time
         state = grouped[-1][1]
         grads = grouped[-1][0]
@@ -102,13 +103,17 @@ def test_grouped_equals_per_layer_on_fixture_models(name: str, setting: str) -> 
 
 
 def test_grouped_equals_per_layer_in_float32() -> None:
+    """In float32 Adam's step in an eigenbasis turns the rounding noise of a null direction
+    into a step as large as any other (see numerics), and Adam grafting then rescales the
+    whole layer by its norm: the comparison is of the moments without grafting, where the
+    factors determine the step (eigenvalues above 1e-3 of the largest, many float32 units
+    of rounding away from the noise), at float32's tolerance."""
     fx = FIXTURES["gpt2"]
-    setting = SETTINGS["moments-adam-graft"]
+    setting = {**SETTINGS["moments-adam-graft"], "grafting": None}
     grouped = _steps(fx, torch.float32, "eigen", setting, grouped=True)
     per_layer = _steps(fx, torch.float32, "eigen", setting, grouped=False)
-    for (g1, _), (g2, _) in zip(grouped, per_layer):
-        for k in g1:
-            torch.testing.assert_close(g1[k], g2[k], rtol=1e-6, atol=1e-7, msg=k)
+    for (g1, _), (g2, s2) in zip(grouped, per_layer):
+        assert_close_where_determined(g1, g2, s2, rel=1e-3, rtol=1e-4, atol=1e-5)
 
 
 def _deep(depth: int) -> nn.Module:
