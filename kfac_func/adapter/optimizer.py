@@ -234,8 +234,20 @@ class KFAC(torch.optim.Optimizer):
             self._has_others = True
         self.param_groups.append(others.param_groups[-1])
 
-    def _follow_parameters(self) -> None:
-        """Put the parameters the model holds now in the groups (``fully_shard`` or
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The base optimizers' groups, holding the parameters the model holds now."""
+        groups: list[dict[str, Any]] = self.__dict__["_param_groups"]
+        if "_places" in self.__dict__:
+            self._follow(groups)
+        return groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.__dict__["_param_groups"] = groups
+
+    def _follow(self, groups: list[dict[str, Any]]) -> None:
+        """Put the parameters the model holds now in ``groups`` (``fully_shard`` or
         ``parallelize_module`` applied after construction replaced them); a ValueError
         names those that cannot be followed (see
         :class:`~kfac_func.adapter.parameter_places.ParameterPlaces`)."""
@@ -243,7 +255,10 @@ class KFAC(torch.optim.Optimizer):
         def has_state(p: torch.Tensor) -> bool:
             return any(bool(opt.state.get(p)) for opt in self._optimizers)
 
-        self._places.follow(self.param_groups, has_state)
+        self._places.follow(groups, has_state)
+
+    def _follow_parameters(self) -> None:
+        self._follow(self.__dict__["_param_groups"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim.Optimizer.zero_grad`` over the parameters the model holds now."""

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kfac_func.distributed.dtensor import is_dtensor
+
 __all__ = ["ParameterPlaces", "Replaced"]
 
 
@@ -65,7 +67,8 @@ class ParameterPlaces:
                 self._places[id(p)] = (name, self._model.get_submodule(prefix), attr)
 
     def replaced(self, groups: Sequence[dict[str, Any]]) -> list[Replaced]:
-        """The parameters of ``groups`` whose module now holds another object."""
+        """The parameters of ``groups`` whose module now holds another object (not those
+        that are DTensors: FSDP2 puts their unsharded forms in the modules for a while)."""
         out = []
         for group in groups:
             params = group["params"]
@@ -75,7 +78,7 @@ class ParameterPlaces:
                     continue
                 name, module, attr = place
                 now = module._parameters.get(attr)
-                if now is not p:
+                if now is not p and not is_dtensor(p):
                     out.append(Replaced(name, params, i, p, now))
         return out
 
@@ -153,27 +156,21 @@ class FollowParametersMixin:
     def _follow_parameters(self) -> None:
         """Notice registered layers' parameters that the model replaced since the last
         step (``fully_shard`` or ``parallelize_module`` applied after construction) and
-        adapt to them; a ValueError names what cannot be followed."""
+        adapt to them; a ValueError names what cannot be followed. Once the parameters
+        are DTensors nothing changes any more (FSDP2 puts their unsharded forms in the
+        modules for a while)."""
         now = self._layer_parameters()
         if len(now) == len(self._bound) and all(a is b for a, b in zip(now, self._bound)):
             return
         from kfac_func.adapter.adaptive import check_adaptive
         from kfac_func.adapter.coverage import watch_gradients
-        from kfac_func.distributed.dtensor import check_packed_parameters, is_dtensor
+        from kfac_func.distributed.dtensor import check_packed_parameters
         from kfac_func.distributed.sharded import release_unowned
 
-        sharded = any(is_dtensor(p) for p in self.model.parameters())
-        if self._sharded and not sharded:
-            names = [n for spec in self.layers.values() for n in spec.param_names()]
-            raise ValueError(
-                f"the parameters of the K-FAC layers {names} were DTensors when the "
-                "preconditioner was built and are plain tensors now: build the "
-                "preconditioner on the model as it trains"
-            )
-        check_packed_parameters(self.model, self.layers)
-        if self.adaptive is not None:
-            check_adaptive(self.adaptive, self.model, None, self.comm.world_size)
-        if sharded and not self._sharded:
+        if not self._sharded and any(is_dtensor(p) for p in now):
+            check_packed_parameters(self.model, self.layers)
+            if self.adaptive is not None:
+                check_adaptive(self.adaptive, self.model, None, self.comm.world_size)
             self._sharded = True
             self._state = release_unowned(self._state, self.plan, self.comm.rank, True)
         if self._handles:  # hooks still attached (not remove()d): watch the new weights
