@@ -95,22 +95,30 @@ class KFAC(torch.optim.Optimizer):
 
     - :attr:`param_groups` are the base optimizers' groups themselves (K-FAC's first):
       learning-rate schedulers drive them, and the preconditioner's ``lr`` (its KL clip's)
-      reads ``param_groups[0]["lr"]`` at every step unless ``kfac_lr`` is given.
+      reads ``param_groups[0]["lr"]`` at every step unless ``kfac_lr`` is given. They hold
+      the parameters the model holds now (see below).
     - :attr:`state` maps each parameter to its base optimizer's state.
     - :meth:`state_dict` is ``torch.optim``'s format over :attr:`param_groups` (the base
-      optimizers' state dicts, their parameter indices offset in group order) plus
-      ``"kfac"``: the preconditioner's :meth:`~kfac_func.KFACPreconditioner.state_dict`.
+      optimizers' state dicts, their parameter indices offset in group order), with the
+      preconditioner's :meth:`~kfac_func.KFACPreconditioner.state_dict` as
+      ``param_groups[0]["kfac"]`` and an entry (``{}`` at least) for every parameter, so
+      that ``torch.distributed.checkpoint``'s ``get_state_dict`` / ``set_state_dict``
+      carry all of it with their default strictness (see :func:`kfac_func.save_dcp`).
       :meth:`load_state_dict` restores both, keeping the group dicts (schedulers and
-      wrappers that hold them stay attached); a resumed run equals an uninterrupted one.
+      wrappers that hold them stay attached), after checking K-FAC's tensors against the
+      checksums saved with them; a resumed run equals an uninterrupted one.
     - :meth:`add_param_group` adds a group to the ``others`` optimizer (made on first
       use): K-FAC registered its layers at construction, so new parameters are not
       preconditioned.
     - ``zero_grad``, step hooks (``register_step_pre_hook``, ...) and state-dict hooks
       are ``torch.optim.Optimizer``'s; the base optimizers' own hooks run in their steps.
 
-    Build it on the module that runs (the one whose forward the trainer calls, or a
-    submodule of it), before wrapping it in DDP/FSDP: the preconditioner's hooks sit on
-    that module's layers.
+    Build it on the model before or after wrapping it in DDP or sharding it with FSDP2
+    (``fully_shard``) or tensor parallelism (``parallelize_module``): those two replace
+    the module's parameters by DTensor ones, and the optimizer follows them (by name,
+    when :attr:`param_groups` is read and at every step) as long as its base optimizers
+    keep no state of the old ones; parameters replaced after a step are refused with a
+    ValueError naming them, before anything moves.
 
     Args:
         model: the module whose layers K-FAC preconditions.
