@@ -3,7 +3,8 @@ parallelism's ``parallelize_module``) or wrapped in DDP, on gloo ranks.
 
 ``fully_shard`` and ``parallelize_module`` replace the module's parameters by new
 ``nn.Parameter`` objects holding DTensors; ``kf.KFAC`` built before must follow them, by
-name, and train as the one built after (float64, 1e-12), moving every parameter. An
+name, and train as the one built after (float64, 1e-12), moving every parameter (under
+``MEM_OPT`` it keeps only its own layers' factors once the parameters are sharded). An
 optimizer that already stepped the old parameters (its momentum belongs to them) must
 refuse at the next step, naming them, instead of stepping tensors the model no longer
 uses. One spawn per world size (2, then 1), each running every case; on 2 ranks the run
@@ -85,14 +86,18 @@ def wrap(model: nn.Sequential, kind: str, world: int) -> nn.Module:
 
 def build(kind: str, order: str, world: int) -> tuple[nn.Module, nn.Module, kf.KFAC]:
     """(the model, the module to call, the optimizer built ``"before"`` or ``"after"``
-    the model is wrapped)."""
+    the model is wrapped); ``"fsdp-mem"``: FSDP2 under ``MEM_OPT`` (each rank keeps its
+    own layers' factors once the parameters are sharded)."""
+    args = dict(KFAC_ARGS)
+    if kind == "fsdp-mem":
+        kind, args["grad_worker_fraction"] = "fsdp", kf.DistributedStrategy.MEM_OPT
     model = make_model(kind)
     if order == "before":
-        opt = kf.KFAC(model, **KFAC_ARGS)
+        opt = kf.KFAC(model, **args)
         call = wrap(model, kind, world)
     else:
         call = wrap(model, kind, world)
-        opt = kf.KFAC(call, **KFAC_ARGS)
+        opt = kf.KFAC(call, **args)
     return model, call, opt
 
 
@@ -140,7 +145,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         out: dict[str, Any] = {}
-        kinds = ["fsdp", "tp", "ddp"] if world == 2 else ["fsdp"]
+        kinds = ["fsdp", "fsdp-mem", "tp", "ddp"] if world == 2 else ["fsdp"]
         for kind in kinds:
             for order in ("after", "before"):
                 model, call, opt = build(kind, order, world)
@@ -156,6 +161,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
                     "end": params(model),
                     "steps": opt.preconditioner.steps,
                     "dtensors": sum(type(p).__name__ == "DTensor" for p in model.parameters()),
+                    "memory": opt.preconditioner.memory_usage(),
                 }
         if world == 1:  # resume the 2-rank checkpoint
             model, call, opt = build("fsdp", "before", world)
@@ -187,14 +193,16 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-CASES = [(2, "fsdp"), (2, "tp"), (2, "ddp"), (1, "fsdp")]
+CASES = [(2, "fsdp"), (2, "fsdp-mem"), (2, "tp"), (2, "ddp"), (1, "fsdp")]
 
 
 @pytest.mark.parametrize(("world", "kind"), CASES)
 def test_built_before_wrapping_trains_as_built_after(runs: Any, world: int, kind: str) -> None:
     after, before = runs[world][f"{kind}-after"], runs[world][f"{kind}-before"]
     assert before["steps"] == after["steps"] == STEPS
-    assert before["dtensors"] == after["dtensors"] == {"fsdp": 6, "tp": 4, "ddp": 0}[kind]
+    want = {"fsdp": 6, "fsdp-mem": 6, "tp": 4, "ddp": 0}[kind]
+    assert before["dtensors"] == after["dtensors"] == want
+    assert before["memory"] == after["memory"]  # MEM_OPT: the same factors released
     moved = {k: float((before["end"][k] - before["start"][k]).abs().max()) for k in before["end"]}
     assert min(moved.values()) > 1e-3, moved  # every parameter moves
     assert max_diff(before["end"], after["end"]) < TOL
