@@ -268,11 +268,6 @@ class KFAC(torch.optim.Optimizer):
     def _follow_parameters(self) -> None:
         self._follow(self.__dict__["_param_groups"])
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """``torch.optim.Optimizer.zero_grad`` over the parameters the model holds now."""
-        self._follow_parameters()
-        super().zero_grad(set_to_none)
-
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Run ``closure`` (with gradients enabled) if given, precondition the K-FAC
         layers' ``.grad``, step every base optimizer; return the closure's loss.

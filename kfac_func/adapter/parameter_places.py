@@ -19,7 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from kfac_func.distributed.dtensor import is_dtensor
+from kfac_func.adapter.adaptive import check_adaptive
+from kfac_func.adapter.coverage import watch_gradients
+from kfac_func.distributed.dtensor import check_packed_parameters, is_dtensor
+from kfac_func.distributed.sharded import release_unowned
 
 __all__ = ["ParameterPlaces", "Replaced"]
 
@@ -147,7 +150,7 @@ class FollowParametersMixin:
     _bound: list[torch.Tensor]
     _seen_fn: Callable[[], set[str] | None]
 
-    def _parameter(self, name: str) -> nn.Parameter:  # pragma: no cover - the mixin's
+    def _parameter(self, name: str) -> nn.Parameter:  # pragma: no cover - InspectionMixin's
         raise NotImplementedError
 
     def _layer_parameters(self) -> list[torch.Tensor]:
@@ -162,11 +165,6 @@ class FollowParametersMixin:
         now = self._layer_parameters()
         if len(now) == len(self._bound) and all(a is b for a, b in zip(now, self._bound)):
             return
-        from kfac_func.adapter.adaptive import check_adaptive
-        from kfac_func.adapter.coverage import watch_gradients
-        from kfac_func.distributed.dtensor import check_packed_parameters
-        from kfac_func.distributed.sharded import release_unowned
-
         if not self._sharded and any(is_dtensor(p) for p in now):
             check_packed_parameters(self.model, self.layers)
             if self.adaptive is not None:
