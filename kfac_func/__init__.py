@@ -22,6 +22,7 @@ from kfac_func.adapter.scheduler import LambdaParamScheduler
 from kfac_func.blocks import LayerSpec, LayerTable, grads_to_matrix, matrix_to_grads, register
 from kfac_func.blocks.examples import BatchSizeError
 from kfac_func.captures import Captures, LayerCapture, capture
+from kfac_func.checkpoint.atomic_dcp import load_dcp, save_dcp
 from kfac_func.checkpoint.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -135,6 +136,7 @@ __all__ = [
     "kl_clip_scale",
     "layer_file_name",
     "lm_damping",
+    "load_dcp",
     "load_factor_dir",
     "load_state",
     "make_parallel_plan",
@@ -146,6 +148,7 @@ __all__ = [
     "register",
     "register_parallel",
     "report_skipped",
+    "save_dcp",
     "save_factor_dir",
     "save_state",
     "solve_quadratic",

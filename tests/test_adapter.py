@@ -882,7 +882,9 @@ def test_state_dict_shape() -> None:
     assert set(sd) == {"steps", "settings", "constructed"} | HYPER_KEYS - {"damping"}
     assert sd["steps"] == 3 and sd["kl_clip"] is None and sd["factor_update_steps"] == 2
     sd = pre.state_dict()
-    assert set(sd) == {"steps", "settings", "constructed", "layers"} | HYPER_KEYS - {"damping"}
+    # "checksums": a digest of each tensor, checked by load_state_dict
+    keys = {"steps", "settings", "constructed", "layers", "checksums"}
+    assert set(sd) == keys | HYPER_KEYS - {"damping"}
     assert list(sd["layers"]) == list(pre.layers)
     for name, entry in sd["layers"].items():
         a_shape, g_shape = pre.layers[name].factor_shapes

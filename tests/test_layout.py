@@ -27,7 +27,8 @@ ALLOWED: dict[str, set[str]] = {
     "step": {"blocks", "captures", "core", "state"},
     "distributed": {"blocks", "captures", "core", "state", "step"},
     "checkpoint": {"blocks", "core", "distributed", "state"},
-    "adapter": {"blocks", "captures", "core", "distributed", "state", "step"},
+    # the adapter's state dicts carry the checkpoint unit's checksums
+    "adapter": {"blocks", "captures", "checkpoint", "core", "distributed", "state", "step"},
     "parallel": {
         "adapter",
         "blocks",
@@ -60,6 +61,7 @@ NO_RANKS = [
     "captures",
     "step",
     "distributed.plan",
+    "checkpoint.checksums",
     "checkpoint.errors",
     "checkpoint.factor_manifest",
     "checkpoint.state_dict",

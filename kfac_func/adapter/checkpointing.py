@@ -32,6 +32,7 @@ from kfac_func.adapter.replicated import (
     warn_missing_moments,
 )
 from kfac_func.blocks.tied import newly_tied
+from kfac_func.checkpoint.checksums import CHECKSUMS_KEY, add_checksums, verify_checksums
 from kfac_func.core.decomposition import (
     EigenDecomposition,
     EKFACDecomposition,
@@ -172,6 +173,20 @@ def _adaptive_from(
     return AdaptiveState(**fields)
 
 
+def _own_copies(tree: dict[str, Any]) -> dict[str, Any]:
+    """``tree`` (nested dicts) with a copy of each tensor: nothing written into the state
+    dict (as ``torch.distributed.checkpoint.load`` writes into a template) reaches the
+    preconditioner's state before :meth:`StateDictMixin.load_state_dict` accepts it."""
+    return {
+        k: v.detach().clone()
+        if isinstance(v, torch.Tensor)
+        else _own_copies(v)
+        if isinstance(v, dict)
+        else v
+        for k, v in tree.items()
+    }
+
+
 def _decomposition_class(method: str) -> Any:
     classes = {"eigen": EigenDecomposition, "ekfac": EKFACDecomposition}
     return classes.get(method, InverseDecomposition)
@@ -210,7 +225,8 @@ class StateDictMixin(PreconditionerBase):
             names = {p for ls in self._state.layers.values() for p in ls.spec.param_names()}
             params = {p: self.model.get_parameter(p) for p in sorted(names)}
             sd["adaptive"] = adaptive_entry(self._state.adaptive, params)
-        return sd
+        # copies: DCP loads into a template's tensors in place, and the state is immutable
+        return add_checksums(_own_copies(sd))  # verified by load_state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any], compute_inverses: bool = True) -> None:
         """Restore :meth:`state_dict`; decompositions missing from it are recomputed (with
@@ -224,6 +240,7 @@ class StateDictMixin(PreconditionerBase):
         preconditioner's is refused with a ValueError naming them; nothing changes then.
         """
         sd = dict(state_dict)
+        sd.pop(CHECKSUMS_KEY, None)
         check_settings(
             sd.pop(SETTINGS_KEY, None), meaning_settings(self._state, self.eigenbasis_moments)
         )
@@ -262,6 +279,7 @@ class StateDictMixin(PreconditionerBase):
                         else None
                     )
                     layers[name] = load_layer(ls, entry, self._state.config, lam)
+            verify_checksums(state_dict, "K-FAC state_dict")
         except Exception:
             for key, value in old.items():  # a refused state dict changes nothing
                 setattr(self, key, value)

@@ -20,19 +20,33 @@ import torch
 from torch import nn
 
 from kfac_func.adapter.arguments import FloatOrFn
+from kfac_func.adapter.parameter_places import ParameterPlaces
 from kfac_func.adapter.preconditioner import KFACPreconditioner
 
 __all__ = ["KFAC"]
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 
+KFAC_KEY = "kfac"
+"""The key of the preconditioner's state dict in ``state_dict()["param_groups"][0]``."""
+
 
 class _States(MutableMapping[torch.Tensor, Any]):
     """``optimizer.state`` of :class:`KFAC`: the base optimizers' states read as one mapping
     (each parameter belongs to one base optimizer; an item is written to that one's)."""
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+    def __init__(
+        self, optimizers: list[torch.optim.Optimizer], stepped: Callable[[], bool]
+    ) -> None:
         self._optimizers = optimizers
+        self._stepped = stepped
+
+    def __bool__(self) -> bool:
+        """True once K-FAC has stepped (its factors are state too), or while a base
+        optimizer keeps state. ``torch.distributed.checkpoint`` reads an empty state as a
+        fresh optimizer and steps it with zero gradients to create one, which must not
+        count as a K-FAC step."""
+        return self._stepped() or len(self) > 0
 
     def _owner(self, p: torch.Tensor) -> torch.optim.Optimizer:
         for opt in self._optimizers:
@@ -81,22 +95,30 @@ class KFAC(torch.optim.Optimizer):
 
     - :attr:`param_groups` are the base optimizers' groups themselves (K-FAC's first):
       learning-rate schedulers drive them, and the preconditioner's ``lr`` (its KL clip's)
-      reads ``param_groups[0]["lr"]`` at every step unless ``kfac_lr`` is given.
+      reads ``param_groups[0]["lr"]`` at every step unless ``kfac_lr`` is given. They hold
+      the parameters the model holds now (see below).
     - :attr:`state` maps each parameter to its base optimizer's state.
     - :meth:`state_dict` is ``torch.optim``'s format over :attr:`param_groups` (the base
-      optimizers' state dicts, their parameter indices offset in group order) plus
-      ``"kfac"``: the preconditioner's :meth:`~kfac_func.KFACPreconditioner.state_dict`.
+      optimizers' state dicts, their parameter indices offset in group order), with the
+      preconditioner's :meth:`~kfac_func.KFACPreconditioner.state_dict` as
+      ``param_groups[0]["kfac"]`` and an entry (``{}`` at least) for every parameter, so
+      that ``torch.distributed.checkpoint``'s ``get_state_dict`` / ``set_state_dict``
+      carry all of it with their default strictness (see :func:`kfac_func.save_dcp`).
       :meth:`load_state_dict` restores both, keeping the group dicts (schedulers and
-      wrappers that hold them stay attached); a resumed run equals an uninterrupted one.
+      wrappers that hold them stay attached), after checking K-FAC's tensors against the
+      checksums saved with them; a resumed run equals an uninterrupted one.
     - :meth:`add_param_group` adds a group to the ``others`` optimizer (made on first
       use): K-FAC registered its layers at construction, so new parameters are not
       preconditioned.
     - ``zero_grad``, step hooks (``register_step_pre_hook``, ...) and state-dict hooks
       are ``torch.optim.Optimizer``'s; the base optimizers' own hooks run in their steps.
 
-    Build it on the module that runs (the one whose forward the trainer calls, or a
-    submodule of it), before wrapping it in DDP/FSDP: the preconditioner's hooks sit on
-    that module's layers.
+    Build it on the model before or after wrapping it in DDP or sharding it with FSDP2
+    (``fully_shard``) or tensor parallelism (``parallelize_module``): those two replace
+    the module's parameters by DTensor ones, and the optimizer follows them (by name,
+    when :attr:`param_groups` is read and at every step) as long as its base optimizers
+    keep no state of the old ones; parameters replaced after a step are refused with a
+    ValueError naming them, before anything moves.
 
     Args:
         model: the module whose layers K-FAC preconditions.
@@ -174,7 +196,9 @@ class KFAC(torch.optim.Optimizer):
         groups = [g for opt in self._optimizers for g in opt.param_groups]
         super().__init__(groups, dict(self._optimizers[0].defaults))
         self._ready = True
-        self.state = _States(self._optimizers)  # type: ignore[assignment]
+        pre = self.preconditioner
+        self.state = _States(self._optimizers, lambda: pre.steps > 0)  # type: ignore[assignment]
+        self._places = ParameterPlaces(model, (p for g in groups for p in g["params"]))
 
     @property
     def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
@@ -207,6 +231,7 @@ class KFAC(torch.optim.Optimizer):
                 "group (the K-FAC layers' parameters are in param_groups[0] already)"
             )
         group = {**param_group, "params": params}
+        self._places.add(params)
         if self._has_others:
             others = self._optimizers[1]
             others.add_param_group(group)
@@ -217,23 +242,65 @@ class KFAC(torch.optim.Optimizer):
             self._has_others = True
         self.param_groups.append(others.param_groups[-1])
 
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The base optimizers' groups, holding the parameters the model holds now."""
+        groups: list[dict[str, Any]] = self.__dict__["_param_groups"]
+        if "_places" in self.__dict__:
+            self._follow(groups)
+        return groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.__dict__["_param_groups"] = groups
+
+    def _follow(self, groups: list[dict[str, Any]]) -> None:
+        """Put the parameters the model holds now in ``groups`` (``fully_shard`` or
+        ``parallelize_module`` applied after construction replaced them); a ValueError
+        names those that cannot be followed (see
+        :class:`~kfac_func.adapter.parameter_places.ParameterPlaces`)."""
+
+        def has_state(p: torch.Tensor) -> bool:
+            return any(bool(opt.state.get(p)) for opt in self._optimizers)
+
+        self._places.follow(groups, has_state)
+
+    def _follow_parameters(self) -> None:
+        self._follow(self.__dict__["_param_groups"])
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Run ``closure`` (with gradients enabled) if given, precondition the K-FAC
-        layers' ``.grad``, step every base optimizer; return the closure's loss."""
+        layers' ``.grad``, step every base optimizer; return the closure's loss.
+
+        The parameters are the ones the model holds now (see :class:`KFAC`). A step with
+        every learning rate 0 before K-FAC has seen any statistics (what
+        ``torch.distributed.checkpoint`` does to a fresh optimizer to create its state)
+        steps the base optimizers only: it moves no parameter, and K-FAC's first step
+        stays the first one with statistics."""
+        self._follow_parameters()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.preconditioner.step()
+        pre = self.preconditioner
+        idle = pre.steps == 0 and not pre._micro and not pre.reductions_in_flight
+        if not (idle and all(float(g.get("lr", 1.0)) == 0.0 for g in self.param_groups)):
+            pre.step()
         for opt in self._optimizers:
             opt.step()
         return loss
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"state", "param_groups"}`` over :attr:`param_groups` (the base optimizers'
-        state dicts, parameter indices offset in group order) and ``"kfac"``, the
-        preconditioner's state dict. The state-dict hooks of this optimizer run around it,
-        those of the base optimizers inside."""
+        """``torch.optim``'s ``{"state", "param_groups"}`` over :attr:`param_groups` (the
+        base optimizers' state dicts, parameter indices offset in group order), with the
+        preconditioner's :meth:`~kfac_func.KFACPreconditioner.state_dict` (its tensors'
+        checksums included) as ``param_groups[0]["kfac"]``, and an entry in ``"state"``
+        for every parameter (``{}`` where its base optimizer keeps none, as SGD without
+        momentum). That is where ``torch.distributed.checkpoint``'s ``get_state_dict`` /
+        ``set_state_dict`` keep them: the whole state round-trips through them with their
+        default strictness. The state-dict hooks of this optimizer run around it, those of
+        the base optimizers inside."""
+        self._follow_parameters()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state: dict[int, Any] = {}
@@ -245,11 +312,10 @@ class KFAC(torch.optim.Optimizer):
             for g in sd["param_groups"]:
                 groups.append({**g, "params": [int(i) + offset for i in g["params"]]})
             offset += sum(len(g["params"]) for g in opt.param_groups)
-        out: dict[str, Any] = {
-            "state": state,
-            "param_groups": groups,
-            "kfac": self.preconditioner.state_dict(),
-        }
+        for i in range(offset):
+            state.setdefault(i, {})
+        groups[0][KFAC_KEY] = self.preconditioner.state_dict()
+        out: dict[str, Any] = {"state": dict(sorted(state.items())), "param_groups": groups}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, out)
             if result is not None:
@@ -258,20 +324,28 @@ class KFAC(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`: the preconditioner's part (decompositions as saved,
-        none recomputed), then each base optimizer's. The group dicts stay the same
-        objects. A ValueError (before anything changes) names a missing ``"kfac"`` part or
-        a group structure that differs from this optimizer's."""
+        none recomputed; the checksums of its tensors verified), then each base
+        optimizer's. The group dicts stay the same objects. A ValueError (before anything
+        changes) names a missing ``"kfac"`` part, a group structure that differs from this
+        optimizer's, or (a :class:`~kfac_func.CheckpointFormatError`) a K-FAC tensor that
+        does not match its checksum. A top-level ``"kfac"`` (the format of earlier
+        versions) is read too."""
+        self._follow_parameters()
         sd = dict(state_dict)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, sd)
             if result is not None:
                 sd = result
-        if "kfac" not in sd:
+        saved = [dict(g) for g in sd["param_groups"]]
+        kfac = sd.get(KFAC_KEY)
+        for g in saved:
+            part = g.pop(KFAC_KEY, None)
+            kfac = part if kfac is None else kfac
+        if kfac is None:
             raise ValueError(
                 "KFAC.load_state_dict: the state dict has no 'kfac' part (the "
-                "preconditioner's): was it saved by another optimizer?"
+                "preconditioner's, in param_groups[0]): was it saved by another optimizer?"
             )
-        saved = list(sd["param_groups"])
         sizes = [len(g["params"]) for g in self.param_groups]
         if [len(g["params"]) for g in saved] != sizes:
             raise ValueError(
@@ -287,13 +361,13 @@ class KFAC(torch.optim.Optimizer):
             local = {i: n for n, i in enumerate(ids)}
             parts.append(
                 {
-                    "state": {local[i]: v for i, v in sd["state"].items() if i in local},
+                    "state": {local[i]: v for i, v in sd["state"].items() if i in local and v},
                     "param_groups": [
                         {**g, "params": [local[i] for i in g["params"]]} for g in mine
                     ],
                 }
             )
-        self.preconditioner.load_state_dict(sd["kfac"], compute_inverses=False)
+        self.preconditioner.load_state_dict(kfac, compute_inverses=False)
         for opt, part in zip(self._optimizers, parts):
             groups, states = opt.param_groups, opt.state
             opt.load_state_dict(part)

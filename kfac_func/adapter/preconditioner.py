@@ -30,6 +30,7 @@ from kfac_func.adapter.checkpointing import StateDictMixin
 from kfac_func.adapter.compiled import uncompiled
 from kfac_func.adapter.grads import copy_back
 from kfac_func.adapter.inspection import InspectionMixin, check_factor_rows
+from kfac_func.adapter.parameter_places import FollowParametersMixin
 from kfac_func.adapter.recording import HookRecorder
 from kfac_func.adapter.sync_free import SyncFreeMixin
 from kfac_func.adapter.wrapped_names import unwrapped
@@ -56,7 +57,9 @@ __all__ = ["AllreduceMethod", "ComputeMethod", "KFACPreconditioner"]
 logger = logging.getLogger("kfac_func")
 
 
-class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, InspectionMixin):
+class KFACPreconditioner(
+    HookRecorder, StateDictMixin, SyncFreeMixin, InspectionMixin, FollowParametersMixin
+):
     """K-FAC preconditioner for an ``nn.Module``, with kfac-pytorch's arguments and defaults.
 
     Call :meth:`step` after ``loss.backward()`` and before ``optimizer.step()``: it
@@ -352,6 +355,8 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         self._rows = {}
         self._handles = []
         self._parameter_modules: dict[str, tuple[nn.Module, str]] = {}
+        # the parameters the model held at construction: step() notices replaced ones
+        self._bound = self._layer_parameters()
         self._damping_checked = False
         # with several ranks and update_factors_in_hook, each layer's factor reduction
         # starts in the backward pass, overlapping communication with computation
@@ -413,6 +418,7 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         missing = [k for k, v in given.items() if v is None]
         if self.adaptive is not None and missing:
             raise ValueError(f"adaptive steps need {missing} (see KFACPreconditioner.step)")
+        self._follow_parameters()  # fully_shard / parallelize_module after construction
         self._settle()
         self._check_collected()
         captures = self._take_captures() if self._ekfac and self._micro else None

@@ -129,7 +129,11 @@ class HookRecorder(PreconditionerBase):
                 self._handles.append(eager_forward(module))
             else:
                 self._handles.append(module.register_forward_hook(forward_hook(specs[0])))
-        self._handles += watch_gradients(self.model, self.layers, grads_seen)
+        # kept to watch the weights again if the model replaces them (see
+        # kfac_func.adapter.parameter_places)
+        self._seen_fn = grads_seen
+        self._watch_handles = watch_gradients(self.model, self.layers, grads_seen)
+        self._handles += self._watch_handles
         weakref.finalize(self, remove_handles, self._handles)
         forget_compiled_code()  # compiled without these hooks, it would bypass them
 
@@ -368,6 +372,7 @@ class HookRecorder(PreconditionerBase):
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._watch_handles = []
         self._micro = []
         self._rows = {}
         self._grads_seen = set()
