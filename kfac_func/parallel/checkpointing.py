@@ -171,9 +171,9 @@ class ParallelCheckpointing(ParallelBase):
         if self.factor_checkpoint_dir is None:
             raise ValueError("factor_checkpoint_dir is None")
         if not os.path.isdir(self.factor_checkpoint_dir):
-            warnings.warn(
-                f"factor_checkpoint_dir={self.factor_checkpoint_dir!r} is not a directory; "
-                "the K-FAC factors are not loaded",
+            warnings.warn(  # kfac-pytorch's wording
+                f"factor_checkpoint_dir={self.factor_checkpoint_dir} is not a directory. "
+                "Skipping KFAC checkpoint load.",
                 stacklevel=2,
             )
             return
