@@ -16,7 +16,9 @@ One spawn of four ranks runs three parts:
    sizes), the plan's owners are the DeepSpeed topology's global ranks, only a layer's
    owner holds its decompositions after a step, every data-parallel replica ends the
    step with the gradients of its model position in the owner's replica (the broadcast
-   groups), and the gathered ``state_dict`` holds every layer.
+   groups), the gathered ``state_dict`` holds every layer, ``load_state_dict`` leaves
+   decompositions to the owners (recomputed with ``compute_inverses``, none without),
+   and a factor directory with a missing layer file is refused on every rank.
 
 DeepSpeed is optional: without it parts 2 and 3 are skipped.
 """
@@ -35,6 +37,8 @@ import torch
 import torch.distributed as dist
 from gloo import gloo_group, record_errors, spawn
 from torch import nn
+
+import kfac_func as kf
 
 pytestmark = pytest.mark.slow  # one spawn of four gloo ranks, with DeepSpeed when installed
 
@@ -160,7 +164,38 @@ def _data2_model2(tmp: str) -> dict[str, Any]:
     }
     decomposed = {n: ls.decomposition is not None for n, ls in pre.state.layers.items()}
     sd = pre.state_dict()
+    no_factors = sorted(pre.state_dict(include_factors=False))
     pre.remove()
+    # kfac-pytorch's state dict checks: factors without decompositions, loaded with and
+    # without recomputing them; a factor directory with a missing layer file
+    fresh = _preconditioner(pipe, damping=0.1, kl_clip=None)
+    bare = {
+        **sd,
+        "layers": {
+            n: {k: v for k, v in e.items() if k != "decomposition"} for n, e in sd["layers"].items()
+        },
+    }
+    fresh.load_state_dict(bare, compute_inverses=False)
+    loaded_without = {n: ls.decomposition is not None for n, ls in fresh.state.layers.items()}
+    fresh.load_state_dict(bare)
+    loaded_with = {n: ls.decomposition is not None for n, ls in fresh.state.layers.items()}
+    fresh.load_state_dict(sd)  # the owners' decompositions travel in the state dict
+    loaded_sd = {n: ls.decomposition is not None for n, ls in fresh.state.layers.items()}
+    fresh.remove()
+    factor_dir = os.path.join(tmp, "factors")
+    files = _preconditioner(pipe, damping=0.1, kl_clip=None, factor_checkpoint_dir=factor_dir)
+    files.state_dict()
+    written = sorted(f for f in os.listdir(factor_dir) if f.startswith("layer."))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.remove(os.path.join(factor_dir, written[-1]))
+    dist.barrier()
+    try:
+        files.load_state_dict(files.state_dict(include_factors=False))
+        missing_file = ""
+    except kf.CheckpointFormatError as e:
+        missing_file = str(e)
+    files.remove()
     return {
         "rank": dist.get_rank(),
         "data": d,
@@ -179,6 +214,12 @@ def _data2_model2(tmp: str) -> dict[str, Any]:
         "sd_layers": {
             n: tuple(e["A"].shape) + tuple(e["G"].shape) for n, e in sd["layers"].items()
         },
+        "no_factors": no_factors,
+        "loaded_without": loaded_without,
+        "loaded_with": loaded_with,
+        "loaded_sd": loaded_sd,
+        "written": written,
+        "missing_file": missing_file,
     }
 
 
@@ -320,3 +361,21 @@ def test_replicas_end_with_the_owner_replicas_gradients(ranks: list[dict[str, An
                 # after it, both hold what the owner's replica broadcast
                 assert torch.equal(at[(0, m)]["after"][p], at[(1, m)]["after"][p]), (name, p)
                 assert not torch.equal(at[(od, m)]["after"][p], at[(od, m)]["before"][p])
+
+
+def test_state_dicts_and_factor_files(ranks: list[dict[str, Any]]) -> None:
+    runs = _deepspeed_part(ranks, "data2_model2")
+    owners = runs[0]["owners"]
+    for r in runs:
+        assert "layers" not in r["no_factors"] and "steps" in r["no_factors"]
+        # every layer's factors on every rank; decompositions only where the layer's
+        # owner recomputes them (compute_inverses) or receives them in the state dict
+        assert set(r["sd_layers"]) == set(owners)
+        assert not any(r["loaded_without"].values())
+        mine = {n: r["rank"] == o for n, o in owners.items()}
+        assert r["loaded_with"] == mine
+        assert r["loaded_sd"] == mine
+        # one file per layer; a missing one is refused on every
+        # rank (kfac-pytorch would load the others and skip it)
+        assert len(r["written"]) == len(owners)
+        assert f"file {r['written'][-1]!r} is missing" in r["missing_file"]

@@ -132,6 +132,21 @@ def test_look_alikes_are_refused_by_name(module: nn.Module, why: str) -> None:
     assert "1" in register_parallel(model, 2, skip_layers=[cls])[0].skipped
 
 
+def test_a_container_named_like_a_parallel_linear_is_judged_by_its_children() -> None:
+    class ParallelLinear(nn.Module):  # GPT-NeoX wraps its output layer in this class
+        def __init__(self) -> None:
+            super().__init__()
+            self.final_linear = ColumnParallelLinear(4, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.final_linear(x)
+            return out
+
+    table, splits = register_parallel(nn.Sequential(ParallelLinear()), 2)
+    assert splits == {"0.final_linear": "column"}
+    assert table["0.final_linear"].out_dim == 16
+
+
 def test_look_alikes_are_refused_even_without_plain_layers() -> None:
     with pytest.raises(ValueError, match="TEColumnParallelLinear"):
         register_parallel(nn.Sequential(TEColumnParallelLinear(2, 2)), include_plain=False)

@@ -13,9 +13,10 @@ kfac-pytorch's tests write them) is never taken for a replicated linear:
   subclasses included, or a class name); the mapping wins over the names above, and
   ``None`` declares a class replicated.
 
-A module that *looks* tensor-parallel (a class name ending in ``ParallelLinear``, or the
-attributes Megatron's parallel linears carry: ``input_is_parallel``, ``gather_output``,
-``input_size_per_partition``, ``output_size_per_partition``) but is neither is refused
+A module with parameters of its own that *looks* tensor-parallel (a class name ending in
+``ParallelLinear``, or the attributes Megatron's parallel linears carry:
+``input_is_parallel``, ``gather_output``, ``input_size_per_partition``,
+``output_size_per_partition``) but is neither is refused
 with a ValueError that names it: registering its shard as a whole layer would give
 factors of the wrong sizes on more than one model-parallel rank.
 
@@ -149,10 +150,21 @@ def looks_parallel(module: nn.Module, classes: ParallelClasses | None = None) ->
         >>> looks_parallel(TEColumnParallelLinear(2, 2))
         "its class name 'TEColumnParallelLinear' ends in 'ParallelLinear'"
         >>> looks_parallel(TEColumnParallelLinear(2, 2), {"TEColumnParallelLinear": "column"})
+
+        A module without parameters of its own is a container, judged by its children:
+
+        >>> class ParallelLinear(nn.Module):  # GPT-NeoX's wrapper of its output layer
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.final_linear = TEColumnParallelLinear(2, 2)
+        >>> looks_parallel(ParallelLinear()) is None, looks_parallel(ParallelLinear().final_linear)
+        (True, "its class name 'TEColumnParallelLinear' ends in 'ParallelLinear'")
     """
     parsed = parse_parallel_classes(classes)
     if _mapped(module, parsed)[0] or split_of(module, parsed) is not None:
         return None
+    if not module._parameters and not module._buffers:
+        return None  # a container (GPT-NeoX's ParallelLinear wraps a column/row linear)
     for cls in type(module).__mro__:
         if cls.__name__.endswith("ParallelLinear"):
             return f"its class name {cls.__name__!r} ends in 'ParallelLinear'"
