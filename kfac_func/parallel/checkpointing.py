@@ -81,8 +81,10 @@ class ParallelCheckpointing(ParallelBase):
 
     def load_state_dict(self, state_dict: dict[str, Any], compute_inverses: bool = True) -> None:
         """Restore :meth:`state_dict` (of any rank); with ``factor_checkpoint_dir`` the
-        factors come from there. Owners recompute missing decompositions with
-        ``compute_inverses``. A collective: every rank calls it."""
+        factors come from there. A layer's owner takes its decompositions from the state
+        dict, or recomputes them with ``compute_inverses``; the other ranks hold none
+        (they neither decompose nor precondition the layer). A collective: every rank
+        calls it."""
         sd = dict(state_dict)
         # the settings that decide what the factors mean must match (a ValueError names
         # them); hyperparameters are restored, with a warning naming those this
@@ -128,10 +130,12 @@ class ParallelCheckpointing(ParallelBase):
                 decomposition=None,
             )
             dec = entry.get("decomposition")
-            if dec is not None:
+            if not self._owner(name):
+                pass  # only a layer's owner decomposes it and preconditions its gradient
+            elif dec is not None:
                 cls = EigenDecomposition if cfg.compute_method == "eigen" else InverseDecomposition
                 new = new.replace(decomposition=cls(**{k: v.to(dev) for k, v in dec.items()}))
-            elif compute_inverses and self._owner(name):
+            elif compute_inverses:
                 new = new.replace(
                     decomposition=decompose_layer(new, float(self._value(self.damping)), cfg)
                 )
@@ -171,9 +175,9 @@ class ParallelCheckpointing(ParallelBase):
         if self.factor_checkpoint_dir is None:
             raise ValueError("factor_checkpoint_dir is None")
         if not os.path.isdir(self.factor_checkpoint_dir):
-            warnings.warn(
-                f"factor_checkpoint_dir={self.factor_checkpoint_dir!r} is not a directory; "
-                "the K-FAC factors are not loaded",
+            warnings.warn(  # kfac-pytorch's wording
+                f"factor_checkpoint_dir={self.factor_checkpoint_dir} is not a directory. "
+                "Skipping KFAC checkpoint load.",
                 stacklevel=2,
             )
             return

@@ -14,6 +14,12 @@
 Each call packs its tensors into one flat buffer (one collective per call). Group
 positions (``dst``, ``src``) are ranks *within* the group. Without a process group every
 group has one rank and every call is local.
+
+Three functions with the names and arguments of kfac-pytorch's ``kfac.gpt_neox.mpu``, for
+code written against it: :func:`gather_from_model_parallel_region` (a gather of the
+model-parallel shards to one rank, ``dst`` a global rank; not Megatron's all-gather of
+the same name, which is :func:`kfac_func.parallel.layers.gather_from_model_parallel_region`),
+:func:`split_tensor_along_dim` and :func:`get_group_with_rank`.
 """
 
 from __future__ import annotations
@@ -24,7 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ParallelCommunicator"]
+__all__ = [
+    "ParallelCommunicator",
+    "gather_from_model_parallel_region",
+    "get_group_with_rank",
+    "split_tensor_along_dim",
+]
 
 Group = Any  # dist.ProcessGroup | None
 
@@ -45,6 +56,110 @@ def _unflat(buf: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tenso
         out.append(buf[offset : offset + n].reshape(shape).clone())
         offset += n
     return out
+
+
+def get_group_with_rank(rank: int, groups: Sequence[Sequence[int]]) -> list[int]:
+    """The first of ``groups`` (lists of global ranks) that holds ``rank``.
+
+    DeepSpeed's topologies list a parallel axis's groups this way
+    (``topology.get_axis_comm_lists("model")``). A ValueError names the rank when no
+    group holds it.
+
+    Example:
+        >>> get_group_with_rank(4, [[0, 1, 2, 3], [2, 3, 4]])
+        [2, 3, 4]
+        >>> get_group_with_rank(-1, [[0], [1]])
+        Traceback (most recent call last):
+        ...
+        ValueError: Rank -1 was not in any of the groups [[0], [1]].
+    """
+    for group in groups:
+        if rank in group:
+            return list(group)
+    raise ValueError(f"Rank {rank} was not in any of the groups {[list(g) for g in groups]}.")
+
+
+def split_tensor_along_dim(
+    tensor: torch.Tensor,
+    num_partitions: int,
+    dim: int,
+    contiguous_split_chunks: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """``tensor`` cut into ``num_partitions`` equal parts along ``dim`` (views, unless
+    ``contiguous_split_chunks``), in model-parallel rank order.
+
+    A ValueError names the dimension and its size when it does not divide evenly (where
+    ``torch.chunk`` would return parts of unequal sizes).
+
+    Example:
+        >>> parts = split_tensor_along_dim(torch.arange(12).reshape(2, 6), 3, dim=-1)
+        >>> [tuple(p.shape) for p in parts], parts[1].tolist()
+        ([(2, 2), (2, 2), (2, 2)], [[2, 3], [8, 9]])
+        >>> split_tensor_along_dim(torch.zeros(2, 11), 2, dim=-1)
+        Traceback (most recent call last):
+        ...
+        ValueError: Tensor dim -1 (size=11) is not divisible into 2 parts.
+    """
+    if (
+        isinstance(num_partitions, bool)
+        or not isinstance(num_partitions, int)
+        or num_partitions < 1
+    ):
+        raise ValueError(f"num_partitions must be a positive int, got {num_partitions!r}")
+    size = tensor.shape[dim]
+    if size % num_partitions:
+        raise ValueError(
+            f"Tensor dim {dim} (size={size}) is not divisible into {num_partitions} parts."
+        )
+    parts = torch.split(tensor, size // num_partitions, dim=dim)
+    if contiguous_split_chunks:
+        return tuple(p.contiguous() for p in parts)
+    return tuple(parts)
+
+
+def gather_from_model_parallel_region(
+    tensor: torch.Tensor,
+    dst: int,
+    model_parallel_group: Group,
+    fp32_allreduce: bool = False,
+    dim: int = -1,
+) -> torch.Tensor | None:
+    """The shards of the model-parallel ranks joined along ``dim`` on the global rank
+    ``dst``; None on the group's other ranks.
+
+    Every rank of ``model_parallel_group`` calls it with a tensor of the same shape and
+    dtype; the shards are joined in group order (rank ``i``'s shard is the ``i``-th part,
+    as :func:`split_tensor_along_dim` cuts them). ``model_parallel_group`` None (or a
+    group of one rank) means no model parallelism: ``tensor`` itself comes back.
+    ``fp32_allreduce`` sends a bfloat16 tensor as float32 and returns bfloat16 (as
+    Megatron's option of that name). A ``dst`` outside the group is a ValueError on every
+    rank (before any communication). No autograd: this is kfac-pytorch's gather to one
+    rank, not Megatron's differentiable all-gather.
+
+    Example:
+        >>> gather_from_model_parallel_region(torch.ones(2, 3), dst=0, model_parallel_group=None)
+        tensor([[1., 1., 1.],
+                [1., 1., 1.]])
+    """
+    if model_parallel_group is None or not (dist.is_available() and dist.is_initialized()):
+        return tensor
+    ranks = dist.get_process_group_ranks(model_parallel_group)
+    if len(ranks) == 1:
+        return tensor
+    if dst not in ranks:
+        raise ValueError(
+            f"dst={dst} is not a rank of the model-parallel group {ranks} "
+            f"(rank {dist.get_rank()}); dst is a global rank"
+        )
+    dtype = tensor.dtype
+    sent = tensor.float() if fp32_allreduce and dtype == torch.bfloat16 else tensor
+    sent = sent.contiguous()
+    mine = dist.get_rank() == dst
+    parts = [torch.empty_like(sent) for _ in ranks] if mine else None
+    dist.gather(sent, parts, dst=dst, group=model_parallel_group)
+    if parts is None:
+        return None
+    return torch.cat(parts, dim=dim).to(dtype)
 
 
 class ParallelCommunicator:
@@ -126,9 +241,12 @@ class ParallelCommunicator:
         if self.mp_rank == src:
             if full is None:
                 raise ValueError("the source rank must give the full tensors")
+            split = [
+                None if d is None else split_tensor_along_dim(t, self.mp_size, d)
+                for t, d in zip(full, dims)
+            ]
             parts_per_rank = [
-                [t if d is None else t.chunk(self.mp_size, dim=d)[r] for t, d in zip(full, dims)]
-                for r in range(self.mp_size)
+                [t if p is None else p[r] for t, p in zip(full, split)] for r in range(self.mp_size)
             ]
             if self.mp_size == 1:
                 return [p.clone() for p in parts_per_rank[0]]

@@ -57,6 +57,7 @@ from kfac_func.adapter.arguments import ComputeMethod, parse_enum
 from kfac_func.blocks.mapped import KindMap
 from kfac_func.distributed.plan import AssignmentStrategy
 from kfac_func.parallel.preconditioner import ParallelKFACPreconditioner
+from kfac_func.parallel.splits import ParallelClasses
 
 __all__ = ["ExperimentalFeatureWarning", "GPTNeoXKFACPreconditioner"]
 
@@ -148,11 +149,18 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
             layers (``nn.Linear`` projections and heads, ...).
         kinds: ``{module class: kind}`` for the model's own classes that compute a
             registered kind (see :func:`kfac_func.register`).
+        parallel_classes: ``{module class or class name: "column" | "row" | None}`` for
+            tensor-parallel linears of other class names (Transformer Engine's, ...); see
+            :func:`~kfac_func.parallel.plan.register_parallel`.
 
     Raises:
         ImportError: DeepSpeed is not installed.
-        ValueError: ``model`` is not a ``PipelineModule``, or ``compute_method`` is not
-            eigen.
+        ValueError: ``model`` is not a ``PipelineModule`` ("model must be an instance of
+            deepspeed.pipe.PipelineModule. Got an instance of ..."),
+            ``allreduce_bucket_cap_mb`` is negative, ``compute_method`` is inverse
+            ("Inverse method not supported with GPT NeoX.") or otherwise not eigen, a
+            module looks tensor-parallel but cannot be placed, or no stage holds a layer
+            to precondition. The messages begin as kfac-pytorch's do.
     """
 
     def __init__(
@@ -187,20 +195,35 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
         include_plain_linear: bool = False,
         kinds: KindMap | None = None,
         convention: str | None = None,
+        parallel_classes: ParallelClasses | None = None,
     ) -> None:
         pipeline_module = _pipeline_module()
+        # kfac-pytorch's wording, which users and tests match
         warnings.warn(
-            "K-FAC support for GPT-NeoX training is experimental.",
+            "KFAC support for GPT-NeoX training is experimental.",
             ExperimentalFeatureWarning,
             stacklevel=2,
         )
         if not isinstance(model, pipeline_module):
             raise ValueError(
-                "model must be an instance of deepspeed.pipe.PipelineModule, got an instance "
-                f"of {type(model).__name__}"
+                "model must be an instance of deepspeed.pipe.PipelineModule. "
+                f"Got an instance of {type(model)}."
             )
-        if parse_enum(ComputeMethod, compute_method, "compute_method") is not ComputeMethod.EIGEN:
-            raise ValueError("the inverse compute method is not supported with GPT-NeoX")
+        if allreduce_bucket_cap_mb < 0:
+            raise ValueError(
+                f"allreduce_bucket_cap_mb must be >= 0, got {allreduce_bucket_cap_mb!r}"
+            )
+        method = parse_enum(ComputeMethod, compute_method, "compute_method")
+        if method is ComputeMethod.INVERSE:
+            raise ValueError(
+                "Inverse method not supported with GPT NeoX. (compute_method="
+                f"{compute_method!r}; GPTNeoXKFACPreconditioner computes eigendecompositions)"
+            )
+        if method is not ComputeMethod.EIGEN:
+            raise ValueError(
+                f"compute_method={compute_method!r} is not supported with GPT NeoX; "
+                "GPTNeoXKFACPreconditioner computes eigendecompositions"
+            )
         grid = getattr(model, "_grid", None)
         if grid is not None:
             if data_parallel_group is None:
@@ -240,4 +263,5 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
             loss_divisor=accumulation_steps if loss_divisor is None else loss_divisor,
             include_plain_linear=include_plain_linear,
             kinds=kinds,
+            parallel_classes=parallel_classes,
         )

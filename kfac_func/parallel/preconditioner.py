@@ -48,6 +48,7 @@ from kfac_func.parallel.checkpointing import ParallelCheckpointing
 from kfac_func.parallel.comm import ParallelCommunicator
 from kfac_func.parallel.plan import global_plan, make_parallel_plan, register_parallel
 from kfac_func.parallel.recording import ParallelHookRecorder
+from kfac_func.parallel.splits import ParallelClasses
 from kfac_func.parallel.stepping import ParallelStep
 from kfac_func.state import init
 
@@ -77,6 +78,10 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         kinds: ``{module class: kind}`` for the model's own classes that compute a
             registered kind (see :func:`kfac_func.register`); each mapped module's first
             call is checked against the kind's computation.
+        parallel_classes: ``{module class or class name: "column" | "row" | None}`` for
+            tensor-parallel linears whose class is not named ``ColumnParallelLinear`` /
+            ``RowParallelLinear`` (see :func:`~kfac_func.parallel.plan.register_parallel`);
+            a module that looks tensor-parallel but is neither raises a ValueError.
 
     Every rank of the world constructs it at the same point, and calls :meth:`step`,
     :meth:`state_dict` and :meth:`load_state_dict` together (they are collectives).
@@ -129,6 +134,7 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         include_plain_linear: bool = True,
         kinds: KindMap | None = None,
         convention: str | None = None,
+        parallel_classes: ParallelClasses | None = None,
     ) -> None:
         self._set_arguments(
             model,
@@ -174,6 +180,7 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
             self.skip_layers,
             include_plain=include_plain_linear,
             kinds=kinds,
+            parallel_classes=parallel_classes,
         )
         self.plan = make_parallel_plan(
             self.layers,
