@@ -44,6 +44,14 @@ from kfac_func.core.decomposition import (
 
 F64 = torch.float64
 
+MOMENTS: dict[str, float] = {"rel": 1e-6, "rtol": 1e-10, "atol": 1e-12}
+"""float64 tolerances of Adam's step in an eigenbasis, for
+:func:`assert_close_where_determined` and :func:`assert_same_states`: each coordinate is
+divided by its own root mean square, so a coordinate 10⁻ᵏ of the largest carries 10ᵏ times
+the relative rounding of its projection; compared where the eigenvalues exceed 1e-6 of the
+largest, with four orders of magnitude of that amplification allowed (1e-10 against
+float64's 1e-16)."""
+
 
 def named(what: str) -> Callable[[str], str]:
     """A ``msg=`` for ``torch.testing.assert_close`` that keeps its numbers and adds a name."""
@@ -249,3 +257,36 @@ def damped_rtol(state: Any, damping: float, dtype: torch.dtype, slack: float = 6
         )
         kappa = max(kappa, (a * g + damping) / damping)
     return slack * unit_roundoff(dtype) * kappa
+
+
+def assert_close_to_scale(
+    got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor], *, rtol: float
+) -> None:
+    """Equal tensors to ``rtol`` of each one's largest entry: the error bound of a
+    computation whose rounding is amplified by a condition number (an entry much smaller
+    than the largest carries the largest one's absolute error)."""
+    assert set(got) == set(want)
+    for k, w in want.items():
+        scale = float(w.abs().max()) if w.numel() else 0.0
+        torch.testing.assert_close(got[k], w, rtol=rtol, atol=rtol * scale, msg=named(k))
+
+
+def eigenvector_sensitivity(state: Any, rel: float = 1e-9) -> float:
+    """``λ_max / (smallest gap)`` over the eigenvalues of the factors of ``state`` that exceed
+    ``rel`` times the largest: a rounding ``u`` of a factor moves its eigenvectors by about
+    ``u`` times this (Davis–Kahan), which a step that is not a function of the factor alone
+    (EKFAC's corrected eigenvalues, Adam's moments in the eigenbasis) passes on."""
+    worst = 1.0
+    for ls in state.layers.values():
+        for factor in (ls.a_factor, ls.g_factor):
+            f = factor.to(F64)
+            if f.dim() == 1 or f.shape[-1] != f.shape[-2]:
+                continue
+            w = torch.linalg.eigvalsh(f).reshape(-1, f.shape[-1])
+            for row in w:
+                top = float(row.abs().max())
+                kept = row[row > rel * top]
+                if kept.numel() > 1:
+                    gap = float(kept.diff().min())
+                    worst = max(worst, top / max(gap, top * 1e-300))
+    return worst

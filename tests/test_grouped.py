@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from fixture_models import FIXTURES, Fixture, T
-from numerics import assert_close_where_determined, assert_same_states
+from numerics import MOMENTS, assert_close_where_determined, assert_same_states
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -40,11 +40,6 @@ TOL: dict[str, float] = {"rel": 1e-9, "rtol": 1e-12, "atol": 1e-14}
 """float64: K-FAC's damped step is a continuous function of its inputs; compared where A's
 and G's eigenvalues exceed 1e-9 of the largest (above the rounding noise of a null
 direction, about 1e-16 of the largest) to a few hundred units of rounding."""
-MOMENTS_TOL: dict[str, float] = {"rel": 1e-6, "rtol": 1e-10, "atol": 1e-12}
-"""float64, Adam's step in the eigenbasis: each coordinate is divided by its own root mean
-square, so a coordinate 10⁻ᵏ of the largest carries 10ᵏ times the relative rounding of the
-projection; compared where the eigenvalues exceed 1e-6 of the largest, with four orders of
-magnitude of that amplification allowed (1e-10 against float64's 1e-16)."""
 
 
 def _register(fx: Fixture, model: nn.Module) -> kf.LayerTable:
@@ -92,7 +87,7 @@ def test_grouped_equals_per_layer_on_fixture_models(name: str, setting: str) -> 
         for (g1, s1), (g2, s2) in zip(grouped, per_layer):
             # Adam's step in an eigenbasis (the moments) is unique only where the factors
             # determine it (see numerics): compared there, the rest entry by entry
-            tol = MOMENTS_TOL if SETTINGS[setting].get("eigenbasis_moments") else TOL
+            tol = MOMENTS if SETTINGS[setting].get("eigenbasis_moments") else TOL
             assert_close_where_determined(g1, g2, s2, **tol)
             assert_same_states(s1, s2, **tol)
         # the fixture has groups: the step did not fall back to one layer at a time

@@ -16,6 +16,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import (
+    MOMENTS,
+    assert_close_to_scale,
+    assert_close_where_determined,
+    damped_rtol,
+    eigenvector_sensitivity,
+)
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -227,8 +234,20 @@ def test_sync_free_step_kinds_read_nothing_and_equal_the_default(
                 )
             if sf:
                 assert sc.count == 0, (i, flags)
-        for k in grads:
-            torch.testing.assert_close(outs[True][k], outs[False][k], rtol=1e-12, atol=1e-14)
+        # Two roundings of one step (the sync-free step decomposes equal-shaped layers in
+        # one batched call). The moments are compared where the factors determine them
+        # (8 rows, 48 wide: a null space); the damped steps to their condition number, in
+        # the dtype of the eigendecomposition (kfac-pytorch's runs in float32); EKFAC's
+        # corrected eigenvalues also follow the eigenvectors, as sensitive as the gaps.
+        ref = states[False]
+        if moments:
+            assert_close_where_determined(outs[True], outs[False], ref, **MOMENTS)
+            continue
+        eigh_dtype = torch.float32 if init.get("convention") == "kfac-pytorch" else torch.float64
+        rtol = damped_rtol(ref, 1e-3, eigh_dtype)
+        if init.get("compute_method") == "ekfac":
+            rtol *= eigenvector_sensitivity(ref)
+        assert_close_to_scale(outs[True], outs[False], rtol=min(rtol, 1e-3))
 
 
 def test_sync_free_update_distributed_one_rank_reads_nothing() -> None:
