@@ -28,6 +28,7 @@ from kfac_func.adapter.arguments import (
 )
 from kfac_func.adapter.checkpointing import StateDictMixin
 from kfac_func.adapter.compiled import uncompiled
+from kfac_func.adapter.fallback import FallbackMixin
 from kfac_func.adapter.grads import copy_back
 from kfac_func.adapter.inspection import InspectionMixin, check_factor_rows
 from kfac_func.adapter.recording import HookRecorder
@@ -56,7 +57,9 @@ __all__ = ["AllreduceMethod", "ComputeMethod", "KFACPreconditioner"]
 logger = logging.getLogger("kfac_func")
 
 
-class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, InspectionMixin):
+class KFACPreconditioner(
+    HookRecorder, StateDictMixin, SyncFreeMixin, FallbackMixin, InspectionMixin
+):
     """K-FAC preconditioner for an ``nn.Module``, with kfac-pytorch's arguments and defaults.
 
     Call :meth:`step` after ``loss.backward()`` and before ``optimizer.step()``: it
@@ -357,8 +360,10 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         # starts in the backward pass, overlapping communication with computation
         self._stream = update_factors_in_hook and self.comm.world_size > 1 and not self._ekfac
         self._reducer = None
+        self._init_fallback()
         self._register_hooks()
-        self._handles += check_hooks(model, self.layers)  # first calls of kinds= modules
+        # first calls of mapped modules and of those a kind recognised by subclass or name
+        self._handles += check_hooks(model, self.layers, refuse=self._refuse)
         log_registered(logger, loglevel, model, self.layers)
         logger.log(loglevel, "K-FAC registered layers:\n%s", self.layers)
         logger.log(loglevel, "K-FAC layer assignments: %s", self.plan)
@@ -414,7 +419,11 @@ class KFACPreconditioner(HookRecorder, StateDictMixin, SyncFreeMixin, Inspection
         if self.adaptive is not None and missing:
             raise ValueError(f"adaptive steps need {missing} (see KFACPreconditioner.step)")
         self._settle()
-        self._check_collected()
+        self._check_collected()  # layers that cannot be preconditioned leave (fallback.py)
+        if not self.layers:  # every layer left: nothing to precondition
+            self._micro, self._rows, self._reducer = [], {}, None
+            self._state = self._state.replace(step=self._state.step + 1)
+            return
         captures = self._take_captures() if self._ekfac and self._micro else None
         batch = self._batch_factors() if self._micro and captures is None else {}
         reducer, self._reducer = self._reducer, None

@@ -12,14 +12,25 @@ The mapping is checked twice:
   :func:`checking`): the kind's own computation of the output from the call's input
   (:meth:`LayerBlock.output`) must equal the module's output up to rounding, else a
   ValueError names the module, its class, the kind and the largest difference.
+
+Modules that a kind recognises by themselves are checked the same way on their first call
+when their class is not the kind's own torch class (a subclass of ``nn.Embedding`` or
+``nn.Linear``, Hugging Face's ``Conv1D`` recognised by its name): such a class may override
+``forward`` (OPT's learned positions add an offset to positions they compute from the
+attention mask; Gemma's word embedding multiplies by ``sqrt(d)``), and its factors would
+then describe another computation. :func:`checked_modules` lists what each registered
+layer's first calls are checked against; a module that fails is refused (the
+preconditioners leave its parameters to another optimizer, with a warning naming it,
+:func:`kfac_func.capture` raises) instead of being preconditioned with wrong factors.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import weakref
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -32,13 +43,18 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KNOWN_KINDS",
+    "CheckedModule",
     "KindMap",
+    "call_mismatch",
     "check_call",
+    "check_hooks",
+    "checked_modules",
     "checking",
     "class_path",
     "mapped_block",
     "mapped_params",
     "mapping_error",
+    "overrides_forward",
     "parse_kinds",
 ]
 
@@ -140,17 +156,33 @@ _TRANSFORMERS_RMS_NORMS = (
     "granite.GraniteRMSNorm",
     "deepseek_v3.DeepseekV3RMSNorm",
     "smollm3.SmolLM3RMSNorm",
+    "mamba.MambaRMSNorm",
 )
 
-KNOWN_KINDS: dict[str, str] = {
-    f"transformers.models.{m}.modeling_{m}.{c}": "rms_norm"
-    for m, c in (n.split(".") for n in _TRANSFORMERS_RMS_NORMS)
+_TRANSFORMERS_OFFSET_RMS_NORMS = (
+    "gemma.GemmaRMSNorm",
+    "gemma2.Gemma2RMSNorm",
+    "gemma3.Gemma3RMSNorm",
+    "vaultgemma.VaultGemmaRMSNorm",
+    "t5gemma.T5GemmaRMSNorm",
+)
+
+KNOWN_KINDS: dict[str, str | tuple[str, dict[str, Any]]] = {
+    **{
+        f"transformers.models.{m}.modeling_{m}.{c}": "rms_norm"
+        for m, c in (n.split(".") for n in _TRANSFORMERS_RMS_NORMS)
+    },
+    **{
+        f"transformers.models.{m}.modeling_{m}.{c}": ("rms_norm", {"offset": 1.0})
+        for m, c in (n.split(".") for n in _TRANSFORMERS_OFFSET_RMS_NORMS)
+    },
 }
 """Classes of well-known model code mapped without ``kinds=`` (by ``module.QualName``, so
-that nothing is imported): Hugging Face ``transformers``' RMS norms that compute
-``weight · x / sqrt(mean(x²) + eps)`` (``eps`` their ``variance_epsilon``), as
-``nn.RMSNorm`` does. Their first call is checked like any mapping. Norms that scale by
-``1 + weight`` (Gemma) are not among them. A ``kinds=`` entry for a class wins."""
+that nothing is imported), to a kind or ``(kind, options)``: Hugging Face ``transformers``'
+RMS norms that compute ``weight · x / sqrt(mean(x²) + eps)`` (``eps`` their
+``variance_epsilon``), as ``nn.RMSNorm`` does, and Gemma's, which scale by ``1 + weight``
+(``offset`` 1). Their first call is checked like any mapping. A ``kinds=`` entry for a
+class wins."""
 
 
 def mapped_block(module: nn.Module, parsed: Parsed) -> tuple[LayerBlock, dict[str, Any]] | None:
@@ -165,8 +197,11 @@ def mapped_block(module: nn.Module, parsed: Parsed) -> tuple[LayerBlock, dict[st
     for cls in type(module).__mro__:
         if cls in parsed:
             return parsed[cls]
-    kind = KNOWN_KINDS.get(class_path(type(module)))
-    return None if kind is None else (block_of(kind), {})
+    known = KNOWN_KINDS.get(class_path(type(module)))
+    if known is None:
+        return None
+    kind, options = (known, {}) if isinstance(known, str) else known
+    return block_of(kind), dict(options)
 
 
 def mapping_error(name: str, module: nn.Module, kind: str, why: str) -> ValueError:
@@ -194,11 +229,65 @@ def mapped_params(
     return own["weight"], own.get("bias")
 
 
+def call_mismatch(spec: LayerSpec, module: nn.Module, x: Any, out: Any) -> str | None:
+    """Why ``module``'s output ``out`` for the input ``x`` is not what ``spec``'s kind
+    computes from ``x`` (:meth:`LayerBlock.output`, in float64) up to rounding in ``out``'s
+    dtype, or None when it is. Inputs the check cannot read (meta tensors, batched tensors
+    of ``vmap``, tensor subclasses) pass.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from kfac_func.blocks import register
+        >>> emb = nn.Embedding(4, 2)
+        >>> spec = register(emb)[""]
+        >>> ids = torch.tensor([[0, 3]])
+        >>> call_mismatch(spec, emb, ids, emb(ids)) is None
+        True
+        >>> print(call_mismatch(spec, emb, ids, 2 * emb(ids)))  # doctest: +ELLIPSIS
+        its output differs from ... by up to ...; it is 2 times what the kind computes
+    """
+    if not (_readable(x) and _readable(out)):
+        return None
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    if not isinstance(weight, torch.Tensor):
+        return None
+    params = {"weight": weight.detach().double()}
+    if isinstance(bias, torch.Tensor):
+        params["bias"] = bias.detach().double()
+    xd = x.detach()
+    xd = xd.double() if xd.is_floating_point() else xd
+    try:
+        ref = spec.block.output(spec, params, xd)
+    except (ValueError, IndexError, RuntimeError) as err:
+        return f"its input {_shape(x)} does not fit what the kind computes ({err})"
+    got = out.detach().double()
+    if ref.shape != got.shape:
+        return (
+            f"its output has shape {tuple(got.shape)} where the kind computes "
+            f"{tuple(ref.shape)} from its input {_shape(x)}"
+        )
+    diff = float((ref - got).abs().max()) if got.numel() else 0.0
+    top_ref = float(ref.abs().max()) if ref.numel() else 0.0
+    top_got = float(got.abs().max()) if got.numel() else 0.0
+    dtype = out.dtype if out.is_floating_point() else torch.float32
+    # a module may compute in float32 inside a float64 model (transformers' RMS norms do)
+    eps = max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps)
+    tol = _ULPS * eps * max(top_ref, top_got, torch.finfo(dtype).tiny)
+    if diff <= tol:
+        return None
+    why = (
+        f"its output differs from what the kind computes from the same input by up to "
+        f"{diff:.3g} (largest entry of the module's output {top_got:.3g}, of the kind's "
+        f"{top_ref:.3g}; allowed {tol:.3g} in {dtype})"
+    )
+    hint = spec.block.mismatch_hint(spec, params, xd, got, tol)
+    return f"{why}; {hint}" if hint else why
+
+
 def check_call(spec: LayerSpec, module: nn.Module, x: Any, out: Any) -> None:
     """Raise a ValueError naming the module unless its output ``out`` for input ``x``
-    equals the output of its mapped kind (:meth:`LayerBlock.output`, in float64) up to
-    rounding in ``out``'s dtype. Inputs the check cannot read (meta tensors, batched
-    tensors of ``vmap``, tensor subclasses) pass.
+    equals the output of its mapped kind (:func:`call_mismatch`).
 
     Example:
         >>> import torch
@@ -218,44 +307,89 @@ def check_call(spec: LayerSpec, module: nn.Module, x: Any, out: Any) -> None:
         ...
         ValueError: module '' (...Scale) is mapped to kind 'layer_norm' by kinds=, but ...
     """
-    if not (_readable(x) and _readable(out)):
+    why = call_mismatch(spec, module, x, out)
+    if why is None:
         return
-    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-    if not isinstance(weight, torch.Tensor):
-        return
-    params = {"weight": weight.detach().double()}
-    if isinstance(bias, torch.Tensor):
-        params["bias"] = bias.detach().double()
-    xd = x.detach()
-    try:
-        ref = spec.block.output(spec, params, xd if not xd.is_floating_point() else xd.double())
-    except ValueError as err:
-        why = f"its input does not fit: {err}"
-        raise mapping_error(spec.name, module, spec.kind, why) from None
-    got = out.detach().double()
-    if ref.shape != got.shape:
-        raise mapping_error(
-            spec.name,
-            module,
-            spec.kind,
-            f"its output has shape {tuple(got.shape)} where the kind computes {tuple(ref.shape)}",
-        )
-    diff = float((ref - got).abs().max()) if got.numel() else 0.0
-    scale = float(ref.abs().max()) if ref.numel() else 0.0
-    dtype = out.dtype if out.is_floating_point() else torch.float32
-    # a module may compute in float32 inside a float64 model (transformers' RMS norms do)
-    eps = max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps)
-    tol = _ULPS * eps * max(scale, torch.finfo(dtype).tiny)
-    if not diff <= tol:
-        options = {k: v for k, v in spec.options if k in spec.block.mapped_options}
-        raise mapping_error(
-            spec.name,
-            module,
-            spec.kind,
-            f"on its first call its output differs from what the kind computes from the "
-            f"same input by up to {diff:.3g} (largest output {scale:.3g}, allowed {tol:.3g} "
-            f"in {dtype}); the module computes something else{_with(options)}",
-        )
+    options = {k: v for k, v in spec.options if k in spec.block.mapped_options}
+    raise mapping_error(
+        spec.name,
+        module,
+        spec.kind,
+        f"on its first call {why}; the module computes something else{_with(options)}",
+    )
+
+
+def overrides_forward(module: nn.Module, base: tuple[type[nn.Module], ...]) -> bool:
+    """Whether ``module``'s class defines a ``forward`` of its own, not that of the first
+    of ``base`` among its base classes (True when none of ``base`` is one).
+
+    Example:
+        >>> from torch import nn
+        >>> class Plain(nn.Linear): ...
+        >>> class Own(nn.Linear):
+        ...     def forward(self, x):
+        ...         return super().forward(x) + 1
+        >>> overrides_forward(Plain(2, 2), (nn.Linear,)), overrides_forward(Own(2, 2), (nn.Linear,))
+        (False, True)
+    """
+    cls = type(module)
+    owner = next((c for c in cls.__mro__ if c in base), None)
+    return owner is None or cls.forward is not owner.forward
+
+
+class CheckedModule(NamedTuple):
+    """A module whose first call is checked for a registered layer: the module's name,
+    the spec its output is computed with (:meth:`LayerBlock.output`), the registered
+    layer it belongs to, and whether the module was mapped to the kind (``kinds=`` or
+    :data:`KNOWN_KINDS`: a mismatch is an error) or recognised by the kind (a subclass,
+    a class name: a mismatch refuses the layer)."""
+
+    module: str
+    spec: LayerSpec
+    layer: str
+    mapped: bool
+
+
+def checked_modules(specs: Mapping[str, LayerSpec]) -> list[CheckedModule]:
+    """The modules whose first call is checked, for the layers ``specs``
+    (:meth:`LayerBlock.checked_calls`).
+
+    Example:
+        >>> from torch import nn
+        >>> from kfac_func.blocks import register
+        >>> class Positions(nn.Embedding):
+        ...     def forward(self, mask):
+        ...         return super().forward(mask.cumsum(-1) + 2)
+        >>> model = nn.Sequential(nn.Linear(2, 2), Positions(8, 2))
+        >>> [(c.module, c.spec.kind, c.mapped) for c in checked_modules(register(model))]
+        [('1', 'embedding', False)]
+    """
+    return [
+        CheckedModule(module, spec, layer.name, mapped)
+        for layer in specs.values()
+        for module, spec, mapped in layer.block.checked_calls(layer)
+    ]
+
+
+def refusal(check: CheckedModule, module: nn.Module, why: str) -> str:
+    """The message of a module recognised by a kind (not mapped) whose first call does
+    not compute what the kind computes."""
+    spec = check.spec
+    path = class_path(type(module))
+    cls = type(module).__name__
+    base = spec.block.module_types
+    if not base:
+        what = f"{cls} (recognised by its class name) computes something else"
+    elif overrides_forward(module, base):
+        what = f"{cls} overrides forward"
+    else:
+        what = f"{cls} computes something else"
+    part = "" if check.layer == check.module else f" (part of layer {check.layer!r})"
+    return (
+        f"module {check.module!r} ({path}){part} was registered as kind {spec.kind!r}, but "
+        f"{what}: its output is not {spec.block.formula(spec)} of the input the hooks see; "
+        f"{why}"
+    )
 
 
 def _with(options: dict[str, Any]) -> str:
@@ -263,6 +397,10 @@ def _with(options: dict[str, Any]) -> str:
         return ""
     shown = ", ".join(f"{k}={v!r}" for k, v in sorted(options.items()))
     return f", or with other options than {shown} (give them as kinds={{cls: (kind, {{...}})}})"
+
+
+def _shape(x: Any) -> str:
+    return f"of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"{type(x).__name__}"
 
 
 def _readable(t: Any) -> bool:
@@ -275,8 +413,10 @@ def _readable(t: Any) -> bool:
 
 @contextlib.contextmanager
 def checking(model: nn.Module, specs: Mapping[str, LayerSpec]) -> Iterator[None]:
-    """While entered, forward hooks check the first call of every module mapped by
-    ``kinds=`` (:func:`check_call`); modules already checked are not hooked.
+    """While entered, forward hooks check the first call of every module whose output the
+    layers ``specs`` rely on (:func:`checked_modules`); modules already checked are not
+    hooked. A mismatch raises a ValueError naming the module (for a module recognised
+    by a kind, with the ``skip_layers=`` that leaves its layer out).
 
     Example:
         >>> import torch
@@ -293,23 +433,64 @@ def checking(model: nn.Module, specs: Mapping[str, LayerSpec]) -> Iterator[None]
             h.remove()
 
 
-def check_hooks(model: nn.Module, specs: Mapping[str, LayerSpec]) -> list[Any]:
-    """The handles of forward hooks that check the first call of each mapped module (the
-    preconditioners keep them with their other hooks)."""
+Refuse = Callable[[str, str], None]
+"""``(layer, why) -> None``: what a preconditioner does with a layer whose module's first
+call is not what the layer's kind computes."""
+
+
+def check_hooks(
+    model: nn.Module, specs: Mapping[str, LayerSpec], refuse: Refuse | None = None
+) -> list[Any]:
+    """The handles of forward hooks (run before the module's other forward hooks) that
+    check the first call of each module of :func:`checked_modules` (the preconditioners
+    keep them with their other hooks). A mapped module that fails raises
+    :func:`mapping_error`; a module recognised by its kind that fails is handed to
+    ``refuse(layer, why)`` (once), or without ``refuse`` raises a ValueError naming it.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from kfac_func.blocks import register
+        >>> class Shifted(nn.Linear):
+        ...     def forward(self, x):
+        ...         return super().forward(x) + 1.0
+        >>> model = nn.Sequential(Shifted(2, 2))
+        >>> refused = {}
+        >>> handles = check_hooks(model, register(model), refused.__setitem__)
+        >>> _ = model(torch.ones(1, 2))
+        >>> print(refused["0"])  # doctest: +ELLIPSIS
+        module '0' (...Shifted) was registered as kind 'linear', but Shifted overrides forward: ...
+    """
     handles = []
-    for spec in specs.values():
-        if spec.option("mapped") is None:
+    for check in checked_modules(specs):
+        module = model.get_submodule(check.module)
+        if check.spec in _CHECKED.get(module, ()):
             continue
-        module = model.get_submodule(spec.module)
-        if spec in _CHECKED.get(module, ()):
-            continue
-
-        def hook(m: nn.Module, args: tuple[Any, ...], out: Any, spec: LayerSpec = spec) -> None:
-            if not args or spec in _CHECKED.get(m, ()):
-                return
-            check_call(spec, m, args[0], out)
-            if _readable(args[0]) and _readable(out):
-                _CHECKED.setdefault(m, set()).add(spec)
-
-        handles.append(module.register_forward_hook(hook))
+        hook = _check_hook(check, refuse)
+        handles.append(module.register_forward_hook(hook, prepend=True))
     return handles
+
+
+def _check_hook(check: CheckedModule, refuse: Refuse | None) -> Callable[..., None]:
+    """The forward hook of :func:`check_hooks` for one module."""
+    refused = False
+
+    def hook(m: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        nonlocal refused
+        if refused or not args or check.spec in _CHECKED.get(m, ()):
+            return
+        why = call_mismatch(check.spec, m, args[0], out)
+        if why is None:
+            if _readable(args[0]) and _readable(out):
+                _CHECKED.setdefault(m, set()).add(check.spec)
+            return
+        if check.mapped:
+            check_call(check.spec, m, args[0], out)
+        message = refusal(check, m, why)
+        if refuse is None:
+            skip = "^" + re.escape(check.layer) + "$"
+            raise ValueError(f"{message}. Leave the layer out: skip_layers=[{skip!r}]")
+        refused = True
+        refuse(check.layer, message)
+
+    return hook
