@@ -24,6 +24,7 @@ there it is a RuntimeError naming the layers (leave them out with ``skip_layers=
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -34,6 +35,7 @@ from kfac_func.adapter.coverage import MissingStatisticsWarning
 from kfac_func.adapter.inspection import InspectionMixin
 from kfac_func.blocks import LayerTable
 from kfac_func.distributed.communicator import Communicator
+from kfac_func.distributed.plan import Plan
 
 __all__ = ["DEMOTED_KEY", "FallbackMixin", "FallbackWarning"]
 
@@ -63,6 +65,7 @@ class FallbackMixin(InspectionMixin):
 
     layers: LayerTable
     comm: Communicator
+    plan: Plan
     _micro: list[Any]
     _rows: dict[str, Any]
     _sharded: bool
@@ -145,6 +148,9 @@ class FallbackMixin(InspectionMixin):
         self._demoted.update(new)
         kept = {k: v for k, v in self._state.layers.items() if k not in new}
         self._state = self._state.replace(layers=kept)
+        # one process: the plan is the list of layers (no rank owns anything else)
+        plan = {k: v for k, v in self.plan.layers.items() if k not in new}
+        self.plan = self.comm.plan = dataclasses.replace(self.plan, layers=plan)
         for mb in self._micro:
             for part in (mb.a, mb.g, mb.calls):
                 for name in new:
