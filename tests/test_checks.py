@@ -9,7 +9,9 @@ norm that scales by ``1 + weight`` (Gemma's) mapped without saying so.
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -247,3 +249,15 @@ def test_a_subclass_of_an_unchecked_kind_that_overrides_forward_is_skipped() -> 
     table = kf.register(nn.Sequential(Mine(1, 2, 3), Kept(2, 2, 3)))
     assert list(table) == ["1"]
     assert "Mine overrides the forward of Conv2d" in table.skipped["0"]
+
+
+def test_the_check_hooks_hold_the_preconditioner_weakly() -> None:
+    model = Model(PlainLinear)
+    pre = kf.KFACPreconditioner(model, damping=0.01, skip_layers=["^positions$"])
+    _loss(model, *_batch()).backward()
+    pre.step()
+    ref = weakref.ref(pre)
+    del pre
+    gc.collect()
+    assert ref() is None
+    _loss(model, *_batch(1)).backward()  # the model trains on without it

@@ -11,6 +11,7 @@ ranks, and rewrites ``.grad`` in place. The adapter owns no math and keeps one i
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -27,7 +28,7 @@ from kfac_func.adapter.arguments import (
     log_registered,
 )
 from kfac_func.adapter.checkpointing import StateDictMixin
-from kfac_func.adapter.compiled import uncompiled
+from kfac_func.adapter.compiled import opaque, uncompiled
 from kfac_func.adapter.fallback import FallbackMixin
 from kfac_func.adapter.grads import copy_back
 from kfac_func.adapter.inspection import InspectionMixin, check_factor_rows
@@ -363,7 +364,14 @@ class KFACPreconditioner(
         self._init_fallback()
         self._register_hooks()
         # first calls of mapped modules and of those a kind recognised by subclass or name
-        self._handles += check_hooks(model, self.layers, refuse=self._refuse)
+        ref = weakref.ref(self)  # the model's hooks hold the preconditioner weakly
+
+        def refuse(layer: str, why: str) -> None:
+            pre = ref()
+            if pre is not None:
+                pre._refuse(layer, why)
+
+        self._handles += check_hooks(model, self.layers, refuse=refuse, wrap=opaque)
         log_registered(logger, loglevel, model, self.layers)
         logger.log(loglevel, "K-FAC registered layers:\n%s", self.layers)
         logger.log(loglevel, "K-FAC layer assignments: %s", self.plan)

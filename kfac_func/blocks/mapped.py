@@ -439,13 +439,18 @@ call is not what the layer's kind computes."""
 
 
 def check_hooks(
-    model: nn.Module, specs: Mapping[str, LayerSpec], refuse: Refuse | None = None
+    model: nn.Module,
+    specs: Mapping[str, LayerSpec],
+    refuse: Refuse | None = None,
+    wrap: Callable[[Callable[..., None]], Callable[..., None]] | None = None,
 ) -> list[Any]:
     """The handles of forward hooks (run before the module's other forward hooks) that
     check the first call of each module of :func:`checked_modules` (the preconditioners
     keep them with their other hooks). A mapped module that fails raises
     :func:`mapping_error`; a module recognised by its kind that fails is handed to
     ``refuse(layer, why)`` (once), or without ``refuse`` raises a ValueError naming it.
+    ``wrap`` wraps each hook (the preconditioners' keep it out of ``torch.compile``'s
+    graphs, as their other hooks).
 
     Example:
         >>> import torch
@@ -467,6 +472,8 @@ def check_hooks(
         if check.spec in _CHECKED.get(module, ()):
             continue
         hook = _check_hook(check, refuse)
+        if wrap is not None:
+            hook = wrap(hook)
         handles.append(module.register_forward_hook(hook, prepend=True))
     return handles
 
