@@ -261,3 +261,11 @@ def test_the_check_hooks_hold_the_preconditioner_weakly() -> None:
     gc.collect()
     assert ref() is None
     _loss(model, *_batch(1)).backward()  # the model trains on without it
+
+
+def test_an_unknown_norm_whose_weight_starts_at_zero_is_hinted_the_offset() -> None:
+    class ZeroRMSNorm(OnePlusNorm):  # not a known class: skipped, with the hint
+        pass
+
+    table = kf.register(nn.Sequential(nn.Linear(3, D), ZeroRMSNorm(D)))
+    assert "kinds={ZeroRMSNorm: ('rms_norm', {'offset': 1.0})}" in table.skipped["1"]

@@ -245,7 +245,7 @@ def call_mismatch(spec: LayerSpec, module: nn.Module, x: Any, out: Any) -> str |
         >>> call_mismatch(spec, emb, ids, emb(ids)) is None
         True
         >>> print(call_mismatch(spec, emb, ids, 2 * emb(ids)))  # doctest: +ELLIPSIS
-        its output differs from ... by up to ...; it is 2 times what the kind computes
+        its output differs from ... by up to ...; it is 2 times what the kind computes (a ...
     """
     if not (_readable(x) and _readable(out)):
         return None

@@ -167,7 +167,19 @@ def _unsupported(module: nn.Module) -> str:
     if kind is None:
         return why
     what = {"layer_norm": "a layer norm", "rms_norm": "an RMS norm", "linear": "x @ weight.T"}
-    return f"{why}; if it computes {what[kind]}, map it with kinds={{{cls.__name__}: {kind!r}}}"
+    hint = f"{why}; if it computes {what[kind]}, map it with kinds={{{cls.__name__}: {kind!r}}}"
+    if kind != "linear" and _all_zero(weight):  # Gemma's norms: 1 + weight, from zero
+        hint += (
+            f" (if it scales by 1 + weight, as norms whose weight starts at zero do: "
+            f"kinds={{{cls.__name__}: ({kind!r}, {{'offset': 1.0}})}})"
+        )
+    return hint
+
+
+def _all_zero(weight: torch.Tensor) -> bool:
+    if weight.device.type == "meta" or type(weight) not in (torch.Tensor, nn.Parameter):
+        return False
+    return bool(weight.numel()) and not bool(weight.detach().any())
 
 
 def _bounded(spec: LayerSpec, max_factor_dim: int | None) -> LayerSpec:
