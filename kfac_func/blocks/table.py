@@ -164,7 +164,7 @@ def _unsupported(module: nn.Module) -> str:
         kind = "rms_norm" if "rms" in lower else "layer_norm"
     elif isinstance(weight, torch.Tensor) and weight.dim() == 2 and "linear" in lower:
         kind = "linear"
-    if kind is None:
+    if kind is None or weight is None:
         return why
     what = {"layer_norm": "a layer norm", "rms_norm": "an RMS norm", "linear": "x @ weight.T"}
     hint = f"{why}; if it computes {what[kind]}, map it with kinds={{{cls.__name__}: {kind!r}}}"
