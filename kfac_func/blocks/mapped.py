@@ -258,7 +258,8 @@ def call_mismatch(spec: LayerSpec, module: nn.Module, x: Any, out: Any) -> str |
     xd = x.detach()
     xd = xd.double() if xd.is_floating_point() else xd
     try:
-        ref = spec.block.output(spec, params, xd)
+        with torch.autocast(xd.device.type, enabled=False):  # float64, whatever the region
+            ref = spec.block.output(spec, params, xd)
     except (ValueError, IndexError, RuntimeError) as err:
         return f"its input {_shape(x)} does not fit what the kind computes ({err})"
     got = out.detach().double()
@@ -281,7 +282,8 @@ def call_mismatch(spec: LayerSpec, module: nn.Module, x: Any, out: Any) -> str |
         f"{diff:.3g} (largest entry of the module's output {top_got:.3g}, of the kind's "
         f"{top_ref:.3g}; allowed {tol:.3g} in {dtype})"
     )
-    hint = spec.block.mismatch_hint(spec, params, xd, got, tol)
+    with torch.autocast(xd.device.type, enabled=False):
+        hint = spec.block.mismatch_hint(spec, params, xd, got, tol)
     return f"{why}; {hint}" if hint else why
 
 
