@@ -232,8 +232,8 @@ def mapped_params(
 def call_mismatch(spec: LayerSpec, module: nn.Module, x: Any, out: Any) -> str | None:
     """Why ``module``'s output ``out`` for the input ``x`` is not what ``spec``'s kind
     computes from ``x`` (:meth:`LayerBlock.output`, in float64) up to rounding in ``out``'s
-    dtype, or None when it is. Inputs the check cannot read (meta tensors, batched tensors
-    of ``vmap``, tensor subclasses) pass.
+    dtype, or None when it is. Inputs, outputs and parameters the check cannot read (meta
+    tensors, batched tensors of ``vmap``, tensor subclasses such as DTensors) pass.
 
     Example:
         >>> import torch
@@ -250,8 +250,9 @@ def call_mismatch(spec: LayerSpec, module: nn.Module, x: Any, out: Any) -> str |
     if not (_readable(x) and _readable(out)):
         return None
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-    if not isinstance(weight, torch.Tensor):
-        return None
+    if not _readable(weight) or (isinstance(bias, torch.Tensor) and not _readable(bias)):
+        return None  # sharded parameters (FSDP2, tensor parallelism): not read here
+    assert isinstance(weight, torch.Tensor)
     params = {"weight": weight.detach().double()}
     if isinstance(bias, torch.Tensor):
         params["bias"] = bias.detach().double()
