@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import copy
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from gloo import gloo_group, record_errors, spawn
 from torch import nn
 
 import kfac_func as kf
@@ -148,3 +150,39 @@ def test_a_preconditioner_alone_passes_their_gradients_unchanged() -> None:
     again = kf.KFACPreconditioner(Net(), damping=0.01)
     again.load_state_dict(sd)
     assert again.demoted == pre.demoted and list(again.layers) == list(pre.layers)
+
+
+class _Doubled(nn.Linear):
+    """A Linear subclass whose forward uses twice its weight: refused on its first call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, 2 * self.weight, self.bias)
+
+
+def _ranks_worker(rank: int, world: int, tmp: str) -> None:
+    with gloo_group(rank, world, tmp), record_errors(Path(tmp, f"rank{rank}.error")):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), _Doubled(4, 4), nn.Linear(4, 2))
+        pre = kf.KFACPreconditioner(model)
+        x = torch.randn(4, 3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", kf.FallbackWarning)
+            model(x).pow(2).mean().backward()
+        try:
+            pre.step()
+        except RuntimeError as err:
+            Path(tmp, f"rank{rank}.txt").write_text(str(err))
+        pre.remove()
+        # left out from the start, the rest is preconditioned on every rank
+        pre = kf.KFACPreconditioner(model, skip_layers=["^1$"])
+        model.zero_grad()
+        model(x).pow(2).mean().backward()
+        pre.step()
+        assert list(pre.layers) == ["0", "2"]
+
+
+def test_on_several_processes_a_layer_to_demote_is_an_error_naming_it(tmp_path: Path) -> None:
+    spawn(_ranks_worker, 2, tmp_path)
+    for rank in range(2):
+        message = Path(tmp_path, f"rank{rank}.txt").read_text()
+        assert "_Doubled overrides forward" in message and "skip_layers=['^1$']" in message
