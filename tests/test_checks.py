@@ -203,7 +203,9 @@ def test_a_one_plus_weight_norm_mapped_as_rms_norm_is_told_what_it_computes() ->
         net(torch.randn(2, 3, dtype=DT))
     message = str(err.value)
     assert "largest entry of the module's output" in message  # not the kind's 0 alone
-    assert "x / rms(x) * (1 + weight)" in message and "'offset': 1.0" in message
+    assert "x / rms(x) * (1 + weight)" in message
+    assert "kinds={OnePlusNorm: ('rms_norm', {'eps': 1e-06, 'offset': 1.0})}" in message
+    assert "by kinds=" in message and "something else" not in message
     pre.remove()
 
 

@@ -204,10 +204,15 @@ def mapped_block(module: nn.Module, parsed: Parsed) -> tuple[LayerBlock, dict[st
     return block_of(kind), dict(options)
 
 
-def mapping_error(name: str, module: nn.Module, kind: str, why: str) -> ValueError:
-    """A ValueError naming the module, its class and the kind ``kinds=`` mapped it to."""
+def mapping_error(
+    name: str, module: nn.Module, kind: str, why: str, known: bool | None = None
+) -> ValueError:
+    """A ValueError naming the module, its class and the kind ``kinds=`` (or, ``known``,
+    :data:`KNOWN_KINDS`; None: whichever names its class) mapped it to."""
     path = class_path(type(module))
-    by = "KNOWN_KINDS (override it with kinds=)" if path in KNOWN_KINDS else "kinds="
+    if known is None:
+        known = path in KNOWN_KINDS
+    by = "KNOWN_KINDS (override it with kinds=)" if known else "kinds="
     return ValueError(f"module {name!r} ({path}) is mapped to kind {kind!r} by {by}, but {why}")
 
 
@@ -247,6 +252,17 @@ def call_mismatch(spec: LayerSpec, module: nn.Module, x: Any, out: Any) -> str |
         >>> print(call_mismatch(spec, emb, ids, 2 * emb(ids)))  # doctest: +ELLIPSIS
         its output differs from ... by up to ...; it is 2 times what the kind computes (a ...
     """
+    found = _mismatch(spec, module, x, out)
+    if found is None:
+        return None
+    why, hint = found
+    return f"{why}; {hint}" if hint else why
+
+
+def _mismatch(
+    spec: LayerSpec, module: nn.Module, x: Any, out: Any
+) -> tuple[str, str | None] | None:
+    """``(why, what the module computes instead or None)`` of :func:`call_mismatch`."""
     if not (_readable(x) and _readable(out)):
         return None
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
@@ -262,13 +278,13 @@ def call_mismatch(spec: LayerSpec, module: nn.Module, x: Any, out: Any) -> str |
         with torch.autocast(xd.device.type, enabled=False):  # float64, whatever the region
             ref = spec.block.output(spec, params, xd)
     except (ValueError, IndexError, RuntimeError) as err:
-        return f"its input {_shape(x)} does not fit what the kind computes ({err})"
+        return f"its input {_shape(x)} does not fit what the kind computes ({err})", None
     got = out.detach().double()
     if ref.shape != got.shape:
         return (
             f"its output has shape {tuple(got.shape)} where the kind computes "
             f"{tuple(ref.shape)} from its input {_shape(x)}"
-        )
+        ), None
     diff = float((ref - got).abs().max()) if got.numel() else 0.0
     top_ref = float(ref.abs().max()) if ref.numel() else 0.0
     top_got = float(got.abs().max()) if got.numel() else 0.0
@@ -285,7 +301,9 @@ def call_mismatch(spec: LayerSpec, module: nn.Module, x: Any, out: Any) -> str |
     )
     with torch.autocast(xd.device.type, enabled=False):
         hint = spec.block.mismatch_hint(spec, params, xd, got, tol)
-    return f"{why}; {hint}" if hint else why
+    if hint is not None:  # the mappings it suggests, for this class
+        hint = hint.replace("kinds={cls:", f"kinds={{{type(module).__name__}:")
+    return why, hint
 
 
 def check_call(spec: LayerSpec, module: nn.Module, x: Any, out: Any) -> None:
@@ -310,16 +328,15 @@ def check_call(spec: LayerSpec, module: nn.Module, x: Any, out: Any) -> None:
         ...
         ValueError: module '' (...Scale) is mapped to kind 'layer_norm' by kinds=, but ...
     """
-    why = call_mismatch(spec, module, x, out)
-    if why is None:
+    found = _mismatch(spec, module, x, out)
+    if found is None:
         return
-    options = {k: v for k, v in spec.options if k in spec.block.mapped_options}
-    raise mapping_error(
-        spec.name,
-        module,
-        spec.kind,
-        f"on its first call {why}; the module computes something else{_with(options)}",
-    )
+    why, hint = found
+    if hint is None:
+        options = {k: v for k, v in spec.options if k in spec.block.mapped_options}
+        hint = f"the module computes something else{_with(options)}"
+    known = spec.option("mapped_by") == "KNOWN_KINDS"
+    raise mapping_error(spec.name, module, spec.kind, f"on its first call {why}; {hint}", known)
 
 
 def overrides_forward(module: nn.Module, base: tuple[type[nn.Module], ...]) -> bool:

@@ -113,6 +113,8 @@ def _specs_for(name: str, module: nn.Module, kinds: Parsed | None = None) -> lis
         block, options = mapped
         spec = block.mapped_spec(name, module, options)
         opts = {**dict(spec.options), "mapped": class_path(type(module))}
+        if not any(cls in (kinds or {}) for cls in type(module).__mro__):
+            opts["mapped_by"] = "KNOWN_KINDS"
         return [dataclasses.replace(spec, options=tuple(sorted(opts.items())))]
     for block in blocks():
         if block.matches(module):
