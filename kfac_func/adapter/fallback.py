@@ -82,7 +82,17 @@ class FallbackMixin(InspectionMixin):
     @property
     def demoted_parameters(self) -> list[nn.Parameter]:
         """The parameters of the :attr:`demoted` layers, in the order they were demoted
-        (what :class:`kfac_func.KFAC` moves to its other optimizer)."""
+        (what :class:`kfac_func.KFAC` moves to its other optimizer).
+
+        Example:
+            >>> from torch import nn
+            >>> import kfac_func as kf
+            >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+            >>> pre = kf.KFACPreconditioner(model)
+            >>> pre.demote({"1": "by hand"})
+            >>> [tuple(p.shape) for p in pre.demoted_parameters]
+            [(2, 4), (2,)]
+        """
         return list(self._demoted_parameters)
 
     @property

@@ -136,7 +136,13 @@ class LayerBlock(ABC):
     @property
     def checkable(self) -> bool:
         """Whether the kind computes a call's output (:meth:`output`), so that the first
-        call of a module it handles can be checked against it."""
+        call of a module it handles can be checked against it.
+
+        Example:
+            >>> from kfac_func.blocks import block_of
+            >>> block_of("linear").checkable, block_of("conv2d").checkable
+            (True, False)
+        """
         return type(self).output is not LayerBlock.output
 
     def formula(self, spec: LayerSpec) -> str:
@@ -183,7 +189,16 @@ class LayerBlock(ABC):
     ) -> str | None:
         """What a module computes differently from the kind, when a call's output ``got``
         (float64) differs from :meth:`output` of ``x`` by more than ``tol``: by default,
-        a constant factor (``"it is 4 times what the kind computes"``), else None."""
+        a constant factor (``"it is 4 times what the kind computes"``), else None.
+
+        Example:
+            >>> import torch
+            >>> from kfac_func.blocks import register
+            >>> spec = register(torch.nn.Linear(2, 2, bias=False))[""]
+            >>> w, x = {"weight": torch.eye(2, dtype=torch.float64)}, torch.ones(1, 2).double()
+            >>> spec.block.mismatch_hint(spec, w, x, 4 * x, 1e-9)
+            'it is 4 times what the kind computes'
+        """
         ref = self.output(spec, params, x)
         den = float((ref * ref).sum())
         if den == 0.0:

@@ -391,7 +391,7 @@ def checked_modules(specs: Mapping[str, LayerSpec]) -> list[CheckedModule]:
     ]
 
 
-def refusal(check: CheckedModule, module: nn.Module, why: str) -> str:
+def _refusal(check: CheckedModule, module: nn.Module, why: str) -> str:
     """The message of a module recognised by a kind (not mapped) whose first call does
     not compute what the kind computes."""
     spec = check.spec
@@ -513,7 +513,7 @@ def _check_hook(check: CheckedModule, refuse: Refuse | None) -> Callable[..., No
             return
         if check.mapped:
             check_call(check.spec, m, args[0], out)
-        message = refusal(check, m, why)
+        message = _refusal(check, m, why)
         if refuse is None:
             skip = "^" + re.escape(check.layer) + "$"
             raise ValueError(f"{message}. Leave the layer out: skip_layers=[{skip!r}]")

@@ -122,7 +122,18 @@ class TiedBlock(LayerBlock):
 
     def embedding_spec(self, spec: LayerSpec) -> LayerSpec:
         """The embedding of the tied layer as a layer of its own (its kind, the shared
-        weight in the embedding's orientation)."""
+        weight in the embedding's orientation).
+
+        Example:
+            >>> from torch import nn
+            >>> from kfac_func.blocks import register
+            >>> model = nn.Sequential(nn.Embedding(7, 3), nn.Linear(3, 7, bias=False))
+            >>> model[1].weight = model[0].weight
+            >>> spec = register(model)["1"]
+            >>> emb = spec.block.embedding_spec(spec)
+            >>> emb.name, emb.kind, emb.weight_shape
+            ('0', 'embedding', (7, 3))
+        """
         scale = spec.option("embedding_scale")
         options = () if scale is None else (("scale", float(scale)),)
         return LayerSpec(
