@@ -1,5 +1,5 @@
 """First-call checks of modules a kind recognises by themselves
-(:func:`kfac_func.blocks.mapped.check_hooks`): subclasses of ``nn.Embedding``,
+(:func:`kfac_func.blocks.checks.check_hooks`): subclasses of ``nn.Embedding``,
 ``nn.Linear`` and the norms are registered under their kind only while their output is
 what the kind computes from the input the hooks see. Hand-written subclasses: one that
 adds an offset to positions it computes from the attention mask (OPT's), a linear that
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kfac_func as kf
-from kfac_func.blocks.mapped import checked_modules
+from kfac_func.blocks.checks import checked_modules
 
 DT = torch.float64
 V, T, D = 11, 6, 4

@@ -322,7 +322,8 @@ def test_nanogpt_block_every_parameter_preconditioned_under_the_adapter(bias: bo
 def test_known_transformers_norms_are_rms_norms_without_kinds() -> None:
     import importlib
 
-    from kfac_func.blocks.mapped import KNOWN_KINDS, checking
+    from kfac_func.blocks.checks import checking
+    from kfac_func.blocks.mapped import KNOWN_KINDS
 
     assert KNOWN_KINDS
     for path, known in KNOWN_KINDS.items():

@@ -5,7 +5,7 @@ Registration decides from the model's classes; some facts show only when the mod
 
 - a module recognised by its kind whose first call does not compute what the kind
   computes (a subclass that overrides ``forward``; see
-  :func:`kfac_func.blocks.mapped.check_hooks`): its factors would describe another map;
+  :func:`kfac_func.blocks.checks.check_hooks`): its factors would describe another map;
 - a layer whose parameters receive no gradient in a step although others do (a module the
   configuration never calls);
 - a layer whose weight receives gradients but whose module calls never reach the hooks on
@@ -26,14 +26,17 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
+from kfac_func.adapter.compiled import opaque
 from kfac_func.adapter.coverage import MissingStatisticsWarning
 from kfac_func.adapter.inspection import InspectionMixin
 from kfac_func.blocks import LayerTable
+from kfac_func.blocks.checks import check_hooks
 from kfac_func.distributed.communicator import Communicator
 from kfac_func.distributed.plan import Plan
 
@@ -100,6 +103,20 @@ class FallbackMixin(InspectionMixin):
         """``{layer: why}``: the registered layers left to the other optimizer since the
         preconditioner was built (or restored from a ``state_dict``)."""
         return dict(self._demoted)
+
+    def _check_hooks(self, model: nn.Module) -> list[Any]:
+        """The hooks that check the first calls of the modules whose output the layers
+        rely on (:func:`~kfac_func.blocks.checks.check_hooks`), refusing a layer whose
+        module fails (:meth:`_refuse`); kept out of ``torch.compile``'s graphs, and holding
+        the preconditioner weakly, as its other hooks."""
+        ref = weakref.ref(self)
+
+        def refuse(layer: str, why: str) -> None:
+            pre = ref()
+            if pre is not None:
+                pre._refuse(layer, why)
+
+        return check_hooks(model, self.layers, refuse=refuse, wrap=opaque)
 
     def _refuse(self, layer: str, why: str) -> None:
         """A check hook's verdict: ``layer``'s module does not compute what its kind

@@ -11,7 +11,6 @@ ranks, and rewrites ``.grad`` in place. The adapter owns no math and keeps one i
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -28,7 +27,7 @@ from kfac_func.adapter.arguments import (
     log_registered,
 )
 from kfac_func.adapter.checkpointing import StateDictMixin
-from kfac_func.adapter.compiled import opaque, uncompiled
+from kfac_func.adapter.compiled import uncompiled
 from kfac_func.adapter.fallback import FallbackMixin
 from kfac_func.adapter.grads import copy_back
 from kfac_func.adapter.inspection import InspectionMixin, check_factor_rows
@@ -36,7 +35,7 @@ from kfac_func.adapter.recording import HookRecorder
 from kfac_func.adapter.sync_free import SyncFreeMixin
 from kfac_func.adapter.wrapped_names import unwrapped
 from kfac_func.blocks import register
-from kfac_func.blocks.mapped import KindMap, check_hooks
+from kfac_func.blocks.mapped import KindMap
 from kfac_func.blocks.table import no_layers_error
 from kfac_func.distributed.communicator import AllreduceMethod, Communicator
 from kfac_func.distributed.dtensor import (
@@ -363,15 +362,7 @@ class KFACPreconditioner(
         self._reducer = None
         self._init_fallback()
         self._register_hooks()
-        # first calls of mapped modules and of those a kind recognised by subclass or name
-        ref = weakref.ref(self)  # the model's hooks hold the preconditioner weakly
-
-        def refuse(layer: str, why: str) -> None:
-            pre = ref()
-            if pre is not None:
-                pre._refuse(layer, why)
-
-        self._handles += check_hooks(model, self.layers, refuse=refuse, wrap=opaque)
+        self._handles += self._check_hooks(model)  # first calls (kfac_func.blocks.checks)
         log_registered(logger, loglevel, model, self.layers)
         logger.log(loglevel, "K-FAC registered layers:\n%s", self.layers)
         logger.log(loglevel, "K-FAC layer assignments: %s", self.plan)

@@ -159,7 +159,7 @@ class LayerBlock(ABC):
 
     def checked_calls(self, spec: LayerSpec) -> list[tuple[str, LayerSpec, bool]]:
         """``[(module name, spec, mapped)]``: the modules whose first call is checked for
-        the layer ``spec`` (:func:`kfac_func.blocks.mapped.check_hooks`), each with the spec
+        the layer ``spec`` (:func:`kfac_func.blocks.checks.check_hooks`), each with the spec
         whose :meth:`output` the module's output must equal, and whether ``kinds=`` (or
         :data:`~kfac_func.blocks.mapped.KNOWN_KINDS`) mapped it (a mismatch is then an
         error, else the layer is refused). By default the layer's own module, when it was

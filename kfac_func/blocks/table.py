@@ -18,14 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kfac_func.blocks.mapped import (
-    KindMap,
-    Parsed,
-    class_path,
-    mapped_block,
-    overrides_forward,
-    parse_kinds,
-)
+from kfac_func.blocks.checks import overrides_forward
+from kfac_func.blocks.mapped import KindMap, Parsed, class_path, mapped_block, parse_kinds
 from kfac_func.blocks.registry import blocks
 from kfac_func.blocks.spec import LayerSpec
 from kfac_func.blocks.tied import EMBEDDING_KINDS, tied_specs
