@@ -16,6 +16,7 @@ Example:
 
 from kfac_func.adapter.adaptive import AdaptiveStepper
 from kfac_func.adapter.coverage import MissingStatisticsWarning
+from kfac_func.adapter.fallback import FallbackWarning
 from kfac_func.adapter.optimizer import KFAC
 from kfac_func.adapter.preconditioner import ComputeMethod, KFACPreconditioner
 from kfac_func.adapter.scheduler import LambdaParamScheduler
@@ -97,6 +98,7 @@ __all__ = [
     "EKFACDecomposition",
     "EigenDecomposition",
     "ExperimentalFeatureWarning",
+    "FallbackWarning",
     "GPTNeoXKFACPreconditioner",
     "InverseDecomposition",
     "KFACConfig",

@@ -153,10 +153,19 @@ def test_a_layer_whose_hooks_are_bypassed_is_named_at_the_step() -> None:
     model = _Bypass()
     pre = kf.KFACPreconditioner(model)
     model(torch.randn(8, 3)).pow(2).mean().backward()
+    raw = model.fc2.weight.grad.clone()
     with pytest.warns(MissingStatisticsWarning, match=r"layers \['fc2'\] received gradients") as w:
         pre.step()
     assert w[0].filename == __file__  # points at the step() call
-    assert [ls.factor_updates for ls in pre.state.layers.values()] == [1, 0]
+    # left to the other optimizer from now on: out of the table and the state, its
+    # gradient unchanged, and no warning at the next steps
+    assert [ls.factor_updates for ls in pre.state.layers.values()] == [1]
+    assert list(pre.layers) == ["fc1"] and "no statistics" in pre.layers.skipped["fc2"]
+    assert torch.equal(model.fc2.weight.grad, raw)
+    model(torch.randn(8, 3)).pow(2).mean().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MissingStatisticsWarning)
+        pre.step()
 
 
 def test_steps_without_statistics_on_purpose_do_not_warn() -> None:

@@ -210,7 +210,7 @@ def test_mapped_linear_forward_that_differs_raises() -> None:
     [
         ({LayerNorm: "attention"}, ValueError, r"kind 'attention' cannot be given .*'layer_norm'"),
         ({LayerNorm: "no_such"}, ValueError, r"unknown layer kind 'no_such'"),
-        ({LayerNorm: ("layer_norm", {"epsilon": 1})}, ValueError, r"options \['eps'\]"),
+        ({LayerNorm: ("layer_norm", {"epsilon": 1})}, ValueError, r"options \['eps', 'offset'\]"),
         ({LayerNorm: ("layer_norm", {"eps": -1.0})}, ValueError, r"eps must be a number >= 0"),
         ({LayerNorm: "linear"}, ValueError, r"module '1' .* its weight has shape \(6,\), not 2-d"),
         ({LayerNorm: 3}, TypeError, r"expected a kind name or \(kind"),
@@ -322,10 +322,12 @@ def test_nanogpt_block_every_parameter_preconditioned_under_the_adapter(bias: bo
 def test_known_transformers_norms_are_rms_norms_without_kinds() -> None:
     import importlib
 
+    from kfac_func.blocks.checks import checking
     from kfac_func.blocks.mapped import KNOWN_KINDS
 
     assert KNOWN_KINDS
-    for path, kind in KNOWN_KINDS.items():
+    for path, known in KNOWN_KINDS.items():
+        kind, options = (known, {}) if isinstance(known, str) else known
         module_name, cls_name = path.rsplit(".", 1)
         try:
             cls = getattr(importlib.import_module(module_name), cls_name)
@@ -337,8 +339,11 @@ def test_known_transformers_norms_are_rms_norms_without_kinds() -> None:
         net = nn.Sequential(nn.Linear(4, 6), norm, nn.Linear(6, 3))
         layers = kf.register(net)
         assert layers["1"].kind == kind, path
+        assert layers["1"].option("offset") == options.get("offset"), path
         ref = nn.RMSNorm(6, eps=layers["1"].option("eps"))
-        with torch.no_grad():
-            ref.weight.copy_(norm.weight)
+        with torch.no_grad():  # Gemma's scale by 1 + weight
+            ref.weight.copy_(norm.weight + options.get("offset", 0.0))
         x = torch.randn(5, 6)
         torch.testing.assert_close(norm(x), ref(x), rtol=1e-6, atol=1e-6, msg=path)
+        with checking(net, layers):  # the first call computes what the kind computes
+            net(torch.randn(5, 4))

@@ -10,6 +10,7 @@ several ranks the current factors live on their owners and are fetched with a br
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from kfac_func.adapter.checkpoint_settings import (
     replaced_choices,
     warn_replaced,
 )
+from kfac_func.adapter.fallback import DEMOTED_KEY
 from kfac_func.adapter.replicated import (
     adaptive_entry,
     adaptive_fields,
@@ -198,6 +200,7 @@ class StateDictMixin(PreconditionerBase):
 
     plan: Plan
     comm: Communicator
+    demote: Callable[[Mapping[str, str]], None]  # kfac_func.adapter.fallback
 
     def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
         """kfac-pytorch's shape: ``steps``, the non-callable hyperparameters and, with
@@ -221,6 +224,9 @@ class StateDictMixin(PreconditionerBase):
                 complete_entries(
                     sd["layers"], self._state, self.plan, self.comm, kept_moments(self)
                 )
+        demoted = getattr(self, "_demoted", None)
+        if demoted:  # the layers left to the other optimizer (kfac_func.adapter.fallback)
+            sd[DEMOTED_KEY] = dict(demoted)
         if self._state.adaptive is not None:  # the adaptive step's damping and history
             names = {p for ls in self._state.layers.values() for p in ls.spec.param_names()}
             params = {p: self.model.get_parameter(p) for p in sorted(names)}
@@ -237,10 +243,16 @@ class StateDictMixin(PreconditionerBase):
         constructor chose another value than the checkpoint's run was built with
         (resuming the same script, whose scheduler moved a value, is silent). A state
         dict whose ``settings`` (scaling, compute method, ...) differ from this
-        preconditioner's is refused with a ValueError naming them; nothing changes then.
+        preconditioner's is refused with a ValueError naming them; nothing changes then
+        (but the layers the saved run left to the other optimizer, which are left here
+        first: see :mod:`kfac_func.adapter.fallback`).
         """
         sd = dict(state_dict)
         sd.pop(CHECKSUMS_KEY, None)
+        demoted = sd.pop(DEMOTED_KEY, None)
+        if demoted:  # the saved run's layers left to the other optimizer: left here too
+            verify_checksums(state_dict, "K-FAC state_dict")  # before anything changes
+            self.demote(dict(demoted))
         check_settings(
             sd.pop(SETTINGS_KEY, None), meaning_settings(self._state, self.eigenbasis_moments)
         )
@@ -284,7 +296,11 @@ class StateDictMixin(PreconditionerBase):
             for key, value in old.items():  # a refused state dict changes nothing
                 setattr(self, key, value)
             raise
-        mine = [n for n, lp in self.plan.layers.items() if self.comm.rank in lp.grad_workers]
+        mine = [
+            n
+            for n, lp in self.plan.layers.items()
+            if self.comm.rank in lp.grad_workers and n in layers
+        ]
         warn_missing_moments(layers_sd, kept_moments(self), mine, steps)
         self._state = self._state.replace(layers=layers, step=steps, adaptive=adaptive)
         warn_replaced(chosen, old, {key: getattr(self, key) for key in HYPER}, stacklevel=2)

@@ -36,6 +36,8 @@ class InspectionMixin(PreconditionerBase):
 
     layers: LayerTable
     _micro: list[Any]
+    _damping_checked: bool
+    adaptive: Any
     _parameter_modules: dict[str, tuple[nn.Module, str]]
     grafting: str | None
     graft_beta2: float
@@ -63,6 +65,18 @@ class InspectionMixin(PreconditionerBase):
                     )
                 grads[pname] = p.grad
         return grads
+
+    def _damping_judged(self) -> bool:
+        """Whether a factor step may judge the damping (once the factors settle, see
+        :meth:`_warn_if_damping_dominates`): the adaptive step tunes the damping itself,
+        the eigenbasis moments set the step without it, and the judgement reads the
+        factors on the host, which a sync-free step does not."""
+        return (
+            not self._damping_checked
+            and self.adaptive is None
+            and not self.eigenbasis_moments
+            and not self.sync_free
+        )
 
     def _warn_if_damping_dominates(self, damping: float) -> bool:
         """Judge the damping at the factor updates of

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from kfac_func.adapter.arguments import FloatOrFn
+from kfac_func.adapter.fallback import DEMOTED_KEY
 from kfac_func.adapter.parameter_places import ParameterPlaces
 from kfac_func.adapter.preconditioner import KFACPreconditioner
 
@@ -110,6 +111,14 @@ class KFAC(torch.optim.Optimizer):
     - :meth:`add_param_group` adds a group to the ``others`` optimizer (made on first
       use): K-FAC registered its layers at construction, so new parameters are not
       preconditioned.
+    - A layer that training shows K-FAC cannot precondition (its module does not compute
+      what its kind computes, it receives no gradient, or its parameters are used outside
+      its module's calls, so that no statistics reach the hooks; see
+      :mod:`kfac_func.adapter.fallback`) is demoted with a warning naming it: from that
+      step on, its parameters are in the ``others`` optimizer's first group (in a new
+      ``others`` optimizer when there was none: a learning-rate scheduler made before does
+      not drive that group), and :meth:`state_dict` / :meth:`load_state_dict` carry the
+      move.
     - ``zero_grad``, step hooks (``register_step_pre_hook``, ...) and state-dict hooks
       are ``torch.optim.Optimizer``'s; the base optimizers' own hooks run in their steps.
 
@@ -192,6 +201,7 @@ class KFAC(torch.optim.Optimizer):
         self._has_others = bool(rest)
         if rest:
             self._optimizers.append(others(rest, **self._others_kwargs))
+        self._followed = 0  # demoted parameters moved to the others (see _follow_demotions)
         self._ready = False
         groups = [g for opt in self._optimizers for g in opt.param_groups]
         super().__init__(groups, dict(self._optimizers[0].defaults))
@@ -286,9 +296,36 @@ class KFAC(torch.optim.Optimizer):
         idle = pre.steps == 0 and not pre._micro and not pre.reductions_in_flight
         if not (idle and all(float(g.get("lr", 1.0)) == 0.0 for g in self.param_groups)):
             pre.step()
+            self._follow_demotions()
         for opt in self._optimizers:
             opt.step()
         return loss
+
+    def _follow_demotions(self) -> None:
+        """Move the parameters of the layers the preconditioner left to the other
+        optimizer (:mod:`kfac_func.adapter.fallback`) from K-FAC's base optimizer (its
+        groups and state) into the others' first group, or a new others optimizer when
+        there was none."""
+        demoted = {id(p) for p in self.preconditioner.demoted_parameters}
+        if len(demoted) == self._followed:
+            return
+        self._followed = len(demoted)
+        kfac = self._optimizers[0]
+        moved: list[torch.Tensor] = []
+        for group in kfac.param_groups:
+            moved += [p for p in group["params"] if id(p) in demoted]
+            group["params"][:] = [p for p in group["params"] if id(p) not in demoted]
+        for p in moved:
+            kfac.state.pop(p, None)
+        if not moved:
+            return
+        if self._has_others:
+            self._optimizers[1].param_groups[0]["params"].extend(moved)
+            return
+        others = self._others_factory(moved, **self._others_kwargs)
+        self._optimizers.append(others)
+        self._has_others = True
+        self.param_groups.append(others.param_groups[0])
 
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim``'s ``{"state", "param_groups"}`` over :attr:`param_groups` (the
@@ -346,6 +383,10 @@ class KFAC(torch.optim.Optimizer):
                 "KFAC.load_state_dict: the state dict has no 'kfac' part (the "
                 "preconditioner's, in param_groups[0]): was it saved by another optimizer?"
             )
+        demoted = kfac.get(DEMOTED_KEY)
+        if demoted:  # layers the saved run left to the other optimizer: their groups too
+            self.preconditioner.demote(dict(demoted))
+            self._follow_demotions()
         sizes = [len(g["params"]) for g in self.param_groups]
         if [len(g["params"]) for g in saved] != sizes:
             raise ValueError(

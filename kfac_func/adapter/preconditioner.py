@@ -28,6 +28,7 @@ from kfac_func.adapter.arguments import (
 )
 from kfac_func.adapter.checkpointing import StateDictMixin
 from kfac_func.adapter.compiled import uncompiled
+from kfac_func.adapter.fallback import FallbackMixin
 from kfac_func.adapter.grads import copy_back
 from kfac_func.adapter.inspection import InspectionMixin, check_factor_rows
 from kfac_func.adapter.parameter_places import FollowParametersMixin
@@ -35,7 +36,7 @@ from kfac_func.adapter.recording import HookRecorder
 from kfac_func.adapter.sync_free import SyncFreeMixin
 from kfac_func.adapter.wrapped_names import unwrapped
 from kfac_func.blocks import register
-from kfac_func.blocks.mapped import KindMap, check_hooks
+from kfac_func.blocks.mapped import KindMap
 from kfac_func.blocks.table import no_layers_error
 from kfac_func.distributed.communicator import AllreduceMethod, Communicator
 from kfac_func.distributed.dtensor import (
@@ -58,7 +59,12 @@ logger = logging.getLogger("kfac_func")
 
 
 class KFACPreconditioner(
-    HookRecorder, StateDictMixin, SyncFreeMixin, InspectionMixin, FollowParametersMixin
+    HookRecorder,
+    StateDictMixin,
+    SyncFreeMixin,
+    FallbackMixin,
+    InspectionMixin,
+    FollowParametersMixin,
 ):
     """K-FAC preconditioner for an ``nn.Module``, with kfac-pytorch's arguments and defaults.
 
@@ -362,8 +368,9 @@ class KFACPreconditioner(
         # starts in the backward pass, overlapping communication with computation
         self._stream = update_factors_in_hook and self.comm.world_size > 1 and not self._ekfac
         self._reducer = None
+        self._init_fallback()
         self._register_hooks()
-        self._handles += check_hooks(model, self.layers)  # first calls of kinds= modules
+        self._handles += self._check_hooks(model)  # first calls (kfac_func.blocks.checks)
         log_registered(logger, loglevel, model, self.layers)
         logger.log(loglevel, "K-FAC registered layers:\n%s", self.layers)
         logger.log(loglevel, "K-FAC layer assignments: %s", self.plan)
@@ -420,7 +427,8 @@ class KFACPreconditioner(
             raise ValueError(f"adaptive steps need {missing} (see KFACPreconditioner.step)")
         self._follow_parameters()  # fully_shard / parallelize_module after construction
         self._settle()
-        self._check_collected()
+        if not self._check_collected():  # layers that cannot be preconditioned leave
+            return
         captures = self._take_captures() if self._ekfac and self._micro else None
         batch = self._batch_factors() if self._micro and captures is None else {}
         reducer, self._reducer = self._reducer, None
@@ -437,16 +445,7 @@ class KFACPreconditioner(
         options = self._step_options(
             damping=damping, update_factors=factors_now, update_inverses=update_inverses
         )
-        # whether the damping may be judged this step (once the factors settle, see
-        # _warn_if_damping_dominates); the adaptive step tunes the damping itself, and the
-        # eigenbasis moments set the step without it: nothing to warn about there
-        check = (
-            factors_now
-            and not self._damping_checked
-            and self.adaptive is None
-            and not self.eigenbasis_moments
-            and not self.sync_free  # the judgement reads the factors on the host
-        )
+        check = factors_now and self._damping_judged()
         if self.comm.world_size == 1 and reducer is None and not self._sharded:
             # a copy with a dict of its own, so that a state read from .state earlier
             # keeps its layers; once self._state points at the copy nothing else holds

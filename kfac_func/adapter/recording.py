@@ -78,6 +78,8 @@ class HookRecorder(PreconditionerBase):
     _handles: list[Any]
     _stream: bool
     _reducer: OrderedReducer | None
+    _dropped: set[str]
+    _fall_back: Callable[[set[str], bool], set[str]]  # kfac_func.adapter.fallback
 
     @property
     def reductions_in_flight(self) -> list[str]:
@@ -142,13 +144,23 @@ class HookRecorder(PreconditionerBase):
         backward pass runs without grad mode: the forward's is not asked)."""
         return self.model.training and self.steps % int(self._value(self.factor_update_steps)) == 0
 
-    def _check_collected(self) -> None:
-        """Warn naming the layers whose weights received gradients on this factor-update
-        step but got no statistics (see :mod:`kfac_func.adapter.coverage`)."""
+    def _check_collected(self) -> bool:
+        """Demote the layers that cannot be preconditioned (refused by their first call's
+        check, without a gradient, or, on a factor-update step, with gradients and no
+        statistics while other layers got theirs: see :mod:`kfac_func.adapter.fallback`),
+        and warn naming the layers whose weights received gradients on this factor-update
+        step but got no statistics when no layer got any (see
+        :mod:`kfac_func.adapter.coverage`). False when no layer is left: the step then
+        only counts itself."""
         seen, self._grads_seen = self._grads_seen, set()
-        if seen:
+        left = self._fall_back(seen, bool(seen))
+        if left:
             collected = {name for mb in self._micro for name in mb.g}
-            warn_uncollected(seen, collected, self.steps)
+            warn_uncollected(left, collected, self.steps)
+        if not self.layers:  # every layer left: nothing to precondition
+            self._micro, self._rows, self._reducer = [], {}, None
+            self._state = self._state.replace(step=self._state.step + 1)
+        return bool(self.layers)
 
     def _turn(self) -> int:
         """The number of factor updates so far: the offset of the positions that
@@ -225,6 +237,8 @@ class HookRecorder(PreconditionerBase):
         """Record one call of ``spec``; returns its output, expanded to the batch for a
         call that serves every example from one input (see
         :meth:`~kfac_func.blocks.LayerBlock.broadcast_call`)."""
+        if spec.name in self._dropped:  # refused by its first call's check, or demoted
+            return out
         collect, keep = self._collecting(), self._keeps_rows(spec)
         if keep and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:
             # rows that would not make the preconditioning cheaper are not kept: a call

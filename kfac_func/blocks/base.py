@@ -125,6 +125,89 @@ class LayerBlock(ABC):
         call of a mapped module is checked against."""
         raise NotImplementedError(f"layer kind {self.kind!r} has no output")
 
+    reads_attributes: ClassVar[bool] = False
+    """Whether the spec of a module reads attributes that the forward of the kind's torch
+    class does not use (an embedding's ``embed_scale``): every module of the kind is then
+    checked on its first call, those of the torch class itself included."""
+
+    formula_text: ClassVar[str] = ""
+    """What the kind computes, as messages write it (``"weight[input]"``)."""
+
+    @property
+    def checkable(self) -> bool:
+        """Whether the kind computes a call's output (:meth:`output`), so that the first
+        call of a module it handles can be checked against it.
+
+        Example:
+            >>> from kfac_func.blocks import block_of
+            >>> block_of("linear").checkable, block_of("conv2d").checkable
+            (True, False)
+        """
+        return type(self).output is not LayerBlock.output
+
+    def formula(self, spec: LayerSpec) -> str:
+        """What the layer computes from its input, as messages write it.
+
+        Example:
+            >>> import torch
+            >>> from kfac_func.blocks import register
+            >>> spec = register(torch.nn.Embedding(3, 2))[""]
+            >>> spec.block.formula(spec)
+            'weight[input]'
+        """
+        return self.formula_text or f"what kind {self.kind!r} computes"
+
+    def checked_calls(self, spec: LayerSpec) -> list[tuple[str, LayerSpec, bool]]:
+        """``[(module name, spec, mapped)]``: the modules whose first call is checked for
+        the layer ``spec`` (:func:`kfac_func.blocks.checks.check_hooks`), each with the spec
+        whose :meth:`output` the module's output must equal, and whether ``kinds=`` (or
+        :data:`~kfac_func.blocks.mapped.KNOWN_KINDS`) mapped it (a mismatch is then an
+        error, else the layer is refused). By default the layer's own module, when it was
+        mapped or when its class is not the kind's own (option ``"checked"``).
+
+        Example:
+            >>> import torch
+            >>> from kfac_func.blocks import register
+            >>> class Own(torch.nn.Linear): ...
+            >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), Own(2, 2))
+            >>> [c[0] for s in register(model).values() for c in s.block.checked_calls(s)]
+            ['1']
+        """
+        if spec.option("mapped") is not None:
+            return [(spec.module, spec, True)]
+        if spec.option("checked") is not None:
+            return [(spec.module, spec, False)]
+        return []
+
+    def mismatch_hint(
+        self,
+        spec: LayerSpec,
+        params: Mapping[str, torch.Tensor],
+        x: torch.Tensor,
+        got: torch.Tensor,
+        tol: float,
+    ) -> str | None:
+        """What a module computes differently from the kind, when a call's output ``got``
+        (float64) differs from :meth:`output` of ``x`` by more than ``tol``: by default,
+        a constant factor (``"it is 4 times what the kind computes"``), else None.
+
+        Example:
+            >>> import torch
+            >>> from kfac_func.blocks import register
+            >>> spec = register(torch.nn.Linear(2, 2, bias=False))[""]
+            >>> w, x = {"weight": torch.eye(2, dtype=torch.float64)}, torch.ones(1, 2).double()
+            >>> spec.block.mismatch_hint(spec, w, x, 4 * x, 1e-9)
+            'it is 4 times what the kind computes'
+        """
+        ref = self.output(spec, params, x)
+        den = float((ref * ref).sum())
+        if den == 0.0:
+            return None
+        c = float((got * ref).sum()) / den
+        if c == 0.0 or float((got - c * ref).abs().max()) > tol * max(1.0, abs(c)):
+            return None
+        return f"it is {c:.6g} times what the kind computes"
+
     def specs(self, name: str, module: nn.Module) -> list[LayerSpec] | str:
         """Every layer ``module`` holds (one, but for modules made of several layers whose
         children are then not registered on their own), or why it cannot be handled."""

@@ -26,7 +26,32 @@ from kfac_func.blocks.mapped import mapped_params, mapping_error
 from kfac_func.blocks.registry import register_block
 from kfac_func.blocks.spec import Gram, LayerSpec, row_gram, shape_error
 
-__all__ = ["EmbeddingBlock"]
+__all__ = ["EmbeddingBlock", "embed_scale"]
+
+
+def embed_scale(module: nn.Module) -> float | None:
+    """The scale of an embedding that multiplies its lookup by a constant, as Hugging Face
+    code writes it (Gemma's, BART's: an ``embed_scale`` number or 0-d tensor attribute),
+    or None (no such attribute, a scale of 1, or one that cannot be read).
+
+    Example:
+        >>> from torch import nn
+        >>> emb = nn.Embedding(5, 4)
+        >>> embed_scale(emb) is None
+        True
+        >>> emb.embed_scale = 2.0
+        >>> embed_scale(emb)
+        2.0
+    """
+    value = getattr(module, "embed_scale", None)
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.device.type == "meta" or value.is_complex():
+            return None
+        value = float(value.detach().reshape(()))
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return None if value == 1.0 or value != value else value
 
 
 @register_block
@@ -45,6 +70,11 @@ class EmbeddingBlock(LayerBlock):
 
     kind = "embedding"
     module_types = (nn.Embedding,)
+    formula_text = "weight[input]"
+
+    def matches(self, module: nn.Module) -> bool:
+        """An ``nn.Embedding`` (or subclass) without a scale (see :func:`embed_scale`)."""
+        return isinstance(module, nn.Embedding) and embed_scale(module) is None
 
     def spec(self, name: str, module: nn.Module) -> LayerSpec | str:
         assert isinstance(module, nn.Embedding)
@@ -92,6 +122,25 @@ class EmbeddingBlock(LayerBlock):
 
     def weight_shape(self, spec: LayerSpec) -> tuple[int, ...]:
         return (spec.in_dim, spec.out_dim)
+
+    def mismatch_hint(
+        self,
+        spec: LayerSpec,
+        params: Mapping[str, torch.Tensor],
+        x: torch.Tensor,
+        got: torch.Tensor,
+        tol: float,
+    ) -> str | None:
+        """A constant factor (a scaled embedding whose scale the kind was not told) is
+        named with the mapping that tells it."""
+        hint = super().mismatch_hint(spec, params, x, got, tol)
+        if hint is None or spec.kind != "embedding":
+            return hint
+        c = float((got * params["weight"][x]).sum()) / float(params["weight"][x].pow(2).sum())
+        return (
+            f"{hint} (a scaled embedding: map its class with kinds={{cls: "
+            f"('scaled_embedding', {{'scale': {c:.6g}}})}}, or give it an embed_scale attribute)"
+        )
 
     def examples(self, spec: LayerSpec, x: torch.Tensor) -> int | None:
         """``N`` of ids ``(N, T, ...)``; 1 for a single id. 1-d ids ``(T,)`` do not tell: one

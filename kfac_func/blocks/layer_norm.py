@@ -5,10 +5,15 @@ normalised shape, rows are every leading position (see
 ``x̂`` is recomputed from the input as the module computes it: over the trailing
 ``len(normalized_shape)`` dimensions, centred with the biased variance for LayerNorm,
 ``x / sqrt(mean(x²) + eps)`` for RMSNorm (``eps=None``: the input dtype's machine epsilon).
+
+A mapped norm may scale by ``offset + weight`` (option ``offset``; Gemma's RMS norms compute
+``x̂ · (1 + weight)``): the gradient of ``weight`` is the same ``x̂ ⊙ g``, so the factors are
+the kind's; only the output its first call is checked against changes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,7 +31,7 @@ __all__ = ["LayerNormBlock", "RMSNormBlock"]
 class _TrailingNorm(ScaleShiftBlock):
     center = True
     mappable = True
-    mapped_options = ("eps",)
+    mapped_options = ("eps", "offset")
     default_eps: float | None = 1e-5
     """The ``eps`` of a mapped module that has no ``eps`` (nor ``variance_epsilon``)
     attribute and is given none in ``kinds=``: the default of the kind's torch module."""
@@ -64,7 +69,15 @@ class _TrailingNorm(ScaleShiftBlock):
             isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0
         ):
             raise mapping_error(name, module, self.kind, f"eps must be a number >= 0, got {eps!r}")
-        spec = self.scale_shift_spec(name, module, eps=None if eps is None else float(eps))
+        extra: dict[str, Any] = {}
+        if options.get("offset") is not None:
+            offset = options["offset"]
+            if isinstance(offset, bool) or not isinstance(offset, (int, float)):
+                raise mapping_error(
+                    name, module, self.kind, f"offset must be a number, got {offset!r}"
+                )
+            extra["offset"] = float(offset)
+        spec = self.scale_shift_spec(name, module, eps=None if eps is None else float(eps), **extra)
         assert not isinstance(spec, str)
         return spec
 
@@ -77,8 +90,36 @@ class _TrailingNorm(ScaleShiftBlock):
             raise shape_error(spec, "input", f"trailing dimensions {shape}", x.shape)
         dims = tuple(range(x.dim() - k, x.dim()))
         y = normalise(x, dims, resolved_eps(spec.option("eps"), x.dtype), center=self.center)
-        y = y * params["weight"]
+        y = y * (params["weight"] + float(spec.option("offset", 0.0)))
         return y + params["bias"] if "bias" in params else y
+
+    def formula(self, spec: LayerSpec) -> str:
+        norm = "(x - mean(x)) / std(x)" if self.center else "x / rms(x)"
+        offset = spec.option("offset")
+        scale = "weight" if not offset else f"({offset:g} + weight)"
+        return f"{norm} * {scale}" + (" + bias" if spec.has_bias else "")
+
+    def mismatch_hint(
+        self,
+        spec: LayerSpec,
+        params: Mapping[str, torch.Tensor],
+        x: torch.Tensor,
+        got: torch.Tensor,
+        tol: float,
+    ) -> str | None:
+        """A norm that scales by ``1 + weight`` (Gemma's) is named with the mapping that
+        tells the kind so."""
+        if spec.option("offset") is None:
+            shifted = dataclasses.replace(
+                spec, options=tuple(sorted({**dict(spec.options), "offset": 1.0}.items()))
+            )
+            if float((self.output(shifted, params, x) - got).abs().max()) <= tol:
+                eps = spec.option("eps")
+                return (
+                    f"the module computes {self.formula(shifted)}: map its class with "
+                    f"kinds={{cls: ({self.kind!r}, {{'eps': {eps!r}, 'offset': 1.0}})}}"
+                )
+        return super().mismatch_hint(spec, params, x, got, tol)
 
     def unit_rows(
         self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor

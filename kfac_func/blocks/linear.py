@@ -70,6 +70,9 @@ class LinearBlock(LayerBlock):
         bias_name = f"{prefix}bias" if bias is not None else None
         return LayerSpec(name, self.kind, f"{prefix}weight", bias_name, d_in, d_out)
 
+    def formula(self, spec: LayerSpec) -> str:
+        return "x @ weight.T + bias" if spec.has_bias else "x @ weight.T"
+
     def _dims(self, name: str, module: nn.Module, weight: torch.Tensor) -> tuple[int, int]:
         """``(out, in)`` of a mapped module's 2-d weight."""
         if weight.dim() != 2:

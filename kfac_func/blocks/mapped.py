@@ -8,17 +8,15 @@ The mapping is checked twice:
 
 - at registration, against the module's own parameters (:func:`mapped_params`: a
   ``weight`` and an optional ``bias`` of the shapes the kind needs, nothing else);
-- on the module's first call (:func:`check_call`, run by the forward hooks of
-  :func:`checking`): the kind's own computation of the output from the call's input
-  (:meth:`LayerBlock.output`) must equal the module's output up to rounding, else a
-  ValueError names the module, its class, the kind and the largest difference.
+- on the module's first call (:mod:`kfac_func.blocks.checks`): the kind's own computation
+  of the output from the call's input (:meth:`LayerBlock.output`) must equal the module's
+  output up to rounding, else a ValueError names the module, its class, the kind and the
+  largest difference.
 """
 
 from __future__ import annotations
 
-import contextlib
-import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,13 +26,10 @@ from kfac_func.blocks.registry import block_of, blocks
 
 if TYPE_CHECKING:
     from kfac_func.blocks.base import LayerBlock
-    from kfac_func.blocks.spec import LayerSpec
 
 __all__ = [
     "KNOWN_KINDS",
     "KindMap",
-    "check_call",
-    "checking",
     "class_path",
     "mapped_block",
     "mapped_params",
@@ -46,13 +41,6 @@ KindMap = Mapping[type[nn.Module], "str | tuple[str, Mapping[str, Any]]"]
 """``{module class: kind}`` or ``{module class: (kind, options)}``."""
 
 Parsed = dict[type[nn.Module], tuple["LayerBlock", dict[str, Any]]]
-
-# the specs whose module's first call matched the kind (the check runs once per mapping)
-_CHECKED: weakref.WeakKeyDictionary[nn.Module, set[LayerSpec]] = weakref.WeakKeyDictionary()
-
-# how many units in the last place of the output dtype a mapped module's output may differ
-# from the kind's computation (float64) by, relative to the output's largest entry
-_ULPS = 64
 
 
 def class_path(cls: type) -> str:
@@ -140,17 +128,33 @@ _TRANSFORMERS_RMS_NORMS = (
     "granite.GraniteRMSNorm",
     "deepseek_v3.DeepseekV3RMSNorm",
     "smollm3.SmolLM3RMSNorm",
+    "mamba.MambaRMSNorm",
 )
 
-KNOWN_KINDS: dict[str, str] = {
-    f"transformers.models.{m}.modeling_{m}.{c}": "rms_norm"
-    for m, c in (n.split(".") for n in _TRANSFORMERS_RMS_NORMS)
+_TRANSFORMERS_OFFSET_RMS_NORMS = (
+    "gemma.GemmaRMSNorm",
+    "gemma2.Gemma2RMSNorm",
+    "gemma3.Gemma3RMSNorm",
+    "vaultgemma.VaultGemmaRMSNorm",
+    "t5gemma.T5GemmaRMSNorm",
+)
+
+KNOWN_KINDS: dict[str, str | tuple[str, dict[str, Any]]] = {
+    **{
+        f"transformers.models.{m}.modeling_{m}.{c}": "rms_norm"
+        for m, c in (n.split(".") for n in _TRANSFORMERS_RMS_NORMS)
+    },
+    **{
+        f"transformers.models.{m}.modeling_{m}.{c}": ("rms_norm", {"offset": 1.0})
+        for m, c in (n.split(".") for n in _TRANSFORMERS_OFFSET_RMS_NORMS)
+    },
 }
 """Classes of well-known model code mapped without ``kinds=`` (by ``module.QualName``, so
-that nothing is imported): Hugging Face ``transformers``' RMS norms that compute
-``weight · x / sqrt(mean(x²) + eps)`` (``eps`` their ``variance_epsilon``), as
-``nn.RMSNorm`` does. Their first call is checked like any mapping. Norms that scale by
-``1 + weight`` (Gemma) are not among them. A ``kinds=`` entry for a class wins."""
+that nothing is imported), to a kind or ``(kind, options)``: Hugging Face ``transformers``'
+RMS norms that compute ``weight · x / sqrt(mean(x²) + eps)`` (``eps`` their
+``variance_epsilon``), as ``nn.RMSNorm`` does, and Gemma's, which scale by ``1 + weight``
+(``offset`` 1). Their first call is checked like any mapping. A ``kinds=`` entry for a
+class wins."""
 
 
 def mapped_block(module: nn.Module, parsed: Parsed) -> tuple[LayerBlock, dict[str, Any]] | None:
@@ -165,14 +169,22 @@ def mapped_block(module: nn.Module, parsed: Parsed) -> tuple[LayerBlock, dict[st
     for cls in type(module).__mro__:
         if cls in parsed:
             return parsed[cls]
-    kind = KNOWN_KINDS.get(class_path(type(module)))
-    return None if kind is None else (block_of(kind), {})
+    known = KNOWN_KINDS.get(class_path(type(module)))
+    if known is None:
+        return None
+    kind, options = (known, {}) if isinstance(known, str) else known
+    return block_of(kind), dict(options)
 
 
-def mapping_error(name: str, module: nn.Module, kind: str, why: str) -> ValueError:
-    """A ValueError naming the module, its class and the kind ``kinds=`` mapped it to."""
+def mapping_error(
+    name: str, module: nn.Module, kind: str, why: str, known: bool | None = None
+) -> ValueError:
+    """A ValueError naming the module, its class and the kind ``kinds=`` (or, ``known``,
+    :data:`KNOWN_KINDS`; None: whichever names its class) mapped it to."""
     path = class_path(type(module))
-    by = "KNOWN_KINDS (override it with kinds=)" if path in KNOWN_KINDS else "kinds="
+    if known is None:
+        known = path in KNOWN_KINDS
+    by = "KNOWN_KINDS (override it with kinds=)" if known else "kinds="
     return ValueError(f"module {name!r} ({path}) is mapped to kind {kind!r} by {by}, but {why}")
 
 
@@ -192,124 +204,3 @@ def mapped_params(
             f"has {sorted(own)}",
         )
     return own["weight"], own.get("bias")
-
-
-def check_call(spec: LayerSpec, module: nn.Module, x: Any, out: Any) -> None:
-    """Raise a ValueError naming the module unless its output ``out`` for input ``x``
-    equals the output of its mapped kind (:meth:`LayerBlock.output`, in float64) up to
-    rounding in ``out``'s dtype. Inputs the check cannot read (meta tensors, batched
-    tensors of ``vmap``, tensor subclasses) pass.
-
-    Example:
-        >>> import torch
-        >>> from torch import nn
-        >>> from kfac_func.blocks import register
-        >>> class Scale(nn.Module):  # not a layer norm: no normalisation
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.weight = nn.Parameter(torch.ones(3))
-        ...     def forward(self, x):
-        ...         return x * self.weight
-        >>> model = Scale()
-        >>> spec = register(model, kinds={Scale: "layer_norm"})[""]
-        >>> x = torch.tensor([[1.0, 2.0, 4.0]])
-        >>> check_call(spec, model, x, model(x))  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        ValueError: module '' (...Scale) is mapped to kind 'layer_norm' by kinds=, but ...
-    """
-    if not (_readable(x) and _readable(out)):
-        return
-    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-    if not isinstance(weight, torch.Tensor):
-        return
-    params = {"weight": weight.detach().double()}
-    if isinstance(bias, torch.Tensor):
-        params["bias"] = bias.detach().double()
-    xd = x.detach()
-    try:
-        ref = spec.block.output(spec, params, xd if not xd.is_floating_point() else xd.double())
-    except ValueError as err:
-        why = f"its input does not fit: {err}"
-        raise mapping_error(spec.name, module, spec.kind, why) from None
-    got = out.detach().double()
-    if ref.shape != got.shape:
-        raise mapping_error(
-            spec.name,
-            module,
-            spec.kind,
-            f"its output has shape {tuple(got.shape)} where the kind computes {tuple(ref.shape)}",
-        )
-    diff = float((ref - got).abs().max()) if got.numel() else 0.0
-    scale = float(ref.abs().max()) if ref.numel() else 0.0
-    dtype = out.dtype if out.is_floating_point() else torch.float32
-    # a module may compute in float32 inside a float64 model (transformers' RMS norms do)
-    eps = max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps)
-    tol = _ULPS * eps * max(scale, torch.finfo(dtype).tiny)
-    if not diff <= tol:
-        options = {k: v for k, v in spec.options if k in spec.block.mapped_options}
-        raise mapping_error(
-            spec.name,
-            module,
-            spec.kind,
-            f"on its first call its output differs from what the kind computes from the "
-            f"same input by up to {diff:.3g} (largest output {scale:.3g}, allowed {tol:.3g} "
-            f"in {dtype}); the module computes something else{_with(options)}",
-        )
-
-
-def _with(options: dict[str, Any]) -> str:
-    if not options:
-        return ""
-    shown = ", ".join(f"{k}={v!r}" for k, v in sorted(options.items()))
-    return f", or with other options than {shown} (give them as kinds={{cls: (kind, {{...}})}})"
-
-
-def _readable(t: Any) -> bool:
-    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-        return False
-    if type(t) not in (torch.Tensor, nn.Parameter):
-        return False
-    return not torch._C._functorch.is_batchedtensor(t)
-
-
-@contextlib.contextmanager
-def checking(model: nn.Module, specs: Mapping[str, LayerSpec]) -> Iterator[None]:
-    """While entered, forward hooks check the first call of every module mapped by
-    ``kinds=`` (:func:`check_call`); modules already checked are not hooked.
-
-    Example:
-        >>> import torch
-        >>> from torch import nn
-        >>> model = nn.Sequential(nn.Linear(2, 2))
-        >>> with checking(model, {}):
-        ...     _ = model(torch.ones(1, 2))
-    """
-    handles = check_hooks(model, specs)
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def check_hooks(model: nn.Module, specs: Mapping[str, LayerSpec]) -> list[Any]:
-    """The handles of forward hooks that check the first call of each mapped module (the
-    preconditioners keep them with their other hooks)."""
-    handles = []
-    for spec in specs.values():
-        if spec.option("mapped") is None:
-            continue
-        module = model.get_submodule(spec.module)
-        if spec in _CHECKED.get(module, ()):
-            continue
-
-        def hook(m: nn.Module, args: tuple[Any, ...], out: Any, spec: LayerSpec = spec) -> None:
-            if not args or spec in _CHECKED.get(m, ()):
-                return
-            check_call(spec, m, args[0], out)
-            if _readable(args[0]) and _readable(out):
-                _CHECKED.setdefault(m, set()).add(spec)
-
-        handles.append(module.register_forward_hook(hook))
-    return handles

@@ -13,14 +13,19 @@ import re
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from kfac_func.blocks.checks import overrides_forward
 from kfac_func.blocks.mapped import KindMap, Parsed, class_path, mapped_block, parse_kinds
 from kfac_func.blocks.registry import blocks
 from kfac_func.blocks.spec import LayerSpec
-from kfac_func.blocks.tied import tied_specs
+from kfac_func.blocks.tied import EMBEDDING_KINDS, tied_specs
+
+if TYPE_CHECKING:
+    from kfac_func.blocks.base import LayerBlock
 
 __all__ = ["KFAC_APPROX", "LayerTable", "no_layers_error", "register"]
 
@@ -102,11 +107,45 @@ def _specs_for(name: str, module: nn.Module, kinds: Parsed | None = None) -> lis
         block, options = mapped
         spec = block.mapped_spec(name, module, options)
         opts = {**dict(spec.options), "mapped": class_path(type(module))}
+        if not any(cls in (kinds or {}) for cls in type(module).__mro__):
+            opts["mapped_by"] = "KNOWN_KINDS"
         return [dataclasses.replace(spec, options=tuple(sorted(opts.items())))]
     for block in blocks():
         if block.matches(module):
-            return block.specs(name, module)
+            return _recognised(name, module, block)
     return _unsupported(module)
+
+
+def _recognised(name: str, module: nn.Module, block: LayerBlock) -> list[LayerSpec] | str:
+    """The specs of a module a kind recognised by itself. A module whose class is not the
+    kind's own torch class (a subclass, a class recognised by name), or whose spec reads
+    attributes the torch class does not use (an embedding's scale), is checked on its first
+    call (option ``"checked"``: its class) where the kind computes outputs; where it does
+    not, a class that overrides ``forward`` is skipped: nothing could check it."""
+    specs = block.specs(name, module)
+    own = type(module) in block.module_types and not block.reads_attributes
+    if isinstance(specs, str) or own:
+        return specs
+    path = class_path(type(module))
+    if not block.checkable:
+        if not overrides_forward(module, block.module_types):
+            return specs
+        return (
+            f"{path} overrides the forward of {_base_name(block)}, and kind "
+            f"{block.kind!r} cannot check what it computes; its parameters are left to "
+            "the other optimizer"
+        )
+    out = []
+    for spec in specs:
+        if spec.name == name and spec.module == name:
+            opts = {**dict(spec.options), "checked": path}
+            spec = dataclasses.replace(spec, options=tuple(sorted(opts.items())))
+        out.append(spec)
+    return out
+
+
+def _base_name(block: LayerBlock) -> str:
+    return block.module_types[0].__name__ if block.module_types else "its kind's class"
 
 
 def _unsupported(module: nn.Module) -> str:
@@ -121,10 +160,22 @@ def _unsupported(module: nn.Module) -> str:
         kind = "rms_norm" if "rms" in lower else "layer_norm"
     elif isinstance(weight, torch.Tensor) and weight.dim() == 2 and "linear" in lower:
         kind = "linear"
-    if kind is None:
+    if kind is None or weight is None:
         return why
     what = {"layer_norm": "a layer norm", "rms_norm": "an RMS norm", "linear": "x @ weight.T"}
-    return f"{why}; if it computes {what[kind]}, map it with kinds={{{cls.__name__}: {kind!r}}}"
+    hint = f"{why}; if it computes {what[kind]}, map it with kinds={{{cls.__name__}: {kind!r}}}"
+    if kind != "linear" and _all_zero(weight):  # Gemma's norms: 1 + weight, from zero
+        hint += (
+            f" (if it scales by 1 + weight, as norms whose weight starts at zero do: "
+            f"kinds={{{cls.__name__}: ({kind!r}, {{'offset': 1.0}})}})"
+        )
+    return hint
+
+
+def _all_zero(weight: torch.Tensor) -> bool:
+    if weight.device.type == "meta" or type(weight) not in (torch.Tensor, nn.Parameter):
+        return False
+    return bool(weight.numel()) and not bool(weight.detach().any())
 
 
 def _bounded(spec: LayerSpec, max_factor_dim: int | None) -> LayerSpec:
@@ -335,7 +386,7 @@ def _tied(model: nn.Module, specs: list[LayerSpec]) -> dict[str, str]:
         shared = canonical.get(key, uses[0][2])
         why = "not an embedding and a head"
         if len(layers) == 2:
-            pair = sorted((by_name[n] for n in layers), key=lambda s: s.kind != "embedding")
+            pair = sorted((by_name[n] for n in layers), key=lambda s: s.kind not in EMBEDDING_KINDS)
             bias = pair[1].bias
             if bias is not None:  # its name in named_parameters() (BERT's head shares it)
                 bias = canonical.get(id(model.get_parameter(bias)), bias)

@@ -53,7 +53,10 @@ from kfac_func.blocks.base import LayerBlock
 from kfac_func.blocks.registry import register_block
 from kfac_func.blocks.spec import Gram, LayerSpec, row_gram, shape_error
 
-__all__ = ["EmbeddingUse", "HeadUse", "TiedBlock", "newly_tied", "tied_specs"]
+__all__ = ["EMBEDDING_KINDS", "EmbeddingUse", "HeadUse", "TiedBlock", "newly_tied", "tied_specs"]
+
+EMBEDDING_KINDS = ("embedding", "scaled_embedding")
+"""The kinds of an embedding that may be tied to a head."""
 
 
 class HeadUse(Gram):
@@ -111,6 +114,52 @@ class TiedBlock(LayerBlock):
         raise TypeError(f"layer {spec.name!r} ({spec.kind}): statistics need joint_grams")
 
     @staticmethod
+    def embedding_scale(spec: LayerSpec) -> float:
+        """The constant the embedding multiplies its lookup by (1 but for a scaled
+        embedding, :mod:`kfac_func.blocks.scaled_embedding`): its use's output-gradients
+        reach the weight multiplied by it."""
+        return float(spec.option("embedding_scale", 1.0))
+
+    def embedding_spec(self, spec: LayerSpec) -> LayerSpec:
+        """The embedding of the tied layer as a layer of its own (its kind, the shared
+        weight in the embedding's orientation).
+
+        Example:
+            >>> from torch import nn
+            >>> from kfac_func.blocks import register
+            >>> model = nn.Sequential(nn.Embedding(7, 3), nn.Linear(3, 7, bias=False))
+            >>> model[1].weight = model[0].weight
+            >>> spec = register(model)["1"]
+            >>> emb = spec.block.embedding_spec(spec)
+            >>> emb.name, emb.kind, emb.weight_shape
+            ('0', 'embedding', (7, 3))
+        """
+        scale = spec.option("embedding_scale")
+        options = () if scale is None else (("scale", float(scale)),)
+        return LayerSpec(
+            str(spec.option("tied")),
+            "embedding" if scale is None else "scaled_embedding",
+            spec.weight,
+            None,
+            spec.out_dim,
+            spec.in_dim,
+            diagonal=(True, False),
+            options=options,
+        )
+
+    def checked_calls(self, spec: LayerSpec) -> list[tuple[str, LayerSpec, bool]]:
+        """The embedding's first call, checked as its kind's, when its class is not the
+        torch class; the head's as a linear's, likewise."""
+        out = []
+        if spec.option("tied_checked") is not None:
+            emb = self.embedding_spec(spec)
+            out.append((emb.name, emb, False))
+        if spec.option("checked") is not None:
+            head = LayerSpec(spec.name, "linear", spec.weight, spec.bias, spec.in_dim, spec.out_dim)
+            out.append((spec.name, head, False))
+        return out
+
+    @staticmethod
     def is_embedding_call(x: torch.Tensor, r: torch.Tensor) -> bool:
         """Whether a call is the embedding's: its input (token ids) has one dimension less
         than its output-gradient; the head's input has as many."""
@@ -139,7 +188,7 @@ class TiedBlock(LayerBlock):
                     f"layer {spec.name!r} ({spec.kind}): token index {counts.shape[0] - 1} is "
                     f"out of range for {v} embeddings"
                 )
-            rows = r.to(dtype).reshape(-1, d)
+            rows = r.to(dtype).reshape(-1, d) * self.embedding_scale(spec)
             gram = row_gram(rows, False, spec.a_diagonal)
             if spec.has_bias:  # the embedding does not use the head's bias: zeros there
                 gram = nn.functional.pad(gram, (0, 1) if spec.a_diagonal else (0, 1, 0, 1))
@@ -168,7 +217,7 @@ class TiedBlock(LayerBlock):
         if self.is_embedding_call(x, r):
             ids = x.reshape(n, -1).long()
             onehot = nn.functional.one_hot(ids, v).to(r.dtype)
-            rows = r.reshape(n, -1, d)
+            rows = r.reshape(n, -1, d) * self.embedding_scale(spec)
             if spec.has_bias:  # no use of the head's bias
                 rows = nn.functional.pad(rows, (0, 1))
             return rows, onehot
@@ -193,12 +242,21 @@ def tied_specs(
         >>> spec.name, spec.weight, spec.diagonal
         ('lm_head', 'wte.weight', (False, True))
     """
-    if embedding.kind != "embedding" or head.kind != "linear":
+    if embedding.kind not in EMBEDDING_KINDS or head.kind != "linear":
         return f"kinds {embedding.kind!r} and {head.kind!r} are not an embedding and a head"
     if (embedding.in_dim, embedding.out_dim) != (head.out_dim, head.in_dim):
         return f"shapes {embedding.weight_shape} and {head.weight_shape} disagree"
     if head.option("rows") is not None or head.module != head.name:
         return f"the head {head.name!r} is a part of another module"
+    options: dict[str, Any] = {"tied": embedding.name}
+    if embedding.kind == "scaled_embedding":
+        options["embedding_scale"] = float(embedding.option("scale"))
+    # the first calls still checked: the embedding's (as its kind) and the head's
+    checked = embedding.option("checked") or embedding.option("mapped")
+    if checked is not None:
+        options["tied_checked"] = checked
+    if head.option("checked") or head.option("mapped"):
+        options["checked"] = head.option("checked") or head.option("mapped")
     return LayerSpec(
         head.name,
         TiedBlock.kind,
@@ -207,7 +265,7 @@ def tied_specs(
         head.in_dim,
         head.out_dim,
         diagonal=(head.a_diagonal or embedding.g_diagonal, True),
-        options=(("tied", embedding.name),),
+        options=tuple(sorted(options.items())),
     )
 
 

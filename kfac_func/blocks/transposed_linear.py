@@ -63,6 +63,9 @@ class TransposedLinearBlock(LinearBlock):
         d_in, d_out = weight.shape
         return LayerSpec(name, self.kind, f"{prefix}weight", bias_name, int(d_in), int(d_out))
 
+    def formula(self, spec: LayerSpec) -> str:
+        return "x @ weight + bias" if spec.has_bias else "x @ weight"
+
     def _dims(self, name: str, module: nn.Module, weight: torch.Tensor) -> tuple[int, int]:
         d_in, d_out = super()._dims(name, module, weight)
         return d_out, d_in  # the weight is (in, out)

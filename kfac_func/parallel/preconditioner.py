@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 from kfac_func.adapter.arguments import ComputeMethod, log_registered
-from kfac_func.blocks.mapped import KindMap, check_hooks
+from kfac_func.blocks.checks import check_hooks
+from kfac_func.blocks.mapped import KindMap
 from kfac_func.distributed.plan import AssignmentStrategy
 from kfac_func.parallel.base import Group
 from kfac_func.parallel.checkpointing import ParallelCheckpointing
