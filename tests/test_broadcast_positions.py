@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import named
 from torch import nn
 
 import kfac_func as kf
@@ -63,7 +64,7 @@ def test_shared_positions_give_the_factors_of_explicit_ones(layout: str, scaling
     got, got_grads = _adapter_factors(layout, scaling)
     for name in want:
         for g, w in zip(got[name], want[name]):
-            torch.testing.assert_close(g, w, rtol=1e-13, atol=1e-15, msg=name)
+            torch.testing.assert_close(g, w, rtol=1e-13, atol=1e-15, msg=named(name))
     for name in want_grads:
         torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-12, atol=1e-14)
 
@@ -84,7 +85,7 @@ def test_capture_expands_shared_positions_as_the_adapter(layout: str) -> None:
     want, got = factors("explicit"), factors(layout)
     for name in want:
         for g, w in zip(got[name], want[name]):
-            torch.testing.assert_close(g, w, rtol=1e-13, atol=1e-15, msg=name)
+            torch.testing.assert_close(g, w, rtol=1e-13, atol=1e-15, msg=named(name))
 
 
 def test_outside_collection_the_output_keeps_its_shape() -> None:

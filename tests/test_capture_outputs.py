@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from numerics import named
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.cache_utils import DynamicCache
@@ -56,7 +57,7 @@ def test_gpt2_with_its_cache_grads_equal_autograd_and_captures_the_adapter() -> 
     torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=0)
     assert sorted(grads) == sorted(params)
     for name, p in params.items():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-14, msg=name)
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-14, msg=named(name))
 
     # the factors of these captures equal those of the preconditioner's hooks
     with warnings.catch_warnings():
@@ -128,7 +129,7 @@ def test_dataclass_and_dict_outputs_grads_equal_autograd(kind: str) -> None:
     want_grads = torch.autograd.grad(want, list(params.values()))
     torch.testing.assert_close(loss, want.detach(), rtol=1e-14, atol=0)
     for name, w in zip(params, want_grads):
-        torch.testing.assert_close(grads[name], w, rtol=1e-12, atol=1e-15, msg=name)
+        torch.testing.assert_close(grads[name], w, rtol=1e-12, atol=1e-15, msg=named(name))
     assert caps.layers["fc2"].inputs[0].shape == (6, 5)
     # fc2's output-gradient is d loss / d logits
     y = model.fc2(torch.tanh(model.fc1(x)))

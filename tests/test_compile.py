@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import named
 from torch import nn
 
 import kfac_func as kf
@@ -42,7 +43,7 @@ def _state() -> tuple[kf.KFACState, dict[str, torch.Tensor]]:
 def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert sorted(a) == sorted(b)
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-8, equal_nan=True, msg=k)
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-8, equal_nan=True, msg=named(k))
 
 
 def test_compiled_precondition_only_update_equals_eager() -> None:

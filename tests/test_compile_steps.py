@@ -17,6 +17,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import (
+    MOMENTS,
+    assert_close_to_scale,
+    assert_close_where_determined,
+    damped_rtol,
+    eigenvector_sensitivity,
+)
 from test_host_syncs import SyncCount
 from torch import nn
 
@@ -86,8 +93,16 @@ def test_every_step_kind_compiles_whole_and_equals_eager(case: str) -> None:
             ref, states[0] = kf.update(states[0], grads, **kw)
         assert sc.count == 0, (i, factors, inverses)
         got, states[1] = compiled(states[1], grads, **kw)
-        for k in grads:
-            torch.testing.assert_close(got[k], ref[k], rtol=1e-10, atol=1e-12)
+        # the compiled kernels round otherwise: Adam's step in the eigenbasis compared
+        # where the factors determine it (softmax's gradient sums to zero: G of the head
+        # has a null direction), the damped steps to their condition number
+        if step_kw.get("eigenbasis_moments"):
+            assert_close_where_determined(got, ref, states[0], **MOMENTS)
+        else:
+            rtol = damped_rtol(states[0], 1e-2, torch.float64)
+            if init_kw.get("compute_method") == "ekfac":
+                rtol *= eigenvector_sensitivity(states[0])
+            assert_close_to_scale(got, ref, rtol=min(rtol, 1e-6))
         assert not torch.equal(got["0.weight"], grads["0.weight"])
     for name, ls in states[1].layers.items():
         other = states[0].layers[name]

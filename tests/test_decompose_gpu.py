@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import named
 from torch import nn
 
 import kfac_func as kf
@@ -83,7 +84,7 @@ def assert_eigen_close(got: kf.EigenDecomposition, want: kf.EigenDecomposition, 
         (got.qa, got.da, want.qa, want.da),
         (got.qg, got.dg, want.qg, want.dg),
     ):
-        torch.testing.assert_close(d, d_ref, rtol=1e-5, atol=1e-6, msg=what)
+        torch.testing.assert_close(d, d_ref, rtol=1e-5, atol=1e-6, msg=named(what))
         assert q is not None and q_ref is not None and q.is_contiguous()
         torch.testing.assert_close(
             q @ torch.diag(d) @ q.T, q_ref @ torch.diag(d_ref) @ q_ref.T, rtol=1e-5, atol=1e-6
@@ -110,7 +111,7 @@ def test_batched_eigh_equals_the_per_factor_path(device: torch.device) -> None:
     p_batched = kf.precondition_grads(batched, grads, damping=1e-2, kl_clip=None)
     p_per = kf.precondition_grads(per, grads, damping=1e-2, kl_clip=None)
     for k in grads:
-        torch.testing.assert_close(p_batched[k], p_per[k], rtol=1e-4, atol=1e-6, msg=k)
+        torch.testing.assert_close(p_batched[k], p_per[k], rtol=1e-4, atol=1e-6, msg=named(k))
 
 
 def test_batched_eigh_stacks_equal_shapes_into_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -235,8 +236,8 @@ def test_batched_eigh_in_update_and_update_distributed(device: torch.device) -> 
         state, grads, captures=caps, plan=plan, comm=comm, kl_clip=None, batched_eigh=True
     )
     for k in grads:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6, msg=k)
-        torch.testing.assert_close(got_d[k], got[k], rtol=1e-4, atol=1e-6, msg=k)
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6, msg=named(k))
+        torch.testing.assert_close(got_d[k], got[k], rtol=1e-4, atol=1e-6, msg=named(k))
     assert all(ls.decomposition is not None for ls in new.layers.values())
     assert all(ls.decomposition is not None for ls in new_d.layers.values())
 

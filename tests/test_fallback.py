@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gloo import gloo_group, record_errors, spawn
+from numerics import named
 from torch import nn
 
 import kfac_func as kf
@@ -132,7 +133,7 @@ def test_state_dicts_carry_the_demotions() -> None:
             opt.step(_closure(opt, model, seed))
             resumed.step(_closure(resumed, resumed_model, seed))
     for (name, p), q in zip(model.named_parameters(), resumed_model.parameters()):
-        torch.testing.assert_close(q, p, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(q, p, rtol=0, atol=0, msg=named(name))
 
 
 def test_a_preconditioner_alone_passes_their_gradients_unchanged() -> None:

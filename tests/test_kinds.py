@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import named
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -344,6 +345,6 @@ def test_known_transformers_norms_are_rms_norms_without_kinds() -> None:
         with torch.no_grad():  # Gemma's scale by 1 + weight
             ref.weight.copy_(norm.weight + options.get("offset", 0.0))
         x = torch.randn(5, 6)
-        torch.testing.assert_close(norm(x), ref(x), rtol=1e-6, atol=1e-6, msg=path)
+        torch.testing.assert_close(norm(x), ref(x), rtol=1e-6, atol=1e-6, msg=named(path))
         with checking(net, layers):  # the first call computes what the kind computes
             net(torch.randn(5, 4))

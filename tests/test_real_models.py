@@ -20,6 +20,7 @@ import pytest
 import torch
 from fixture_models import FIXTURES, Fixture, T
 from gloo import gloo_group, one_thread, record_errors, spawn
+from numerics import named
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -108,7 +109,7 @@ def test_adapter_equals_capture_and_update(name: str) -> None:
         out, state = kf.update(state, grads, captures=caps, **HYPER)
         got = _grads(model)
         for n in got:
-            torch.testing.assert_close(got[n], out[n], rtol=1e-12, atol=1e-14, msg=n)
+            torch.testing.assert_close(got[n], out[n], rtol=1e-12, atol=1e-14, msg=named(n))
             changed |= not torch.allclose(got[n], raw[n])
         opt.step()
         params = {k: v.add(out[k], alpha=-0.1) for k, v in params.items()}  # as SGD

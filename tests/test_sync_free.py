@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gloo import gloo_group, record_errors, spawn
+from numerics import named
 from torch import nn
 
 import kfac_func as kf
@@ -54,7 +55,7 @@ PRECONDITION_ONLY = {"update_factors": False, "update_inverses": False, "damping
 def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert sorted(a) == sorted(b)
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, equal_nan=True, msg=k)
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, equal_nan=True, msg=named(k))
 
 
 @pytest.mark.parametrize("method", ["eigen", "inverse", "ekfac"])
