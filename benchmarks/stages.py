@@ -36,10 +36,12 @@ dict, and the stage functions return new tensors).
 - ``fold``: ``step.grouped_fold.fold_layers_grouped`` (the running averages, their
   finiteness checks).
 - ``decomposition: eigh``: ``step.decompose.decompose_layers`` (``grouped=True``: one
-  batched ``eigh`` per shape, its checks, the precomputed ``1/(dg daᵀ + λ)``);
-  ``decomposition: QR refresh``: the same function with the state's
-  ``eigenbasis_refresh="qr"`` (one warm-started power iteration + QR per factor, from
-  the snapshot's eigenbases; not the recipe's setting).
+  batched ``eigh`` per shape, its checks, the precomputed ``1/(dg daᵀ + λ)``, the lone
+  factors one by one); ``of which the batched eighs``: ``step.decompose.batched_eigenpairs``,
+  the first thing that function calls; ``decomposition: QR refresh``: the same function
+  with the state's ``eigenbasis_refresh="qr"`` (one warm-started power iteration + QR
+  per factor, from the snapshot's eigenbases, factor by factor: refreshed sides are not
+  batched; not the recipe's setting).
 - ``carry moments``: ``step.basis.carry_moments`` (the moments rotated into the new
   eigenbases after an ``eigh``).
 - ``precondition stage``: ``step.grouped.precondition_layers_grouped`` (gradients to
@@ -72,17 +74,17 @@ Floors
 ------
 Next to each K-FAC stage, its arithmetic: the multiply-adds of its products and the
 bytes its elementwise work must at least read and write, and the milliseconds these
-take at the machine's rates measured in the same run (one large float32 matmul; one
-large elementwise add for the memory bandwidth; the higher of a measurement before and
-after the workloads). The multiply-adds: a Gram of ``r`` rows of width ``n``, ``r·n²``
-(full products, as torch computes them); an ``n``-wide ``eigh``, ``(4/3)·n³`` (the
-tridiagonal reduction and the back-transformation of the eigenvectors: LAPACK's whole
-``eigh`` does up to about 4.5 n³); a QR refresh, ``(7/3)·n³`` (``F·Q``, then a
-Householder QR with ``Q`` formed); the projections, the four products of ``Qgᵀ M Qa``
-and ``Qg V Qaᵀ``; the carry, ``Q_newᵀ Q_old`` per side and the moments' two sandwiches.
+take at the machine's rates measured in the same run (one large float32 matmul, and one
+in bfloat16; one large elementwise add for the memory bandwidth; the higher of a
+measurement before and after the workloads). The multiply-adds
+(``benchmarks/stage_arithmetic.py``): a Gram of ``r`` rows of width ``n``, ``r·n²``
+(full products, as torch computes them); an ``n``-wide ``eigh``, ``(4/3)·n³``; a QR
+refresh, ``(7/3)·n³``; the projections, the four products of ``Qgᵀ M Qa`` and
+``Qg V Qaᵀ``; the carry, ``Q_newᵀ Q_old`` per side and the moments' two sandwiches.
+Elementwise stages (batch factors, fold, moments, write-back, update) count bytes only.
 Muon's floor is its Newton–Schulz products (5 iterations of ``2·m²·n + m³`` for an
-``m × n`` matrix, ``m ≤ n``) at the float32 rate. ``× floor`` is a row's time over its
-floor.
+``m × n`` matrix, ``m ≤ n``), at the bfloat16 rate for ``torch.optim.Muon`` and the
+float32 rate for the float32 variant. ``× floor`` is a row's time over its floor.
 
 Timing
 ------
@@ -98,12 +100,11 @@ import argparse
 import copy
 import dataclasses
 import json
-import math
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,19 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # this checkout's kfac_fun
 import optimizers  # noqa: E402
 import race  # noqa: E402
 import race_workloads as rw  # noqa: E402
+from stage_arithmetic import (  # noqa: E402
+    EIGH_MACS,
+    NS_STEPS,
+    QR_MACS,
+    Floor,
+    Muon32,
+    bf16_flags,
+    cube_macs,
+    matmul_macs,
+    measure_rates,
+    newton_schulz_macs,
+    tensor_bytes,
+)
 from step_time import git_commit, print_table  # noqa: E402
 
 import kfac_func as kf  # noqa: E402
@@ -125,7 +139,11 @@ from kfac_func.core.basis_moments import adam_in_basis, from_basis, to_basis  # 
 from kfac_func.state import KFACState, LayerState  # noqa: E402
 from kfac_func.step.basis import basis_of, carry_moments, moment_bases  # noqa: E402
 from kfac_func.step.checks import layer_grads  # noqa: E402
-from kfac_func.step.decompose import decompose_layers  # noqa: E402
+from kfac_func.step.decompose import (  # noqa: E402
+    batched_eigenpairs,
+    decompose_layers,
+    needs_decomposition,
+)
 from kfac_func.step.grouped import precondition_layers_grouped  # noqa: E402
 from kfac_func.step.grouped_fold import fold_layers_grouped  # noqa: E402
 from kfac_func.step.grouping import plan_groups  # noqa: E402
@@ -135,174 +153,6 @@ WORKLOADS = ("lm", "lm4x", "gpt2")
 RESULTS = ROOT / "benchmarks" / "results"
 EXCLUDE = ("benchmarks/results",)
 """Paths a run writes: changes there do not make the tree dirty."""
-EIGH_MACS = 4.0 / 3.0  # × n³: tridiagonal reduction + back-transformation of the vectors
-QR_MACS = 7.0 / 3.0  # × n³: F·Q, Householder QR, Q formed
-NS_STEPS = 5
-
-
-# --------------------------------------------------------------------------- machine
-
-
-def bf16_flags() -> dict[str, bool]:
-    """Whether the CPU advertises native bfloat16 arithmetic (``/proc/cpuinfo``'s flags;
-    all False where the file is missing)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        text = ""
-    flags = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    return {f: f in flags for f in ("avx512_bf16", "amx_bf16", "amx_tile", "avx512f")}
-
-
-def _best_seconds(fn: Callable[[], Any], reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def measure_rates(n: int, elements: int, reps: int = 3) -> dict[str, float]:
-    """The machine's rates now: multiply-adds per second of one ``n × n`` float32 (and
-    bfloat16) matmul, and bytes per second of an elementwise float32 add of ``elements``
-    (two read, one written); the best of ``reps``."""
-    g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
-    out = {"matmul_n": float(n)}
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        x, y = a.to(dtype), b.to(dtype)
-        out[f"matmul_{name}_macs_per_s"] = n**3 / _best_seconds(lambda x=x, y=y: x @ y, reps)
-    u, v = torch.randn(elements, generator=g), torch.randn(elements, generator=g)
-    w = torch.empty_like(u)
-    out["memory_bytes_per_s"] = (
-        3 * 4 * elements / _best_seconds(lambda: torch.add(u, v, out=w), reps)
-    )
-    return out
-
-
-# --------------------------------------------------------------------------- Muon in float32
-
-
-def orthogonalize_fp32(
-    m: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
-) -> torch.Tensor:
-    """Muon's quintic Newton–Schulz iteration towards the orthogonal factor of ``m``,
-    computed in float32 throughout: with ``X`` normalised to unit Frobenius norm (the
-    wide orientation), ``X ← a·X + (b·A + c·A²)·X`` with ``A = X Xᵀ``, ``steps`` times."""
-    a, b, c = coefficients
-    x = m.float()
-    wide = x.shape[0] <= x.shape[1]
-    if not wide:
-        x = x.mT
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(steps):
-        gram = x @ x.mT
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, poly, x, beta=a)
-    return x if wide else x.mT
-
-
-class Muon32(torch.optim.Muon):
-    """``torch.optim.Muon`` with its Newton–Schulz iteration in float32
-    (:func:`orthogonalize_fp32`) instead of bfloat16: the same momentum, Nesterov
-    look-ahead, weight decay and learning-rate adjustment, read from its parameter
-    groups."""
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        loss = None if closure is None else closure()
-        for group in self.param_groups:
-            lr, decay, beta = group["lr"], group["weight_decay"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - beta)
-                direction = p.grad.lerp(buf, beta) if group["nesterov"] else buf
-                o = orthogonalize_fp32(
-                    direction, group["ns_coefficients"], group["ns_steps"], group["eps"]
-                )
-                rows, cols = p.shape[:2]
-                scale = _muon_lr_scale(group["adjust_lr_fn"], rows, cols)
-                p.mul_(1 - lr * decay)
-                p.add_(o.to(p.dtype), alpha=-lr * scale)
-        return loss
-
-
-def _muon_lr_scale(rule: str | None, rows: int, cols: int) -> float:
-    """The factor ``torch.optim.Muon`` applies to the learning rate of a ``rows × cols``
-    matrix under its ``adjust_lr_fn`` rule."""
-    if rule is None or rule == "original":
-        return math.sqrt(max(1.0, rows / cols))
-    if rule == "match_rms_adamw":
-        return 0.2 * math.sqrt(max(rows, cols))
-    return 1.0
-
-
-def newton_schulz_macs(shapes: Iterable[Sequence[int]], steps: int = NS_STEPS) -> float:
-    """Multiply-adds of Muon's iterations over matrices of ``shapes``: per iteration of
-    an ``m × n`` matrix (``m ≤ n``) ``X Xᵀ`` (m²n), ``A·A`` (m³) and ``B·X`` (m²n)."""
-    total = 0.0
-    for shape in shapes:
-        m, n = sorted(shape[:2])
-        total += steps * (2 * m * m * n + m**3)
-    return total
-
-
-# --------------------------------------------------------------------------- arithmetic
-
-
-def matmul_macs(a: Sequence[int], b: Sequence[int]) -> float:
-    """Multiply-adds of ``A @ B`` for shapes ``(..., i, j)`` and ``(..., j, k)``.
-
-    Example:
-        >>> matmul_macs((4, 2, 3), (3, 5))
-        120.0
-    """
-    batch = torch.broadcast_shapes(tuple(a[:-2]), tuple(b[:-2]))
-    return float(math.prod(batch) * a[-2] * a[-1] * b[-1])
-
-
-def cube_macs(q: torch.Tensor | None, per_n3: float) -> float:
-    """``per_n3 · n³`` for every ``n × n`` matrix of a (stacked) basis; 0 for None."""
-    if q is None:
-        return 0.0
-    n = q.shape[-1]
-    return per_n3 * math.prod(q.shape[:-2]) * n**3
-
-
-def _bytes(tensors: Iterable[torch.Tensor | None]) -> float:
-    return float(sum(t.numel() * t.element_size() for t in tensors if t is not None))
-
-
-@dataclass
-class Floor:
-    """A stage's arithmetic: multiply-adds (at the matmul rate) and bytes (at the memory
-    rate)."""
-
-    macs: float = 0.0
-    bytes: float = 0.0
-
-    def ms(self, rates: dict[str, float]) -> float:
-        return 1e3 * (
-            self.macs / rates["matmul_float32_macs_per_s"]
-            + self.bytes / rates["memory_bytes_per_s"]
-        )
-
-    def __add__(self, other: Floor) -> Floor:
-        return Floor(self.macs + other.macs, self.bytes + other.bytes)
-
-    def times(self, k: float) -> Floor:
-        return Floor(self.macs * k, self.bytes * k)
 
 
 # --------------------------------------------------------------------------- the bench
@@ -334,7 +184,7 @@ class Group:
 
     def moments_floor(self) -> Floor:
         # read V and the moments, write the moments and the scaled V
-        return Floor(bytes=_bytes([self.v, self.moment, self.first]) * 2)
+        return Floor(bytes=tensor_bytes([self.v, self.moment, self.first]) * 2)
 
 
 def _stack(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -461,6 +311,14 @@ class Bench:
             return out, fresh
 
         decomposed, fresh = self._time("eigh", lambda: decompose(cfg))
+        sides = [
+            (n, side)
+            for n, ls in folded.items()
+            if needs_decomposition(ls, cfg, update_inverses=True)
+            for side in (0, 1)
+        ]
+        pairs = self._time("batched eigh", lambda: batched_eigenpairs(folded, cfg, sides))
+        self.batched_floor = Floor(sum(cube_macs(q, EIGH_MACS) for q, _ in pairs.values()))
         self._time("qr", lambda: decompose(self.qr_config))
         self._time("carry", lambda: carry_moments(dict(decomposed), before, fresh, grouped=True))
         new = self._time("precondition", self._precondition)
@@ -624,23 +482,25 @@ class Bench:
         for o in self.base_opts:
             per = 7 if isinstance(o, torch.optim.AdamW) else 3  # tensors read + written
             params = [p for g in o.param_groups for p in g["params"]]
-            update.bytes += per * _bytes(params)
+            update.bytes += per * tensor_bytes(params)
         muon = self.steppers["muon"].opts[0]
         hidden = [tuple(p.shape) for g in muon.param_groups for p in g["params"]]
         return {
             "statistics": stats,
             "statistics thin": thin,
-            "batch factors": Floor(bytes=_bytes(grams) + _bytes(factors)),
-            "fold": Floor(bytes=3 * _bytes(factors)),
+            "batch factors": Floor(bytes=tensor_bytes(grams) + tensor_bytes(factors)),
+            "fold": Floor(bytes=3 * tensor_bytes(factors)),
             "eigh": eigh,
             "qr": qr,
             "carry": carry,
             "projections": projections,
             "moments": moments,
             "precondition": projections + moments,
-            "copy back": Floor(bytes=2 * _bytes(grads)),
+            "copy back": Floor(bytes=2 * tensor_bytes(grads)),
             "update": update,
-            "muon": Floor(macs=newton_schulz_macs(hidden)),
+            "muon": Floor(macs=newton_schulz_macs(hidden), dtype="bfloat16"),
+            "muon-fp32": Floor(macs=newton_schulz_macs(hidden)),
+            "batched eigh": self.batched_floor,
         }
 
     # ------------------------------------------------------------------ rows
@@ -741,6 +601,7 @@ def build_rows(
         ("batch factors", "hooks batch", "HookRecorder._batch_factors"),
         ("fold (running average)", "fold", "fold_layers_grouped"),
         ("decomposition: eigh", "eigh", "decompose_layers"),
+        ("  of which the batched eighs", "batched eigh", "batched_eigenpairs"),
         ('decomposition: QR refresh ("qr")', "qr", "decompose_layers, qr config"),
         ("carry moments into new bases", "carry", "carry_moments"),
         ("precondition stage", "precondition", "precondition_layers_grouped"),
@@ -798,7 +659,7 @@ def build_rows(
         "Muon (bf16 Newton-Schulz) + AdamW",
         ot,
         pair_ms(samples["muon opt"]),
-        "torch.optim.Muon",
+        "torch.optim.Muon (floor: bf16 rate)",
         floors["muon"],
         "muon",
     )
@@ -807,7 +668,7 @@ def build_rows(
         ot,
         pair_ms(samples["muon-fp32 opt"]),
         "Muon32 (this script)",
-        floors["muon"],
+        floors["muon-fp32"],
         "muon-fp32",
     )
     if "soap opt" in samples:

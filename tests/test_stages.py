@@ -15,12 +15,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import stage_arithmetic as sa  # noqa: E402
 import stages  # noqa: E402
 
 STAGE_ROWS = [
     "batch factors",
     "fold (running average)",
     "decomposition: eigh",
+    "  of which the batched eighs",
     'decomposition: QR refresh ("qr")',
     "carry moments into new bases",
     "precondition stage",
@@ -118,11 +120,14 @@ def test_quick_results_stay_out_of_the_committed_results() -> None:
 
 
 def test_arithmetic_counts() -> None:
-    assert stages.matmul_macs((4, 2, 3), (3, 5)) == 4 * 2 * 3 * 5
-    assert stages.cube_macs(torch.zeros(3, 4, 4), 2.0) == 3 * 2.0 * 64
-    assert stages.cube_macs(None, 2.0) == 0.0
+    import doctest
+
+    assert doctest.testmod(sa).failed == 0
+    assert sa.matmul_macs((4, 2, 3), (3, 5)) == 4 * 2 * 3 * 5
+    assert sa.cube_macs(torch.zeros(3, 4, 4), 2.0) == 3 * 2.0 * 64
+    assert sa.cube_macs(None, 2.0) == 0.0
     # per iteration of a 2×8 matrix (taken wide): X Xᵀ 32, A·A 8, B·X 32
-    assert stages.newton_schulz_macs([(8, 2)], steps=1) == 72
+    assert sa.newton_schulz_macs([(8, 2)], steps=1) == 72
 
 
 def test_float32_newton_schulz_orthogonalizes() -> None:
@@ -131,20 +136,20 @@ def test_float32_newton_schulz_orthogonalizes() -> None:
     g = torch.Generator().manual_seed(0)
     for shape in ((6, 10), (10, 6)):
         m = torch.randn(*shape, generator=g)
-        o = stages.orthogonalize_fp32(m, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+        o = sa.orthogonalize_fp32(m, (3.4445, -4.7750, 2.0315), 5, 1e-7)
         assert o.dtype == torch.float32 and o.shape == m.shape
         s = torch.linalg.svdvals(o)
         assert s.min() > 0.5 and s.max() < 1.5, s
 
 
 def test_muon32_steps_as_torch_muon_but_in_float32() -> None:
-    """One step of :class:`stages.Muon32` moves the weights as ``torch.optim.Muon`` does,
+    """One step of :class:`sa.Muon32` moves the weights as ``torch.optim.Muon`` does,
     up to the bfloat16 rounding of the latter's iteration."""
     torch.manual_seed(0)
     w0 = torch.randn(8, 12)
     grad = torch.randn(8, 12)
     moved = []
-    for cls in (torch.optim.Muon, stages.Muon32):
+    for cls in (torch.optim.Muon, sa.Muon32):
         p = torch.nn.Parameter(w0.clone())
         opt = cls([p], lr=0.02, adjust_lr_fn="match_rms_adamw")
         p.grad = grad.clone()
