@@ -231,6 +231,8 @@ class Bench:
         self.base_opts = list(kfac.face.optimizers) if kfac.face is not None else kfac.opts
         # factor statistics from a quarter of each call's rows, on a copy of its own
         self.rows_per_call = self.x.numel()
+        # the layers factor_rows= thins (the others keep every row)
+        self.thinnable = sum(spec.block.thinnable(spec) for spec in self.pre.layers.values())
         self.factor_rows = max(1, self.rows_per_call // 4)
         thin = optimizers.Stepper(
             RECIPE,
@@ -578,7 +580,7 @@ def build_rows(
         f"forward+backward, K-FAC hooks, factor_rows={n}",
         fb,
         ms["hooks thin"],
-        "factor_rows= (not the recipe's)",
+        f"{bench.thinnable} of {len(bench.state.layers)} layers thinned",
         key="hooks thin",
     )
     add(
@@ -820,10 +822,16 @@ def main(argv: list[str] | None = None) -> int:
                 "layers": len(bench.state.layers),
                 "rows_per_call": bench.rows_per_call,
                 "factor_rows": bench.factor_rows,
+                "thinnable_layers": bench.thinnable,
                 "rows": rows,
                 "samples_ms": {k: [1e3 * s for s in v] for k, v in bench.samples.items()},
                 "kinds": bench.kinds,
             }
+        print(
+            "\nDerived rows (statistics, rest, sums, not in a stage row) combine the medians "
+            "of separately timed units: where the parts are within the noise a difference "
+            "can come out negative."
+        )
     finally:
         torch.set_num_threads(previous)
     result = {

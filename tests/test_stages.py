@@ -105,11 +105,13 @@ def test_stages_quick(tmp_path: Path) -> None:
         assert 0 < rows[f"statistics in the hooks, factor_rows={n}"]["floor_macs"] <= full
         assert rows["Muon (bf16 Newton-Schulz) + AdamW"]["vs_muon"] == pytest.approx(1.0)
         assert rows["plain forward+backward"]["vs_plain"] == pytest.approx(1.0)
+        assert 0 <= w["thinnable_layers"] <= w["layers"]
         assert len(w["kinds"]["kfac-moments-fresh"]) == 2 * doc["settings"]["reps"]
         assert any(w["kinds"]["kfac-moments-fresh"]) and not all(w["kinds"]["kfac-moments-fresh"])
         # every printed row is in the table
         for r in rows:
             assert r.strip() in proc.stdout, r
+    assert doc["workloads"]["lm"]["thinnable_layers"] > 0  # its nn.Linear layers
     assert "bf16 flags" in proc.stdout and "GFLOP/s" in proc.stdout
 
 
