@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
 import os
 import platform
@@ -163,9 +164,17 @@ def machine(threads: int) -> dict[str, Any]:
         "torch": torch.__version__,
         "kfac_func": kf.__version__,
     }
-    hb = optimizers._heavyball()
-    info["heavyball"] = getattr(hb, "__version__", None) if hb is not None else None
+    # heavyball has no __version__: its installed distribution's
+    info["heavyball"] = _version("heavyball") if optimizers._heavyball() is not None else None
     return info
+
+
+def _version(distribution: str) -> str | None:
+    """The installed version of ``distribution`` (None when it is not installed)."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def estimate(w: rw.RaceWorkload, args: argparse.Namespace) -> float:

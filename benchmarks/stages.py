@@ -1,0 +1,877 @@
+"""Each stage of the recommended K-FAC step timed apart, beside Muon's, SOAP's and AdamW's
+steps on the same model and batch, with each K-FAC stage's arithmetic floor.
+
+``python benchmarks/stages.py`` times the race's language models (``lm``, ``lm4x``,
+``gpt2``: ``race_workloads.py``'s builders, sizes and batches) and writes
+``benchmarks/results/stages.json``; ``--quick`` (the race's tiny models, two
+repetitions, a temporary folder) is the smoke test of the tests. Only ratios from one
+run compare: the CPU, the thread count and the machine's load move every number.
+
+The recipe
+----------
+``kfac-moments-fresh`` of ``benchmarks/optimizers.py`` (the race's recommendation):
+``KFACPreconditioner`` (on ``gpt2`` inside ``kf.KFAC``, as the race runs it) with
+``scaling="fisher"``, Adam's first and second moments in K-FAC's eigenbasis (β₁ 0.9,
+β₂ 0.95), factor statistics every step with decay 0.9, eigendecompositions every 2
+steps, SGD without momentum after it; the library's defaults otherwise (``grouped=True``:
+layers of one shape computed as stacks).
+
+What each row times (the library's own functions, called as the step calls them)
+-------------------------------------------------------------------------------
+The K-FAC stages run on a snapshot of the recipe's state taken after the warm-up (its
+factors, eigenbases and moments as training left them), so every repetition does the
+same work; the snapshot is never changed (each stage gets its own copy of the layer
+dict, and the stage functions return new tensors).
+
+- ``plain forward+backward``: ``zero_grad``, forward, loss, backward of a copy of the
+  model without hooks.
+- ``forward+backward with K-FAC's hooks``: the same on the recipe's model, whose hooks
+  build each call's Gram matrices (``update_factors_in_hook``); ``statistics in the
+  hooks`` is the difference of the two medians. The ``factor_rows`` rows do the same on
+  another copy whose preconditioner keeps at most a quarter of each call's rows (every
+  ``k``-th position, scaled: ``factor_rows=``, not the recipe's setting).
+- ``batch factors``: ``KFACPreconditioner._settle`` and ``_batch_factors`` (what
+  ``step()`` calls first: the calls' Grams summed, scaled and symmetrised per group,
+  ``step/grouped_batch.py``).
+- ``fold``: ``step.grouped_fold.fold_layers_grouped`` (the running averages, their
+  finiteness checks).
+- ``decomposition: eigh``: ``step.decompose.decompose_layers`` (``grouped=True``: one
+  batched ``eigh`` per shape, its checks, the precomputed ``1/(dg daᵀ + λ)``, the lone
+  factors one by one); ``of which the batched eighs``: ``step.decompose.batched_eigenpairs``,
+  the first thing that function calls; ``decomposition: QR refresh``: the same function
+  with the state's ``eigenbasis_refresh="qr"`` (one warm-started power iteration + QR
+  per factor, from the snapshot's eigenbases, factor by factor: refreshed sides are not
+  batched; not the recipe's setting).
+- ``carry moments``: ``step.basis.carry_moments`` (the moments rotated into the new
+  eigenbases after an ``eigh``).
+- ``precondition stage``: ``step.grouped.precondition_layers_grouped`` (gradients to
+  matrices, stacking, the finiteness checks, the projections and the moments under
+  ``vmap``, matrices back to gradients). The stage does not separate its parts, so two
+  nearest separable units are timed beside it on the same stacks of each group (the
+  groups of ``step.grouping.plan_groups``): ``projections``, the core functions
+  ``core.basis_moments.to_basis`` + ``from_basis`` that the stage calls, and
+  ``moments``, ``core.basis_moments.adam_in_basis`` with identity bases (its
+  elementwise part only). ``rest of the precondition stage`` is the stage minus both.
+- ``write-back to .grad``: ``adapter.grads.copy_back``; ``parameter update``: the
+  recipe's base optimizers' ``step()`` (SGD; on ``gpt2`` AdamW too, for the tied
+  embeddings).
+- ``K-FAC optimizer part``: the real ``pre.step()`` + optimizers (the race's
+  "optimizer" milliseconds), in training steps of their own, by kind: steps with and
+  without an ``eigh``; ``amortized`` is the median over repetitions of the mean of two
+  consecutive steps (one of each). ``not in a stage row`` is the amortized step minus
+  the sum of the stage rows (the adapter's and ``update``'s bookkeeping).
+- ``Muon``: ``torch.optim.Muon`` over the hidden 2-D weights (its Newton–Schulz
+  iteration in bfloat16) + AdamW over the rest, as the race builds it; ``Muon, float32
+  Newton–Schulz``: the same step with the iteration in float32 (:class:`Muon32`,
+  written out here), so that a comparison never rests on a bfloat16 product the CPU only
+  emulates (the JSON records the CPU's bfloat16 flags and both matmul rates).
+  ``SOAP``: ``heavyball.SOAP`` (eager; its preconditioner every 2 steps: the mean of
+  two consecutive steps, as K-FAC's amortized step). ``AdamW``: ``torch.optim.AdamW``.
+- ``whole training step``: each optimizer's forward+backward and optimizer part in its
+  own training steps.
+
+Floors
+------
+Next to each K-FAC stage, its arithmetic: the multiply-adds of its products and the
+bytes its elementwise work must at least read and write, and the milliseconds these
+take at the machine's rates measured in the same run (one large float32 matmul, and one
+in bfloat16; one large elementwise add for the memory bandwidth; the higher of a
+measurement before and after the workloads). The multiply-adds
+(``benchmarks/stage_arithmetic.py``): a Gram of ``r`` rows of width ``n``, ``r·n²``
+(full products, as torch computes them); an ``n``-wide ``eigh``, ``(4/3)·n³``; a QR
+refresh, ``(7/3)·n³``; the projections, the four products of ``Qgᵀ M Qa`` and
+``Qg V Qaᵀ``; the carry, ``Q_newᵀ Q_old`` per side and the moments' two sandwiches.
+Elementwise stages (batch factors, fold, moments, write-back, update) count bytes only.
+Muon's floor is its Newton–Schulz products (5 iterations of ``2·m²·n + m³`` for an
+``m × n`` matrix, ``m ≤ n``), at the bfloat16 rate for ``torch.optim.Muon`` and the
+float32 rate for the float32 variant. ``× floor`` is a row's time over its floor.
+
+Timing
+------
+``torch.set_num_threads(--threads)`` (1). After ``--warmup`` rounds, each of ``--reps``
+repetitions runs every unit once, in an order reversed every other repetition, so that
+the machine's noise hits them alike; the table gives medians (derived rows: differences
+and sums of medians). Nothing is asserted about time anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # this checkout's kfac_func
+import optimizers  # noqa: E402
+import race  # noqa: E402
+import race_workloads as rw  # noqa: E402
+from stage_arithmetic import (  # noqa: E402
+    EIGH_MACS,
+    NS_STEPS,
+    QR_MACS,
+    Floor,
+    Muon32,
+    bf16_flags,
+    cube_macs,
+    matmul_macs,
+    measure_rates,
+    newton_schulz_macs,
+    tensor_bytes,
+)
+from step_time import git_commit, print_table  # noqa: E402
+
+import kfac_func as kf  # noqa: E402
+from kfac_func.adapter.grads import copy_back  # noqa: E402
+from kfac_func.blocks.spec import thin_positions  # noqa: E402
+from kfac_func.core.basis_moments import adam_in_basis, from_basis, to_basis  # noqa: E402
+from kfac_func.state import KFACState, LayerState  # noqa: E402
+from kfac_func.step.basis import basis_of, carry_moments, moment_bases  # noqa: E402
+from kfac_func.step.checks import layer_grads  # noqa: E402
+from kfac_func.step.decompose import (  # noqa: E402
+    batched_eigenpairs,
+    decompose_layers,
+    needs_decomposition,
+)
+from kfac_func.step.grouped import precondition_layers_grouped  # noqa: E402
+from kfac_func.step.grouped_fold import fold_layers_grouped  # noqa: E402
+from kfac_func.step.grouping import plan_groups  # noqa: E402
+
+RECIPE = "kfac-moments-fresh"
+WORKLOADS = ("lm", "lm4x", "gpt2")
+RESULTS = ROOT / "benchmarks" / "results"
+EXCLUDE = ("benchmarks/results",)
+"""Paths a run writes: changes there do not make the tree dirty."""
+
+
+# --------------------------------------------------------------------------- the bench
+
+
+@dataclass
+class Group:
+    """One group's stacks for the projections and the moments (as the grouped step
+    stacks them): gradient matrices, bases (None: identity), moments, count."""
+
+    m: torch.Tensor
+    qa: torch.Tensor | None
+    qg: torch.Tensor | None
+    moment: torch.Tensor
+    first: torch.Tensor | None
+    count: int
+    v: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.v = to_basis(self.m, self.qa, self.qg)
+
+    def projection_floor(self) -> Floor:
+        macs = 0.0
+        if self.qg is not None:
+            macs += matmul_macs(self.qg.shape, self.m.shape)
+        if self.qa is not None:
+            macs += matmul_macs(self.m.shape, self.qa.shape)
+        return Floor(2 * macs)  # into the basis and out of it
+
+    def moments_floor(self) -> Floor:
+        # read V and the moments, write the moments and the scaled V
+        return Floor(bytes=tensor_bytes([self.v, self.moment, self.first]) * 2)
+
+
+def _stack(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    if ts[0] is None:
+        return None
+    return ts[0] if len(ts) == 1 else torch.stack(ts)  # type: ignore[arg-type]
+
+
+class Bench:
+    """One workload: the models, optimizers, snapshot and units that are timed."""
+
+    def __init__(self, w: rw.RaceWorkload, args: argparse.Namespace) -> None:
+        self.w = w
+        self.args = args
+        torch.manual_seed(args.seed)
+        base = w.make()
+        gen = torch.Generator().manual_seed(1000 + args.seed)
+        self.x, self.y = w.batch(gen)
+        self.samples: dict[str, list[float]] = {}
+        self.plain = copy.deepcopy(base)
+        # the training steps of every optimizer: the race's recipes (learning rates at
+        # the start of a long warm-up: small, so nothing diverges while timing)
+        names = ["adamw", "muon", "muon-fp32", RECIPE]
+        if optimizers._heavyball() is not None:
+            names.insert(3, "soap")
+        self.steppers: dict[str, optimizers.Stepper] = {}
+        for name in names:
+            recipe = "muon" if name == "muon-fp32" else name
+            st = optimizers.Stepper(
+                recipe, copy.deepcopy(base), optimizers.LRS[recipe][0], w, 10**6
+            )
+            if name == "muon-fp32":
+                muon = st.opts[0]
+                groups = [{"params": g["params"]} for g in muon.param_groups]
+                st.opts[0] = Muon32(groups, **muon.defaults)
+                st.schedulers[0] = torch.optim.lr_scheduler.LambdaLR(
+                    st.opts[0], st.schedulers[0].lr_lambdas[0]
+                )
+            self.steppers[name] = st
+        kfac = self.steppers[RECIPE]
+        assert kfac.pre is not None
+        self.pre = kfac.pre
+        self.kfac_model = kfac.model
+        self.base_opts = list(kfac.face.optimizers) if kfac.face is not None else kfac.opts
+        # factor statistics from a quarter of each call's rows, on a copy of its own
+        self.rows_per_call = self.x.numel()
+        # the layers factor_rows= thins (the others keep every row)
+        self.thinnable = sum(spec.block.thinnable(spec) for spec in self.pre.layers.values())
+        self.factor_rows = max(1, self.rows_per_call // 4)
+        thin = optimizers.Stepper(
+            RECIPE,
+            copy.deepcopy(base),
+            optimizers.LRS[RECIPE][0],
+            w,
+            10**6,
+            {"factor_rows": self.factor_rows},
+        )
+        assert thin.pre is not None
+        self.thin, self.thin_pre = thin, thin.pre
+        self.kinds: dict[str, list[bool]] = {}
+        self.snapshot: KFACState | None = None
+
+    # ------------------------------------------------------------------ units
+
+    def _time(self, key: str, fn: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter()
+        out = fn()
+        self.samples.setdefault(key, []).append(time.perf_counter() - t0)
+        return out
+
+    def _forward_backward(self, model: nn.Module) -> None:
+        model.zero_grad(set_to_none=True)
+        self.w.loss(model(self.x), self.y).backward()
+
+    def plain_unit(self) -> None:
+        self._time("plain", lambda: self._forward_backward(self.plain))
+
+    def _collect(
+        self, pre: kf.KFACPreconditioner, model: nn.Module, key: str, keep: bool = False
+    ) -> tuple[Any, dict[str, Any]]:
+        """Forward+backward with the hooks (timed as ``key``), then the batch factors
+        (timed as ``key + ' batch'``); the statistics are then dropped, as ``step()``
+        drops them (``keep``: returned too, by layer)."""
+        self._time(key, lambda: self._forward_backward(model))
+        stats: dict[str, Any] = {}
+
+        def batch() -> Any:
+            pre._settle()
+            if keep:  # (in the warm-up only, whose times are dropped)
+                stats.update({n: pre._layer_stats(n, s) for n, s in pre.layers.items()})
+            return pre._batch_factors()
+
+        out = self._time(key + " batch", batch)
+        pre._micro, pre._grads_seen = [], set()
+        return out, stats
+
+    def thin_unit(self) -> None:
+        self._collect(self.thin_pre, self.thin.model, "hooks thin")
+
+    def stage_unit(self) -> None:
+        """Every stage of the recipe's step, in the step's order, on the snapshot."""
+        batch, _ = self._collect(self.pre, self.kfac_model, "hooks")
+        s, cfg, opts = self.state, self.state.config, self.options
+        decay, lam = opts.decay_at(s.step), opts.damping_at(s.step)
+        layers = dict(s.layers)
+        self._time(
+            "fold",
+            lambda: fold_layers_grouped(
+                layers, lambda n, ls: batch.get(n), decay, cfg, opts.nonfinite, False
+            ),
+        )
+        folded = dict(layers)
+        before = moment_bases(folded)
+
+        def decompose(config: Any) -> tuple[dict[str, LayerState], set[str]]:
+            out = dict(folded)
+            fresh = decompose_layers(
+                out,
+                lam,
+                config,
+                update_inverses=True,
+                batched_eigh=opts.batched_eigh,
+                eigh_device=None,
+                grouped=True,
+            )
+            return out, fresh
+
+        decomposed, fresh = self._time("eigh", lambda: decompose(cfg))
+        sides = [
+            (n, side)
+            for n, ls in folded.items()
+            if needs_decomposition(ls, cfg, update_inverses=True)
+            for side in (0, 1)
+        ]
+        pairs = self._time("batched eigh", lambda: batched_eigenpairs(folded, cfg, sides))
+        self.batched_floor = Floor(sum(cube_macs(q, EIGH_MACS) for q, _ in pairs.values()))
+        self._time("qr", lambda: decompose(self.qr_config))
+        self._time("carry", lambda: carry_moments(dict(decomposed), before, fresh, grouped=True))
+        new = self._time("precondition", self._precondition)
+        self._time("projections", self._projections)
+        self._time("moments", self._moments)
+        live = self.pre._layer_grads()
+        self._time("copy back", lambda: copy_back(live, new))
+        self._time("update", lambda: [o.step() for o in self.base_opts])
+
+    def _precondition(self) -> dict[str, torch.Tensor]:
+        opts, s = self.options, self.state
+        return precondition_layers_grouped(
+            dict(s.layers),
+            self.grads,
+            opts.damping_at(s.step),
+            kl_clip=opts.kl_clip,
+            lr=opts.lr,
+            step=s.step,
+            nonfinite=opts.nonfinite,
+            sync_free=False,
+            rows=None,
+            grafting=opts.grafting_settings(),
+            basis_moments=opts.basis_settings(s.config.compute_method),
+            changes={},
+        )
+
+    def _projections(self) -> None:
+        for g in self.groups:
+            from_basis(to_basis(g.m, g.qa, g.qg), g.qa, g.qg)
+
+    def _moments(self) -> None:
+        b = self.moment_settings
+        for g in self.groups:
+            adam_in_basis(
+                g.v, None, None, g.moment, g.count, beta2=b.beta2, eps=b.eps,
+                first=g.first, beta1=b.beta1,
+            )  # fmt: skip
+
+    def steps_unit(self, name: str) -> None:
+        """Two consecutive training steps of ``name`` (one with and one without an eigh
+        for the recipe; a whole preconditioner cycle for SOAP)."""
+        st = self.steppers[name]
+        for _ in range(2):
+            if st.pre is not None:
+                every = int(st.pre._value(st.pre.inv_update_steps))
+                self.kinds.setdefault(name, []).append(st.pre.steps % every == 0)
+
+            def fb() -> torch.Tensor:
+                st.zero_grad()
+                loss = self.w.loss(st.model(self.x), self.y)
+                loss.backward()
+                return loss.detach()
+
+            loss = self._time(f"{name} fb", fb)
+            self._time(f"{name} opt", lambda loss=loss: st.step(self.x, self.y, loss))
+
+    # ------------------------------------------------------------------ setup
+
+    def units(self) -> list[Callable[[], None]]:
+        out = [self.plain_unit, self.stage_unit, self.thin_unit]
+        out += [lambda n=n: self.steps_unit(n) for n in self.steppers]  # type: ignore[misc]
+        return out
+
+    def warm_up(self) -> None:
+        """Training steps of every optimizer (the recipe's state gets factors, eigenbases
+        and moments), then the snapshot and everything built from it, then ``--warmup``
+        rounds of every unit; the samples of the warm-up are dropped."""
+        for name in self.steppers:
+            self.steps_unit(name)
+            self.steps_unit(name)
+        self.state = self.pre.state
+        self.options = self.pre._step_options(
+            damping=self.pre.damping, update_factors=True, update_inverses=True
+        )
+        self.qr_config = dataclasses.replace(self.state.config, eigenbasis_refresh="qr")
+        settings = self.options.basis_settings(self.state.config.compute_method)
+        assert settings is not None
+        self.moment_settings = settings
+        _, self.stats = self._collect(self.pre, self.kfac_model, "hooks", keep=True)
+        self.grads = {k: g.detach().clone() for k, g in self.pre._layer_grads().items()}
+        self.groups = self._groups()
+        for _ in range(self.args.warmup):
+            for unit in self.units():
+                unit()
+        self.samples.clear()
+        self.kinds.clear()
+
+    def _groups(self) -> list[Group]:
+        s = self.state
+        names = [n for n, ls in s.layers.items() if ls.decomposition is not None]
+        out = []
+        for members in plan_groups(s.layers, names, self.grads):
+            states = [s.layers[n] for n in members]
+            ms = []
+            for ls in states:
+                w, b = layer_grads(ls.spec, self.grads)
+                ms.append(ls.spec.block.to_matrix(ls.spec, w, b).to(ls.a_factor.dtype))
+            bases = [basis_of(ls.decomposition) for ls in states]  # type: ignore[arg-type]
+            out.append(
+                Group(
+                    _stack(ms),  # type: ignore[arg-type]
+                    _stack([b[0] for b in bases]),
+                    _stack([b[1] for b in bases]),
+                    _stack([ls.basis_moment for ls in states]),  # type: ignore[arg-type]
+                    _stack([ls.basis_momentum for ls in states]),
+                    states[0].moment_count,
+                )
+            )
+        return out
+
+    def run(self, log: Callable[[str], None]) -> None:
+        self.warm_up()
+        log(f"{self.w.name}: warmed up")
+        units = self.units()
+        for rep in range(self.args.reps):
+            for unit in units if rep % 2 == 0 else reversed(units):
+                unit()
+            log(f"{self.w.name}: repetition {rep + 1}/{self.args.reps}")
+
+    # ------------------------------------------------------------------ floors
+
+    def floors(self) -> dict[str, Floor]:
+        """The arithmetic of each K-FAC stage (see the module docstring)."""
+        s = self.state
+        stats = Floor()
+        thin = Floor()
+        part, _ = thin_positions(self.x.unsqueeze(-1), self.factor_rows, 0)
+        kept = part.numel() / self.x.numel()
+        grams: list[torch.Tensor] = []
+        for name, micro in self.stats.items():
+            f = Floor()
+            for mb in micro:
+                for gram in (*mb.a, *mb.g):
+                    f.macs += gram.rows * gram.gram.numel()
+                    grams.append(gram.gram)
+            stats += f
+            spec = s.layers[name].spec
+            thin += f.times(kept if spec.block.thinnable(spec) else 1.0)
+        factors = [t for ls in s.layers.values() for t in (ls.a_factor, ls.g_factor)]
+        eigh, qr, carry = Floor(), Floor(), Floor()
+        for ls in s.layers.values():
+            if ls.decomposition is None:
+                continue
+            qa, qg = basis_of(ls.decomposition)
+            eigh.macs += cube_macs(qa, EIGH_MACS) + cube_macs(qg, EIGH_MACS)
+            qr.macs += cube_macs(qa, QR_MACS) + cube_macs(qg, QR_MACS)
+            carry.macs += cube_macs(qa, 1.0) + cube_macs(qg, 1.0)  # Q_newᵀ Q_old
+            m = ls.basis_moment
+            assert m is not None
+            for moment in (m, ls.basis_momentum):  # the two sandwiches
+                if moment is None:
+                    continue
+                if qg is not None:
+                    carry.macs += matmul_macs(qg.shape, moment.shape)
+                if qa is not None:
+                    carry.macs += matmul_macs(moment.shape, qa.shape)
+        projections = sum((g.projection_floor() for g in self.groups), Floor())
+        moments = sum((g.moments_floor() for g in self.groups), Floor())
+        grads = list(self.grads.values())
+        update = Floor()
+        for o in self.base_opts:
+            per = 7 if isinstance(o, torch.optim.AdamW) else 3  # tensors read + written
+            params = [p for g in o.param_groups for p in g["params"]]
+            update.bytes += per * tensor_bytes(params)
+        muon = self.steppers["muon"].opts[0]
+        hidden = [tuple(p.shape) for g in muon.param_groups for p in g["params"]]
+        return {
+            "statistics": stats,
+            "statistics thin": thin,
+            "batch factors": Floor(bytes=tensor_bytes(grams) + tensor_bytes(factors)),
+            "fold": Floor(bytes=3 * tensor_bytes(factors)),
+            "eigh": eigh,
+            "qr": qr,
+            "carry": carry,
+            "projections": projections,
+            "moments": moments,
+            "precondition": projections + moments,
+            "copy back": Floor(bytes=2 * tensor_bytes(grads)),
+            "update": update,
+            "muon": Floor(macs=newton_schulz_macs(hidden), dtype="bfloat16"),
+            "muon-fp32": Floor(macs=newton_schulz_macs(hidden)),
+            "batched eigh": self.batched_floor,
+        }
+
+    # ------------------------------------------------------------------ rows
+
+    def rows(self, rates: dict[str, float]) -> list[dict[str, Any]]:
+        """The table's rows (see :func:`build_rows`)."""
+        return build_rows(self.samples, self.kinds, self.floors(), rates, self)
+
+
+def median_ms(samples: Sequence[float]) -> float:
+    return 1e3 * statistics.median(samples)
+
+
+def pair_ms(samples: Sequence[float]) -> float:
+    """The median over repetitions of the mean of each repetition's two consecutive
+    steps (milliseconds)."""
+    pairs = [(a + b) / 2 for a, b in zip(samples[0::2], samples[1::2])]
+    return 1e3 * statistics.median(pairs)
+
+
+def kind_ms(samples: Sequence[float], kinds: Sequence[bool], eigh: bool) -> float | None:
+    """The median of the steps of one kind (with or without an eigh)."""
+    mine = [s for s, k in zip(samples, kinds) if k == eigh]
+    return median_ms(mine) if mine else None
+
+
+SECTIONS = (
+    "forward+backward",
+    "K-FAC stages (on the snapshot)",
+    "K-FAC optimizer part (real steps)",
+    "other optimizers' steps",
+    "whole training step",
+)
+
+
+def build_rows(
+    samples: dict[str, list[float]],
+    kinds: dict[str, list[bool]],
+    floors: dict[str, Floor],
+    rates: dict[str, float],
+    bench: Bench,
+) -> list[dict[str, Any]]:
+    """One dict per row: name, section, ms, ratios to the plain forward+backward and to
+    Muon's optimizer step, floor (ms, multiply-adds, bytes) and its ratio, and the code
+    it times."""
+    ms = {k: median_ms(v) for k, v in samples.items() if v}
+    rows: list[dict[str, Any]] = []
+
+    def add(
+        name: str,
+        section: str,
+        value: float | None,
+        source: str,
+        floor: Floor | None = None,
+        key: str | None = None,
+    ) -> None:
+        rows.append(
+            {
+                "name": name,
+                "key": key,
+                "section": section,
+                "ms": value,
+                "source": source,
+                "floor_macs": None if floor is None else floor.macs,
+                "floor_bytes": None if floor is None else floor.bytes,
+                "floor_ms": None if floor is None else floor.ms(rates),
+            }
+        )
+
+    fb, st, kf_, ot, wh = SECTIONS
+    n = bench.factor_rows
+    add("plain forward+backward", fb, ms["plain"], "model copy without hooks", key="plain")
+    add("forward+backward, K-FAC hooks", fb, ms["hooks"], "the recipe's model", key="hooks")
+    add(
+        f"forward+backward, K-FAC hooks, factor_rows={n}",
+        fb,
+        ms["hooks thin"],
+        f"{bench.thinnable} of {len(bench.state.layers)} layers thinned",
+        key="hooks thin",
+    )
+    add(
+        "statistics in the hooks",
+        fb,
+        ms["hooks"] - ms["plain"],
+        "difference of the rows above",
+        floors["statistics"],
+        key="statistics",
+    )
+    add(
+        f"statistics in the hooks, factor_rows={n}",
+        fb,
+        ms["hooks thin"] - ms["plain"],
+        "difference",
+        floors["statistics thin"],
+        key="statistics thin",
+    )
+    stage_rows = [
+        ("batch factors", "hooks batch", "HookRecorder._batch_factors"),
+        ("fold (running average)", "fold", "fold_layers_grouped"),
+        ("decomposition: eigh", "eigh", "decompose_layers"),
+        ("  of which the batched eighs", "batched eigh", "batched_eigenpairs"),
+        ('decomposition: QR refresh ("qr")', "qr", "decompose_layers, qr config"),
+        ("carry moments into new bases", "carry", "carry_moments"),
+        ("precondition stage", "precondition", "precondition_layers_grouped"),
+        ("  projections in and out", "projections", "to_basis + from_basis"),
+        ("  moments (Adam in the basis)", "moments", "adam_in_basis, identity bases"),
+        ("  rest of the precondition stage", "precondition rest", "difference"),
+        ("write-back to .grad", "copy back", "copy_back"),
+        ("parameter update", "update", "base optimizers' step()"),
+    ]
+    ms["precondition rest"] = ms["precondition"] - ms["projections"] - ms["moments"]
+    for name, key, source in stage_rows:
+        floor = floors.get(key if key != "hooks batch" else "batch factors")
+        add(name, st, ms[key], source, floor, key)
+    every_step = ["hooks batch", "fold", "precondition", "copy back", "update"]
+    floor_every = sum(
+        (floors[k if k != "hooks batch" else "batch factors"] for k in every_step), Floor()
+    )
+    with_eigh = sum(ms[k] for k in every_step) + ms["eigh"] + ms["carry"]
+    without = sum(ms[k] for k in every_step)
+    floor_eigh = floor_every + floors["eigh"] + floors["carry"]
+    add("sum of stages, step with eigh", st, with_eigh, "sum", floor_eigh, "sum eigh")
+    add("sum of stages, step without eigh", st, without, "sum", floor_every, "sum plain")
+    amortized_floor = floor_every + (floors["eigh"] + floors["carry"]).times(0.5)
+    sum_amortized = (with_eigh + without) / 2
+    add(
+        "sum of stages, amortized (eigh every 2)",
+        st,
+        sum_amortized,
+        "sum",
+        amortized_floor,
+        "sum amortized",
+    )
+    opt = samples[f"{RECIPE} opt"]
+    kinds_ = kinds[RECIPE]
+    real = pair_ms(opt)
+    add(
+        "step with eigh",
+        kf_,
+        kind_ms(opt, kinds_, True),
+        "pre.step() + optimizers",
+        floor_eigh,
+        "kfac eigh",
+    )
+    add(
+        "step without eigh",
+        kf_,
+        kind_ms(opt, kinds_, False),
+        "pre.step() + optimizers",
+        floor_every,
+        "kfac plain",
+    )
+    add("amortized (eigh every 2)", kf_, real, "mean of 2 steps", amortized_floor, "kfac")
+    add("  not in a stage row", kf_, real - sum_amortized, "difference", key="kfac rest")
+    add(
+        "Muon (bf16 Newton-Schulz) + AdamW",
+        ot,
+        pair_ms(samples["muon opt"]),
+        "torch.optim.Muon (floor: bf16 rate)",
+        floors["muon"],
+        "muon",
+    )
+    add(
+        "Muon, float32 Newton-Schulz + AdamW",
+        ot,
+        pair_ms(samples["muon-fp32 opt"]),
+        "Muon32 (this script)",
+        floors["muon-fp32"],
+        "muon-fp32",
+    )
+    if "soap opt" in samples:
+        add("SOAP (2-step mean)", ot, pair_ms(samples["soap opt"]), "heavyball.SOAP", key="soap")
+    add("AdamW", ot, pair_ms(samples["adamw opt"]), "torch.optim.AdamW", key="adamw")
+    for name in bench.steppers:
+        whole = pair_ms([a + b for a, b in zip(samples[f"{name} fb"], samples[f"{name} opt"])])
+        label = {RECIPE: f"K-FAC ({RECIPE}), amortized"}.get(name, name)
+        add(label, wh, whole, "forward+backward + optimizer", key=f"{name} whole")
+    plain, muon = ms["plain"], pair_ms(samples["muon opt"])
+    for r in rows:
+        v, f = r["ms"], r["floor_ms"]
+        r["vs_plain"] = None if v is None else v / plain
+        r["vs_muon"] = None if v is None else v / muon
+        r["vs_floor"] = None if v is None or not f else v / f
+    return rows
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    """The table of one workload, by section."""
+    for section in SECTIONS:
+        mine = [r for r in rows if r["section"] == section]
+        if not mine:
+            continue
+        print(f"\n  {section}:")
+        print_table(
+            ["row", "ms", "x fwd+bwd", "x Muon", "floor ms", "x floor", "times"],
+            [
+                [
+                    r["name"],
+                    _fmt(r["ms"], ".2f"),
+                    _fmt(r["vs_plain"], ".2f"),
+                    _fmt(r["vs_muon"], ".2f"),
+                    _fmt(r["floor_ms"], ".2f"),
+                    _fmt(r["vs_floor"], ".1f"),
+                    r["source"],
+                ]
+                for r in mine
+            ],
+        )
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: the race's tiny models, 2 repetitions, 1 warm-up round, small "
+        "rate measurements, a temporary folder",
+    )
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=WORKLOADS,
+        default=list(WORKLOADS),
+        help="the race's language models to time (default: all three)",
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    p.add_argument("--reps", type=int, default=9, help="timed repetitions (default 9)")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up rounds (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="the JSON written (default benchmarks/results/stages.json; --quick: a "
+        "temporary folder)",
+    )
+    p.add_argument(
+        "--require-clean",
+        action="store_true",
+        help="refuse to run when tracked files outside the results differ from the commit",
+    )
+    p.add_argument("--verbose", action="store_true", help="log progress to stderr")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.reps, args.warmup = 2, 1
+    if args.out is None:
+        folder = Path(tempfile.mkdtemp()) if args.quick else RESULTS
+        args.out = str(folder / "stages.json")
+    if args.quick and Path(args.out).resolve().parent == RESULTS.resolve():
+        p.error("--quick results are a smoke test: not into benchmarks/results")
+    if args.reps < 1 or args.warmup < 1 or args.threads < 1:
+        p.error("--reps, --warmup and --threads must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    checkout = git_commit(EXCLUDE)
+    if checkout["dirty"]:
+        print("WARNING: tracked files differ from the commit; the results say dirty")
+        if args.require_clean:
+            return 2
+    previous = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+
+    def log(msg: str) -> None:
+        if args.verbose:
+            print(msg, file=sys.stderr, flush=True)
+
+    try:
+        info = race.machine(args.threads)
+        info["bf16_flags"] = bf16_flags()
+        n, elements = (256, 1 << 20) if args.quick else (2048, 1 << 24)
+        rates_before = measure_rates(n, elements)
+        print("kfac_func stage benchmark: the recommended step's stages, Muon, SOAP, AdamW")
+        print(
+            f"CPU {info['cpu']} | {args.threads} thread(s) of {info['cores']} cores | torch "
+            f"{info['torch']} | bf16 flags: "
+            + (", ".join(k for k, v in info["bf16_flags"].items() if v and "bf16" in k) or "none")
+        )
+        if args.quick:
+            print("QUICK MODE: tiny models, 2 repetitions; a smoke test, not a measurement")
+        benches = {}
+        for name in args.workloads:
+            w = rw.WORKLOADS[name](args.quick)
+            bench = Bench(w, args)
+            bench.run(log)
+            benches[name] = bench
+        rates_after = measure_rates(n, elements)
+        rates = {k: max(rates_before[k], rates_after[k]) for k in rates_before}
+        print(
+            f"\nmatmul n={n}: float32 {2e-9 * rates['matmul_float32_macs_per_s']:.1f} "
+            f"GFLOP/s, bfloat16 {2e-9 * rates['matmul_bfloat16_macs_per_s']:.1f} GFLOP/s; "
+            f"memory {1e-9 * rates['memory_bytes_per_s']:.1f} GB/s"
+        )
+        workloads: dict[str, Any] = {}
+        for name, bench in benches.items():
+            rows = bench.rows(rates)
+            print(
+                f"\n{name}: {bench.w.description}; {len(bench.state.layers)} K-FAC layers, "
+                f"{bench.rows_per_call} rows per call; medians of {args.reps} repetitions; "
+                "x fwd+bwd: over the plain forward+backward; x Muon: over Muon's optimizer "
+                "step; floor: the stage's arithmetic at the measured rates"
+            )
+            print_rows(rows)
+            workloads[name] = {
+                "description": bench.w.description,
+                "layers": len(bench.state.layers),
+                "rows_per_call": bench.rows_per_call,
+                "factor_rows": bench.factor_rows,
+                "thinnable_layers": bench.thinnable,
+                "rows": rows,
+                "samples_ms": {k: [1e3 * s for s in v] for k, v in bench.samples.items()},
+                "kinds": bench.kinds,
+            }
+        print(
+            "\nDerived rows (statistics, rest, sums, not in a stage row) combine the medians "
+            "of separately timed units: where the parts are within the noise a difference "
+            "can come out negative."
+        )
+    finally:
+        torch.set_num_threads(previous)
+    result = {
+        "benchmark": "stages",
+        "quick": args.quick,
+        "command": " ".join(
+            ["python", "benchmarks/stages.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        **checkout,
+        "machine": info,
+        "recipe": {"name": RECIPE, "settings": _recipe_settings()},
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "rates": {"before": rates_before, "after": rates_after, "used": rates},
+        "floors": {
+            "eigh_macs_per_n3": EIGH_MACS,
+            "qr_macs_per_n3": QR_MACS,
+            "newton_schulz_steps": NS_STEPS,
+        },
+        "workloads": workloads,
+        "seconds": time.perf_counter() - started,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
+    print(f"\nwrote {out} ({result['seconds']:.0f} s)")
+    return 0
+
+
+def _recipe_settings() -> dict[str, Any]:
+    method, momentum, _, clip, (fac, inv), decay, extra = optimizers.KFAC[RECIPE]
+    return {
+        "compute_method": method,
+        "sgd_momentum": momentum,
+        "kl_clip": clip,
+        "factor_update_steps": fac,
+        "inv_update_steps": inv,
+        "factor_decay": decay,
+        **extra,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Smoke test of ``benchmarks/stages.py``: it runs, prints every row and writes the JSON
+that describes its run (no timing checks), and its helpers count what they say."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import stage_arithmetic as sa  # noqa: E402
+import stages  # noqa: E402
+
+STAGE_ROWS = [
+    "batch factors",
+    "fold (running average)",
+    "decomposition: eigh",
+    "  of which the batched eighs",
+    'decomposition: QR refresh ("qr")',
+    "carry moments into new bases",
+    "precondition stage",
+    "  projections in and out",
+    "  moments (Adam in the basis)",
+    "  rest of the precondition stage",
+    "write-back to .grad",
+    "parameter update",
+    "sum of stages, step with eigh",
+    "sum of stages, step without eigh",
+    "sum of stages, amortized (eigh every 2)",
+]
+FLOORED = [r for r in STAGE_ROWS if "rest" not in r]
+OTHERS = [
+    "Muon (bf16 Newton-Schulz) + AdamW",
+    "Muon, float32 Newton-Schulz + AdamW",
+    "SOAP (2-step mean)",
+    "AdamW",
+]
+
+
+@pytest.mark.slow
+def test_stages_quick(tmp_path: Path) -> None:
+    out = tmp_path / "stages.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "stages.py"), "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,  # a hang guard only; the script takes seconds
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "stages" and doc["quick"] is True
+    assert doc["commit"] and isinstance(doc["dirty"], bool)
+    machine = doc["machine"]
+    assert machine["cpu"] and machine["threads"] == 1 and machine["torch"] == torch.__version__
+    assert set(machine["bf16_flags"]) >= {"avx512_bf16", "amx_bf16"}
+    for when in ("before", "after", "used"):
+        rates = doc["rates"][when]
+        assert rates["matmul_float32_macs_per_s"] > 0 and rates["memory_bytes_per_s"] > 0
+        assert rates["matmul_bfloat16_macs_per_s"] > 0
+    assert doc["recipe"]["name"] == "kfac-moments-fresh"
+    assert doc["recipe"]["settings"]["inv_update_steps"] == 2
+    assert sorted(doc["workloads"]) == ["gpt2", "lm", "lm4x"]
+    soap = stages.optimizers._heavyball() is not None
+    for name, w in doc["workloads"].items():
+        rows = {r["name"]: r for r in w["rows"]}
+        n = w["factor_rows"]
+        expected = [
+            "plain forward+backward",
+            "forward+backward, K-FAC hooks",
+            f"forward+backward, K-FAC hooks, factor_rows={n}",
+            "statistics in the hooks",
+            f"statistics in the hooks, factor_rows={n}",
+            *STAGE_ROWS,
+            "step with eigh",
+            "step without eigh",
+            "amortized (eigh every 2)",
+            "  not in a stage row",
+            *(o for o in OTHERS if soap or "SOAP" not in o),
+        ]
+        assert [r for r in rows if not r.startswith(("adamw", "muon", "soap", "K-FAC ("))] == (
+            expected
+        ), name
+        whole = [r for r in rows if r.startswith(("adamw", "muon", "soap", "K-FAC ("))]
+        assert len(whole) == (5 if soap else 4), whole
+        for r in w["rows"]:
+            assert r["ms"] is not None and math.isfinite(r["ms"]), (name, r)
+            assert r["vs_plain"] is not None and r["vs_muon"] is not None, (name, r)
+            assert r["source"] and r["section"] in stages.SECTIONS, (name, r)
+        for row in [*FLOORED, "statistics in the hooks", "amortized (eigh every 2)"]:
+            # a difference of two medians may come out negative: only its presence counts
+            assert rows[row]["floor_ms"] > 0 and rows[row]["vs_floor"] is not None, (name, row)
+        assert rows["decomposition: eigh"]["floor_macs"] > 0
+        assert rows["fold (running average)"]["floor_macs"] == 0  # elementwise: bytes only
+        assert rows["fold (running average)"]["floor_bytes"] > 0
+        # the thinned statistics do at most the arithmetic of all rows
+        full = rows["statistics in the hooks"]["floor_macs"]
+        assert 0 < rows[f"statistics in the hooks, factor_rows={n}"]["floor_macs"] <= full
+        assert rows["Muon (bf16 Newton-Schulz) + AdamW"]["vs_muon"] == pytest.approx(1.0)
+        assert rows["plain forward+backward"]["vs_plain"] == pytest.approx(1.0)
+        assert 0 <= w["thinnable_layers"] <= w["layers"]
+        assert len(w["kinds"]["kfac-moments-fresh"]) == 2 * doc["settings"]["reps"]
+        assert any(w["kinds"]["kfac-moments-fresh"]) and not all(w["kinds"]["kfac-moments-fresh"])
+        # every printed row is in the table
+        for r in rows:
+            assert r.strip() in proc.stdout, r
+    assert doc["workloads"]["lm"]["thinnable_layers"] > 0  # its nn.Linear layers
+    assert "bf16 flags" in proc.stdout and "GFLOP/s" in proc.stdout
+
+
+def test_quick_results_stay_out_of_the_committed_results() -> None:
+    with pytest.raises(SystemExit):
+        stages.parse_args(["--quick", "--out", str(stages.RESULTS / "stages.json")])
+    assert Path(stages.parse_args(["--quick"]).out).parent != stages.RESULTS
+
+
+def test_arithmetic_counts() -> None:
+    import doctest
+
+    assert doctest.testmod(sa).failed == 0
+    assert sa.matmul_macs((4, 2, 3), (3, 5)) == 4 * 2 * 3 * 5
+    assert sa.cube_macs(torch.zeros(3, 4, 4), 2.0) == 3 * 2.0 * 64
+    assert sa.cube_macs(None, 2.0) == 0.0
+    # per iteration of a 2×8 matrix (taken wide): X Xᵀ 32, A·A 8, B·X 32
+    assert sa.newton_schulz_macs([(8, 2)], steps=1) == 72
+
+
+def test_float32_newton_schulz_orthogonalizes() -> None:
+    """The written-out iteration is Muon's: it drives the singular values of a matrix
+    into the band Muon's coefficients aim at, in float32, and keeps the orientation."""
+    g = torch.Generator().manual_seed(0)
+    for shape in ((6, 10), (10, 6)):
+        m = torch.randn(*shape, generator=g)
+        o = sa.orthogonalize_fp32(m, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+        assert o.dtype == torch.float32 and o.shape == m.shape
+        s = torch.linalg.svdvals(o)
+        assert s.min() > 0.5 and s.max() < 1.5, s
+
+
+def test_muon32_steps_as_torch_muon_but_in_float32() -> None:
+    """One step of :class:`sa.Muon32` moves the weights as ``torch.optim.Muon`` does,
+    up to the bfloat16 rounding of the latter's iteration."""
+    torch.manual_seed(0)
+    w0 = torch.randn(8, 12)
+    grad = torch.randn(8, 12)
+    moved = []
+    for cls in (torch.optim.Muon, sa.Muon32):
+        p = torch.nn.Parameter(w0.clone())
+        opt = cls([p], lr=0.02, adjust_lr_fn="match_rms_adamw")
+        p.grad = grad.clone()
+        opt.step()
+        moved.append(p.detach() - w0)
+    ref, mine = moved
+    assert torch.allclose(mine, ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
