@@ -131,7 +131,8 @@ def test_readme_install_and_test_commands_are_what_ci_runs() -> None:
     commands = _commands(readme)
     install = [c for c in commands if c.startswith(("pip install", "DS_BUILD_OPS=0"))]
     assert any('pip install "torch==2.13.0" -e' in c for c in install), commands
-    for command in [*install, "python -m pytest -q", "mkdocs build --strict"]:
+    tests = ['python -m pytest -q -m "not slow"', "python -m pytest -q -m slow"]
+    for command in [*install, *tests, "mkdocs build --strict"]:
         assert command in commands, f"the README does not show {command!r}"
         assert command in ci, f".ci/run does not run the README's {command!r}"
 
