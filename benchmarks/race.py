@@ -278,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.resummarize:
         for path in sorted(Path(args.results).glob("race_*.json")):
             doc = json.loads(path.read_text())
+            if doc.get("benchmark") != "race":  # race_default.json: race_default.py's
+                continue
             doc["summary"] = race_report.summarize(doc["runs"])
             doc["summarized_by"] = git_commit(REWRITTEN)["commit"]
             path.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")

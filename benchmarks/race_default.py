@@ -1,0 +1,219 @@
+"""The optimizer race's zero-tuning row: ``kf.KFAC(model)`` with no argument but the model.
+
+``python benchmarks/race_default.py --out benchmarks/results`` trains ``kf.KFAC(model)``
+(the recommended recipe at its default learning rate, no argument tuned) on each race
+workload (``race_workloads.WORKLOADS``) on the race's evaluation seeds, with the race's
+schedule, batches and initialisation (``optimizers.train``, the race's own loop), and
+writes ``race_default.json``: every run with its curve, and per workload the final test
+losses against AdamW's and the tuned ``kfac-moments-fresh``'s evaluation runs read from
+the committed ``race_<workload>.json`` (copied into the file, so that the table quotes
+one file). The race's other rows are not rerun. ``--tables`` rewrites the table of
+``docs/benchmarks.md`` from the file; ``--quick`` is a smoke test into a temporary folder.
+Final losses do not depend on the machine's load; seconds do, and are not compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import optimizers
+import race_report as rr
+import race_workloads as rw
+from race import RESULTS, REWRITTEN, machine
+from step_time import git_commit
+
+import kfac_func as kf
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS_PAGE = ROOT / "docs" / "benchmarks.md"
+FILE = "race_default.json"
+TUNED = "kfac-moments-fresh"
+"""The race's row of the same recipe, tuned (learning rate and second-moment decay)."""
+MARKERS = ("<!-- race-default:start -->", "<!-- race-default:end -->")
+
+
+def evaluation(race_doc: dict[str, Any], name: str) -> list[float]:
+    """The final test losses of ``name``'s evaluation runs in a race results file."""
+    runs = [r for r in race_doc["runs"] if r["optimizer"] == name and r["phase"] == "eval"]
+    return [rr.final_loss(r["rows"]) for r in sorted(runs, key=lambda r: r["seed"])]
+
+
+def compare(finals: list[float], adamw: list[float], tuned: list[float]) -> dict[str, Any]:
+    """One workload's row: the untuned finals against AdamW's and the tuned recipe's.
+
+    Example:
+        >>> row = compare([1.6, 1.7], [2.2, 2.3], [1.55, 1.65])
+        >>> row["below_adamw"], row["vs_adamw"], row["vs_tuned"]
+        (True, 'better', 'tie')
+    """
+    mean = statistics.mean(finals)
+    return {
+        "final_mean": rr.json_float(mean),
+        "final_min": rr.json_float(min(finals)),
+        "final_max": rr.json_float(max(finals)),
+        "adamw_mean": statistics.mean(adamw),
+        "adamw_min": min(adamw),
+        "adamw_max": max(adamw),
+        "tuned_mean": statistics.mean(tuned),
+        "tuned_min": min(tuned),
+        "tuned_max": max(tuned),
+        "below_adamw": mean < statistics.mean(adamw),
+        "vs_adamw": rr.verdict(finals, adamw),
+        "vs_tuned": rr.verdict(finals, tuned),
+    }
+
+
+def run_workload(name: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
+    """Train ``kf.KFAC(model)`` on workload ``name`` on each evaluation seed."""
+    w = rw.WORKLOADS[name](args.quick)
+    lr = kf.RECIPES["recommended"].lr
+    runs = []
+    for seed in args.eval_seeds:
+        start = time.perf_counter()
+        rows, split = optimizers.train(optimizers.DEFAULT, lr, w, seed, w.eval_every)
+        runs.append(
+            {
+                "optimizer": optimizers.DEFAULT,
+                "phase": "eval",
+                "lr": lr,
+                "settings": {},
+                "seed": seed,
+                "rows": [{**r, "test_loss": rr.json_float(r["test_loss"])} for r in rows],
+                **split,
+                "wall_seconds": time.perf_counter() - start,
+            }
+        )
+        log(name, runs[-1])
+    out: dict[str, Any] = {"workload": name, "steps": w.steps, "runs": runs}
+    race_file = Path(args.race_results) / f"race_{name}.json"
+    if race_file.exists() and not args.quick:
+        race_doc = json.loads(race_file.read_text())
+        finals = [rr.final_loss(r["rows"]) for r in runs]
+        out["race_commit"] = race_doc.get("commit")
+        out["tuned_lr"] = next(
+            r["lr"] for r in race_doc["runs"] if r["optimizer"] == TUNED and r["phase"] == "eval"
+        )
+        out["summary"] = compare(finals, evaluation(race_doc, "adamw"), evaluation(race_doc, TUNED))
+    return out
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The Markdown table of ``race_default.json``."""
+
+    def loss(x: float, places: int) -> str:
+        return rr.rounded(x, places)
+
+    lines = [
+        f"Results: `benchmarks/results/{FILE}` (`{doc['command']}`), commit "
+        f"`{(doc.get('commit') or 'unknown')[:10]}`"
+        + (" with uncommitted changes" if doc.get("dirty") else "")
+        + f"; `kf.KFAC(model)` at its default learning rate {doc['lr']:g}, seeds "
+        + ", ".join(map(str, doc["eval_seeds"]))
+        + ". AdamW's and the tuned recipe's finals are the race's evaluation runs.",
+        "",
+        "| workload | steps | `kf.KFAC(model)` final | min–max | AdamW tuned | min–max | "
+        "vs AdamW | kfac-moments-fresh tuned | min–max | its lr | vs tuned |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for wl in doc["workloads"]:
+        s = wl["summary"]
+        p = 2 if s["adamw_mean"] > 50 else 4  # the autoencoder's nats per image
+        lines.append(
+            f"| {wl['workload']} | {wl['steps']} | {loss(s['final_mean'], p)} | "
+            f"{loss(s['final_min'], p)}–{loss(s['final_max'], p)} | "
+            f"{loss(s['adamw_mean'], p)} | {loss(s['adamw_min'], p)}–{loss(s['adamw_max'], p)} | "
+            f"{'below' if s['below_adamw'] else 'above'} ({s['vs_adamw']}) | "
+            f"{loss(s['tuned_mean'], p)} | {loss(s['tuned_min'], p)}–{loss(s['tuned_max'], p)} | "
+            f"{wl['tuned_lr']:g} | {s['vs_tuned']} |"
+        )
+    return "\n".join(lines)
+
+
+def write_table(page: Path, results: Path) -> bool:
+    """Rewrite the block between :data:`MARKERS` of ``page`` from ``results``; whether it
+    changed."""
+    doc = json.loads((results / FILE).read_text())
+    if doc.get("quick"):
+        raise ValueError(f"{results / FILE}: results of --quick are not for the docs")
+    text = page.read_text()
+    start, end = MARKERS
+    head, rest = text.split(start + "\n", 1)
+    old, tail = rest.split("\n" + end, 1)
+    new = render(doc)
+    page.write_text(f"{head}{start}\n{new}\n{end}{tail}")
+    return new != old
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help="smoke test: tiny models, few steps")
+    p.add_argument("--workloads", nargs="+", choices=list(rw.WORKLOADS), default=list(rw.WORKLOADS))
+    p.add_argument("--eval-seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--out", default=None, help="folder of race_default.json")
+    p.add_argument("--race-results", default=str(RESULTS), help="the race's results folder")
+    p.add_argument("--tables", action="store_true", help="rewrite the docs table and exit")
+    p.add_argument("--docs", default=str(DOCS_PAGE), help="docs page written by --tables")
+    args = p.parse_args(argv)
+    if args.tables:
+        changed = write_table(Path(args.docs), Path(args.race_results))
+        print(f"{args.docs}: table {'rewritten' if changed else 'unchanged'}")
+        return 0
+    if args.out is None:
+        args.out = str(Path(tempfile.mkdtemp()) if args.quick else ROOT / "benchmarks" / "out")
+    if args.quick and Path(args.out).resolve() == RESULTS.resolve():
+        p.error("--quick results are a smoke test: not into benchmarks/results")
+    command = " ".join(
+        ["python", "benchmarks/race_default.py", *(sys.argv[1:] if argv is None else argv)]
+    )
+    checkout = git_commit(REWRITTEN)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+
+    def log(name: str, r: dict[str, Any]) -> None:
+        print(
+            f"{name} seed {r['seed']}: final {rr.final_loss(r['rows']):.4f} "
+            f"({r['steps']} steps, {r['wall_seconds']:.1f} s)",
+            flush=True,
+        )
+
+    try:
+        doc = {
+            "benchmark": "race-default",
+            "quick": args.quick,
+            "command": command,
+            **checkout,
+            "machine": machine(args.threads),
+            "optimizer": "kf.KFAC(model)",
+            "recipe": "recommended",
+            "lr": kf.RECIPES["recommended"].lr,
+            "eval_seeds": args.eval_seeds,
+            "tuned": TUNED,
+            "tie_rule": rr.TIE_RULE,
+            "workloads": [run_workload(n, args, log) for n in args.workloads],
+        }
+    finally:
+        torch.set_num_threads(previous)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / FILE).write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    print(f"wrote {out / FILE}")
+    if not args.quick:
+        print(render(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
