@@ -7,8 +7,10 @@ schedule, batches and initialisation (``optimizers.train``, the race's own loop)
 writes ``race_default.json``: every run with its curve, and per workload the final test
 losses against AdamW's and the tuned ``kfac-moments-fresh``'s evaluation runs read from
 the committed ``race_<workload>.json`` (copied into the file, so that the table quotes
-one file). The race's other rows are not rerun. ``--tables`` rewrites the table of
-``docs/benchmarks.md`` from the file; ``--quick`` is a smoke test into a temporary folder.
+one file). The race's other rows are not rerun. ``--merge A B`` joins the files of
+runs made side by side (``--workloads`` split between processes) into one, in the race's
+order of workloads. ``--tables`` rewrites the table of ``docs/benchmarks.md`` from the
+file; ``--quick`` is a smoke test into a temporary folder.
 Final losses do not depend on the machine's load; seconds do, and are not compared.
 """
 
@@ -71,6 +73,40 @@ def compare(finals: list[float], adamw: list[float], tuned: list[float]) -> dict
         "vs_adamw": rr.verdict(finals, adamw),
         "vs_tuned": rr.verdict(finals, tuned),
     }
+
+
+def derive_lr(results: Path, beta2: float = 0.95) -> tuple[float, dict[str, dict[str, float]]]:
+    """The default learning rate of ``kf.KFAC(model)`` from the race's tuning runs of
+    :data:`TUNED` (second-moment decay ``beta2``, the recipe's) in ``results``: among the
+    rates every workload's grid tried, the one whose largest *gap fraction* over the
+    workloads is smallest, where a rate's gap fraction on a workload is ``(L - L*) / (A -
+    L*)`` on the tuning seed (``L`` its final test loss, ``L*`` the tuned recipe's best,
+    ``A`` AdamW's best): 0 is the tuned loss, 1 AdamW's. Returns the rate and every
+    rate's fractions per workload.
+
+    Example:
+        >>> lr, fractions = derive_lr(RESULTS)  # doctest: +SKIP
+    """
+    fractions: dict[str, dict[str, float]] = {}
+    for path in sorted(results.glob("race_*.json")):
+        doc = json.loads(path.read_text())
+        if doc.get("benchmark") != "race":
+            continue
+        tune = [r for r in doc["runs"] if r["phase"] == "tune"]
+        mine = [r for r in tune if r["optimizer"] == TUNED]
+        best = min(rr.final_loss(r["rows"]) for r in mine)
+        adamw = min(rr.final_loss(r["rows"]) for r in tune if r["optimizer"] == "adamw")
+        at = {
+            r["lr"]: rr.final_loss(r["rows"])
+            for r in mine
+            if r["settings"].get("moment_beta2") == beta2
+        }
+        fractions[doc["workload"]] = {
+            f"{lr:g}": (v - best) / (adamw - best) for lr, v in at.items()
+        }
+    common = set.intersection(*(set(f) for f in fractions.values()))
+    worst = {lr: max(f[lr] for f in fractions.values()) for lr in common}
+    return float(min(worst, key=lambda lr: worst[lr])), fractions
 
 
 def run_workload(name: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
@@ -154,6 +190,32 @@ def write_table(page: Path, results: Path) -> bool:
     return new != old
 
 
+def merge(folders: list[Path]) -> dict[str, Any]:
+    """One ``race_default.json`` document from those in ``folders`` (runs of the same
+    commit, learning rate and seeds, on different workloads), workloads in the race's
+    order; ``command`` lists each run's.
+
+    Raises:
+        ValueError: the documents differ in commit, learning rate, seeds or threads, or
+            share a workload.
+    """
+    docs = [json.loads((f / FILE).read_text()) for f in folders]
+    keys = ("commit", "dirty", "lr", "eval_seeds", "quick")
+    for d in docs[1:]:
+        for key in keys:
+            if d[key] != docs[0][key]:
+                raise ValueError(f"--merge: {key} differs: {docs[0][key]!r} and {d[key]!r}")
+        if d["machine"]["threads"] != docs[0]["machine"]["threads"]:
+            raise ValueError("--merge: the runs used different thread counts")
+    found = [w for d in docs for w in d["workloads"]]
+    names = [w["workload"] for w in found]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--merge: a workload appears twice: {names}")
+    order = list(rw.WORKLOADS)
+    found.sort(key=lambda w: order.index(w["workload"]))
+    return {**docs[0], "command": " ; ".join(d["command"] for d in docs), "workloads": found}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -165,14 +227,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="folder of race_default.json")
     p.add_argument("--race-results", default=str(RESULTS), help="the race's results folder")
     p.add_argument("--tables", action="store_true", help="rewrite the docs table and exit")
+    p.add_argument(
+        "--derive-lr",
+        action="store_true",
+        help="print how the default learning rate follows from the race's tuning runs",
+    )
+    p.add_argument("--merge", nargs="+", help="folders whose race_default.json to join into --out")
     p.add_argument("--docs", default=str(DOCS_PAGE), help="docs page written by --tables")
     args = p.parse_args(argv)
+    if args.derive_lr:
+        lr, fractions = derive_lr(Path(args.race_results))
+        rates = sorted(set.intersection(*(set(f) for f in fractions.values())), key=float)
+        print("gap fraction (0: the tuned loss, 1: AdamW's) on the tuning seed, per rate:")
+        print(f"{'workload':>12} " + " ".join(f"{r:>7}" for r in rates))
+        for w, f in fractions.items():
+            print(f"{w:>12} " + " ".join(f"{f[r]:7.2f}" for r in rates))
+        print(f"smallest worst fraction: lr {lr:g} (kf.RECIPES: {kf.RECIPES['recommended'].lr:g})")
+        return 0
     if args.tables:
         changed = write_table(Path(args.docs), Path(args.race_results))
         print(f"{args.docs}: table {'rewritten' if changed else 'unchanged'}")
         return 0
     if args.out is None:
         args.out = str(Path(tempfile.mkdtemp()) if args.quick else ROOT / "benchmarks" / "out")
+    if args.merge:
+        doc = merge([Path(f) for f in args.merge])
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / FILE).write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+        print(f"wrote {Path(args.out) / FILE}")
+        print(render(doc))
+        return 0
     if args.quick and Path(args.out).resolve() == RESULTS.resolve():
         p.error("--quick results are a smoke test: not into benchmarks/results")
     command = " ".join(

@@ -23,7 +23,8 @@ schedule so that K-FAC's step length warms up and decays like the others'.
 Each epoch is ``--steps`` training batches of random windows of the training text. After
 each epoch the script prints the training loss (mean over the epoch's batches), the test
 loss and bits per character on a fixed set of test windows, and the wall time, then
-writes ``OUT.csv`` and ``OUT.png`` with the curves of every optimizer.
+writes ``OUT.csv`` and ``OUT.png`` with the curves of every optimizer (losses against
+training seconds).
 
     python examples/transformer_lm.py                       # sgd, adam and kfac
     python examples/transformer_lm.py --optimizers kfac --epochs 3 --steps 50
@@ -495,7 +496,10 @@ def main(argv: list[str] | None = None) -> None:
     table = [{"optimizer": n, **rows[-1]} for n, rows in results.items()]
     print("\nfinal epoch\n" + format_table(table, columns))
     csv_path, png_path = save_curves(
-        results, args.out, title=f"character-level transformer on pydoc topics ({device})"
+        results,
+        args.out,
+        title=f"character-level transformer on pydoc topics ({device})",
+        x="seconds",  # loss against training seconds: what a step of each optimizer costs
     )
     json_path = save_provenance(csv_path, __file__, sys.argv[1:] if argv is None else argv)
     print(f"wrote {csv_path}, {png_path} and {json_path}")
