@@ -7,7 +7,9 @@ rewrites the tables of ``docs/benchmarks.md``. ``--quick`` is a smoke test (tiny
 models, a few steps, a temporary folder), ``--estimate`` times one run per optimizer of
 each workload and projects the full run's time. Built on ``benchmarks/optimizers.py``
 (its ``Stepper`` recipes, schedule and K-FAC variants, imported); the workloads and the
-grid are in ``race_workloads.py``, the rules and tables in ``race_report.py``.
+grid are in ``race_workloads.py``, the rules and tables in ``race_report.py``. The
+zero-tuning row (``kf.KFAC(model)`` with no argument but the model, evaluated only) is
+``race_default.py``'s, written beside these results without rerunning them.
 
 Tuning budget (the same for every optimizer of a workload)
 ----------------------------------------------------------

@@ -155,7 +155,8 @@ def render(doc: dict[str, Any]) -> str:
         + (" with uncommitted changes" if doc.get("dirty") else "")
         + f"; `kf.KFAC(model)` at its default learning rate {doc['lr']:g}, seeds "
         + ", ".join(map(str, doc["eval_seeds"]))
-        + ". AdamW's and the tuned recipe's finals are the race's evaluation runs.",
+        + f"; CPU `{doc['machine']['cpu']}`, {doc['machine']['threads']} thread(s). AdamW's "
+        "and the tuned recipe's finals are the race's evaluation runs.",
         "",
         "| workload | steps | `kf.KFAC(model)` final | min–max | AdamW tuned | min–max | "
         "vs AdamW | kfac-moments-fresh tuned | min–max | its lr | vs tuned |",
@@ -183,10 +184,12 @@ def write_table(page: Path, results: Path) -> bool:
         raise ValueError(f"{results / FILE}: results of --quick are not for the docs")
     text = page.read_text()
     start, end = MARKERS
-    head, rest = text.split(start + "\n", 1)
-    old, tail = rest.split("\n" + end, 1)
-    new = render(doc)
-    page.write_text(f"{head}{start}\n{new}\n{end}{tail}")
+    if start not in text or end not in text:
+        raise ValueError(f"{page}: no {start} ... {end} block")
+    i = text.index(start) + len(start)
+    j = text.index(end, i)
+    old, new = text[i:j].strip("\n"), render(doc)
+    page.write_text(f"{text[:i]}\n{new}\n{text[j:]}")
     return new != old
 
 

@@ -180,3 +180,18 @@ def test_the_table_starts_on_its_own_line() -> None:
     first, second = f"{pre.steps} {pre.layers}".splitlines()[:2]
     assert first == "0 LayerTable(3 layers, 0 skipped):"
     assert second.split()[:2] == ["name", "kind"]
+
+
+def test_sync_free_is_chosen_for_one_cuda_process_only() -> None:
+    """The switch the recommended recipe turns on for CUDA models (no GPU here: a module
+    whose parameters say they are on CUDA stands in)."""
+    from types import SimpleNamespace
+
+    from kfac_func.adapter.optimizer import _one_cuda_process
+
+    class OnCuda(nn.Module):
+        def parameters(self, recurse: bool = True) -> Any:  # type: ignore[override]
+            return iter([SimpleNamespace(is_cuda=True)])
+
+    assert _one_cuda_process(OnCuda())
+    assert not _one_cuda_process(_model())
