@@ -119,16 +119,24 @@ def test_the_same_recipe_written_out_through_the_kfac_pytorch_preset() -> None:
     _equal(_train_face(a, one), _train_face(b, other))
 
 
-@pytest.mark.parametrize("others", [torch.optim.AdamW, torch.optim.SGD])
-def test_weight_decay_is_decoupled_on_every_parameter(others: Any) -> None:
+@pytest.mark.parametrize(
+    ("base", "others"),
+    [
+        (torch.optim.SGD, torch.optim.AdamW),
+        (torch.optim.SGD, torch.optim.SGD),
+        (torch.optim.AdamW, torch.optim.AdamW),
+    ],
+)
+def test_weight_decay_is_decoupled_on_every_parameter(base: Any, others: Any) -> None:
     """One step with ``weight_decay=wd`` moves every parameter by ``-lr·wd·p`` more than
-    the same step without (SGD without momentum on K-FAC's parameters, AdamW's own decay
-    on the others', the face's when the others' optimizer is another one)."""
+    the same step without, once: AdamW decays its parameters itself (``weight_decay``
+    passed to it), the face decays those of any other base optimizer."""
     lr, wd = 0.01, 0.3
     a, b = _model(), _model()
     start = [p.detach().clone() for p in a.parameters()]
-    with_decay = kf.KFAC(a, lr=lr, weight_decay=wd, skip_layers=["Embedding"], others=others)
-    without = kf.KFAC(b, lr=lr, weight_decay=0.0, skip_layers=["Embedding"], others=others)
+    kwargs = {"lr": lr, "skip_layers": ["Embedding"], "base": base, "others": others}
+    with_decay = kf.KFAC(a, weight_decay=wd, **kwargs)
+    without = kf.KFAC(b, weight_decay=0.0, **kwargs)
     if others is torch.optim.AdamW:
         assert with_decay.others_optimizer is not None
         group = with_decay.others_optimizer.param_groups[0]

@@ -231,6 +231,8 @@ class KFAC(torch.optim.Optimizer):
             kfac_kwargs.setdefault("batched_eigh", True)
             kfac_kwargs.setdefault("sync_free", _one_cuda_process(model))
         base_defaults = dict(r.base_kwargs) if base is torch.optim.SGD else {}
+        if base is torch.optim.AdamW and self.weight_decay is not None:
+            base_defaults["weight_decay"] = self.weight_decay
         self._base_kwargs = {"lr": lr, **base_defaults, **dict(base_kwargs or {})}
         if others is None:
             others, self._others_kwargs = base, dict(self._base_kwargs)
@@ -243,8 +245,9 @@ class KFAC(torch.optim.Optimizer):
                 defaults["weight_decay"] = self.weight_decay
             self._others_kwargs = {**defaults, **dict(others_kwargs or {})}
         self._others_factory: OptimizerFactory = others
-        # AdamW decays its own parameters; the face decays the others' (decoupled)
-        self._others_decay = others is not torch.optim.AdamW
+        # AdamW decays its own parameters (weight_decay above); the face decays the
+        # parameters of any other base optimizer itself (decoupled)
+        self._decays = (base is not torch.optim.AdamW, others is not torch.optim.AdamW)
         ref = weakref.ref(self)
 
         def follow(step: int) -> float:
@@ -366,7 +369,7 @@ class KFAC(torch.optim.Optimizer):
         if not self.weight_decay:
             return
         for i, opt in enumerate(self._optimizers):
-            if i > 0 and not self._others_decay:
+            if not self._decays[min(i, 1)]:
                 continue
             for group in opt.param_groups:
                 factor = 1.0 - float(group["lr"]) * self.weight_decay
