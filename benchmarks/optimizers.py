@@ -96,6 +96,10 @@ LRS: dict[str, tuple[float, ...]] = {
 AdamW's middle value)."""
 OPTIMIZERS = tuple(LRS)
 
+DEFAULT = "kfac-default"
+"""``kf.KFAC(model)`` with no argument but the model: the recommended recipe untuned, its
+default learning rate under the workload's schedule (``race_default.py`` evaluates it)."""
+
 
 @dataclass
 class Workload:
@@ -267,7 +271,13 @@ class Stepper:
         schedule = lm.lr_schedule(max(1, steps // 10), steps)
         params = list(model.parameters())
         s = dict(settings or {})
-        if name in KFAC:
+        if name == DEFAULT:
+            if s:
+                raise ValueError(f"{DEFAULT} takes no settings (it is kf.KFAC(model)), got {s}")
+            self.face = kf.KFAC(model)
+            self.pre = self.face.preconditioner
+            self.opts = [self.face]
+        elif name in KFAC:
             self._kfac(name, model, lr, schedule, s, w.face)
         elif name == "sgd":
             self.opts = [torch.optim.SGD(params, lr=lr, **{"momentum": 0.9, **s})]
@@ -321,6 +331,7 @@ class Stepper:
             self.face = kf.KFAC(
                 model,
                 lr=lr,
+                recipe="kfac-pytorch",  # every setting of the variant is given here
                 base=torch.optim.SGD,
                 base_kwargs={"momentum": momentum, "dampening": dampening},
                 others=torch.optim.AdamW,

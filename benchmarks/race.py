@@ -7,7 +7,9 @@ rewrites the tables of ``docs/benchmarks.md``. ``--quick`` is a smoke test (tiny
 models, a few steps, a temporary folder), ``--estimate`` times one run per optimizer of
 each workload and projects the full run's time. Built on ``benchmarks/optimizers.py``
 (its ``Stepper`` recipes, schedule and K-FAC variants, imported); the workloads and the
-grid are in ``race_workloads.py``, the rules and tables in ``race_report.py``.
+grid are in ``race_workloads.py``, the rules and tables in ``race_report.py``. The
+zero-tuning row (``kf.KFAC(model)`` with no argument but the model, evaluated only) is
+``race_default.py``'s, written beside these results without rerunning them.
 
 Tuning budget (the same for every optimizer of a workload)
 ----------------------------------------------------------
@@ -287,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.resummarize:
         for path in sorted(Path(args.results).glob("race_*.json")):
             doc = json.loads(path.read_text())
+            if doc.get("benchmark") != "race":  # race_default.json: race_default.py's
+                continue
             doc["summary"] = race_report.summarize(doc["runs"])
             doc["summarized_by"] = git_commit(REWRITTEN)["commit"]
             path.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")

@@ -266,7 +266,10 @@ def format_table(rows: Sequence[dict[str, object]], columns: Sequence[str] | Non
 
 
 def save_curves(
-    results: dict[str, list[dict[str, float]]], out_prefix: str | Path, title: str = ""
+    results: dict[str, list[dict[str, float]]],
+    out_prefix: str | Path,
+    title: str = "",
+    x: str = "epoch",
 ) -> tuple[Path, Path]:
     """Write training curves of several optimizers to a CSV and a PNG.
 
@@ -275,13 +278,17 @@ def save_curves(
             numeric metrics (e.g. ``"train_loss"``, ``"test_accuracy"``, ``"seconds"``).
         out_prefix: path without extension; parent folders are created.
         title: figure title.
+        x: the x axis of the plot, ``"epoch"`` or ``"seconds"`` (each optimizer's
+            training seconds at the end of each epoch, where its rows have them).
 
     Returns:
         ``(csv_path, png_path)``: ``out_prefix + ".csv"`` in long format (columns
         ``optimizer, epoch`` then every metric, sorted; a metric a row lacks is empty) and
         ``out_prefix + ".png"``, one subplot per metric other than ``epoch``/``seconds``,
-        epoch on the x axis, one line per optimizer (matplotlib, Agg backend).
+        ``x`` on the x axis, one line per optimizer (matplotlib, Agg backend).
     """
+    if x not in ("epoch", "seconds"):
+        raise ValueError(f"save_curves: x must be 'epoch' or 'seconds', got {x!r}")
     prefix = Path(out_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     csv_path = prefix.parent / (prefix.name + ".csv")
@@ -307,15 +314,16 @@ def save_curves(
     )
     for ax, metric in zip(axes[0], plotted):
         for opt, rows in results.items():
-            pts = [(r["epoch"], r[metric]) for r in rows if metric in r]
+            pts = [(r[x], r[metric]) for r in rows if metric in r and x in r]
             if pts:
                 ax.plot(*zip(*pts), marker="o", markersize=3, label=opt)
-        ax.set_xlabel("epoch")
+        ax.set_xlabel("training seconds" if x == "seconds" else "epoch")
         ax.set_title(metric.replace("_", " "))
         values = [r[metric] for rows in results.values() for r in rows if metric in r]
         if "loss" in metric and values and min(values) > 0:
             ax.set_yscale("log")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if x == "epoch":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[0][0].legend()
     if title:

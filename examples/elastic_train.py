@@ -51,6 +51,7 @@ def build(world: int) -> tuple[nn.Module, kf.KFAC]:
     ).to(F64)
     opt = kf.KFAC(
         model,
+        recipe="kfac-pytorch",
         lr=0.1,
         base_kwargs={"momentum": 0.9},
         damping=0.01,

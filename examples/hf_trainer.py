@@ -124,6 +124,7 @@ def make_optimizer(name: str, model: Any, args: argparse.Namespace) -> torch.opt
         return kf.KFAC(
             model,
             lr=args.kfac_lr,
+            recipe="kfac-pytorch",  # every setting is given here, as for the committed results
             others_kwargs={"lr": args.adam_lr, "weight_decay": 0.0},
             damping=args.damping,
             kl_clip=None,

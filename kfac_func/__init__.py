@@ -19,6 +19,7 @@ from kfac_func.adapter.coverage import MissingStatisticsWarning
 from kfac_func.adapter.fallback import FallbackWarning
 from kfac_func.adapter.optimizer import KFAC
 from kfac_func.adapter.preconditioner import ComputeMethod, KFACPreconditioner
+from kfac_func.adapter.recipes import RECIPES, Recipe
 from kfac_func.adapter.scheduler import LambdaParamScheduler
 from kfac_func.blocks import LayerSpec, LayerTable, grads_to_matrix, matrix_to_grads, register
 from kfac_func.blocks.examples import BatchSizeError
@@ -79,6 +80,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CONVENTIONS",
     "KFAC",
+    "RECIPES",
     "AdaptiveInfo",
     "AdaptiveRecord",
     "AdaptiveState",
@@ -117,6 +119,7 @@ __all__ = [
     "Plan",
     "QuadraticSolution",
     "RankMismatchError",
+    "Recipe",
     "StepOptions",
     "__version__",
     "a_factor",

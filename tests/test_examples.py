@@ -342,3 +342,30 @@ def test_save_curves_long_format(tmp_path: Path) -> None:
         ("b", "1", "3.0", "0.25"),
     ]
     assert png_path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_save_curves_against_seconds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``x="seconds"`` plots each metric against the training seconds (the LM example's
+    PNG); the x axis is labelled so, and another axis is refused by name."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    common = _import_common()
+    results = {
+        "a": [{"epoch": 1, "loss": 2.0, "seconds": 0.5}, {"epoch": 2, "loss": 1.0, "seconds": 1.5}]
+    }
+    saved = plt.Figure.savefig
+    seen: list[tuple[str, list[float]]] = []
+
+    def spy(fig: plt.Figure, *args: object, **kwargs: object) -> None:
+        ax = fig.axes[0]
+        seen.append((ax.get_xlabel(), list(ax.lines[0].get_xdata())))
+        saved(fig, *args, **kwargs)
+
+    monkeypatch.setattr(plt.Figure, "savefig", spy)
+    common.save_curves(results, tmp_path / "c", x="seconds")
+    assert seen == [("training seconds", [0.5, 1.5])]
+    with pytest.raises(ValueError, match="x must be"):
+        common.save_curves(results, tmp_path / "d", x="steps")

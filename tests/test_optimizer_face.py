@@ -89,7 +89,7 @@ def _manual(
 def _face(
     model: nn.Module, kfac_args: dict[str, Any], sgd_args: dict[str, Any], lr: float
 ) -> tuple[kf.KFAC, torch.optim.lr_scheduler.LRScheduler]:
-    opt = kf.KFAC(model, lr=lr, base_kwargs=sgd_args, **kfac_args)
+    opt = kf.KFAC(model, recipe="kfac-pytorch", lr=lr, base_kwargs=sgd_args, **kfac_args)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
 
 
@@ -142,7 +142,7 @@ def test_equals_the_manual_loop_bit_for_bit(
 
 def test_kfac_lr_follows_the_schedule_unless_given() -> None:
     model = _model()
-    opt = kf.KFAC(model, lr=0.2, **KFAC_ARGS)
+    opt = kf.KFAC(model, recipe="kfac-pytorch", lr=0.2, **KFAC_ARGS)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     pre = opt.preconditioner
     seen = []
@@ -154,13 +154,19 @@ def test_kfac_lr_follows_the_schedule_unless_given() -> None:
         sched.step()
     assert seen == [0.2, 0.1, 0.05]
     assert [g["lr"] for g in opt.param_groups] == [0.025, 0.025]
-    fixed = kf.KFAC(_model(), lr=0.2, kfac_lr=0.7, **KFAC_ARGS)
+    fixed = kf.KFAC(_model(), recipe="kfac-pytorch", lr=0.2, kfac_lr=0.7, **KFAC_ARGS)
     assert fixed.preconditioner.lr == 0.7
 
 
 def test_hugging_face_schedule_drives_both_parts() -> None:
     transformers = pytest.importorskip("transformers")
-    opt = kf.KFAC(_model(), lr=1e-2, others_kwargs={"lr": 1e-3, "weight_decay": 0.0}, **KFAC_ARGS)
+    opt = kf.KFAC(
+        _model(),
+        recipe="kfac-pytorch",
+        lr=1e-2,
+        others_kwargs={"lr": 1e-3, "weight_decay": 0.0},
+        **KFAC_ARGS,
+    )
     assert opt.others_optimizer is not None
     assert opt.others_optimizer.param_groups[0]["weight_decay"] == 0.0
     sched = transformers.get_linear_schedule_with_warmup(opt, 2, 6)
@@ -229,7 +235,9 @@ def test_load_state_dict_refuses_a_foreign_dict_and_changes_nothing() -> None:
     plain = torch.optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match="no 'kfac' part"):
         opt.load_state_dict(plain.state_dict())
-    other = kf.KFAC(model, lr=0.05, skip_layers=[*SKIP, "4"], others=None, damping=0.1)
+    other = kf.KFAC(
+        model, recipe="kfac-pytorch", lr=0.05, skip_layers=[*SKIP, "4"], others=None, damping=0.1
+    )
     other_sd = other.state_dict()
     other_sd["param_groups"][0]["kfac"] = before["param_groups"][0]["kfac"]
     with pytest.raises(ValueError, match="parameter groups"):
@@ -243,7 +251,7 @@ def test_load_state_dict_refuses_a_foreign_dict_and_changes_nothing() -> None:
 
 def test_closure_hooks_zero_grad_and_state_view() -> None:
     model = _model()
-    opt = kf.KFAC(model, lr=0.05, base_kwargs={"momentum": 0.9}, **KFAC_ARGS)
+    opt = kf.KFAC(model, recipe="kfac-pytorch", lr=0.05, base_kwargs={"momentum": 0.9}, **KFAC_ARGS)
     calls: list[str] = []
     opt.register_step_pre_hook(lambda o, a, k: calls.append(f"pre {o is opt}"))
     opt.register_step_post_hook(lambda o, a, k: calls.append(f"post {o.preconditioner.steps}"))
@@ -281,7 +289,7 @@ def test_closure_hooks_zero_grad_and_state_view() -> None:
 
 def test_add_param_group_goes_to_the_others_optimizer() -> None:
     model = nn.Sequential(nn.Linear(4, 3))
-    opt = kf.KFAC(model, lr=0.1, damping=0.01)
+    opt = kf.KFAC(model, recipe="kfac-pytorch", lr=0.1, damping=0.01)
     assert opt.others_optimizer is None and len(opt.param_groups) == 1
     extra = nn.Parameter(torch.ones(3))
     opt.add_param_group({"params": [extra], "lr": 0.5})
@@ -339,6 +347,7 @@ def test_hugging_face_trainer_trains_with_kfac(tmp_path: Path) -> None:
         warnings.simplefilter("ignore")  # the tied head is skipped with a warning (for now)
         opt = kf.KFAC(
             model,
+            recipe="kfac-pytorch",
             lr=3e-3,
             damping=0.01,
             factor_update_steps=2,
@@ -387,7 +396,9 @@ def test_lightning_trainer_steps_with_the_closure() -> None:
             return loss
 
         def configure_optimizers(self) -> Any:
-            self.opt = kf.KFAC(self.net, lr=0.1, base_kwargs={"momentum": 0.9}, **KFAC_ARGS)
+            self.opt = kf.KFAC(
+                self.net, recipe="kfac-pytorch", lr=0.1, base_kwargs={"momentum": 0.9}, **KFAC_ARGS
+            )
             sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=10, gamma=0.5)
             return {"optimizer": self.opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -412,7 +423,9 @@ def test_lightning_trainer_steps_with_the_closure() -> None:
     assert last < first, module.losses
     # the same as by hand: closure steps of the same optimizer on the same batches
     model = _model()
-    manual = kf.KFAC(model, lr=0.1, base_kwargs={"momentum": 0.9}, **KFAC_ARGS)
+    manual = kf.KFAC(
+        model, recipe="kfac-pytorch", lr=0.1, base_kwargs={"momentum": 0.9}, **KFAC_ARGS
+    )
     sched = torch.optim.lr_scheduler.StepLR(manual, step_size=10, gamma=0.5)
     _train(model, manual, sched, batches)
     assert _same(model, module.net)

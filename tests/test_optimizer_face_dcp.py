@@ -57,6 +57,7 @@ def setup(name: str, seed: int = 0) -> tuple[nn.Module, kf.KFAC]:
     ).to(F64)
     opt = kf.KFAC(
         model,
+        recipe="kfac-pytorch",
         lr=0.1,
         damping=0.01,
         inv_update_steps=2,

@@ -93,11 +93,11 @@ def build(kind: str, order: str, world: int) -> tuple[nn.Module, nn.Module, kf.K
         kind, args["grad_worker_fraction"] = "fsdp", kf.DistributedStrategy.MEM_OPT
     model = make_model(kind)
     if order == "before":
-        opt = kf.KFAC(model, **args)
+        opt = kf.KFAC(model, recipe="kfac-pytorch", **args)
         call = wrap(model, kind, world)
     else:
         call = wrap(model, kind, world)
-        opt = kf.KFAC(call, **args)
+        opt = kf.KFAC(call, recipe="kfac-pytorch", **args)
     return model, call, opt
 
 
@@ -120,7 +120,7 @@ def _refusal(world: int) -> str:
     """The message of the step after ``fully_shard`` replaced parameters that the base
     optimizer had already stepped (and whether the parameters stayed as they were)."""
     model = make_model("fsdp")
-    opt = kf.KFAC(model, **KFAC_ARGS)
+    opt = kf.KFAC(model, recipe="kfac-pytorch", **KFAC_ARGS)
     x, y = global_batch(SEED)  # every rank: the same batch
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()

@@ -23,6 +23,7 @@ from kfac_func.adapter.arguments import FloatOrFn
 from kfac_func.adapter.fallback import DEMOTED_KEY
 from kfac_func.adapter.parameter_places import ParameterPlaces
 from kfac_func.adapter.preconditioner import KFACPreconditioner
+from kfac_func.adapter.recipes import Recipe, recipe_named
 
 __all__ = ["KFAC"]
 
@@ -85,14 +86,27 @@ class KFAC(torch.optim.Optimizer):
     """K-FAC as a ``torch.optim.Optimizer``: a :class:`~kfac_func.KFACPreconditioner` of
     ``model`` in front of base optimizers, for trainers that only call optimizers.
 
-    The parameters of the layers K-FAC preconditions get ``base`` (default plain SGD:
-    K-FAC's step is the preconditioned gradient; with ``eigenbasis_moments=True`` the
-    moments are kept by the preconditioner and SGD stays without momentum); the others
+    ``kf.KFAC(model)`` with no other argument is the recommended recipe
+    (:data:`kfac_func.RECIPES` ``["recommended"]``, the optimizer race's
+    ``kfac-moments-fresh``): Adam's step in K-FAC's eigenbasis (``eigenbasis_moments``
+    with ``betas`` (0.9, 0.95), no KL clip, ``"fisher"`` scaling, factor statistics every
+    step with decay 0.9, eigenbases every 2 steps) in front of SGD without momentum, AdamW
+    with the same learning rate, betas and weight decay on the parameters K-FAC does not
+    precondition, learning rate 0.028, no weight decay. The library chooses the performance
+    switches (layers of one shape computed together, batched decompositions, and
+    ``sync_free`` on one CUDA process). ``recipe="kfac-pytorch"`` is kfac-pytorch's
+    recipe instead: its preconditioner defaults (eigen, ``kl_clip=0.001``, its factor
+    scaling) in front of plain SGD, AdamW with torch's defaults on the others, learning
+    rate 0.001, no switch chosen for the user.
+
+    Any argument given replaces the recipe's. The parameters of the layers K-FAC
+    preconditions get ``base`` (default SGD: K-FAC's step is the preconditioned gradient;
+    with ``eigenbasis_moments`` the moments are kept by the preconditioner); the others
     (skipped or unsupported modules, tied parameters; see
     :meth:`kfac_func.LayerTable.split_parameters`) get ``others`` (default AdamW). Both
     take ``lr`` unless their kwargs name one. :meth:`step` runs the closure (with
-    gradients enabled), then ``preconditioner.step()``, then each base optimizer's
-    ``step()``, and returns the closure's loss.
+    gradients enabled), then ``preconditioner.step()``, then the decoupled weight decay,
+    then each base optimizer's ``step()``, and returns the closure's loss.
 
     - :attr:`param_groups` are the base optimizers' groups themselves (K-FAC's first):
       learning-rate schedulers drive them, and the preconditioner's ``lr`` (its KL clip's)
@@ -121,6 +135,8 @@ class KFAC(torch.optim.Optimizer):
       move.
     - ``zero_grad``, step hooks (``register_step_pre_hook``, ...) and state-dict hooks
       are ``torch.optim.Optimizer``'s; the base optimizers' own hooks run in their steps.
+    - ``print(opt)`` shows the recipe, the base optimizers and the table of the layers
+      K-FAC preconditions (``opt.preconditioner.layers``).
 
     Build it on the model before or after wrapping it in DDP or sharding it with FSDP2
     (``fully_shard``) or tensor parallelism (``parallelize_module``): those two replace
@@ -131,20 +147,36 @@ class KFAC(torch.optim.Optimizer):
 
     Args:
         model: the module whose layers K-FAC preconditions.
-        lr: learning rate of both base optimizers (unless their kwargs name one).
+        lr: learning rate of both base optimizers (unless their kwargs name one); None:
+            the recipe's (0.028 recommended, 0.001 kfac-pytorch).
+        recipe: ``"recommended"`` (default), ``"kfac-pytorch"``, or a
+            :class:`~kfac_func.Recipe`: the defaults of every other argument.
+        betas: ``(β₁, β₂)`` of the eigenbasis moments (``moment_beta1``,
+            ``moment_beta2``) and of AdamW on the other parameters; None: the recipe's
+            ((0.9, 0.95) recommended; kfac-pytorch: the preconditioner's and AdamW's own).
+        weight_decay: decoupled weight decay, AdamW's meaning: ``p ← p − lr·wd·p`` on every
+            parameter the optimizer steps (K-FAC's included), before the step; None: the
+            recipe's (0 recommended; kfac-pytorch: torch's AdamW default 0.01 on the
+            others, none on K-FAC's parameters).
         base: the optimizer class (or factory ``(params, **kwargs)``) of the preconditioned
             parameters.
-        base_kwargs: its keyword arguments (``lr`` defaults to ``lr``).
+        base_kwargs: its keyword arguments (``lr`` defaults to ``lr``; with SGD the
+            recipe's first: no momentum in the recommended recipe).
         others: the optimizer of the other parameters; None: ``base`` (with
             ``base_kwargs``).
-        others_kwargs: its keyword arguments (``lr`` defaults to ``lr``).
+        others_kwargs: its keyword arguments (``lr`` defaults to ``lr``, and for AdamW
+            ``betas`` and ``weight_decay`` to the ones above).
         kfac_lr: the preconditioner's ``lr`` (a number or ``step -> value``); None: the
             first group's current learning rate.
         **kfac_kwargs: the other arguments of :class:`~kfac_func.KFACPreconditioner`
-            (``damping``, ``skip_layers``, ``factor_update_steps``, ``scaling``, ...).
+            (``damping``, ``skip_layers``, ``factor_update_steps``, ``scaling``, ...),
+            replacing the recipe's.
 
     Raises:
-        ValueError: an invalid preconditioner argument, or no layer to precondition.
+        ValueError: an unknown recipe, a negative ``lr`` or ``weight_decay``, ``betas``
+            outside ``[0, 1)``, ``betas`` together with a different ``moment_beta1`` /
+            ``moment_beta2``, an invalid preconditioner argument, or no layer to
+            precondition.
 
     Example:
         >>> import torch
@@ -153,9 +185,9 @@ class KFAC(torch.optim.Optimizer):
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
         <torch._C.Generator object at ...>
         >>> model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(8, 3))
-        >>> opt = kf.KFAC(model, lr=0.01, skip_layers=["Embedding"], damping=0.01)
-        >>> [type(o).__name__ for o in opt.optimizers]
-        ['SGD', 'AdamW']
+        >>> opt = kf.KFAC(model, skip_layers=["Embedding"])
+        >>> [type(o).__name__ for o in opt.optimizers], opt.param_groups[0]["lr"]
+        (['SGD', 'AdamW'], 0.028)
         >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
         >>> x, y = torch.randint(0, 10, (16, 2)), torch.randint(0, 3, (16,))
         >>> def closure():
@@ -166,14 +198,20 @@ class KFAC(torch.optim.Optimizer):
         >>> loss = opt.step(closure)
         >>> sched.step()
         >>> opt.preconditioner.steps, [g["lr"] for g in opt.param_groups]
-        (1, [0.005, 0.005])
+        (1, [0.014, 0.014])
+        >>> old = kf.KFAC(nn.Linear(4, 2), recipe="kfac-pytorch")  # kfac-pytorch's recipe
+        >>> old.preconditioner.kl_clip, old.param_groups[0]["lr"]
+        (0.001, 0.001)
     """
 
     def __init__(
         self,
         model: nn.Module,
-        lr: float = 1e-3,
+        lr: float | None = None,
         *,
+        recipe: str | Recipe = "recommended",
+        betas: tuple[float, float] | None = None,
+        weight_decay: float | None = None,
         base: OptimizerFactory = torch.optim.SGD,
         base_kwargs: Mapping[str, Any] | None = None,
         others: OptimizerFactory | None = torch.optim.AdamW,
@@ -181,11 +219,44 @@ class KFAC(torch.optim.Optimizer):
         kfac_lr: FloatOrFn | None = None,
         **kfac_kwargs: Any,
     ) -> None:
+        self.recipe = recipe_named(recipe)
+        """The :class:`~kfac_func.Recipe` whose defaults this optimizer took."""
+        r = self.recipe
+        lr = _check_number("lr", r.lr if lr is None else lr)
+        betas_given = betas is not None
+        betas = _check_betas(r.betas if betas is None else betas)
+        wd = r.weight_decay if weight_decay is None else weight_decay
+        self.weight_decay = None if wd is None else _check_number("weight_decay", wd)
+        """The decoupled weight decay (None: the base optimizers' own)."""
+        kfac_kwargs = {**r.kfac_kwargs, **kfac_kwargs}
+        if betas is not None and kfac_kwargs.get("eigenbasis_moments", False):
+            for key, beta in (("moment_beta1", betas[0]), ("moment_beta2", betas[1])):
+                given = kfac_kwargs.setdefault(key, beta)
+                if given != beta and betas_given:
+                    raise ValueError(
+                        f"KFAC: betas={betas} and {key}={given} disagree: give one of them"
+                    )
+        if r.automatic:
+            kfac_kwargs.setdefault("batched_eigh", True)
+            kfac_kwargs.setdefault("sync_free", _one_cuda_process(model))
+        base_defaults = dict(r.base_kwargs) if base is torch.optim.SGD else {}
+        if base is torch.optim.AdamW and self.weight_decay is not None:
+            base_defaults["weight_decay"] = self.weight_decay
+        self._base_kwargs = {"lr": lr, **base_defaults, **dict(base_kwargs or {})}
         if others is None:
-            others, others_kwargs = base, base_kwargs
-        self._base_kwargs = {"lr": lr, **dict(base_kwargs or {})}
-        self._others_kwargs = {"lr": lr, **dict(others_kwargs or {})}
+            others, self._others_kwargs = base, dict(self._base_kwargs)
+        else:
+            adamw = others in (torch.optim.AdamW, torch.optim.Adam)
+            defaults: dict[str, Any] = {"lr": lr}
+            if adamw and betas is not None:
+                defaults["betas"] = betas
+            if others is torch.optim.AdamW and self.weight_decay is not None:
+                defaults["weight_decay"] = self.weight_decay
+            self._others_kwargs = {**defaults, **dict(others_kwargs or {})}
         self._others_factory: OptimizerFactory = others
+        # AdamW decays its own parameters (weight_decay above); the face decays the
+        # parameters of any other base optimizer itself (decoupled)
+        self._decays = (base is not torch.optim.AdamW, others is not torch.optim.AdamW)
         ref = weakref.ref(self)
 
         def follow(step: int) -> float:
@@ -297,6 +368,7 @@ class KFAC(torch.optim.Optimizer):
         if not (idle and all(float(g.get("lr", 1.0)) == 0.0 for g in self.param_groups)):
             pre.step()
             self._follow_demotions()
+        self._decay()
         for opt in self._optimizers:
             opt.step()
         return loss
@@ -326,6 +398,21 @@ class KFAC(torch.optim.Optimizer):
         self._optimizers.append(others)
         self._has_others = True
         self.param_groups.append(others.param_groups[0])
+
+    @torch.no_grad()
+    def _decay(self) -> None:
+        """The decoupled weight decay, ``p ← p − lr·wd·p``, of the parameters with a
+        gradient whose base optimizer does not decay them itself (all but AdamW's)."""
+        if not self.weight_decay:
+            return
+        for i, opt in enumerate(self._optimizers):
+            if not self._decays[min(i, 1)]:
+                continue
+            for group in opt.param_groups:
+                factor = 1.0 - float(group["lr"]) * self.weight_decay
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.mul_(factor)
 
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim``'s ``{"state", "param_groups"}`` over :attr:`param_groups` (the
@@ -424,6 +511,46 @@ class KFAC(torch.optim.Optimizer):
             post_hook(self)
 
     def __repr__(self) -> str:
-        parts = ", ".join(type(o).__name__ for o in self._optimizers)
-        layers = len(self.preconditioner.layers)
-        return f"{type(self).__name__}({layers} K-FAC layers; {parts})"
+        """The recipe, the base optimizers and their parameter counts, then the table of
+        the layers (``opt.preconditioner.layers``)."""
+        table = self.preconditioner.layers
+        kfac = sum(len(g["params"]) for g in self._optimizers[0].param_groups)
+        parts = [f"{type(self._optimizers[0]).__name__} on their {kfac} parameters"]
+        if self._has_others:
+            n = sum(len(g["params"]) for g in self._optimizers[1].param_groups)
+            parts.append(f"{type(self._optimizers[1]).__name__} on {n} other parameters")
+        head = (
+            f"{type(self).__name__}(recipe={self.recipe.name!r}, lr="
+            f"{self.param_groups[0]['lr']:g}: {len(table)} K-FAC layers, "
+            f"{'; '.join(parts)})"
+        )
+        return f"{head}\n{table}"
+
+
+def _check_number(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"KFAC: {name} must be a number, got {value!r}")
+    if not value >= 0:
+        raise ValueError(f"KFAC: {name} must be >= 0, got {value!r}")
+    return float(value)
+
+
+def _check_betas(betas: tuple[float, float] | None) -> tuple[float, float] | None:
+    if betas is None:
+        return None
+    ok = isinstance(betas, (tuple, list)) and len(betas) == 2
+    if not ok or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"KFAC: betas must be two numbers in [0, 1), got {betas!r}")
+    return (float(betas[0]), float(betas[1]))
+
+
+def _one_cuda_process(model: nn.Module) -> bool:
+    """Whether ``model`` is on a CUDA device and trained by one process (``sync_free``
+    then saves the host synchronisations of every step)."""
+    on_cuda = any(p.is_cuda for p in model.parameters())
+    distributed = (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    )
+    return on_cuda and not distributed

@@ -33,9 +33,21 @@ __all__ = ["KFAC_APPROX", "LayerTable", "no_layers_error", "register"]
 class LayerTable(dict[str, LayerSpec]):
     """``{name: LayerSpec}`` of registered layers, plus the modules that were skipped.
 
-    ``str(table)`` renders one row per module with parameters: name, kind, A and G
-    shapes, or why it was skipped. ``model_name`` is the class name of the registered
-    model (None when unknown), for error messages.
+    ``str(table)`` is a title line (the ``repr``: how many layers, how many skipped), then
+    one row per module with parameters: name, kind, A and G shapes, or why it was
+    skipped; so ``print(pre.steps, pre.layers)`` starts the table on its own line.
+    ``model_name`` is the class name of the registered model (None when unknown), for
+    error messages.
+
+    Example:
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> print(kf.register(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))))
+        LayerTable(2 layers, 0 skipped):
+        name  kind    A    G    note
+        ----  ------  ---  ---  ----
+        0     linear  5x5  3x3
+        2     linear  4x4  2x2
     """
 
     def __init__(
@@ -60,7 +72,7 @@ class LayerTable(dict[str, LayerSpec]):
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
+        return "\n".join([f"{self!r}:", *lines])
 
     def __repr__(self) -> str:
         return f"LayerTable({len(self)} layers, {len(self.skipped)} skipped)"
@@ -260,6 +272,7 @@ def register(
         >>> list(table)
         ['1', '3']
         >>> print(table)  # doctest: +NORMALIZE_WHITESPACE
+        LayerTable(2 layers, 1 skipped):
         name  kind    A    G    note
         ----  ------  ---  ---  ----------------------------------------
         1     linear  5x5  4x4

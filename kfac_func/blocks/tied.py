@@ -21,7 +21,7 @@ Embedding layers would be. The curvature of ``W`` is approximated by
 between the calls of one module), which is not one Kronecker product; the layer keeps
 ``D ⊗ M`` with the vocabulary side ``D`` diagonal and the model side ``M`` dense
 (:func:`kfac_func.core.tied_factors.combine_uses`). With ``mᵢ = tr(Mᵢ)/d``,
-``tᵢ = tr(Dᵢ) mᵢ d = tr(Dᵢ ⊗ Mᵢ)``, ``T = Σ tᵢ`` and ``s = Σ tᵢ mᵢ / T``::
+``tᵢ = tr(Dᵢ) mᵢ = tr(Dᵢ ⊗ Mᵢ) / d``, ``T = Σ tᵢ`` and ``s = Σ tᵢ mᵢ / T``::
 
     D = Σᵢ mᵢ Dᵢ / s,        M = s · Σᵢ tr(Dᵢ) Mᵢ / T
 

@@ -98,7 +98,7 @@ def save_dcp(
         >>> from torch import nn
         >>> import kfac_func as kf
         >>> model = nn.Sequential(nn.Linear(4, 3))
-        >>> opt = kf.KFAC(model, lr=0.1)
+        >>> opt = kf.KFAC(model)
         >>> ckpt = Path(tempfile.mkdtemp()) / "latest"
         >>> with warnings.catch_warnings():  # DCP warns that it runs without a process group
         ...     warnings.simplefilter("ignore", UserWarning)

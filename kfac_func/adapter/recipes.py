@@ -1,0 +1,101 @@
+"""The recipes of :class:`~kfac_func.KFAC`: what ``kf.KFAC(model)`` means with no other
+argument, and kfac-pytorch's recipe one argument away.
+
+A :class:`Recipe` holds the defaults of everything the optimizer face decides: the
+learning rate, the betas (of Adam's step in K-FAC's eigenbasis and of AdamW on the other
+parameters), the decoupled weight decay, the base optimizer's keyword arguments and the
+preconditioner's. Arguments given to :class:`~kfac_func.KFAC` replace the recipe's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["RECIPES", "Recipe", "recipe_named"]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The defaults of :class:`~kfac_func.KFAC` for one recipe.
+
+    Attributes:
+        name: the recipe's name (a key of :data:`RECIPES`).
+        lr: the default learning rate.
+        betas: ``(β₁, β₂)`` of the eigenbasis moments and of AdamW on the parameters K-FAC
+            does not precondition; None: the preconditioner's and AdamW's own defaults.
+        weight_decay: the decoupled weight decay of every stepped parameter; None: each
+            base optimizer's own default (torch's AdamW: 0.01 on the others, none on
+            K-FAC's).
+        base_kwargs: the keyword arguments of the base optimizer (SGD) of the
+            preconditioned parameters.
+        kfac_kwargs: the keyword arguments of the
+            :class:`~kfac_func.KFACPreconditioner`.
+        automatic: whether the face chooses the performance switches (batched
+            decompositions, ``sync_free`` on one CUDA process) for the user.
+
+    Example:
+        >>> import kfac_func as kf
+        >>> kf.RECIPES["recommended"].kfac_kwargs["eigenbasis_moments"]
+        True
+        >>> kf.RECIPES["kfac-pytorch"].lr
+        0.001
+    """
+
+    name: str
+    lr: float
+    betas: tuple[float, float] | None
+    weight_decay: float | None
+    base_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    kfac_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    automatic: bool = False
+
+
+RECOMMENDED_LR = 0.028
+"""The default learning rate of the recommended recipe: among the learning rates that
+every workload's tuning grid of ``kfac-moments-fresh`` tried in the optimizer race (0.007,
+0.014, 0.028), the one whose worst final test loss on the tuning seed is the smallest
+fraction of the way from the tuned rate's to AdamW's (see docs/optimizers.md)."""
+
+RECIPES: dict[str, Recipe] = {
+    "recommended": Recipe(
+        name="recommended",
+        lr=RECOMMENDED_LR,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        base_kwargs={"momentum": 0.0},
+        kfac_kwargs={
+            "eigenbasis_moments": True,
+            "kl_clip": None,
+            "scaling": "fisher",
+            "factor_update_steps": 1,
+            "inv_update_steps": 2,
+            "factor_decay": 0.9,
+        },
+        automatic=True,
+    ),
+    "kfac-pytorch": Recipe(name="kfac-pytorch", lr=1e-3, betas=None, weight_decay=None),
+}
+"""The named recipes: ``"recommended"`` (the default: Adam's step in K-FAC's eigenbasis on
+SOAP's schedule, the optimizer race's ``kfac-moments-fresh``) and ``"kfac-pytorch"``
+(kfac-pytorch's preconditioner defaults in front of plain SGD, AdamW with torch's
+defaults on the other parameters: what ``kf.KFAC`` was before the recommended recipe)."""
+
+
+def recipe_named(name: str | Recipe) -> Recipe:
+    """The :class:`Recipe` called ``name`` (a :class:`Recipe` is returned as it is).
+
+    Raises:
+        ValueError: ``name`` is not a key of :data:`RECIPES` (the error lists them).
+
+    Example:
+        >>> from kfac_func.adapter.recipes import recipe_named
+        >>> recipe_named("recommended").betas
+        (0.9, 0.95)
+    """
+    if isinstance(name, Recipe):
+        return name
+    if name not in RECIPES:
+        raise ValueError(f"recipe must be one of {sorted(RECIPES)} or a Recipe, got {name!r}")
+    return RECIPES[name]

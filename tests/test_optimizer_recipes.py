@@ -1,0 +1,205 @@
+"""The recipes of `kf.KFAC`: ``kf.KFAC(model)`` is the recommended recipe, kfac-pytorch's
+is ``recipe="kfac-pytorch"`` (equal step for step to what ``kf.KFAC(model)`` was before),
+the decoupled weight decay is AdamW's, bad arguments are named, and ``print(opt)`` shows
+the layers."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import kfac_func as kf
+
+F64 = torch.float64
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Embedding(16, 8), nn.Flatten(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 5)
+    ).to(F64)
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, 16, (24, 4), generator=g)
+        out.append((x, x.sum(1) % 5))
+    return out
+
+
+def _train_face(model: nn.Module, opt: kf.KFAC, steps: int = 6) -> list[torch.Tensor]:
+    for x, y in _batches(steps):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _train_parts(
+    model: nn.Module, pre: kf.KFACPreconditioner, opts: list[torch.optim.Optimizer]
+) -> list[torch.Tensor]:
+    for x, y in _batches(6):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        pre.step()
+        for o in opts:
+            o.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x, y), f"parameter {i}: max difference {(x - y).abs().max()}"
+
+
+def test_the_kfac_pytorch_recipe_is_the_old_default_step_for_step() -> None:
+    """``recipe="kfac-pytorch"`` with nothing else equals what ``kf.KFAC(model)`` built
+    before the recommended recipe: kfac-pytorch's preconditioner defaults with the
+    learning rate 0.001 (the KL clip's too), plain SGD, AdamW with torch's defaults."""
+    model = _model()
+    manual = copy.deepcopy(model)
+    opt = kf.KFAC(model, recipe="kfac-pytorch", skip_layers=["Embedding"])
+    pre = kf.KFACPreconditioner(manual, lr=1e-3, skip_layers=["Embedding"])
+    mine, rest = pre.layers.split_parameters(manual)
+    opts = [torch.optim.SGD(mine, lr=1e-3), torch.optim.AdamW(rest, lr=1e-3)]
+    assert opt.preconditioner.kl_clip == 1e-3 and opt.preconditioner.scaling == "kfac-pytorch"
+    _equal(_train_face(model, opt), _train_parts(manual, pre, opts))
+
+
+RECOMMENDED: dict[str, Any] = {
+    "eigenbasis_moments": True,
+    "moment_beta1": 0.9,
+    "moment_beta2": 0.95,
+    "kl_clip": None,
+    "scaling": "fisher",
+    "factor_update_steps": 1,
+    "inv_update_steps": 2,
+    "factor_decay": 0.9,
+    "batched_eigh": True,
+}
+
+
+def test_the_default_is_the_recommended_recipe_step_for_step() -> None:
+    """``kf.KFAC(model)`` equals the race's ``kfac-moments-fresh`` written out: its eight
+    preconditioner arguments, SGD without momentum, AdamW with the same learning rate,
+    betas and no weight decay on the others."""
+    model = _model()
+    manual = copy.deepcopy(model)
+    opt = kf.KFAC(model, skip_layers=["Embedding"])
+    pre = kf.KFACPreconditioner(manual, lr=0.028, skip_layers=["Embedding"], **RECOMMENDED)
+    mine, rest = pre.layers.split_parameters(manual)
+    opts = [
+        torch.optim.SGD(mine, lr=0.028, momentum=0.0),
+        torch.optim.AdamW(rest, lr=0.028, betas=(0.9, 0.95), weight_decay=0.0),
+    ]
+    assert opt.recipe is kf.RECIPES["recommended"]
+    assert opt.param_groups[0]["lr"] == kf.RECIPES["recommended"].lr == 0.028
+    _equal(_train_face(model, opt), _train_parts(manual, pre, opts))
+
+
+def test_the_same_recipe_written_out_through_the_kfac_pytorch_preset() -> None:
+    """Everything the recommended recipe sets can be set one by one on the other recipe."""
+    a, b = _model(), _model()
+    one = kf.KFAC(a)
+    other = kf.KFAC(
+        b,
+        lr=0.028,
+        recipe="kfac-pytorch",
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        base_kwargs={"momentum": 0.0},
+        **RECOMMENDED,
+    )
+    _equal(_train_face(a, one), _train_face(b, other))
+
+
+@pytest.mark.parametrize(
+    ("base", "others"),
+    [
+        (torch.optim.SGD, torch.optim.AdamW),
+        (torch.optim.SGD, torch.optim.SGD),
+        (torch.optim.AdamW, torch.optim.AdamW),
+    ],
+)
+def test_weight_decay_is_decoupled_on_every_parameter(base: Any, others: Any) -> None:
+    """One step with ``weight_decay=wd`` moves every parameter by ``-lr·wd·p`` more than
+    the same step without, once: AdamW decays its parameters itself (``weight_decay``
+    passed to it), the face decays those of any other base optimizer."""
+    lr, wd = 0.01, 0.3
+    a, b = _model(), _model()
+    start = [p.detach().clone() for p in a.parameters()]
+    kwargs = {"lr": lr, "skip_layers": ["Embedding"], "base": base, "others": others}
+    with_decay = kf.KFAC(a, weight_decay=wd, **kwargs)
+    without = kf.KFAC(b, weight_decay=0.0, **kwargs)
+    if others is torch.optim.AdamW:
+        assert with_decay.others_optimizer is not None
+        group = with_decay.others_optimizer.param_groups[0]
+        assert group["weight_decay"] == wd and group["betas"] == (0.9, 0.95)
+    decayed = _train_face(a, with_decay, steps=1)
+    plain = _train_face(b, without, steps=1)
+    for i, (p, q, p0) in enumerate(zip(decayed, plain, start)):
+        torch.testing.assert_close(p, q - lr * wd * p0, msg=f"parameter {i}")
+
+
+def test_the_automatic_switches_and_their_absence_in_the_preset() -> None:
+    """The recommended recipe batches the decompositions and, off CUDA, stays
+    synchronising; kfac-pytorch's recipe chooses nothing; an argument given wins."""
+    pre = kf.KFAC(_model()).preconditioner
+    assert pre.batched_eigh and pre.grouped and not pre.sync_free
+    assert not kf.KFAC(_model(), recipe="kfac-pytorch").preconditioner.batched_eigh
+    assert not kf.KFAC(_model(), batched_eigh=False).preconditioner.batched_eigh
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"recipe": "fast"}, "recipe must be one of"),
+        ({"lr": -1.0}, "lr must be >= 0"),
+        ({"weight_decay": -0.1}, "weight_decay must be >= 0"),
+        ({"betas": (0.9, 1.0)}, "betas must be two numbers"),
+        ({"betas": (0.8, 0.9), "moment_beta2": 0.99}, "betas=.* and moment_beta2=0.99"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        kf.KFAC(_model(), **kwargs)
+
+
+def test_print_shows_the_recipe_and_the_layer_table() -> None:
+    opt = kf.KFAC(_model(), skip_layers=["Embedding"])
+    text = repr(opt)
+    head, table = text.split("\n", 1)
+    assert head.startswith("KFAC(recipe='recommended', lr=0.028: 2 K-FAC layers")
+    assert "SGD on their 4 parameters; AdamW on 1 other parameters" in head
+    assert table == str(opt.preconditioner.layers)
+    assert "skipped: matched skip_layers 'Embedding'" in table
+
+
+def test_the_table_starts_on_its_own_line() -> None:
+    """``print(pre.steps, pre.layers)``: the count, then the table's title, then its
+    header on a line of its own."""
+    pre = kf.KFACPreconditioner(_model())
+    first, second = f"{pre.steps} {pre.layers}".splitlines()[:2]
+    assert first == "0 LayerTable(3 layers, 0 skipped):"
+    assert second.split()[:2] == ["name", "kind"]
+
+
+def test_sync_free_is_chosen_for_one_cuda_process_only() -> None:
+    """The switch the recommended recipe turns on for CUDA models (no GPU here: a module
+    whose parameters say they are on CUDA stands in)."""
+    from types import SimpleNamespace
+
+    from kfac_func.adapter.optimizer import _one_cuda_process
+
+    class OnCuda(nn.Module):
+        def parameters(self, recurse: bool = True) -> Any:  # type: ignore[override]
+            return iter([SimpleNamespace(is_cuda=True)])
+
+    assert _one_cuda_process(OnCuda())
+    assert not _one_cuda_process(_model())
