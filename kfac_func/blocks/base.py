@@ -283,6 +283,24 @@ class LayerBlock(ABC):
         """
         return int(x.shape[0]) if x.dim() >= 2 else 1
 
+    def rows_only(self, spec: LayerSpec, x: torch.Tensor) -> bool:
+        """Whether the input ``x`` is rows alone: one leading dimension before the
+        features, which may be the examples ``(N, d)`` or their positions flattened
+        ``(N·T, d)`` (OPT's MLP, a shared expert, the tokens routed to one expert). Such a
+        call says the number of examples only when no other call does
+        (:class:`~kfac_func.blocks.examples.CallExamples`); its factors do not depend on
+        how the rows were grouped. False by default: the kinds whose rows are their
+        leading dimensions say so.
+
+        Example:
+            >>> import torch
+            >>> from kfac_func.blocks import register
+            >>> spec = register(torch.nn.Linear(3, 2))[""]
+            >>> [spec.block.rows_only(spec, torch.ones(s)) for s in ((20, 3), (4, 5, 3))]
+            [True, False]
+        """
+        return False
+
     # --- statistics ----------------------------------------------------------------
 
     @abstractmethod
