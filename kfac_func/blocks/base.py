@@ -68,6 +68,15 @@ class LayerBlock(ABC):
     """Whether the layer's calls happen inside its module's forward, reported by
     :meth:`tap` (attention projections), instead of being the module's own calls."""
 
+    recomputes: ClassVar[bool] = False
+    """Whether, with :attr:`taps`, the layers' calls are reported by :meth:`recompute`
+    after the module's forward (which it cannot observe from inside: fused experts)."""
+
+    checks_itself: ClassVar[bool] = False
+    """Whether the kind checks every observed call itself (:meth:`tap` or
+    :meth:`recompute` raise on a call other than the kind's), so that a module it
+    recognises needs no first-call check (:mod:`kfac_func.blocks.checks`)."""
+
     reducible: ClassVar[bool] = False
     """Whether the kind offers ``kfac_approx="reduce"`` (Eschenhagen et al., 2023): the
     inputs averaged and the output-gradients summed over the positions that share the
@@ -224,6 +233,20 @@ class LayerBlock(ABC):
         ``specs`` as ``site(spec, input, output)``, whose result replaces the output (only
         if :attr:`taps`)."""
         raise NotImplementedError(f"layer kind {self.kind!r} has no taps")
+
+    def recompute(
+        self,
+        module: nn.Module,
+        specs: Sequence[LayerSpec],
+        site: Callable[[LayerSpec, torch.Tensor, torch.Tensor], torch.Tensor],
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        out: Any,
+    ) -> Any:
+        """After ``module``'s forward on ``(args, kwargs)`` gave ``out``: the output that
+        replaces it, recomputed so that each call of the layers in ``specs`` is reported
+        as ``site(spec, input, output)`` (only if :attr:`recomputes`)."""
+        raise NotImplementedError(f"layer kind {self.kind!r} does not recompute")
 
     def capturing(self) -> AbstractContextManager[None]:
         """A context the capture of this kind's layers runs in (for kinds whose modules

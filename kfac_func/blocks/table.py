@@ -131,7 +131,7 @@ def _recognised(name: str, module: nn.Module, block: LayerBlock) -> list[LayerSp
     not, a class that overrides ``forward`` is skipped: nothing could check it."""
     specs = block.specs(name, module)
     own = type(module) in block.module_types and not block.reads_attributes
-    if isinstance(specs, str) or own:
+    if isinstance(specs, str) or own or block.checks_itself:
         return specs
     path = class_path(type(module))
     if not block.checkable:
