@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kfac_func as kf
+from kfac_func.step.grouping import plan_groups
 
 transformers = pytest.importorskip("transformers")
 from fixture_families import build  # noqa: E402
@@ -317,3 +318,29 @@ def test_layouts_the_kind_does_not_compute_are_skipped_with_their_reason() -> No
     table = kf.register(net)
     assert "moe.experts.gate_up_proj" not in table
     assert "its weights are stored transposed" in table.skipped["moe.experts"]
+
+
+def test_experts_of_every_layer_are_one_group_and_equal_the_per_layer_step() -> None:
+    """The stacked experts of the model's two layers are computed together (one group per
+    projection), and the grouped step equals the per-layer one (float64)."""
+    out = {}
+    for grouped in (True, False):
+        model, batch = build("Qwen2-MoE", F64)
+        model.config._experts_implementation = "eager"  # grouped_mm has no float64 kernel
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            pre = kf.KFACPreconditioner(
+                model, scaling="fisher", grouped=grouped, damping=0.01, inv_dtype=F64
+            )
+        for step in range(2):
+            model.zero_grad()
+            model(**batch(step)).loss.backward()
+            if grouped and step == 1:
+                grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+                groups = plan_groups(pre.state.layers, list(pre.state.layers), grads)
+                experts = [g for g in groups if any(n.endswith("experts.gate_up_proj") for n in g)]
+                assert experts == [[f"model.layers.{i}.mlp.experts.gate_up_proj" for i in (0, 1)]]
+            pre.step()
+        out[grouped] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for n, g in out[False].items():
+        torch.testing.assert_close(out[True][n], g, rtol=1e-12, atol=1e-15, msg=n)

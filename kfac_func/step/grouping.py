@@ -54,6 +54,14 @@ def group_key(ls: LayerState, grads: Mapping[str, torch.Tensor]) -> Hashable:
     settings = tuple(
         getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name not in _NAMES
     )
+    # the module a part belongs to is a name too: the experts (or the attention
+    # projections) of every layer of a model group together
+    settings = tuple(
+        tuple(kv for kv in v if kv[0] != "module") if f == "options" else v
+        for f, v in zip(
+            (f.name for f in dataclasses.fields(spec) if f.name not in _NAMES), settings
+        )
+    )
     tensors = tuple(_describe(getattr(ls, f)) for f in GROUPED_FIELDS)
     grad_types = (w.dtype, w.device, None if b is None else b.dtype)
     factor_types = (ls.a_factor.dtype, ls.g_factor.dtype)
