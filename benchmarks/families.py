@@ -9,8 +9,9 @@ trained for two steps with the recommended recipe, called as Hugging Face trains
 
 Per family: whether it runs, the parameters preconditioned (after the steps: layers
 demoted on their first call or first step count as left to the other optimizer), the
-layers by kind, and the modules left to the other optimizer with their reasons. Writes
-``OUT.json`` and prints the table.
+layers by kind, and the modules left to the other optimizer with their reasons; and the
+mixture-of-experts families at their configs' default sizes, registered on the meta
+device. Writes ``OUT.json`` and prints the table.
 
     python benchmarks/families.py            # about half a minute
 """
@@ -75,6 +76,34 @@ def family_row(family: str) -> dict[str, Any]:
     return row
 
 
+def full_size_row(family: str) -> dict[str, Any]:
+    """A mixture-of-experts family at its config's default size (Mixtral 8x7B's,
+    Qwen1.5-MoE-A2.7B's), built on the meta device and registered (no step: nothing is
+    computed): the parameters of the layers registered."""
+    import transformers as tr
+
+    cls, config = {
+        "Mixtral": (tr.MixtralForCausalLM, tr.MixtralConfig),
+        "Qwen2-MoE": (tr.Qwen2MoeForCausalLM, tr.Qwen2MoeConfig),
+    }[family]
+    with torch.device("meta"):
+        model = cls(config())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        table = kf.register(model)
+    mine, _ = table.split_parameters(model)
+    total = sum(p.numel() for p in model.parameters())
+    done = sum(p.numel() for p in mine)
+    return {
+        "family": family,
+        "parameters": total,
+        "registered": done,
+        "registered_pct": 100.0 * done / total,
+        "kinds": dict(sorted(Counter(s.kind for s in table.values()).items())),
+        "skipped": dict(table.skipped),
+    }
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| family | parameters preconditioned | layers by kind | left to the other optimizer |",
@@ -115,10 +144,16 @@ def main() -> None:
         "damping=0.01)",
         "steps": STEPS,
         "families": rows,
+        "full_size": [full_size_row(f) for f in ("Mixtral", "Qwen2-MoE")],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(_table(rows))
+    for r in doc["full_size"]:
+        print(
+            f"{r['family']} at full size: {r['registered_pct']:.1f} % "
+            f"of {r['parameters']} registered"
+        )
 
 
 if __name__ == "__main__":

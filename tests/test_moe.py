@@ -207,13 +207,29 @@ def test_keyword_call_gives_the_positional_factors() -> None:
     ids = batch(0)["input_ids"]
 
     def positional(m: nn.Module) -> torch.Tensor:
-        logits = m(ids).logits
-        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        return _shifted(m(ids).logits, ids)
 
     want, _ = _adapter(copy.deepcopy(model), positional)
     got, _ = _adapter(copy.deepcopy(model), lambda m: m(input_ids=ids, labels=ids).loss)
     assert any(k.endswith("experts.gate_up_proj A") for k in want)
     _assert_factors(got, want)
+    # kf.capture: the same calls' statistics by keyword and positionally
+    params = dict(model.named_parameters())
+    by_keyword = kf.capture(
+        model, params, (), lambda o: o.loss, kwargs={"input_ids": ids, "labels": ids}
+    )[2]
+    by_position = kf.capture(model, params, (ids,), lambda o: _shifted(o.logits, ids))[2]
+    assert by_keyword.batch_size == by_position.batch_size == ids.shape[0]
+    for name, lc in by_position.layers.items():
+        for got_, want_ in zip(by_keyword.layers[name].output_grads, lc.output_grads):
+            torch.testing.assert_close(got_, want_, rtol=1e-6, atol=1e-9, msg=name)
+        for got_, want_ in zip(by_keyword.layers[name].inputs, lc.inputs):
+            assert torch.equal(got_, want_), name
+
+
+def _shifted(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The causal-LM loss as Hugging Face computes it from ``labels=ids``."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
 class _Expert(nn.Module):
