@@ -360,3 +360,23 @@ def test_experts_of_every_layer_are_one_group_and_equal_the_per_layer_step() -> 
         out[grouped] = {n: p.grad.clone() for n, p in model.named_parameters()}
     for n, g in out[False].items():
         torch.testing.assert_close(out[True][n], g, rtol=1e-12, atol=1e-15, msg=n)
+
+
+class _CastRouter(nn.Module):
+    """A router that computes its logits from a copy of its weight (DeepSeek's shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.top_k, self.num_experts = K, E
+        self.weight = nn.Parameter(torch.randn(E, D))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = F.linear(x.float(), self.weight.float())
+        return logits, *torch.topk(logits.softmax(-1), self.top_k)
+
+
+def test_routers_that_compute_their_logits_otherwise_are_not_registered() -> None:
+    net = _net()
+    net.moe.gate = _CastRouter()
+    table = kf.register(net)
+    assert "moe.gate" not in table and "unsupported kind" in table.skipped["moe.gate"]

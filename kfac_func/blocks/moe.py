@@ -40,7 +40,9 @@ observed while its forward runs, the output-gradient being that of the logits.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -167,10 +169,10 @@ class ExpertsBlock(LayerBlock):
         total = x.shape[0]
         a = rows.new_zeros(e, rows.shape[1], rows.shape[1])
         g = r.new_zeros(e, r.shape[1], r.shape[1])
-        for k, (xe, re) in enumerate(zip(torch.split(rows, sizes), torch.split(r, sizes))):
+        for k, (xe, ge) in enumerate(zip(torch.split(rows, sizes), torch.split(r, sizes))):
             if sizes[k]:
                 a[k] = (xe.T @ xe) * (total / sizes[k])
-                g[k] = re.T @ re
+                g[k] = ge.T @ ge
         return Gram(a, total, 1), Gram(g, total, 1)
 
     def recompute(
@@ -370,6 +372,10 @@ class RouterBlock(LinearBlock):
     checks_itself = True
 
     def matches(self, module: nn.Module) -> bool:
+        """A module named ``...Router`` whose one parameter is ``weight (E, d)``, ``E`` its
+        ``num_experts``, and whose ``forward`` applies ``F.linear`` to it as written
+        (``linear(hidden_states, self.weight)``); routers that compute their logits
+        otherwise (in another dtype, with a bias or a correction) are not matched."""
         w = module._parameters.get("weight")
         return (
             type(module).__name__.endswith("Router")
@@ -377,6 +383,7 @@ class RouterBlock(LinearBlock):
             and w.dim() == 2
             and set(module._parameters) == {"weight"}
             and getattr(module, "num_experts", None) == w.shape[0]
+            and _linear_on_weight(type(module))
         )
 
     def spec(self, name: str, module: nn.Module) -> LayerSpec | str:
@@ -393,6 +400,23 @@ class RouterBlock(LinearBlock):
         site: Site,
     ) -> contextlib.AbstractContextManager[None]:
         return _router_tap(module, specs[0], site)
+
+
+_LINEAR_ON_WEIGHT: dict[str, bool] = {}
+
+
+def _linear_on_weight(cls: type[nn.Module]) -> bool:
+    """Whether ``cls.forward``'s source calls ``linear(<name>, self.weight)`` (cached by
+    class path)."""
+    key = f"{cls.__module__}.{cls.__qualname__}"
+    if key not in _LINEAR_ON_WEIGHT:
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            source = ""
+        pattern = r"\blinear\(\s*\w+\s*,\s*self\.weight\s*\)"
+        _LINEAR_ON_WEIGHT[key] = re.search(pattern, source) is not None
+    return _LINEAR_ON_WEIGHT[key]
 
 
 @contextlib.contextmanager
