@@ -19,7 +19,10 @@ convention, ``A_e = Σ_{t→e} a aᵀ / n_e`` averages the expert's ``n_e`` inpu
 examples, as a Linear's over its positions: for a batch of one token, ``G_e ⊗ A_e`` is the
 expert's Fisher block. The output-gradient of the down projection is the gradient of ``y``,
 which carries the routing weight: ``∂L/∂y_t = w_te · ∂L/∂out_t``. An expert that no token
-reached has ``A_e = 0`` and ``G_e = 0`` in that batch (its gradient is zero).
+reached has ``A_e = 0`` and ``G_e = 0`` in that batch (its gradient is zero). Several
+micro-batches (or processes) average their per-expert means weighted by their examples,
+as for every layer: the mean over all of an expert's rows only when each routes it the
+same share of rows.
 
 The module's forward (a loop over experts, ``torch._grouped_mm``, batched matmuls: the
 ``experts_implementation`` of the config) is not observed from inside. While statistics
