@@ -232,7 +232,7 @@ def broadcast_table(name: str, module: nn.Module, parent: nn.Module | None) -> s
         ...         self.relative_attention_bias = nn.Embedding(32, 2)
         ...     def compute_bias(self, q, k): ...
         >>> att = Attention()
-        >>> broadcast_table("relative_attention_bias", att.relative_attention_bias, att)[:44]
+        >>> broadcast_table("relative_attention_bias", att.relative_attention_bias, att)[:45]
         'a relative-position table (Attention.relative'
     """
     attr = name.rpartition(".")[2]
