@@ -6,10 +6,12 @@ model's arguments:
   (the old guess, the first positional tensor's leading dimension, made keyword calls a
   batch of one: G came out ``N``-fold too small under ``scaling="fisher"``);
 - the G factor under ``"fisher"`` equals the per-example gradient covariance built here;
-- layers that disagree (a model that flattens ``(B, T, d)`` before one layer) raise a
-  :class:`~kfac_func.blocks.examples.BatchSizeError` at ``step()`` naming them and their
-  input shapes, with the state unchanged; ``kf.capture`` raises the same, and takes
-  ``batch_size=``;
+- a layer on flattened rows (``(B·T, d)``, as OPT's MLP) takes the other layers' batch
+  size, and its factors equal the unflattened layer's (float64);
+- layers that genuinely disagree (a sequence-first layer beside batch-first ones) raise a
+  :class:`~kfac_func.blocks.examples.BatchSizeError` at ``step()`` naming those that
+  disagree with the most common count (the others counted) and their input shapes, with
+  the state unchanged; ``kf.capture`` raises the same, and takes ``batch_size=``;
 - ``kf.capture`` tells the batch size of keyword, dict and dataclass inputs too.
 """
 
@@ -289,19 +291,73 @@ def test_fisher_g_factor_is_the_per_example_gradient_covariance() -> None:
 
 
 class Flattening(nn.Module):
-    """A model that flattens ``(B, T, d)`` to ``(B·T, d)`` before its second layer."""
+    """A model that flattens ``(B, T, d)`` to ``(B·T, d)`` before its second layer (OPT's
+    MLP, Qwen2-MoE's shared expert); ``flatten=False``: the same model without the
+    reshape."""
 
-    def __init__(self) -> None:
+    def __init__(self, flatten: bool = True) -> None:
         super().__init__()
+        self.flatten = flatten
         self.inp, self.out = nn.Linear(D, D), nn.Linear(D, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.inp(x).reshape(-1, D))
+        h = self.inp(x)
+        return self.out(h.reshape(-1, D) if self.flatten else h).reshape(-1, 3)
+
+
+class SequenceFirst(nn.Module):
+    """Batch-first layers, then one on the sequence-first ``(T, B, d)``: the layers
+    disagree, and nothing says which count is the batch's."""
+
+    def __init__(self, width: int = 2) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*(nn.Linear(D, D) for _ in range(width)))
+        self.out = nn.Linear(D, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.body(x).transpose(0, 1)).transpose(0, 1).reshape(-1, 3)
+
+
+@pytest.mark.parametrize("moments", [False, True])
+def test_flattened_rows_give_the_factors_of_the_unflattened_layer(moments: bool) -> None:
+    """A flattened ``(B·T, d)`` input holds the rows of ``(B, T, d)``: under ``"fisher"`` the
+    factors (and the preconditioned gradients) equal those of the same model without the
+    reshape, and the batch size is the other layer's ``B`` (the old code raised)."""
+    x, y = _data("sequence")
+    got, want = {}, {}
+    for flatten, out in ((True, got), (False, want)):
+        torch.manual_seed(0)
+        model = Flattening(flatten).to(F64)
+        pre = kf.KFACPreconditioner(
+            model, scaling="fisher", eigenbasis_moments=moments, damping=1e-3
+        )
+        F.cross_entropy(model(x=x), y.reshape(-1)).backward()
+        pre.step()
+        out.update({n: (ls.a_factor, ls.g_factor) for n, ls in pre.state.layers.items()})
+        out.update({f"grad {n}": (p.grad, p.grad) for n, p in model.named_parameters()})
+    assert set(got) == set(want)
+    for name in want:
+        for g, w in zip(got[name], want[name]):
+            # the same rows in the same order: equal but for the summation order of Grams
+            torch.testing.assert_close(g, w, rtol=1e-13, atol=1e-15)
+
+
+def test_capture_of_flattened_rows_tells_the_batch_size() -> None:
+    x, y = _data("sequence")
+    torch.manual_seed(0)
+    model = Flattening().to(F64)
+    got = _capture(model, x, y)
+    model.flatten = False
+    want = _capture(model, x, y)
+    assert got.batch_size == want.batch_size == B and got.loss_scale == want.loss_scale
+    for name in want.layers:
+        for g, w in zip(got.layers[name].output_grads, want.layers[name].output_grads):
+            torch.testing.assert_close(g.reshape(w.shape), w, rtol=0, atol=0)
 
 
 def test_layers_that_disagree_raise_at_step_and_leave_the_state() -> None:
     x, y = _data("sequence")
-    model = Flattening().to(F64)
+    model = SequenceFirst().to(F64)
     pre = kf.KFACPreconditioner(model, scaling="fisher")
     before = {n: (ls.a_factor.clone(), ls.g_factor.clone()) for n, ls in pre.state.layers.items()}
     F.cross_entropy(model(x=x), y.reshape(-1)).backward()
@@ -309,12 +365,27 @@ def test_layers_that_disagree_raise_at_step_and_leave_the_state() -> None:
     with pytest.raises(BatchSizeError) as err:
         pre.step()
     msg = str(err.value)
-    assert "'inp' saw (4, 5, 8) (4 examples)" in msg and "'out' saw (20, 8) (20 examples)" in msg
+    assert "'out' saw (5, 4, 8) (5 examples)" in msg, msg
+    assert "'body.0' saw (4, 5, 8) (4 examples) and 1 more say 4" in msg, msg
     assert "skip_layers=" in msg and "state is unchanged" in msg
     assert pre.steps == 0
     _assert_equal({n: (ls.a_factor, ls.g_factor) for n, ls in pre.state.layers.items()}, before)
     for n, p in model.named_parameters():
         assert p.grad is not None and torch.equal(p.grad, grads[n])
+
+
+def test_the_error_names_only_the_layers_that_disagree() -> None:
+    """40 layers agree, one does not: the message names that one and counts the rest
+    (the old message listed every layer)."""
+    x, y = _data("sequence")
+    model = SequenceFirst(width=40).to(F64)
+    pre = kf.KFACPreconditioner(model, scaling="fisher")
+    F.cross_entropy(model(x), y.reshape(-1)).backward()
+    with pytest.raises(BatchSizeError) as err:
+        pre.step()
+    msg = str(err.value)
+    assert "'out' saw (5, 4, 8)" in msg and "and 39 more say 4" in msg, msg
+    assert "body.1'" not in msg and len(msg) < 600, msg
 
 
 def test_sequence_first_transformer_layers_raise_under_fisher() -> None:
@@ -325,8 +396,11 @@ def test_sequence_first_transformer_layers_raise_under_fisher() -> None:
     x = torch.randn(T, B, D, dtype=F64)
     pre = kf.KFACPreconditioner(layer, scaling="fisher")
     layer(x).sum().backward()
-    with pytest.raises(BatchSizeError, match=r"'linear1' saw \(5, 4, 8\) \(5 examples\)"):
+    with pytest.raises(BatchSizeError) as err:
         pre.step()
+    msg = str(err.value)
+    assert "'self_attn.q_proj' saw (5, 4, 8) (4 examples)" in msg, msg
+    assert "'norm1' saw (5, 4, 8) (5 examples) and 3 more say 5" in msg, msg
     layer = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0, batch_first=True).to(F64)
     pre = kf.KFACPreconditioner(layer, scaling="fisher")
     layer(x.transpose(0, 1)).sum().backward()
@@ -336,7 +410,7 @@ def test_sequence_first_transformer_layers_raise_under_fisher() -> None:
 
 def test_layers_that_disagree_need_no_batch_size_under_kfac_pytorch_scaling() -> None:
     x, y = _data("sequence")
-    model = Flattening().to(F64)
+    model = SequenceFirst().to(F64)
     pre = kf.KFACPreconditioner(model)  # "kfac-pytorch": the factors do not use N
     F.cross_entropy(model(x), y.reshape(-1)).backward()
     pre.step()
@@ -345,11 +419,11 @@ def test_layers_that_disagree_need_no_batch_size_under_kfac_pytorch_scaling() ->
 
 def test_skipping_the_disagreeing_layer_resolves_the_error() -> None:
     x, y = _data("sequence")
-    model = Flattening().to(F64)
+    model = SequenceFirst().to(F64)
     pre = kf.KFACPreconditioner(model, scaling="fisher", skip_layers=["^out$"])
     F.cross_entropy(model(x), y.reshape(-1)).backward()
     pre.step()
-    assert list(pre.state.layers) == ["inp"]
+    assert list(pre.state.layers) == ["body.0", "body.1"]
 
 
 def _capture(model: nn.Module, args: Any, y: torch.Tensor, **kw: Any) -> kf.Captures:
@@ -377,9 +451,9 @@ def test_capture_tells_the_batch_size_of_keyword_dict_and_dataclass_inputs() -> 
 
 
 def test_capture_of_disagreeing_layers_raises_unless_given_batch_size() -> None:
-    model = Flattening().to(F64)
+    model = SequenceFirst().to(F64)
     x, y = _data("sequence")
-    with pytest.raises(BatchSizeError, match=r"'out' saw \(20, 8\).*batch_size="):
+    with pytest.raises(BatchSizeError, match=r"'out' saw \(5, 4, 8\).*batch_size="):
         _capture(model, x, y)
     assert _capture(model, x, y, batch_size=B).batch_size == B
 

@@ -168,6 +168,29 @@ def test_real_models_coverage_table(tmp_path: Path) -> None:
         assert r["params_preconditioned"] == r["params"] and not r["skipped"], r
 
 
+def test_families_table(tmp_path: Path) -> None:
+    """The families that failed under the recommended recipe (T5, OPT, Qwen2-MoE: layers on
+    flattened rows) run, and the mixture-of-experts families are preconditioned whole."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "families.json"
+    script = ROOT / "benchmarks" / "families.py"
+    families = ["T5", "OPT", "Qwen2-MoE", "Mixtral"]
+    proc = subprocess.run(
+        [sys.executable, str(script), "--out", str(out), "--families", *families],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["family"]: r for r in json.loads(out.read_text())["families"]}
+    assert all(rows[f]["runs"] for f in families), rows
+    for family in ("Qwen2-MoE", "Mixtral"):
+        assert rows[family]["preconditioned_pct"] >= 95.0, rows[family]
+        assert {"moe", "router"} <= set(rows[family]["kinds"])
+    assert "a relative-position table" in " ".join(rows["T5"]["skipped"].values())
+
+
 @pytest.mark.slow
 def test_step_ops_quick(tmp_path: Path) -> None:
     """The step-ops benchmark's JSON has every row, positive operation counts at every

@@ -11,7 +11,9 @@ calls: what K-FAC preconditions of each, and that nothing is preconditioned wron
   are known: every parameter is preconditioned, the tied layer's embedding rows are the
   gradients that reach the weight (float64, against autograd's gradient);
 - Mamba's ``conv1d`` and ``dt_proj`` weights are used through ``F.conv1d`` and ``@``:
-  after the first step without statistics they belong to AdamW, warned once.
+  after the first step without statistics they belong to AdamW, warned once;
+- T5, OPT and Qwen2-MoE (flattened rows, a broadcast relative-position table) train with
+  the recommended ``scaling="fisher"`` recipe.
 """
 
 from __future__ import annotations
@@ -195,3 +197,28 @@ def test_mamba_parameters_used_outside_module_calls_go_to_adamw_after_one_warnin
         "backbone.norm_f", "lm_head",
     ]  # fmt: skip
     assert all(ls.factor_updates == 3 for ls in pre.state.layers.values())
+
+
+@pytest.mark.parametrize("family", ["T5", "OPT", "Qwen2-MoE"])
+def test_recommended_recipe_runs_on_models_with_flattened_or_broadcast_inputs(family: str) -> None:
+    """OPT's MLP and Qwen2-MoE's shared expert see ``(B·T, d)`` rows, T5's relative
+    attention bias a ``(T, T)`` table: under ``scaling="fisher"`` the flattened rows take
+    the other layers' batch size and the table is left to AdamW with its reason (the old
+    code raised ``BatchSizeError`` at the first step)."""
+    from fixture_families import build
+
+    model, batch = build(family)
+    opt, _ = _train(model, batch, steps=2, scaling="fisher", eigenbasis_moments=True)
+    pre = opt.preconditioner
+    assert pre.steps == 2
+    tables = {n: why for n, why in pre.layers.skipped.items() if "relative-position" in why}
+    if family == "T5":
+        assert set(tables) == {
+            "encoder.block.0.layer.0.SelfAttention.relative_attention_bias",
+            "decoder.block.0.layer.0.SelfAttention.relative_attention_bias",
+        }
+        assert all("broadcast over the batch" in why for why in tables.values())
+        for name in tables:
+            assert id(model.get_parameter(f"{name}.weight")) in _others(opt)
+    else:
+        assert not tables

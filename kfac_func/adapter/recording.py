@@ -42,10 +42,9 @@ from kfac_func.step.grouped_batch import batch_factors_grouped
 __all__ = ["HookRecorder", "remove_handles"]
 
 _WHAT_TO_DO = (
-    "Keep the examples on the leading dimension of every registered layer's input (call "
-    "the layer on (B, T, d), not on the flattened (B*T, d); batch_first=True for "
-    "torch.nn.Transformer layers), or leave the layers that do not out "
-    "(skip_layers=[...]); the K-FAC state is unchanged"
+    "Keep the examples on the leading dimension of every registered layer's input "
+    "(batch_first=True for torch.nn.Transformer layers), or leave the layers that do not "
+    "out (skip_layers=[...]); the K-FAC state is unchanged"
 )
 
 

@@ -68,6 +68,15 @@ class LayerBlock(ABC):
     """Whether the layer's calls happen inside its module's forward, reported by
     :meth:`tap` (attention projections), instead of being the module's own calls."""
 
+    recomputes: ClassVar[bool] = False
+    """Whether, with :attr:`taps`, the layers' calls are reported by :meth:`recompute`
+    after the module's forward (which it cannot observe from inside: fused experts)."""
+
+    checks_itself: ClassVar[bool] = False
+    """Whether the kind checks every observed call itself (:meth:`tap` or
+    :meth:`recompute` raise on a call other than the kind's), so that a module it
+    recognises needs no first-call check (:mod:`kfac_func.blocks.checks`)."""
+
     reducible: ClassVar[bool] = False
     """Whether the kind offers ``kfac_approx="reduce"`` (Eschenhagen et al., 2023): the
     inputs averaged and the output-gradients summed over the positions that share the
@@ -225,6 +234,20 @@ class LayerBlock(ABC):
         if :attr:`taps`)."""
         raise NotImplementedError(f"layer kind {self.kind!r} has no taps")
 
+    def recompute(
+        self,
+        module: nn.Module,
+        specs: Sequence[LayerSpec],
+        site: Callable[[LayerSpec, torch.Tensor, torch.Tensor], torch.Tensor],
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        out: Any,
+    ) -> Any:
+        """After ``module``'s forward on ``(args, kwargs)`` gave ``out``: the output that
+        replaces it, recomputed so that each call of the layers in ``specs`` is reported
+        as ``site(spec, input, output)`` (only if :attr:`recomputes`)."""
+        raise NotImplementedError(f"layer kind {self.kind!r} does not recompute")
+
     def capturing(self) -> AbstractContextManager[None]:
         """A context the capture of this kind's layers runs in (for kinds whose modules
         have fused fast paths that would hide the calls from :meth:`tap`)."""
@@ -282,6 +305,24 @@ class LayerBlock(ABC):
             [4, 4, 1]
         """
         return int(x.shape[0]) if x.dim() >= 2 else 1
+
+    def rows_only(self, spec: LayerSpec, x: torch.Tensor) -> bool:
+        """Whether the input ``x`` is rows alone: one leading dimension before the
+        features, which may be the examples ``(N, d)`` or their positions flattened
+        ``(N·T, d)`` (OPT's MLP, a shared expert, the tokens routed to one expert). Such a
+        call says the number of examples only when no other call does
+        (:class:`~kfac_func.blocks.examples.CallExamples`); its factors do not depend on
+        how the rows were grouped. False by default: the kinds whose rows are their
+        leading dimensions say so.
+
+        Example:
+            >>> import torch
+            >>> from kfac_func.blocks import register
+            >>> spec = register(torch.nn.Linear(3, 2))[""]
+            >>> [spec.block.rows_only(spec, torch.ones(s)) for s in ((20, 3), (4, 5, 3))]
+            [True, False]
+        """
+        return False
 
     # --- statistics ----------------------------------------------------------------
 

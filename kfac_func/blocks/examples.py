@@ -10,14 +10,21 @@ batch size is what they say together:
   batch size;
 - calls whose input does not tell (a flattened ``(N·T, d)`` attention output, ids of one
   unbatched sequence) are left out;
-- every other call must say the same ``N``: when two say different numbers (a model that
-  flattens ``(B, T, d)`` to ``(B·T, d)`` before a layer, a sequence-first ``(T, B, d)``
-  layout next to batch-first layers), the batch size cannot be known and
-  :meth:`CallExamples.batch_size` raises :class:`BatchSizeError`, naming the layers and
-  their input shapes.
+- calls on rows alone (:meth:`~kfac_func.blocks.base.LayerBlock.rows_only`: a Linear's
+  ``(R, d)``, a norm's ``(R, *normalized_shape)``) say the number of examples only when no
+  call says it otherwise: the rows of OPT's MLP (``(B·T, d)``), of Qwen2-MoE's shared
+  expert, or the tokens routed to one expert, are rows of the examples the other layers
+  see, and their factors are those of the unflattened layer (a row is a row: ``A``
+  averages rows, ``G`` sums them over the batch's examples);
+- every other call must say the same ``N``: when two say different numbers (a
+  sequence-first ``(T, B, d)`` layout next to batch-first layers, a table of positions
+  ``(T, T)`` broadcast over the batch), the batch size cannot be known and
+  :meth:`CallExamples.batch_size` raises :class:`BatchSizeError`, naming the layers that
+  disagree with the most common count.
 
-Known limitation: a flattening layer at a batch of one (``(T, d)`` beside ``(1, T, d)``)
-says ``T`` while the others say 1, and ``T`` is taken.
+Known limitation: with every call on rows alone, calls that disagree are an error; and
+a flattening layer at a batch of one (``(T, d)`` beside ``(1, T, d)``) says ``T`` while
+the others say 1, and ``T`` is taken.
 """
 
 from __future__ import annotations
@@ -36,17 +43,20 @@ class BatchSizeError(ValueError):
 
 
 _WHAT_TO_DO = (
-    "Keep the examples on the leading dimension of every registered layer's input (call "
-    "the layer on (B, T, d), not on the flattened (B*T, d); batch_first=True for "
-    "torch.nn.Transformer layers), or leave the layers that do not out (skip_layers=[...])"
+    "Keep the examples on the leading dimension of every registered layer's input "
+    "(batch_first=True for torch.nn.Transformer layers), or leave the layers that do not "
+    "out (skip_layers=[...])"
 )
+
+_SHOWN = 3
+"""Layers named per count in an error (the rest are counted)."""
 
 
 @dataclass
 class CallExamples:
     """What the calls of one forward pass say about its number of examples: per layer,
     each distinct count (None: the input does not tell) with the first input shape that
-    said it.
+    said it, apart for calls on rows alone (see the module docstring).
 
     Example:
         >>> import torch
@@ -55,10 +65,10 @@ class CallExamples:
         >>> seen = CallExamples()
         >>> seen.add(table["0"], torch.zeros(3, 5, dtype=torch.long))
         >>> seen.add(table["0"], torch.arange(5))  # positions: 1-d ids do not tell
-        >>> seen.add(table["1"], torch.zeros(3, 5, 4))
+        >>> seen.add(table["1"], torch.zeros(15, 4))  # flattened rows of the 3 examples
         >>> seen.batch_size()
         3
-        >>> seen.add(table["1"], torch.zeros(15, 4))  # flattened
+        >>> seen.add(table["1"], torch.zeros(5, 3, 4))  # sequence first: 5 examples?
         >>> seen.batch_size()
         Traceback (most recent call last):
         ...
@@ -66,12 +76,21 @@ class CallExamples:
     """
 
     said: dict[str, dict[int | None, tuple[int, ...]]] = field(default_factory=dict)
+    rows: dict[str, dict[int | None, tuple[int, ...]]] = field(default_factory=dict)
+    """The counts of calls on rows alone (:meth:`LayerBlock.rows_only`), per layer."""
     many: set[int] = field(default_factory=set)
     """The counts above 1 said so far (kept as calls are added: asked on every call)."""
+    many_rows: set[int] = field(default_factory=set)
+    """The same of calls on rows alone."""
 
     def add(self, spec: LayerSpec, x: torch.Tensor) -> None:
         """Record one call of ``spec`` on the input ``x``."""
         n = spec.block.examples(spec, x)
+        if n is not None and spec.block.rows_only(spec, x):
+            self.rows.setdefault(spec.name, {}).setdefault(n, tuple(x.shape))
+            if n != 1:
+                self.many_rows.add(n)
+            return
         self.said.setdefault(spec.name, {}).setdefault(n, tuple(x.shape))
         if n is not None and n != 1:
             self.many.add(n)
@@ -79,10 +98,11 @@ class CallExamples:
     def known(self) -> int | None:
         """The number of examples the calls so far agree on, if one above 1 (else None:
         nothing to expand a broadcast call to, see :meth:`LayerBlock.broadcast_call`)."""
-        return next(iter(self.many)) if len(self.many) == 1 else None
+        many = self.many or self.many_rows
+        return next(iter(many)) if len(many) == 1 else None
 
     def __bool__(self) -> bool:
-        return bool(self.said)
+        return bool(self.said or self.rows)
 
     def batch_size(self, required: bool = True, what_to_do: str = _WHAT_TO_DO) -> int:
         """The number of examples the calls agree on (see the module docstring).
@@ -93,27 +113,47 @@ class CallExamples:
 
         Raises:
             BatchSizeError: the calls say different numbers of examples, or none says
-                any (only with ``required``).
+                any (only with ``required``); the message names the layers that disagree
+                with the most common count.
         """
-        counts = {n for ns in self.said.values() for n in ns if n is not None}
-        many = counts - {1}
-        if len(many) == 1:
-            return many.pop()
-        if not many and counts:
+        for said in (self.said, self.rows):
+            counts = {n for ns in said.values() for n in ns if n is not None}
+            many = counts - {1}
+            if len(many) == 1:
+                return many.pop()
+            if many:
+                if not required:
+                    return max(many)
+                raise BatchSizeError(
+                    "cannot tell the batch size: its registered layers' inputs hold "
+                    f"different numbers of examples: {_disagreeing(said)}. {what_to_do}."
+                )
+            if counts and said is self.said and not self.many_rows:
+                return 1
+        if any(1 in ns for ns in self.rows.values()):
             return 1
         if not required:
-            return max(counts, default=1)
-        if many:
-            layers = ", ".join(
-                f"{name!r} saw {shape} ({n} examples)"
-                for name, ns in self.said.items()
-                for n, shape in ns.items()
-                if n is not None and n != 1
-            )
-            problem = f"its registered layers' inputs hold different numbers of examples: {layers}"
-        else:
-            shapes = ", ".join(
-                f"{name!r} saw {shape}" for name, ns in self.said.items() for shape in ns.values()
-            )
-            problem = f"no registered layer's input tells the number of examples ({shapes})"
+            return 1
+        shapes = ", ".join(
+            f"{name!r} saw {shape}" for name, ns in self.said.items() for shape in ns.values()
+        )
+        problem = f"no registered layer's input tells the number of examples ({shapes})"
         raise BatchSizeError(f"cannot tell the batch size: {problem}. {what_to_do}.")
+
+
+def _disagreeing(said: dict[str, dict[int | None, tuple[int, ...]]]) -> str:
+    """The layers by count: the most common count's first layer, then every other
+    count's (a few named, the rest counted), as errors list them."""
+    by_count: dict[int, list[str]] = {}
+    for name, ns in said.items():
+        for n, shape in ns.items():
+            if n is not None and n != 1:
+                by_count.setdefault(n, []).append(f"{name!r} saw {shape} ({n} examples)")
+    ranked = sorted(by_count.items(), key=lambda kv: -len(kv[1]))
+    (common, agree), others = ranked[0], ranked[1:]
+    parts = []
+    for _, layers in others:
+        more = f" and {len(layers) - _SHOWN} more" if len(layers) > _SHOWN else ""
+        parts.append(", ".join(layers[:_SHOWN]) + more)
+    rest = f" and {len(agree) - 1} more" if len(agree) > 1 else ""
+    return f"{'; '.join(parts)}; while {agree[0]}{rest} say {common}"

@@ -45,6 +45,10 @@ class _TrailingNorm(ScaleShiftBlock):
         ``normalized_shape`` one."""
         return int(x.shape[0]) if x.dim() > len(spec.weight_shape) else 1
 
+    def rows_only(self, spec: LayerSpec, x: torch.Tensor) -> bool:
+        """An ``(R, *normalized_shape)`` input: examples or flattened positions alike."""
+        return x.dim() == len(spec.weight_shape) + 1
+
     def mapped_spec(self, name: str, module: nn.Module, options: Mapping[str, Any]) -> LayerSpec:
         """A norm of a class of the user's: ``weight`` (the normalised shape) and an optional
         ``bias`` of the same shape; ``eps`` from ``options``, else the module's ``eps`` or

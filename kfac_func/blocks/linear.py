@@ -45,6 +45,10 @@ class LinearBlock(LayerBlock):
     tensor_parallel = True
     reducible = True
 
+    def rows_only(self, spec: LayerSpec, x: torch.Tensor) -> bool:
+        """An ``(R, in)`` input: examples or flattened positions alike."""
+        return x.dim() == 2
+
     def spec(self, name: str, module: nn.Module) -> LayerSpec | str:
         if type(module).__name__ in _NEVER_CALLED:
             return f"{type(module).__name__} is used without calling its forward"

@@ -28,8 +28,10 @@ if TYPE_CHECKING:
     from kfac_func.blocks.base import LayerBlock
 
 __all__ = [
+    "BROADCAST_TABLE",
     "KNOWN_KINDS",
     "KindMap",
+    "broadcast_table",
     "class_path",
     "mapped_block",
     "mapped_params",
@@ -204,3 +206,40 @@ def mapped_params(
             f"has {sorted(own)}",
         )
     return own["weight"], own.get("bias")
+
+
+BROADCAST_TABLE = (
+    "a relative-position table ({cls}.{attr}): its lookup of (query, key) position "
+    "buckets is one (T, T) input broadcast over the batch, so its gradient is the sum of "
+    "the examples' and the per-example statistics K-FAC needs are lost (its factors would "
+    "hold the square of the sum, not the sum of squares); its parameters are left to the "
+    "other optimizer"
+)
+
+
+def broadcast_table(name: str, module: nn.Module, parent: nn.Module | None) -> str | None:
+    """Why ``module`` (registered as ``name``, a child of ``parent``) is skipped when it is
+    an embedding of relative-position buckets that the model broadcasts over the batch
+    (T5 and the models built on its attention: an ``nn.Embedding`` named
+    ``relative_attention_bias`` whose parent computes the bias with ``compute_bias``),
+    else None.
+
+    Example:
+        >>> from torch import nn
+        >>> class Attention(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.relative_attention_bias = nn.Embedding(32, 2)
+        ...     def compute_bias(self, q, k): ...
+        >>> att = Attention()
+        >>> broadcast_table("relative_attention_bias", att.relative_attention_bias, att)[:45]
+        'a relative-position table (Attention.relative'
+    """
+    attr = name.rpartition(".")[2]
+    if (
+        attr == "relative_attention_bias"
+        and isinstance(module, nn.Embedding)
+        and callable(getattr(parent, "compute_bias", None))
+    ):
+        return BROADCAST_TABLE.format(cls=type(parent).__name__, attr=attr)
+    return None

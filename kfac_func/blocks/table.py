@@ -19,7 +19,14 @@ import torch
 from torch import nn
 
 from kfac_func.blocks.checks import overrides_forward
-from kfac_func.blocks.mapped import KindMap, Parsed, class_path, mapped_block, parse_kinds
+from kfac_func.blocks.mapped import (
+    KindMap,
+    Parsed,
+    broadcast_table,
+    class_path,
+    mapped_block,
+    parse_kinds,
+)
 from kfac_func.blocks.registry import blocks
 from kfac_func.blocks.spec import LayerSpec
 from kfac_func.blocks.tied import EMBEDDING_KINDS, tied_specs
@@ -136,7 +143,7 @@ def _recognised(name: str, module: nn.Module, block: LayerBlock) -> list[LayerSp
     not, a class that overrides ``forward`` is skipped: nothing could check it."""
     specs = block.specs(name, module)
     own = type(module) in block.module_types and not block.reads_attributes
-    if isinstance(specs, str) or own:
+    if isinstance(specs, str) or own or block.checks_itself:
         return specs
     path = class_path(type(module))
     if not block.checkable:
@@ -312,8 +319,9 @@ def register(
     specs: list[LayerSpec] = []
     skipped: dict[str, str] = {}
     skipped_prefixes: list[str] = []
+    modules = dict(model.named_modules())
 
-    for name, module in model.named_modules():
+    for name, module in modules.items():
         if any(name == p or name.startswith(p + ".") for p in skipped_prefixes):
             continue
         cls = type(module).__name__
@@ -326,7 +334,8 @@ def register(
         own_params = list(module.parameters(recurse=False))
         if not own_params:
             continue
-        result = _specs_for(name, module, parsed)
+        table = broadcast_table(name, module, modules.get(name.rpartition(".")[0]))
+        result = table if table is not None else _specs_for(name, module, parsed)
         if isinstance(result, str):
             skipped[name] = result
             continue
@@ -344,7 +353,6 @@ def register(
     # a module whose own parameters all belong to registered layers (BERT's LM head owns
     # the bias of its tied decoder) has nothing left to skip
     covered = {id(model.get_parameter(n)) for s in kept for n in s.param_names()}
-    modules = dict(model.named_modules())
     for name in [n for n in skipped if n in modules and n not in tied]:
         own = list(modules[name].parameters(recurse=False))
         if own and all(id(p) in covered for p in own):

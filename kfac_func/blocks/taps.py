@@ -60,8 +60,9 @@ def tap_hooks(
 ) -> list[RemovableHandle]:
     """A forward pre-hook that enters ``specs[0].block.tap(module, specs, s)`` with
     ``s = site()`` (nothing when it returns None) and a forward hook, run even when the
-    forward raises, that leaves it. ``wrap`` is applied to both hooks (e.g. to keep them
-    out of ``torch.compile``'s tracing).
+    forward raises, that leaves it; for a kind that :attr:`~LayerBlock.recomputes`, one
+    forward hook whose result replaces the output. ``wrap`` is applied to the hooks (e.g.
+    to keep them out of ``torch.compile``'s tracing).
 
     Example:
         >>> import torch
@@ -74,6 +75,14 @@ def tap_hooks(
         >>> seen
         ['q_proj', 'k_proj', 'v_proj', 'out_proj']
     """
+    block = specs[0].block
+    if block.recomputes:
+
+        def after(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+            s = site()
+            return None if s is None else block.recompute(mod, specs, s, args, kwargs, out)
+
+        return [module.register_forward_hook(wrap(after), with_kwargs=True)]
     open_taps: list[Any] = []
 
     def pre(mod: nn.Module, args: tuple[Any, ...]) -> None:

@@ -51,8 +51,13 @@ def group_key(ls: LayerState, grads: Mapping[str, torch.Tensor]) -> Hashable:
     """
     spec = ls.spec
     w, b = layer_grads(spec, grads)
+    # the module a part belongs to (option "module") is a name too: the experts, or the
+    # attention projections, of every layer of a model group together
+    unnamed = dataclasses.replace(
+        spec, options=tuple(kv for kv in spec.options if kv[0] != "module")
+    )
     settings = tuple(
-        getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name not in _NAMES
+        getattr(unnamed, f.name) for f in dataclasses.fields(spec) if f.name not in _NAMES
     )
     tensors = tuple(_describe(getattr(ls, f)) for f in GROUPED_FIELDS)
     grad_types = (w.dtype, w.device, None if b is None else b.dtype)
