@@ -112,8 +112,9 @@ def test_offset_positions_are_left_to_the_other_optimizer() -> None:
         p is not model.positions.weight for p in opt.kfac_optimizer.param_groups[0]["params"]
     )
     assert "positions" not in pre.state.layers
-    # AdamW's first step on the raw gradient (decay 0.01, then lr · g / (|g| + eps))
-    want = before * (1 - 0.01 * 0.01) - 0.01 * raw / (raw.abs() + 1e-8)
+    # AdamW's first step on the raw gradient, lr · g / (|g| + eps) (the recommended
+    # recipe's weight_decay is 0)
+    want = before - 0.01 * raw / (raw.abs() + 1e-8)
     torch.testing.assert_close(model.positions.weight.detach(), want, rtol=0, atol=1e-12)
     opt.zero_grad()
     with warnings.catch_warnings():
