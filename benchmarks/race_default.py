@@ -224,8 +224,16 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--quick", action="store_true", help="smoke test: tiny models, few steps")
-    p.add_argument("--workloads", nargs="+", choices=list(rw.WORKLOADS), default=list(rw.WORKLOADS))
-    p.add_argument("--eval-seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=list(rw.WORKLOADS),
+        default=list(rw.WORKLOADS),
+        help="the race's workloads to run (all by default)",
+    )
+    p.add_argument(
+        "--eval-seeds", type=int, nargs="+", default=[1, 2, 3], help="the evaluation seeds"
+    )
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--out", default=None, help="folder of race_default.json")
     p.add_argument("--race-results", default=str(RESULTS), help="the race's results folder")

@@ -176,13 +176,13 @@ def test_transformer_lm_runs(tmp_path: Path) -> None:
         ],
         cwd=tmp_path,
     )
-    runs = ["sgd", "adam", "kfac", "kfac-moments"]
+    runs = ["sgd", "adam", "kfac", "kfac-moments", "kfac-default"]
     rows = check_curves(prefix, runs, 2, ["train_loss", "test_loss", "test_bits_per_char"])
     for r in rows:
         assert float(r["test_bits_per_char"]) == pytest.approx(float(r["test_loss"]) / math.log(2))
         assert 0 < float(r["train_loss"]) < 10
     lines = proc.stdout.splitlines()
-    table = [line.split() for line in lines[lines.index("final epoch") + 2 :][:4]]
+    table = [line.split() for line in lines[lines.index("final epoch") + 2 :][: len(runs)]]
     assert [t[0] for t in table] == runs
     # the printed final losses are the CSV's last rows
     last = {r["optimizer"]: r for r in rows if r["epoch"] == "2"}
