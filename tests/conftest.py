@@ -46,9 +46,10 @@ NUMERICS = {
 """The modules marked ``numerics``: they compare two computations of one quantity (grouped
 and per layer, sync-free and checked, compiled and eager, with and without activation
 checkpointing) or a computation and an oracle, at tolerances set by rounding. CI runs them
-a second time under other CPU kernels (``ATEN_CPU_CAPABILITY=avx2`` with
-``MKL_ENABLE_INSTRUCTIONS=AVX2``), so that a tolerance that holds by the accident of one
-CPU's rounding fails there, not on a user's machine (see ``tests/numerics.py``)."""
+again under other CPU kernels (``ATEN_CPU_CAPABILITY=avx2`` with
+``MKL_ENABLE_INSTRUCTIONS=AVX2``, then ``default`` with ``SSE4_2``), so that a tolerance
+that holds by the accident of one CPU's rounding fails there, not on a user's machine (see
+``tests/numerics.py``)."""
 
 CUDA = torch.cuda.is_available()
 NO_CUDA = "no CUDA device (torch.cuda.is_available() is False)"
