@@ -126,3 +126,28 @@ def test_bad_factor_rows_is_named(bad: object) -> None:
 def test_factor_rows_needs_statistics_in_the_hooks() -> None:
     with pytest.raises(ValueError, match="update_factors_in_hook"):
         kf.KFACPreconditioner(_sequence_model(), factor_rows=8, update_factors_in_hook=False)
+
+
+def test_gpt2_conv1d_is_thinned_as_a_linear() -> None:
+    """A transposed linear (GPT-2's ``Conv1D``, ``x @ W + b``) has Linear's statistics, so
+    its positions thin alike: the same Grams as the Linear of the transposed weight."""
+
+    class Conv1D(nn.Module):
+        def __init__(self, d_in: int, d_out: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(d_in, d_out, dtype=DT))
+            self.bias = nn.Parameter(torch.zeros(d_out, dtype=DT))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.weight + self.bias
+
+    torch.manual_seed(3)
+    conv = kf.register(Conv1D(5, 3))[""]
+    linear = kf.register(nn.Linear(5, 3))[""]
+    assert conv.kind == "transposed_linear" and conv.block.thinnable(conv)
+    x, gy = torch.randn(4, 16, 5, dtype=DT), torch.randn(4, 16, 3, dtype=DT)
+    for t, which in ((x, "a"), (gy, "g")):
+        got = thinned_gram(conv, t, which, DT, budget=16, offset=1)
+        want = thinned_gram(linear, t, which, DT, budget=16, offset=1)
+        assert torch.equal(got.gram, want.gram) and got.rows == want.rows == 64
+        assert not torch.equal(got.gram, thinned_gram(conv, t, which, DT).gram)

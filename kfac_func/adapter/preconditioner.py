@@ -163,8 +163,9 @@ class KFACPreconditioner(
         eigh_device: run ``eigh`` on this device (e.g. ``"cpu"``) and move the results
             back to the factors' device; None: the factors' own.
         factor_rows: at most this many rows (examples × positions) of a Linear layer's
-            call enter its factor statistics: every ``k``-th position, the offset turning
-            with each factor update, the sums scaled to estimate all rows (see
+            call (or GPT-2's ``Conv1D``) enter its factor statistics: every ``k``-th
+            position, the offset turning with each factor update, the sums scaled to
+            estimate all rows (see
             :func:`kfac_func.blocks.thinned_gram`). Cuts the cost of the factors of long
             sequences; None (default): every row. Needs ``update_factors_in_hook``.
 

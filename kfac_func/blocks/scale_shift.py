@@ -26,7 +26,7 @@ from torch import nn
 from kfac_func.blocks.base import LayerBlock
 from kfac_func.blocks.spec import Gram, LayerSpec, shape_error
 
-__all__ = ["ScaleShiftBlock"]
+__all__ = ["ScaleShiftBlock", "unit_grams"]
 
 
 class ScaleShiftBlock(LayerBlock):
@@ -94,8 +94,7 @@ class ScaleShiftBlock(LayerBlock):
         rows, units = g.shape
         if units != spec.groups:
             raise shape_error(spec, "input", f"{spec.groups} units", x.shape)
-        v = torch.stack([xhat * g, g], dim=-1) if spec.has_bias else (xhat * g).unsqueeze(-1)
-        gram = torch.einsum("nui,nuj->uij", v, v)
+        gram = unit_grams(xhat * g, g if spec.has_bias else None)
         ones = torch.full((units, 1), float(rows), dtype=dtype, device=g.device)
         return Gram(ones, rows, 1, True), Gram(gram, rows, 1)
 
@@ -125,6 +124,23 @@ class ScaleShiftBlock(LayerBlock):
         shape = spec.weight_shape
         w = m[:, 0, 0].reshape(shape)
         return w, (m[:, 1, 0].reshape(shape) if spec.has_bias else None)
+
+
+def unit_grams(a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """Per unit ``u`` the Gram of its rows ``v = (a, b)`` over the rows ``n``:
+    ``Σₙ vₙ vₙᵀ`` as a ``(units, 2, 2)`` stack (``(units, 1, 1)`` without ``b``), from three
+    reductions over the rows instead of a batch of 2×2 products.
+
+    Example:
+        >>> unit_grams(torch.tensor([[1.0], [2.0]]), torch.tensor([[3.0], [4.0]]))
+        tensor([[[ 5., 11.],
+                 [11., 25.]]])
+    """
+    aa = (a * a).sum(dim=0)
+    if b is None:
+        return aa.reshape(-1, 1, 1)
+    ab, bb = (a * b).sum(dim=0), (b * b).sum(dim=0)
+    return torch.stack([torch.stack([aa, ab], dim=-1), torch.stack([ab, bb], dim=-1)], dim=-2)
 
 
 def normalise(x: torch.Tensor, dims: tuple[int, ...], eps: float, center: bool) -> torch.Tensor:
