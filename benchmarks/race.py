@@ -298,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.tables:
         changed = race_report.write_tables(Path(args.docs), Path(args.results))
+        if race_report.write_headline(Path(args.docs), Path(args.results)):
+            changed.append("headline")
         print(f"{args.docs}: {', '.join(changed) or 'no'} table(s) rewritten")
         return 0
     started = time.perf_counter()

@@ -11,7 +11,11 @@ Rules
   evaluation at or below the target (evaluations every ``eval_every`` steps); the mean
   over the seeds when every seed gets there, else "never" with how many did.
 - **Targets**: AdamW's final test loss (mean over the evaluation seeds) and the best
-  optimizer's (the lowest mean).
+  optimizer's (the lowest mean); Muon's and SOAP's where they raced.
+- **Headline** (:func:`headline`): per workload, the seconds and steps K-FAC's recipe
+  takes to the final loss of each competitor (the fastest to its own final among the
+  optimizers that are not K-FAC, Muon, SOAP), beside that competitor's whole run:
+  the ratio is K-FAC's seconds over the competitor's.
 """
 
 from __future__ import annotations
@@ -34,6 +38,12 @@ REFERENCE = "adamw"
 MUON = "muon"
 """The optimizer whose final test loss the steps to it are also counted for (where it
 raced): the yardstick of fewest-steps records."""
+
+SOAP = "soap"
+"""The other competitor whose final test loss is a target where it raced."""
+
+RECIPE = "kfac-moments-fresh"
+"""The K-FAC recipe of the headline (``kf.KFAC``'s recommended recipe)."""
 
 TIE_RULE = (
     "tie: the min-max ranges of the final test loss over the evaluation seeds overlap; "
@@ -137,8 +147,9 @@ def summarize(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
     best = min(names, key=lambda n: means[n])
     targets = {"reference": REFERENCE, "reference_loss": means[REFERENCE], "best": best}
     targets["best_loss"] = means[best]
-    if MUON in means:  # the yardstick of the steps target
-        targets["muon_loss"] = means[MUON]
+    for other in (MUON, SOAP):  # the yardsticks of the per-second targets
+        if other in means:
+            targets[f"{other}_loss"] = means[other]
     rows = []
     for n in names:
         tuning = [r for r in runs if r["optimizer"] == n and r["phase"] == "tune"]
@@ -169,11 +180,13 @@ def summarize(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
                 **{f"{k}_to_reference": v for k, v in to_ref.items()},
                 **{f"{k}_to_best": v for k, v in to_best.items()},
                 **{
-                    f"{k}_to_muon": v
-                    for k, v in (
-                        time_to_target(curves, means[MUON]).items() if MUON in means else ()
-                    )
+                    f"{k}_to_{other}": v
+                    for other in (MUON, SOAP)
+                    if other in means
+                    for k, v in time_to_target(curves, means[other]).items()
                 },
+                "train_seconds": statistics.mean(r["rows"][-1]["seconds"] for r in evals[n]),
+                "train_steps": statistics.mean(steps),
                 "fwd_bwd_ms_per_step": fb,
                 "optimizer_ms_per_step": op,
                 "ms_per_step": fb + op,
@@ -275,6 +288,106 @@ def render(doc: dict[str, Any], plot: bool = False) -> str:
     if plot:
         lines += ["", f"![{w}: test loss against seconds](../benchmarks/results/race_{w}.png)"]
     return "\n".join(lines)
+
+
+def headline(docs: Sequence[dict[str, Any]], recipe: str = RECIPE) -> list[dict[str, Any]]:
+    """The time-to-target rows of the race's results ``docs`` (one per workload where
+    ``recipe`` raced): for every competitor (an optimizer that is not K-FAC), its mean
+    final test loss and its whole run (training seconds and steps, means over the
+    evaluation seeds), the seconds and steps ``recipe`` takes to that loss (the mean
+    over the seeds, None when a seed never gets there) and the ratio of the seconds.
+    Competitors come lowest final first.
+
+    Example:
+        >>> run = lambda name, losses: {"optimizer": name, "phase": "eval", "lr": 1.0,
+        ...     "settings": {}, "seed": 1, "fwd_bwd_seconds": 1.0, "optimizer_seconds": 1.0,
+        ...     "steps": 2, "rows": [{"step": i, "seconds": 2.0 * i, "test_loss": x}
+        ...                          for i, x in enumerate(losses)]}
+        >>> doc = {"workload": "w", "runs": [run("adamw", [3, 2, 1.5]),
+        ...                                  run("kfac-moments-fresh", [3, 1.4, 1.0])]}
+        >>> row = headline([doc])[0]
+        >>> row["competitor"], row["kfac_seconds"], row["competitor_seconds"], row["ratio"]
+        ('adamw', 2.0, 4.0, 0.5)
+    """
+    rows = []
+    for doc in docs:
+        summary = summarize(doc["runs"])["rows"]
+        by = {r["optimizer"]: r for r in summary}
+        if recipe not in by:
+            continue
+        ours = [r["rows"] for r in doc["runs"] if r["optimizer"] == recipe and r["phase"] == "eval"]
+        others = [r for r in summary if not r["optimizer"].startswith("kfac")]
+        for c in sorted(others, key=lambda r: finite(r["final_mean"])):
+            reach = time_to_target(ours, finite(c["final_mean"]))
+            rows.append(
+                {
+                    "workload": doc["workload"],
+                    "competitor": c["optimizer"],
+                    "competitor_final": c["final_mean"],
+                    "competitor_seconds": c["train_seconds"],
+                    "competitor_steps": c["train_steps"],
+                    "kfac_final": by[recipe]["final_mean"],
+                    "kfac_seconds": reach["seconds"],
+                    "kfac_steps": reach["steps"],
+                    "kfac_reached": f"{reach['reached']}/{reach['seeds']}",
+                    "ratio": None
+                    if reach["seconds"] is None
+                    else reach["seconds"] / c["train_seconds"],
+                }
+            )
+    return rows
+
+
+def render_headline(rows: Sequence[dict[str, Any]], recipe: str = RECIPE) -> str:
+    """The Markdown table of :func:`headline`'s ``rows``."""
+    lines = [
+        f"Time to target of `{recipe}`: `benchmarks/results/race_headline.json` (written by "
+        "`python benchmarks/race.py --tables` from the race's results files).",
+        "",
+        f"| workload | competitor | its final | its run: s | steps | {recipe}: s to it | "
+        "steps | ratio of seconds |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["kfac_seconds"] is None:
+            ours, steps, ratio = f"never ({r['kfac_reached']})", "never", "-"
+        else:
+            ours, steps = rounded(r["kfac_seconds"], 1), rounded(r["kfac_steps"], 0)
+            ratio = rounded(r["ratio"], 2)
+        lines.append(
+            f"| {r['workload']} | {r['competitor']} | {_loss(r['competitor_final'])} | "
+            f"{rounded(r['competitor_seconds'], 1)} | {rounded(r['competitor_steps'], 0)} | "
+            f"{ours} | {steps} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+HEADLINE = ("<!-- race-headline:start -->", "<!-- race-headline:end -->")
+"""The comments around the headline table in the docs page."""
+
+
+def write_headline(page: Path, results: Path) -> bool:
+    """Write ``results/race_headline.json`` from the race's results files and the
+    headline table of ``page`` between :data:`HEADLINE`'s comments; returns whether the
+    table changed."""
+    text = page.read_text()
+    docs = []
+    for workload in blocks_of(text):  # the page's order
+        path = results / f"race_{workload}.json"
+        doc = json.loads(path.read_text()) if path.exists() else {}
+        if doc.get("benchmark") == "race" and not doc.get("quick"):
+            docs.append(doc)
+    rows = headline(docs)
+    (results / "race_headline.json").write_text(
+        json.dumps({"benchmark": "race_headline", "recipe": RECIPE, "rows": rows}, indent=1) + "\n"
+    )
+    start, end = HEADLINE
+    found = re.search(re.escape(start) + r"\n(.*?)" + re.escape(end), text, re.S)
+    if found is None:
+        return False
+    new = render_headline(rows)
+    page.write_text(text.replace(found.group(0), f"{start}\n{new}\n{end}"))
+    return found.group(1) != new + "\n"
 
 
 def markers(workload: str) -> tuple[str, str]:

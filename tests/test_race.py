@@ -318,3 +318,47 @@ def test_the_docs_tables_are_the_committed_results() -> None:
     blocks = rr.blocks_of(PAGE.read_text())
     drifted = [w for w, text in blocks.items() if text != rr.block(RESULTS, w)]
     assert not drifted, f"stale tables in docs/benchmarks.md: {drifted}; run race.py --tables"
+
+
+# --------------------------------------------------------------------------- headline
+
+
+def test_the_headline_times_the_recipe_to_each_competitors_final_loss() -> None:
+    """Per competitor (not K-FAC): the recipe's seconds and steps to its mean final loss
+    over the competitor's whole run; "never" (None) when a seed does not get there; the
+    lowest final first; K-FAC's other variants are not competitors."""
+    runs = []
+    for name, losses in (
+        ("adamw", (3.0, 2.0, 1.5)),  # its whole run: 20 steps, 2 s
+        ("muon", (3.0, 1.5, 1.0)),
+        ("soap", (3.0, 1.2, 0.4)),
+        ("kfac-moments", (3.0, 0.1, 0.1)),
+        (rr.RECIPE, (3.0, 1.0, 0.5)),
+    ):
+        runs += [record(name, "eval", seed, curve(*losses)) for seed in (1, 2)]
+    rows = rr.headline([{"workload": "w", "runs": runs}])
+    assert [r["competitor"] for r in rows] == ["soap", "muon", "adamw"]
+    by = {r["competitor"]: r for r in rows}
+    assert (by["muon"]["kfac_steps"], by["muon"]["kfac_seconds"]) == (10, 1.0)
+    assert by["muon"]["competitor_seconds"] == 2.0 and by["muon"]["ratio"] == 0.5
+    assert by["soap"]["kfac_seconds"] is None and by["soap"]["kfac_reached"] == "0/2"
+    table = rr.render_headline(rows)
+    assert "| w | soap | 0.4000 | 2.0 | 20 | never (0/2) | never | - |" in table
+    assert "| w | muon | 1.0000 | 2.0 | 20 | 1.0 | 10 | 0.50 |" in table
+
+
+def test_the_headline_is_the_committed_results() -> None:
+    """``benchmarks/results/race_headline.json`` and the headline of
+    ``docs/benchmarks.md`` are what ``race.py --tables`` computes from the committed
+    race results; run ``python benchmarks/race.py --tables``."""
+    saved = json.loads((RESULTS / "race_headline.json").read_text())
+    page = PAGE.read_text()
+    docs = [
+        json.loads((RESULTS / f"race_{w}.json").read_text())
+        for w in rr.blocks_of(page)
+        if (RESULTS / f"race_{w}.json").exists()
+    ]
+    rows = rr.headline(docs)
+    assert json.loads(json.dumps(rows)) == saved["rows"]
+    start, end = rr.HEADLINE
+    assert f"{start}\n{rr.render_headline(rows)}\n{end}" in page
