@@ -36,6 +36,7 @@ NUMERICS = {
     "test_norms",
     "test_oracle_linear",
     "test_real_models",
+    "test_recorded_embedding",
     "test_scaled_embedding",
     "test_step_options",
     "test_sync_free",

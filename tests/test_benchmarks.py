@@ -170,7 +170,8 @@ def test_real_models_coverage_table(tmp_path: Path) -> None:
 
 def test_families_table(tmp_path: Path) -> None:
     """The families that failed under the recommended recipe (T5, OPT, Qwen2-MoE: layers on
-    flattened rows) run, and the mixture-of-experts families are preconditioned whole."""
+    flattened rows) run, and the mixture-of-experts families and OPT (its learned
+    positions from their recorded lookup) are preconditioned whole."""
     pytest.importorskip("transformers")
     out = tmp_path / "families.json"
     script = ROOT / "benchmarks" / "families.py"
@@ -189,6 +190,8 @@ def test_families_table(tmp_path: Path) -> None:
         assert rows[family]["preconditioned_pct"] >= 95.0, rows[family]
         assert {"moe", "router"} <= set(rows[family]["kinds"])
     assert "a relative-position table" in " ".join(rows["T5"]["skipped"].values())
+    assert rows["OPT"]["preconditioned_pct"] == 100.0 and not rows["OPT"]["skipped"], rows["OPT"]
+    assert rows["OPT"]["kinds"]["recorded_embedding"] == 1
 
 
 @pytest.mark.slow

@@ -1,8 +1,10 @@
 """First-call checks of modules a kind recognises by themselves
-(:func:`kfac_func.blocks.checks.check_hooks`): subclasses of ``nn.Embedding``,
-``nn.Linear`` and the norms are registered under their kind only while their output is
-what the kind computes from the input the hooks see. Hand-written subclasses: one that
-adds an offset to positions it computes from the attention mask (OPT's), a linear that
+(:func:`kfac_func.blocks.checks.check_hooks`): subclasses of ``nn.Linear`` and the norms
+are registered under their kind only while their output is what the kind computes from
+the input the hooks see, and subclasses of ``nn.Embedding`` that override ``forward``
+only while their forward makes one lookup of their weight
+(:mod:`kfac_func.blocks.recorded_embedding`). Hand-written subclasses: positions that
+return rows of the weight by position whatever the ids (Whisper's), a linear that
 overrides ``forward``, subclasses that do not override it (registered as before), and a
 norm that scales by ``1 + weight`` (Gemma's) mapped without saying so.
 """
@@ -25,16 +27,15 @@ DT = torch.float64
 V, T, D = 11, 6, 4
 
 
-class OffsetPositions(nn.Embedding):
-    """OPT's learned positions: called on the attention mask, looks up its cumulative sum
-    plus an offset of 2."""
+class SlicedPositions(nn.Embedding):
+    """Whisper's learned positions: called on the attention mask, returns the weight's
+    first rows (one per position) whatever the ids, with no lookup."""
 
     def __init__(self, positions: int, d: int) -> None:
-        super().__init__(positions + 2, d, dtype=DT)
+        super().__init__(positions, d, dtype=DT)
 
     def forward(self, mask: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        positions = (torch.cumsum(mask, dim=1) * mask - 1).long()
-        return super().forward(positions + 2)
+        return self.weight[: mask.shape[1]]
 
 
 class DoubledLinear(nn.Linear):
@@ -62,7 +63,7 @@ class Model(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.tokens = nn.Embedding(V, D, dtype=DT)
-        self.positions = OffsetPositions(T, D)
+        self.positions = SlicedPositions(T, D)
         self.mid = head(D, D, dtype=DT)
         self.out = nn.Linear(D, V, dtype=DT)
 
@@ -82,23 +83,23 @@ def _loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tens
 
 def test_only_modules_whose_class_is_not_the_kinds_are_checked() -> None:
     model = Model(PlainLinear)
-    assert [(c.module, c.spec.kind) for c in checked_modules(kf.register(model))] == [
-        ("positions", "embedding"),
-        ("mid", "linear"),
-    ]
+    table = kf.register(model)
+    assert [(c.module, c.spec.kind) for c in checked_modules(table)] == [("mid", "linear")]
+    assert table["positions"].kind == "recorded_embedding"  # checked at every call instead
 
 
-def test_offset_positions_are_left_to_the_other_optimizer() -> None:
-    """The hooks see the mask: weight[mask] is not what the module computes. Registered on
-    isinstance alone, A would count rows 1 while rows 2.. receive the gradient."""
+def test_sliced_positions_are_left_to_the_other_optimizer() -> None:
+    """The forward slices the weight: there is no lookup whose ids A could count.
+    Registered on isinstance alone, A would count the mask's ones (row 1) while rows 0..T
+    receive the gradient."""
     model = Model()
     opt = kf.KFAC(model, lr=0.01, damping=0.01)
     ids, mask = _batch()
     with pytest.warns(kf.FallbackWarning) as caught:
         loss = _loss(model, ids, mask)
     message = str(caught[0].message)
-    assert "'positions'" in message and "OffsetPositions overrides forward" in message
-    assert "weight[input]" in message
+    assert "'positions'" in message and "SlicedPositions overrides forward" in message
+    assert "uses the weight otherwise" in message
     loss.backward()
     raw = model.positions.weight.grad.clone()
     before = model.positions.weight.detach().clone()
@@ -151,7 +152,7 @@ def test_the_capture_refuses_with_an_error_naming_the_module() -> None:
     model = Model()
     ids, mask = _batch()
     params = dict(model.named_parameters())
-    with pytest.raises(ValueError, match=r"'positions' \(.*OffsetPositions\).*skip_layers"):
+    with pytest.raises(ValueError, match=r"'positions' \(.*SlicedPositions\).*skip_layers"):
         kf.capture(model, params, (ids, mask), lambda o: o.sum())
     table = kf.register(model, skip_layers=["^positions$"])
     _, _, caps = kf.capture(model, params, (ids, mask), lambda o: o.sum(), layers=table)

@@ -3,9 +3,12 @@ downloaded) whose classes subclass the supported ones or use parameters outside 
 calls: what K-FAC preconditions of each, and that nothing is preconditioned wrongly.
 
 - OPT's learned positions (``OPTLearnedPositionalEmbedding``: positions from the attention
-  mask, plus an offset) and Whisper's decoder positions (``WhisperPositionalEmbedding``:
-  rows by position, whatever the token ids) override ``nn.Embedding.forward``: refused on
-  their first call, with a warning naming them, and left to AdamW;
+  mask, plus an offset) override ``nn.Embedding.forward`` and make one lookup of their
+  weight: preconditioned from the ids looked up (every OPT parameter is; the factors
+  against an oracle are in ``tests/test_recorded_embedding.py``); Whisper's decoder
+  positions (``WhisperPositionalEmbedding``: rows of the weight by position, whatever the
+  token ids) make none: refused on their first call, with a warning naming them, and left
+  to AdamW;
 - Gemma 3's word embedding (``Gemma3TextScaledWordEmbedding``: the lookup times
   ``sqrt(d)``, tied to the head) is a scaled embedding, and its RMS norms (``1 + weight``)
   are known: every parameter is preconditioned, the tied layer's embedding rows are the
@@ -121,17 +124,28 @@ def _others(opt: kf.KFAC) -> set[int]:
     return set() if others is None else {id(p) for g in others.param_groups for p in g["params"]}
 
 
-@pytest.mark.parametrize(
-    ("family", "cls"),
-    [("opt", "OPTLearnedPositionalEmbedding"), ("whisper", "WhisperPositionalEmbedding")],
-)
-def test_learned_positions_that_override_forward_go_to_adamw(family: str, cls: str) -> None:
-    model, batch = {"opt": _opt, "whisper": _whisper}[family]()
+def test_opt_every_parameter_is_preconditioned_its_positions_from_their_lookup() -> None:
+    model, batch = _opt()
+    table = kf.register(model)
+    assert table["model.decoder.embed_positions"].kind == "recorded_embedding"
+    opt, caught = _train(model, batch, steps=2)
+    assert not caught, [str(w.message) for w in caught]
+    assert opt.others_optimizer is None
+    pre = opt.preconditioner
+    assert not pre.layers.skipped and not pre.demoted
+    _, rest = pre.layers.split_parameters(model)
+    assert not [p for p in rest if p.requires_grad]
+
+
+def test_whisper_positions_that_slice_the_weight_go_to_adamw() -> None:
+    cls = "WhisperPositionalEmbedding"
+    model, batch = _whisper()
     opt, caught = _train(model, batch, steps=2)
     refused = [w for w in caught if issubclass(w.category, kf.FallbackWarning)]
     assert len(refused) == 1, [str(w.message) for w in caught]
     message = str(refused[0].message)
-    assert f"{cls} overrides forward: its output is not weight[input]" in message, message
+    assert f"{cls} overrides forward: its output is not weight[ids]" in message, message
+    assert "uses the weight otherwise" in message, message
     name = "model.decoder.embed_positions"
     pre = opt.preconditioner
     assert name not in pre.layers and cls in pre.layers.skipped[name]

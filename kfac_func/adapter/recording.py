@@ -79,6 +79,7 @@ class HookRecorder(PreconditionerBase):
     _reducer: OrderedReducer | None
     _dropped: set[str]
     _fall_back: Callable[[set[str], bool], set[str]]  # kfac_func.adapter.fallback
+    _refuse: Callable[[str, str], None]  # kfac_func.adapter.fallback
 
     @property
     def reductions_in_flight(self) -> list[str]:
@@ -119,6 +120,11 @@ class HookRecorder(PreconditionerBase):
             pre = ref()
             return record if pre is not None and pre._collecting() else None
 
+        def refuse(layer: str, why: str) -> None:  # a tap's verdict on a call
+            pre = ref()
+            if pre is not None:
+                pre._refuse(layer, why)
+
         def grads_seen() -> set[str] | None:
             pre = ref()
             return pre._grads_seen if pre is not None and pre._watching() else None
@@ -126,7 +132,7 @@ class HookRecorder(PreconditionerBase):
         self._handles.append(self.model.register_forward_pre_hook(pre_hook))
         for module, specs in call_sites(self.model, self.layers).values():
             if specs[0].block.taps:
-                self._handles += tap_hooks(module, specs, site, wrap=opaque)
+                self._handles += tap_hooks(module, specs, site, wrap=opaque, refuse=refuse)
                 self._handles.append(eager_forward(module))
             else:
                 self._handles.append(module.register_forward_hook(forward_hook(specs[0])))

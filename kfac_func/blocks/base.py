@@ -74,8 +74,9 @@ class LayerBlock(ABC):
 
     checks_itself: ClassVar[bool] = False
     """Whether the kind checks every observed call itself (:meth:`tap` or
-    :meth:`recompute` raise on a call other than the kind's), so that a module it
-    recognises needs no first-call check (:mod:`kfac_func.blocks.checks`)."""
+    :meth:`recompute` raise on a call other than the kind's, or a tap refuses it with
+    :class:`~kfac_func.blocks.taps.RefusedCall`), so that a module it recognises needs no
+    first-call check (:mod:`kfac_func.blocks.checks`)."""
 
     reducible: ClassVar[bool] = False
     """Whether the kind offers ``kfac_approx="reduce"`` (Eschenhagen et al., 2023): the
@@ -231,7 +232,8 @@ class LayerBlock(ABC):
     ) -> AbstractContextManager[None]:
         """While entered (around ``module``'s forward), report each call of the layers in
         ``specs`` as ``site(spec, input, output)``, whose result replaces the output (only
-        if :attr:`taps`)."""
+        if :attr:`taps`). A tap that is a :class:`~kfac_func.blocks.taps.OutputTap`
+        reports its call once the forward has returned, with the module's output."""
         raise NotImplementedError(f"layer kind {self.kind!r} has no taps")
 
     def recompute(

@@ -3,8 +3,8 @@
 A kind's factors describe the map the kind computes (:meth:`LayerBlock.output`). A module
 mapped to a kind with ``kinds=`` (or :data:`~kfac_func.blocks.mapped.KNOWN_KINDS`), and a
 module a kind recognised by itself whose class is not the kind's own torch class (a
-subclass of ``nn.Embedding`` or ``nn.Linear``, Hugging Face's ``Conv1D`` recognised by its
-name, an embedding whose scale is read from an attribute), is checked on its first call:
+subclass of ``nn.Linear``, Hugging Face's ``Conv1D`` recognised by its name, an embedding
+whose scale is read from an attribute), is checked on its first call:
 the kind's computation of the output from the call's input, in float64, must equal the
 module's output up to rounding (:func:`call_mismatch`). :func:`checked_modules` lists what
 each registered layer's first calls are checked against (:meth:`LayerBlock.checked_calls`).
@@ -14,7 +14,10 @@ the largest difference (:func:`check_call`). A recognised module that fails is r
 preconditioners leave its layer to the other optimizer with a warning naming it
 (:mod:`kfac_func.adapter.fallback`), :func:`kfac_func.capture` raises a ValueError with the
 ``skip_layers=`` that leaves it out (:func:`checking`). Subclasses that keep the forward, or
-override it with the same computation, pass.
+override it with the same computation, pass. Kinds that check every call themselves
+(:attr:`LayerBlock.checks_itself`: a subclass of ``nn.Embedding`` that overrides
+``forward``, whose lookup is recorded, :mod:`kfac_func.blocks.recorded_embedding`) are not
+checked here.
 """
 
 from __future__ import annotations
@@ -195,12 +198,12 @@ def checked_modules(specs: Mapping[str, LayerSpec]) -> list[CheckedModule]:
     Example:
         >>> from torch import nn
         >>> from kfac_func.blocks import register
-        >>> class Positions(nn.Embedding):
-        ...     def forward(self, mask):
-        ...         return super().forward(mask.cumsum(-1) + 2)
-        >>> model = nn.Sequential(nn.Linear(2, 2), Positions(8, 2))
+        >>> class Shifted(nn.Linear):
+        ...     def forward(self, x):
+        ...         return super().forward(x) + 1.0
+        >>> model = nn.Sequential(nn.Linear(2, 2), Shifted(2, 2))
         >>> [(c.module, c.spec.kind, c.mapped) for c in checked_modules(register(model))]
-        [('1', 'embedding', False)]
+        [('1', 'linear', False)]
     """
     return [
         CheckedModule(module, spec, layer.name, mapped)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac_func.blocks.base import LayerBlock
+from kfac_func.blocks.checks import overrides_forward
 from kfac_func.blocks.mapped import mapped_params, mapping_error
 from kfac_func.blocks.registry import register_block
 from kfac_func.blocks.spec import Gram, LayerSpec, row_gram, shape_error
@@ -73,8 +74,14 @@ class EmbeddingBlock(LayerBlock):
     formula_text = "weight[input]"
 
     def matches(self, module: nn.Module) -> bool:
-        """An ``nn.Embedding`` (or subclass) without a scale (see :func:`embed_scale`)."""
-        return isinstance(module, nn.Embedding) and embed_scale(module) is None
+        """An ``nn.Embedding`` (or a subclass that keeps its ``forward``) without a scale
+        (see :func:`embed_scale`); a subclass with a ``forward`` of its own is
+        :mod:`kfac_func.blocks.recorded_embedding`'s."""
+        return (
+            isinstance(module, nn.Embedding)
+            and embed_scale(module) is None
+            and not overrides_forward(module, (nn.Embedding,))
+        )
 
     def spec(self, name: str, module: nn.Module) -> LayerSpec | str:
         assert isinstance(module, nn.Embedding)

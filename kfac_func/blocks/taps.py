@@ -1,11 +1,14 @@
 """Module hooks that run a forward inside a kind's :meth:`~kfac_func.blocks.LayerBlock.tap`,
-for the layers whose calls happen inside their module's forward (attention projections).
+for the layers whose calls happen inside their module's forward (attention projections,
+the lookup of an embedding whose forward computes its ids).
 Shared by :func:`kfac_func.capture` and the adapters' recording hooks.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -14,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from kfac_func.blocks.spec import LayerSpec
 
-__all__ = ["Site", "Sites", "call_sites", "tap_hooks"]
+__all__ = ["OutputTap", "RefusedCall", "Site", "Sites", "call_sites", "tap_hooks"]
 
 Site = Callable[[LayerSpec, torch.Tensor, torch.Tensor], torch.Tensor]
 """``site(layer, input, output) -> output`` for one call of a tapped layer."""
@@ -48,6 +51,45 @@ def call_sites(
     return out
 
 
+class RefusedCall(ValueError):
+    """A call of ``layer`` that is not what its kind computes, found by its tap (the message
+    says why): the layer is refused (see :func:`tap_hooks`).
+
+    Example:
+        >>> err = RefusedCall("emb", "module 'emb' computes something else")
+        >>> err.layer, isinstance(err, ValueError), str(err)
+        ('emb', True, "module 'emb' computes something else")
+    """
+
+    def __init__(self, layer: str, why: str) -> None:
+        super().__init__(why)
+        self.layer = layer
+
+
+class OutputTap(AbstractContextManager[None]):
+    """A tap that reports its layer's call once the module's forward has returned: it is
+    entered before the forward, left after it, and then :meth:`returned` gets the
+    module's output (a lookup recorded inside the forward is reported with the output the
+    module returns: :mod:`kfac_func.blocks.recorded_embedding`).
+
+    Example:
+        >>> class Doubled(OutputTap):  # reports twice the output
+        ...     def __exit__(self, *exc):
+        ...         return None
+        ...     def returned(self, out):
+        ...         return 2 * out
+        >>> with Doubled() as tap:
+        ...     out = 3
+        >>> tap.returned(out)
+        6
+    """
+
+    def returned(self, out: Any) -> Any:
+        """The output that replaces the module's ``out`` (the site's result), or a
+        :class:`RefusedCall` when the call was not what the kind computes."""
+        raise NotImplementedError
+
+
 class _Interrupted(RuntimeError):
     """The module's forward raised: its tap is left without checking what it saw."""
 
@@ -57,12 +99,17 @@ def tap_hooks(
     specs: Sequence[LayerSpec],
     site: Callable[[], Site | None],
     wrap: Callable[[Any], Any] = lambda hook: hook,
+    refuse: Callable[[str, str], None] | None = None,
 ) -> list[RemovableHandle]:
     """A forward pre-hook that enters ``specs[0].block.tap(module, specs, s)`` with
     ``s = site()`` (nothing when it returns None) and a forward hook, run even when the
     forward raises, that leaves it; for a kind that :attr:`~LayerBlock.recomputes`, one
     forward hook whose result replaces the output. ``wrap`` is applied to the hooks (e.g.
-    to keep them out of ``torch.compile``'s tracing).
+    to keep them out of ``torch.compile``'s tracing). A tap that is an :class:`OutputTap`
+    gets the module's output once left, and its result replaces the output; its
+    :class:`RefusedCall` is handed to ``refuse(layer, why)`` (and the module is not
+    tapped again), or without ``refuse`` raised as a ValueError that names the
+    ``skip_layers=`` leaving the layer out.
 
     Example:
         >>> import torch
@@ -84,9 +131,10 @@ def tap_hooks(
 
         return [module.register_forward_hook(wrap(after), with_kwargs=True)]
     open_taps: list[Any] = []
+    refused = False
 
     def pre(mod: nn.Module, args: tuple[Any, ...]) -> None:
-        s = site()
+        s = None if refused else site()
         if s is None:
             open_taps.append(None)
             return
@@ -94,15 +142,28 @@ def tap_hooks(
         ctx.__enter__()
         open_taps.append(ctx)
 
-    def post(mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+    def post(mod: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+        nonlocal refused
         ctx = open_taps.pop() if open_taps else None
         if ctx is None:
-            return
+            return None
         if out is None:  # the forward raised
             err = _Interrupted("forward raised")
             ctx.__exit__(type(err), err, None)
-        else:
-            ctx.__exit__(None, None, None)
+            return None
+        ctx.__exit__(None, None, None)
+        if not isinstance(ctx, OutputTap):
+            return None
+        try:
+            new = ctx.returned(out)
+        except RefusedCall as err:
+            if refuse is None:
+                skip = "^" + re.escape(err.layer) + "$"
+                raise ValueError(f"{err}. Leave the layer out: skip_layers=[{skip!r}]") from None
+            refused = True
+            refuse(err.layer, str(err))
+            return None
+        return None if new is out else new
 
     return [
         module.register_forward_pre_hook(wrap(pre)),
