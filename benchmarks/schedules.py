@@ -1,0 +1,230 @@
+"""What the recommended recipe's schedule buys: cheaper schedules raced against it.
+
+The recommended K-FAC recipe (``kfac-moments-fresh``: factor statistics every step,
+an ``eigh`` of every factor every other step) costs several times Muon's step on the
+race's language models. Most of that is the statistics and the decompositions, and the
+obvious ways to make them cheaper are schedules: fewer decompositions, statistics on
+fewer steps or from fewer rows. This benchmark measures what each costs in loss and
+saves in seconds, against Muon and SOAP run in the same process on the same seeds.
+
+``python benchmarks/schedules.py`` runs the race's ``lm``, ``lm4x`` and ``gpt2``
+(``race_workloads.py``'s builders) with every optimizer at the setting the committed race
+tuned (``benchmarks/results/race_<workload>.json``: learning rate and second knob; the
+schedules use the recipe's), on the race's evaluation seeds, and writes
+``benchmarks/results/schedules.json``. ``--quick`` is the smoke test (tiny models, one
+seed, a temporary folder). Only ratios from one run compare.
+
+The schedules (each replaces settings of the recipe's preconditioner, nothing else):
+
+- ``recipe``: the recipe as the race runs it;
+- ``eigh every 4`` / ``eigh every 10``: ``inv_update_steps`` 4 or 10 (the eigenbases two
+  to five times as old, on average);
+- ``statistics every 2 steps``: ``factor_update_steps=2`` with ``factor_decay=0.81``
+  (the same memory in steps as 0.9 every step; the hooks build no statistics on the
+  other steps);
+- ``statistics from a quarter of the rows``: ``factor_rows`` a quarter of each call's
+  rows (every 4th position, scaled; layers whose kind cannot be thinned keep all).
+
+Per workload and schedule: the final test loss over the seeds (mean, min–max), the
+forward+backward and optimizer milliseconds per step, and the training seconds and
+steps to Muon's and SOAP's mean final loss of this run, with the ratio to that
+competitor's whole run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import optimizers
+import race
+import race_report as rr
+import race_workloads as rw
+from step_time import git_commit
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+WORKLOADS = ("lm", "lm4x", "gpt2")
+COMPETITORS = ("muon", "soap")
+
+
+def schedules(rows_per_call: int) -> dict[str, dict[str, Any]]:
+    """The schedules raced: name -> the preconditioner settings replacing the recipe's.
+
+    Example:
+        >>> schedules(768)["statistics from a quarter of the rows"]
+        {'factor_rows': 192}
+    """
+    return {
+        "recipe": {},
+        "eigh every 4": {"inv_update_steps": 4},
+        "eigh every 10": {"inv_update_steps": 10},
+        "statistics every 2 steps": {"factor_update_steps": 2, "factor_decay": 0.81},
+        "statistics from a quarter of the rows": {"factor_rows": max(1, rows_per_call // 4)},
+    }
+
+
+def tuned(results: Path, workload: str, name: str) -> tuple[float, dict[str, Any]]:
+    """The learning rate and settings the committed race chose for ``name``."""
+    doc = json.loads((results / f"race_{workload}.json").read_text())
+    row = next(r for r in doc["summary"]["rows"] if r["optimizer"] == name)
+    settings = {k: tuple(v) if isinstance(v, list) else v for k, v in row["settings"].items()}
+    return row["lr"], settings
+
+
+def rows_per_call(w: rw.RaceWorkload) -> int:
+    """The rows of one call of a language model's linear layers: windows × context."""
+    x, _ = w.batch(torch.Generator().manual_seed(0))
+    return int(x.numel())
+
+
+def summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per schedule and competitor of one workload's ``runs``."""
+    finals: dict[str, list[float]] = {}
+    for r in runs:
+        finals.setdefault(r["name"], []).append(rr.final_loss(r["rows"]))
+    targets = {c: statistics.mean(finals[c]) for c in COMPETITORS if c in finals}
+    whole = {
+        c: statistics.mean(r["rows"][-1]["seconds"] for r in runs if r["name"] == c)
+        for c in targets
+    }
+    out = []
+    for name, f in finals.items():
+        mine = [r for r in runs if r["name"] == name]
+        steps = [max(1, r["steps"]) for r in mine]
+        row: dict[str, Any] = {
+            "name": name,
+            "final_mean": rr.json_float(statistics.mean(f)),
+            "final_min": rr.json_float(min(f)),
+            "final_max": rr.json_float(max(f)),
+            "fwd_bwd_ms": statistics.mean(
+                1e3 * r["fwd_bwd_seconds"] / s for r, s in zip(mine, steps)
+            ),
+            "optimizer_ms": statistics.mean(
+                1e3 * r["optimizer_seconds"] / s for r, s in zip(mine, steps)
+            ),
+            "train_seconds": statistics.mean(r["rows"][-1]["seconds"] for r in mine),
+        }
+        for c, target in targets.items():
+            if c == name:  # a competitor against its own mean: not a target
+                continue
+            reach = rr.time_to_target([r["rows"] for r in mine], target)
+            row[f"seconds_to_{c}"] = reach["seconds"]
+            row[f"steps_to_{c}"] = reach["steps"]
+            row[f"reached_to_{c}"] = f"{reach['reached']}/{reach['seeds']}"
+            row[f"ratio_to_{c}"] = None if reach["seconds"] is None else reach["seconds"] / whole[c]
+        out.append(row)
+    return out
+
+
+def print_table(workload: str, rows: list[dict[str, Any]]) -> None:
+    """The summary rows of one workload as a text table."""
+    print(f"\n{workload}")
+    head = f"{'schedule':40s} {'final':>7s} {'min-max':>15s} {'fb ms':>7s} {'opt ms':>7s}"
+    head += "".join(f" {'s to ' + c:>9s} {'x its run':>9s}" for c in COMPETITORS)
+    print(head)
+    for r in rows:
+        line = (
+            f"{r['name']:40s} {r['final_mean']:7.4f} {r['final_min']:7.4f}-{r['final_max']:.4f}"
+            f" {r['fwd_bwd_ms']:7.1f} {r['optimizer_ms']:7.1f}"
+        )
+        for c in COMPETITORS:
+            if f"seconds_to_{c}" not in r:  # the competitor itself
+                line += f" {'-':>9s} {'-':>9s}"
+                continue
+            s, q = r[f"seconds_to_{c}"], r[f"ratio_to_{c}"]
+            line += f" {'never' if s is None else f'{s:.1f}':>9s}"
+            line += f" {'-' if q is None else f'{q:.2f}':>9s}"
+        print(line, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help="smoke test: tiny models, one seed")
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="the seeds run")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    p.add_argument("--out", default=None, help="the JSON written")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seeds = args.seeds[:1]
+    if args.out is None:
+        folder = Path(tempfile.mkdtemp()) if args.quick else RESULTS
+        args.out = str(folder / "schedules.json")
+    if args.quick and Path(args.out).resolve().parent == RESULTS.resolve():
+        p.error("--quick results are a smoke test: not into benchmarks/results")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    checkout = git_commit(race.REWRITTEN)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    workloads: dict[str, Any] = {}
+    try:
+        info = race.machine(args.threads)
+        print(f"torch {info['torch']} | {info['cpu']} | threads {args.threads}", flush=True)
+        for wname in args.workloads:
+            w = rw.WORKLOADS[wname](args.quick)
+            lr, base = tuned(RESULTS, wname, rr.RECIPE)
+            plan = [(c, *tuned(RESULTS, wname, c), c) for c in COMPETITORS]
+            for name, extra in schedules(rows_per_call(w)).items():
+                plan.append((name, lr, {**base, **extra}, rr.RECIPE))
+            runs = []
+            for name, rate, settings, optimizer in plan:
+                for seed in args.seeds:
+                    rows, split = optimizers.train(
+                        optimizer, rate, w, seed, w.eval_every, dict(settings)
+                    )
+                    runs.append(
+                        {
+                            "name": name,
+                            "optimizer": optimizer,
+                            "lr": rate,
+                            "settings": settings,
+                            "seed": seed,
+                            "rows": [
+                                {**r, "test_loss": rr.json_float(r["test_loss"])} for r in rows
+                            ],
+                            **split,
+                        }
+                    )
+            rows = summary(runs)
+            print_table(wname, rows)
+            workloads[wname] = {"description": w.description, "summary": rows, "runs": runs}
+    finally:
+        torch.set_num_threads(previous)
+    result = {
+        "benchmark": "schedules",
+        "quick": args.quick,
+        "command": " ".join(
+            ["python", "benchmarks/schedules.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        **checkout,
+        "machine": info,
+        "seeds": args.seeds,
+        "workloads": workloads,
+        "seconds": time.perf_counter() - started,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
+    print(f"\nwrote {out} ({result['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
