@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -147,6 +148,72 @@ def print_table(workload: str, rows: list[dict[str, Any]]) -> None:
         print(line, flush=True)
 
 
+MARKERS = ("<!-- schedules:start -->", "<!-- schedules:end -->")
+"""The comments around the table of ``docs/performance.md`` that ``--tables`` rewrites."""
+PAGE = ROOT / "docs" / "performance.md"
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The Markdown table of a results ``doc``: per workload and schedule, the final test
+    loss (mean, min–max), the milliseconds per step, and the seconds to Muon's and SOAP's
+    final loss with the ratio to their whole run."""
+    runs = []
+    for w, part in doc["workloads"].items():
+        run = part.get("run", doc)
+        dirty = " with uncommitted changes" if run.get("dirty") else ""
+        runs.append(
+            f"`{w}` seeds {', '.join(map(str, run['seeds']))}, CPU `{run['machine']['cpu']}`, "
+            f"{run['machine']['threads']} thread(s), commit "
+            f"`{(run.get('commit') or 'unknown')[:10]}`{dirty}"
+        )
+    lines = [
+        "Results: `benchmarks/results/schedules.json` (`python benchmarks/schedules.py`).",
+        "<!-- settings -->",
+        "; ".join(runs) + ".",
+        "",
+        "| workload | schedule | final test loss | min–max | fwd+bwd ms | optimizer ms | "
+        "s to Muon's final (× its run) | s to SOAP's final (× its run) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for w, part in doc["workloads"].items():
+        for r in part["summary"]:
+            cells = []
+            for c in COMPETITORS:
+                if f"seconds_to_{c}" not in r:
+                    cells.append("-")
+                elif r[f"seconds_to_{c}"] is None:
+                    cells.append(f"never ({r[f'reached_to_{c}']})")
+                else:
+                    cells.append(f"{r[f'seconds_to_{c}']:.1f} ({r[f'ratio_to_{c}']:.2f}×)")
+            lines.append(
+                f"| {w} | {r['name']} | {r['final_mean']:.4f} | {r['final_min']:.4f}–"
+                f"{r['final_max']:.4f} | {r['fwd_bwd_ms']:.1f} | {r['optimizer_ms']:.1f} | "
+                + " | ".join(cells)
+                + " |"
+            )
+    return "\n".join(lines)
+
+
+def block_of(page: str) -> str | None:
+    """The text between :data:`MARKERS` in ``page`` (None without them)."""
+    start, end = MARKERS
+    found = re.search(re.escape(start) + r"\n(.*?)" + re.escape(end), page, re.S)
+    return None if found is None else found.group(1).removesuffix("\n")
+
+
+def write_table(page: Path, results: Path) -> bool:
+    """Rewrite the block of ``page`` from ``results``; whether it changed."""
+    text = page.read_text()
+    old = block_of(text)
+    if old is None:
+        raise ValueError(f"{page}: no {MARKERS[0]} block")
+    new = render(json.loads(results.read_text()))
+    start, end = MARKERS
+    before = f"{start}\n{old}\n{end}" if old else f"{start}\n{end}"
+    page.write_text(text.replace(before, f"{start}\n{new}\n{end}"))
+    return new != old
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -156,6 +223,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="the seeds run")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     p.add_argument("--out", default=None, help="the JSON written")
+    p.add_argument(
+        "--tables",
+        action="store_true",
+        help="rewrite the table of docs/performance.md from the committed results and exit",
+    )
+    p.add_argument(
+        "--resummarize",
+        action="store_true",
+        help="recompute the summaries of the committed results from their runs (with this "
+        "commit's rules, recorded as summarized_by) and exit",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.seeds = args.seeds[:1]
@@ -169,6 +247,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.resummarize:
+        path = RESULTS / "schedules.json"
+        doc = json.loads(path.read_text())
+        for part in doc["workloads"].values():
+            part["summary"] = summary(part["runs"])
+        doc["summarized_by"] = git_commit(race.REWRITTEN)["commit"]
+        path.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+        print(f"{path}: summaries recomputed from its runs")
+        return 0
+    if args.tables:
+        changed = write_table(PAGE, RESULTS / "schedules.json")
+        print(f"{PAGE}: schedules table {'rewritten' if changed else 'unchanged'}")
+        return 0
     started = time.perf_counter()
     checkout = git_commit(race.REWRITTEN)
     previous = torch.get_num_threads()
@@ -207,23 +298,37 @@ def main(argv: list[str] | None = None) -> int:
             workloads[wname] = {"description": w.description, "summary": rows, "runs": runs}
     finally:
         torch.set_num_threads(previous)
-    result = {
-        "benchmark": "schedules",
-        "quick": args.quick,
+    run = {
         "command": " ".join(
             ["python", "benchmarks/schedules.py", *(sys.argv[1:] if argv is None else argv)]
         ),
         **checkout,
         "machine": info,
         "seeds": args.seeds,
-        "workloads": workloads,
         "seconds": time.perf_counter() - started,
     }
     out = Path(args.out)
+    result = merged(out, {w: {**part, "run": run} for w, part in workloads.items()}, args.quick)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
-    print(f"\nwrote {out} ({result['seconds']:.0f} s)")
+    out.write_text(json.dumps({**result, **run}, indent=1, allow_nan=False) + "\n")
+    print(f"\nwrote {out} ({run['seconds']:.0f} s)")
     return 0
+
+
+def merged(out: Path, workloads: dict[str, Any], quick: bool) -> dict[str, Any]:
+    """The results document with ``workloads`` (each with its own ``run``: command,
+    commit, machine, seeds, seconds) in place of those of the same name in ``out``, the
+    other workloads of ``out`` kept (a rerun of one workload replaces it alone; a file
+    written before workloads carried their run lends them its own)."""
+    kept: dict[str, Any] = {}
+    if out.exists():
+        old = json.loads(out.read_text())
+        if old.get("benchmark") == "schedules" and old.get("quick") == quick:
+            own = {k: old[k] for k in ("command", "commit", "dirty", "machine", "seeds", "seconds")}
+            kept = {w: {"run": own, **part} for w, part in old["workloads"].items()}
+    order = [w for w in WORKLOADS if w in kept or w in workloads]
+    both = {**kept, **workloads}
+    return {"benchmark": "schedules", "quick": quick, "workloads": {w: both[w] for w in order}}
 
 
 if __name__ == "__main__":

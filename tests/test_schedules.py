@@ -82,3 +82,12 @@ def test_the_committed_results_are_their_runs_summary() -> None:
     assert doc["quick"] is False
     for w, part in doc["workloads"].items():
         assert json.loads(json.dumps(schedules.summary(part["runs"]))) == part["summary"], w
+
+
+def test_the_docs_table_is_the_committed_results() -> None:
+    """``docs/performance.md``'s schedules table is what ``schedules.py --tables``
+    renders from the committed results."""
+    if not RESULTS.exists():
+        pytest.skip("no schedules results committed yet")
+    block = schedules.block_of(schedules.PAGE.read_text())
+    assert block == schedules.render(json.loads(RESULTS.read_text()))

@@ -159,3 +159,17 @@ def test_muon32_steps_as_torch_muon_but_in_float32() -> None:
         moved.append(p.detach() - w0)
     ref, mine = moved
     assert torch.allclose(mine, ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
+
+
+def test_the_docs_stage_table_is_the_committed_results() -> None:
+    """``docs/performance.md``'s stage table is what ``benchmarks/stages_report.py``
+    renders from ``benchmarks/results/stages.json``; run it after a new run."""
+    import stages_report
+
+    results = ROOT / "benchmarks" / "results" / "stages.json"
+    if not results.exists():
+        pytest.skip("no stage results committed yet")
+    doc = json.loads(results.read_text())
+    assert doc["quick"] is False
+    block = stages_report.block_of(stages_report.PAGE.read_text())
+    assert block == stages_report.render(doc)
