@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import platform
 import sys
 import sysconfig
@@ -45,6 +46,11 @@ from typing import Any
 import torch
 
 import kfac_func as kf
+
+if not torch.cuda.is_available():
+    # the Trainer imports DeepSpeed where it is installed, which otherwise warns on every
+    # run that it found no accelerator
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import format_table, save_curves, save_provenance
