@@ -219,7 +219,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--quick", action="store_true", help="smoke test: tiny models, one seed")
-    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=WORKLOADS,
+        default=list(WORKLOADS),
+        help="the race's language models to run (default: all three); the others already "
+        "in the results file are kept",
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="the seeds run")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     p.add_argument("--out", default=None, help="the JSON written")
