@@ -387,9 +387,10 @@ def _tied(model: nn.Module, specs: list[LayerSpec]) -> dict[str, str]:
     layer and are skipped, with a warning (once per model and parameter): the shared
     gradient sums the uses of every layer, which the factors of neither describe.
 
-    An embedding and an output head that share their weight (a tied language-model head)
-    are instead made one layer of kind ``"tied"`` (:mod:`kfac_func.blocks.tied`), named
-    after the head: ``specs`` is updated in place (the pair replaced by it).
+    Embeddings and an output head that share their weight (a tied language-model head;
+    T5's encoder and decoder tables too) are instead made one layer of kind ``"tied"``
+    (:mod:`kfac_func.blocks.tied`), named after the head: ``specs`` is updated in place
+    (the embeddings and the head replaced by it).
     """
     users: dict[int, list[tuple[str, str, str]]] = {}
     for spec in specs:
@@ -406,16 +407,17 @@ def _tied(model: nn.Module, specs: list[LayerSpec]) -> dict[str, str]:
         layers = sorted({layer for layer, _, _ in uses})
         shared = canonical.get(key, uses[0][2])
         why = "not an embedding and a head"
-        if len(layers) == 2:
-            pair = sorted((by_name[n] for n in layers), key=lambda s: s.kind not in EMBEDDING_KINDS)
-            bias = pair[1].bias
+        embeddings = [s for s in specs if s.name in layers and s.kind in EMBEDDING_KINDS]
+        heads = [by_name[n] for n in layers if by_name[n].kind not in EMBEDDING_KINDS]
+        if embeddings and len(heads) == 1:  # one head: embeddings may be several
+            bias = heads[0].bias
             if bias is not None:  # its name in named_parameters() (BERT's head shares it)
                 bias = canonical.get(id(model.get_parameter(bias)), bias)
-            tied = tied_specs(pair[0], pair[1], shared, bias)
+            tied = tied_specs(embeddings[0], heads[0], shared, bias, also=embeddings[1:])
             if not isinstance(tied, str):
-                at = specs.index(pair[1])
-                specs[at] = tied
-                specs.remove(pair[0])
+                specs[specs.index(heads[0])] = tied
+                for embedding in embeddings:
+                    specs.remove(embedding)
                 continue
             why = tied
         warned = _WARNED.setdefault(model, set())
@@ -424,7 +426,7 @@ def _tied(model: nn.Module, specs: list[LayerSpec]) -> dict[str, str]:
             warnings.warn(
                 f"parameter {shared!r} is shared by layers {layers}: K-FAC skips them (the "
                 "gradient of a tied parameter sums the uses of every layer, which the factors "
-                "of neither describe; only an embedding and an output head are "
+                "of neither describe; only embeddings and one output head are "
                 f"preconditioned together, and here {why}); precondition them with another "
                 "optimizer",
                 UserWarning,

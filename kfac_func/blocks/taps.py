@@ -32,7 +32,7 @@ def call_sites(
 ) -> dict[str, tuple[nn.Module, list[LayerSpec]]]:
     """The modules whose calls feed the layers ``specs``: a layer's own module, or the
     module it is a part of (the projections of one attention share theirs); a tied layer
-    (:mod:`kfac_func.blocks.tied`) is fed by its head and by its embedding.
+    (:mod:`kfac_func.blocks.tied`) is fed by its head and by its embeddings.
 
     Example:
         >>> import torch
@@ -43,8 +43,9 @@ def call_sites(
     """
     out: dict[str, tuple[nn.Module, list[LayerSpec]]] = {}
     for spec in specs.values():
-        tied = spec.option("tied")  # a tied head's embedding feeds the same layer
-        for module in [spec.module] if tied is None else [spec.module, str(tied)]:
+        # a tied head's embeddings feed the same layer
+        tied = [] if spec.option("tied") is None else [str(spec.option("tied"))]
+        for module in [spec.module, *tied, *spec.option("tied_also", ())]:
             if module not in out:
                 out[module] = (model.get_submodule(module), [])
             out[module][1].append(spec)

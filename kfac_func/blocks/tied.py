@@ -1,4 +1,4 @@
-"""A weight shared by an ``nn.Embedding`` and an output head: one layer, two uses.
+"""A weight shared by one or more embedding modules and a head: one layer, two uses.
 
 Language models with tied heads (GPT-2, nanoGPT, Llama-style ``tie_word_embeddings``) use one
 parameter ``W`` of shape ``(V, d)`` twice: the embedding looks up rows ``W[x]`` and the head
@@ -6,6 +6,14 @@ computes logits ``h Wᵀ`` (an ``nn.Linear(d, V, bias=False)`` whose weight is t
 Parameter). Its gradient is the sum of both uses' gradients. :func:`tied_specs` turns such a
 pair, found by :func:`kfac_func.register`, into one layer of kind ``"tied"``, named after the
 head, whose calls are both modules' calls (the embedding's in its option ``"tied"``).
+
+Several embedding modules may hold the one Parameter with at most one head (T5: ``shared``,
+``encoder.embed_tokens`` and ``decoder.embed_tokens`` are three ``nn.Embedding`` with one
+weight, tied to ``lm_head``): their lookups are the embedding use, pooled as the calls of
+one embedding module called several times are (the others are named in the option
+``"tied_also"``). So the factors are those of the same model written with one embedding
+module under several names; a module never called (T5's ``shared``) adds nothing. They
+must be of one kind (and one scale); otherwise the weight keeps the warned skip.
 
 Both uses are written in the head's orientation: the gradient matrix is ``dW`` itself
 (``g_dim = V`` rows: the vocabulary, ``a_dim = d`` columns: the model width).
@@ -38,12 +46,13 @@ micro-batches and averaged over the ranks, both linear, and combined once the wi
 complete (:func:`kfac_func.core.tied_factors.combine_stacked`); the running averages of
 ``D`` and ``M`` then proceed as for any layer. So the factors on several ranks equal one
 process's on the global batch. Pairs whose shapes
-disagree, and other shared parameters keep :func:`kfac_func.register`'s warned skip.
+disagree, a weight of two heads, and other shared parameters keep
+:func:`kfac_func.register`'s warned skip.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -105,7 +114,14 @@ class TiedBlock(LayerBlock):
         return (spec.out_dim, spec.in_dim)
 
     def notes(self, spec: LayerSpec) -> list[str]:
-        return [f"tied with {spec.option('tied')!r}", *super().notes(spec)]
+        names = ", ".join(repr(n) for n in self.embeddings(spec))
+        return [f"tied with {names}", *super().notes(spec)]
+
+    @staticmethod
+    def embeddings(spec: LayerSpec) -> list[str]:
+        """The names of the embedding modules whose calls are the embedding use: the
+        option ``"tied"``, then those of ``"tied_also"`` (a weight held by several)."""
+        return [str(spec.option("tied")), *spec.option("tied_also", ())]
 
     def a_gram(self, spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype) -> Gram:
         raise TypeError(f"layer {spec.name!r} ({spec.kind}): statistics need joint_grams")
@@ -228,12 +244,18 @@ class TiedBlock(LayerBlock):
 
 
 def tied_specs(
-    embedding: LayerSpec, head: LayerSpec, weight: str, bias: str | None = None
+    embedding: LayerSpec,
+    head: LayerSpec,
+    weight: str,
+    bias: str | None = None,
+    also: Sequence[LayerSpec] = (),
 ) -> LayerSpec | str:
     """The tied layer of an embedding and a head that share the parameter named ``weight``
     (its name in ``named_parameters()``), or why the pair cannot be one. A head with a bias
     (BERT's) keeps it: named ``bias`` (its name in ``named_parameters()``; default the
     head's), the model side's last row and column, which the embedding's use leaves zero.
+    ``also``: further embedding modules holding the same weight, whose calls join the
+    embedding use (of the embedding's kind and scale, else why not).
 
     Example:
         >>> e = LayerSpec("wte", "embedding", "wte.weight", None, 7, 3, diagonal=(True, False))
@@ -241,14 +263,27 @@ def tied_specs(
         >>> spec = tied_specs(e, h, "wte.weight")
         >>> spec.name, spec.weight, spec.diagonal
         ('lm_head', 'wte.weight', (False, True))
+        >>> e2 = LayerSpec("dec", "embedding", "wte.weight", None, 7, 3, diagonal=(True, False))
+        >>> tied_specs(e, h, "wte.weight", also=[e2]).option("tied_also")
+        ('dec',)
     """
     if embedding.kind not in EMBEDDING_KINDS or head.kind != "linear":
         return f"kinds {embedding.kind!r} and {head.kind!r} are not an embedding and a head"
+    for other in also:
+        if (other.kind, other.option("scale")) != (embedding.kind, embedding.option("scale")):
+            return (
+                f"the embeddings {embedding.name!r} and {other.name!r} are not of one kind "
+                "and scale"
+            )
+        if other.option("checked") or other.option("mapped"):
+            return f"the embedding {other.name!r} is checked on its first call"
     if (embedding.in_dim, embedding.out_dim) != (head.out_dim, head.in_dim):
         return f"shapes {embedding.weight_shape} and {head.weight_shape} disagree"
     if head.option("rows") is not None or head.module != head.name:
         return f"the head {head.name!r} is a part of another module"
     options: dict[str, Any] = {"tied": embedding.name}
+    if also:
+        options["tied_also"] = tuple(o.name for o in also)
     if embedding.kind == "scaled_embedding":
         options["embedding_scale"] = float(embedding.option("scale"))
     # the first calls still checked: the embedding's (as its kind) and the head's
@@ -264,15 +299,16 @@ def tied_specs(
         (bias or head.bias) if head.has_bias else None,
         head.in_dim,
         head.out_dim,
-        diagonal=(head.a_diagonal or embedding.g_diagonal, True),
+        diagonal=(head.a_diagonal or any(e.g_diagonal for e in (embedding, *also)), True),
         options=tuple(sorted(options.items())),
     )
 
 
 def newly_tied(layers: Mapping[str, Any], saved: Collection[str]) -> set[str]:
     """The tied layers (:mod:`kfac_func.blocks.tied`) of ``layers`` that a checkpoint of
-    the layers ``saved`` predates: neither the tied layer nor its embedding is in it (older
-    versions skipped both). They load as they are in ``layers`` (fresh), not as missing.
+    the layers ``saved`` predates: neither the tied layer nor its embeddings are in it
+    (older versions skipped them). They load as they are in ``layers`` (fresh), not as
+    missing.
 
     Example:
         >>> from torch import nn
@@ -285,6 +321,8 @@ def newly_tied(layers: Mapping[str, Any], saved: Collection[str]) -> set[str]:
     out = set()
     for name, item in layers.items():
         spec = getattr(item, "spec", item)
-        if spec.kind == "tied" and name not in saved and spec.option("tied") not in saved:
+        if spec.kind != "tied" or name in saved:
+            continue
+        if not any(e in saved for e in TiedBlock.embeddings(spec)):
             out.add(name)
     return out
