@@ -370,9 +370,8 @@ def write_headline(page: Path, results: Path) -> bool:
     """Write ``results/race_headline.json`` from the race's results files and the
     headline table of ``page`` between :data:`HEADLINE`'s comments; returns whether the
     table changed."""
-    text = page.read_text()
     docs = []
-    for workload in blocks_of(text):  # the page's order
+    for workload in blocks_of(page.read_text()):  # the page's order
         path = results / f"race_{workload}.json"
         doc = json.loads(path.read_text()) if path.exists() else {}
         if doc.get("benchmark") == "race" and not doc.get("quick"):
@@ -381,13 +380,33 @@ def write_headline(page: Path, results: Path) -> bool:
     (results / "race_headline.json").write_text(
         json.dumps({"benchmark": "race_headline", "recipe": RECIPE, "rows": rows}, indent=1) + "\n"
     )
-    start, end = HEADLINE
-    found = re.search(re.escape(start) + r"\n(.*?)" + re.escape(end), text, re.S)
-    if found is None:
-        return False
-    new = render_headline(rows)
-    page.write_text(text.replace(found.group(0), f"{start}\n{new}\n{end}"))
-    return found.group(1) != new + "\n"
+    return replace_block(page, HEADLINE, render_headline(rows))
+
+
+def block_between(page: str, marks: tuple[str, str]) -> str | None:
+    r"""The text of ``page`` between the comments ``marks`` (None without them; an empty
+    block is ``""``).
+
+    Example:
+        >>> block_between("a\n<!-- s -->\nx\n<!-- e -->\n", ("<!-- s -->", "<!-- e -->"))
+        'x'
+    """
+    start, end = marks
+    found = re.search(re.escape(start) + r"\n(.*?)" + re.escape(end), page, re.S)
+    return None if found is None else found.group(1).removesuffix("\n")
+
+
+def replace_block(page: Path, marks: tuple[str, str], new: str) -> bool:
+    """Write ``new`` between the comments ``marks`` of the file ``page``; whether the
+    block changed. Raises ValueError when the page has no such block."""
+    text = page.read_text()
+    old = block_between(text, marks)
+    if old is None:
+        raise ValueError(f"{page}: no {marks[0]} block")
+    start, end = marks
+    before = f"{start}\n{old}\n{end}" if old else f"{start}\n{end}"
+    page.write_text(text.replace(before, f"{start}\n{new}\n{end}"))
+    return new != old
 
 
 def markers(workload: str) -> tuple[str, str]:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import tempfile
@@ -196,22 +195,12 @@ def render(doc: dict[str, Any]) -> str:
 
 def block_of(page: str) -> str | None:
     """The text between :data:`MARKERS` in ``page`` (None without them)."""
-    start, end = MARKERS
-    found = re.search(re.escape(start) + r"\n(.*?)" + re.escape(end), page, re.S)
-    return None if found is None else found.group(1).removesuffix("\n")
+    return rr.block_between(page, MARKERS)
 
 
 def write_table(page: Path, results: Path) -> bool:
     """Rewrite the block of ``page`` from ``results``; whether it changed."""
-    text = page.read_text()
-    old = block_of(text)
-    if old is None:
-        raise ValueError(f"{page}: no {MARKERS[0]} block")
-    new = render(json.loads(results.read_text()))
-    start, end = MARKERS
-    before = f"{start}\n{old}\n{end}" if old else f"{start}\n{end}"
-    page.write_text(text.replace(before, f"{start}\n{new}\n{end}"))
-    return new != old
+    return rr.replace_block(page, MARKERS, render(json.loads(results.read_text())))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -9,10 +9,12 @@ and the ratio to the stage's arithmetic floor. Nothing here imports torch.
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import race_report as rr
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "stages.json"
@@ -82,22 +84,12 @@ def render(doc: dict[str, Any]) -> str:
 
 def block_of(page: str) -> str | None:
     """The text between the markers of ``page`` (None without them)."""
-    start, end = MARKERS
-    found = re.search(re.escape(start) + r"\n(.*?)" + re.escape(end), page, re.S)
-    return None if found is None else found.group(1).removesuffix("\n")
+    return rr.block_between(page, MARKERS)
 
 
 def main() -> int:
-    page = PAGE.read_text()
-    old = block_of(page)
-    if old is None:
-        print(f"{PAGE}: no {MARKERS[0]} block")
-        return 1
-    new = render(json.loads(RESULTS.read_text()))
-    start, end = MARKERS
-    before = f"{start}\n{old}\n{end}" if old else f"{start}\n{end}"
-    PAGE.write_text(page.replace(before, f"{start}\n{new}\n{end}"))
-    print(f"{PAGE}: stage table {'rewritten' if new != old else 'unchanged'}")
+    changed = rr.replace_block(PAGE, MARKERS, render(json.loads(RESULTS.read_text())))
+    print(f"{PAGE}: stage table {'rewritten' if changed else 'unchanged'}")
     return 0
 
 
