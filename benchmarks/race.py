@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import optimizers
 import race_report
 import race_workloads as rw
-from step_time import cpu_model, git_commit
+from step_time import checked_out, cpu_model, git_commit
 
 import kfac_func as kf
 
@@ -304,11 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     started = time.perf_counter()
     command = " ".join(["python", "benchmarks/race.py", *(sys.argv[1:] if argv is None else argv)])
-    checkout = git_commit(REWRITTEN)
-    if checkout["dirty"]:
-        print("WARNING: tracked files differ from the commit; the results say dirty")
-        if args.require_clean:
-            return 2
+    checkout = checked_out(REWRITTEN, args.require_clean)
+    if checkout is None:
+        return 2
     previous = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:

@@ -150,9 +150,7 @@ def render(doc: dict[str, Any]) -> str:
         return rr.rounded(x, places)
 
     lines = [
-        f"Results: `benchmarks/results/{FILE}` (`{doc['command']}`), commit "
-        f"`{(doc.get('commit') or 'unknown')[:10]}`"
-        + (" with uncommitted changes" if doc.get("dirty") else "")
+        f"Results: `benchmarks/results/{FILE}` (`{doc['command']}`), {rr.commit_phrase(doc)}"
         + f"; `kf.KFAC(model)` at its default learning rate {doc['lr']:g}, seeds "
         + ", ".join(map(str, doc["eval_seeds"]))
         + f"; CPU `{doc['machine']['cpu']}`, {doc['machine']['threads']} thread(s). AdamW's "

@@ -222,6 +222,17 @@ def rounded(x: float, places: int) -> str:
     return str(Decimal(str(x)).quantize(q, rounding=ROUND_HALF_EVEN))
 
 
+def commit_phrase(doc: dict[str, Any]) -> str:
+    """How a results document's commit reads in the docs (``dirty``: said).
+
+    Example:
+        >>> commit_phrase({"commit": "0123456789abcdef", "dirty": True})
+        'commit `0123456789` with uncommitted changes'
+    """
+    dirty = " with uncommitted changes" if doc.get("dirty") else ""
+    return f"commit `{(doc.get('commit') or 'unknown')[:10]}`{dirty}"
+
+
 def _setting(row: dict[str, Any]) -> str:
     parts = [f"lr {row['lr']:g}"]
     for k, v in row["settings"].items():
@@ -249,14 +260,12 @@ def render(doc: dict[str, Any], plot: bool = False) -> str:
     muon = "muon_loss" in t
     machine = doc["machine"]
     seeds = ", ".join(str(x) for x in doc["tuning"]["eval_seeds"])
-    commit = (doc.get("commit") or "unknown")[:10]
-    dirty = " with uncommitted changes" if doc.get("dirty") else ""
     lines = [
         f"Results: `benchmarks/results/race_{w}.json` (`{doc['command']}`).",
         "<!-- settings -->",
         f"{doc['description']}; {doc['steps']} steps, test loss every {doc['eval_every']}. "
         f"CPU `{machine['cpu']}`, {machine['threads']} thread(s), torch `{machine['torch']}`, "
-        f"commit `{commit}`{dirty}.",
+        f"{commit_phrase(doc)}.",
         "",
         f"Tuning: {doc['tuning']['statement']} Targets: AdamW's final test loss "
         f"{_loss(t['reference_loss'])}, the best's ({t['best']}) {_loss(t['best_loss'])}"

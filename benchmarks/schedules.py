@@ -159,11 +159,9 @@ def render(doc: dict[str, Any]) -> str:
     runs = []
     for w, part in doc["workloads"].items():
         run = part.get("run", doc)
-        dirty = " with uncommitted changes" if run.get("dirty") else ""
         runs.append(
             f"`{w}` seeds {', '.join(map(str, run['seeds']))}, CPU `{run['machine']['cpu']}`, "
-            f"{run['machine']['threads']} thread(s), commit "
-            f"`{(run.get('commit') or 'unknown')[:10]}`{dirty}"
+            f"{run['machine']['threads']} thread(s), {rr.commit_phrase(run)}"
         )
     lines = [
         "Results: `benchmarks/results/schedules.json` (`python benchmarks/schedules.py`).",

@@ -130,7 +130,7 @@ from stage_arithmetic import (  # noqa: E402
     newton_schulz_macs,
     tensor_bytes,
 )
-from step_time import git_commit, print_table  # noqa: E402
+from step_time import checked_out, print_table  # noqa: E402
 
 import kfac_func as kf  # noqa: E402
 from kfac_func.adapter.grads import copy_back  # noqa: E402
@@ -769,11 +769,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
-    checkout = git_commit(EXCLUDE)
-    if checkout["dirty"]:
-        print("WARNING: tracked files differ from the commit; the results say dirty")
-        if args.require_clean:
-            return 2
+    checkout = checked_out(EXCLUDE, args.require_clean)
+    if checkout is None:
+        return 2
     previous = torch.get_num_threads()
     torch.set_num_threads(args.threads)
 

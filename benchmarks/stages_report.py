@@ -63,14 +63,13 @@ def render(doc: dict[str, Any]) -> str:
     """
     names = list(doc["workloads"])
     by = {w: {r["key"]: r for r in doc["workloads"][w]["rows"]} for w in names}
-    dirty = " with uncommitted changes" if doc.get("dirty") else ""
     lines = [
         "Results: `benchmarks/results/stages.json` (`python benchmarks/stages.py`); "
         "milliseconds, medians of the repetitions, and in brackets the row's time over "
         "its arithmetic floor.",
         "<!-- settings -->",
-        f"CPU `{doc['machine']['cpu']}`, {doc['settings']['threads']} thread(s), commit "
-        f"`{(doc.get('commit') or 'unknown')[:10]}`{dirty}.",
+        f"CPU `{doc['machine']['cpu']}`, {doc['settings']['threads']} thread(s), "
+        f"{rr.commit_phrase(doc)}.",
         "",
         "| row | " + " | ".join(f"`{w}`" for w in names) + " |",
         "|---|" + "---|" * len(names),

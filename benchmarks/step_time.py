@@ -423,6 +423,17 @@ def git_commit(exclude: Sequence[str] = ("examples/results",)) -> dict[str, Any]
     return {"commit": commit or None, "dirty": bool(dirty)}
 
 
+def checked_out(exclude: Sequence[str], require_clean: bool) -> dict[str, Any] | None:
+    """:func:`git_commit`, with a warning when the tree is dirty; None when it is and
+    ``require_clean`` says to refuse the run."""
+    checkout = git_commit(exclude)
+    if checkout["dirty"]:
+        print("WARNING: tracked files differ from the commit; the results say dirty")
+        if require_clean:
+            return None
+    return checkout
+
+
 def print_table(headers: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     fmt = "  ".join(f"{{:{'<' if i == 0 else '>'}{w}}}" for i, w in enumerate(widths))
