@@ -131,6 +131,28 @@ def final_loss(rows: Sequence[Row]) -> float:
     return finite(rows[-1]["test_loss"])
 
 
+def run_costs(runs: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The mean cost of ``runs`` (records with ``steps``, ``fwd_bwd_seconds``,
+    ``optimizer_seconds`` and evaluation ``rows``): milliseconds per step of the
+    forward+backward and of the optimizer, and the whole run's training seconds and steps.
+
+    Example:
+        >>> run = {"steps": 10, "fwd_bwd_seconds": 1.0, "optimizer_seconds": 0.5,
+        ...        "rows": [{"step": 10, "seconds": 1.5, "test_loss": 1.0}]}
+        >>> run_costs([run])
+        {'fwd_bwd_ms': 100.0, 'optimizer_ms': 50.0, 'train_seconds': 1.5, 'train_steps': 10}
+    """
+    steps = [max(1, r["steps"]) for r in runs]
+    return {
+        "fwd_bwd_ms": statistics.mean(1e3 * r["fwd_bwd_seconds"] / s for r, s in zip(runs, steps)),
+        "optimizer_ms": statistics.mean(
+            1e3 * r["optimizer_seconds"] / s for r, s in zip(runs, steps)
+        ),
+        "train_seconds": statistics.mean(r["rows"][-1]["seconds"] for r in runs),
+        "train_steps": statistics.mean(steps),
+    }
+
+
 def summarize(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """The targets and one summary row per optimizer of a workload's ``runs`` (the records
     of ``race.py``: ``optimizer``, ``phase`` ``"tune"`` or ``"eval"``, ``lr``, ``settings``,
@@ -156,10 +178,8 @@ def summarize(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
         lrs = sorted({r["lr"] for r in tuning})
         chosen = evals[n][0]
         curves = [r["rows"] for r in evals[n]]
-        steps = [max(1, r["steps"]) for r in evals[n]]
         f = finals[n]
-        fb = statistics.mean(1e3 * r["fwd_bwd_seconds"] / s for r, s in zip(evals[n], steps))
-        op = statistics.mean(1e3 * r["optimizer_seconds"] / s for r, s in zip(evals[n], steps))
+        cost = run_costs(evals[n])
         to_ref = time_to_target(curves, means[REFERENCE])
         to_best = time_to_target(curves, means[best])
         rows.append(
@@ -185,11 +205,11 @@ def summarize(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
                     if other in means
                     for k, v in time_to_target(curves, means[other]).items()
                 },
-                "train_seconds": statistics.mean(r["rows"][-1]["seconds"] for r in evals[n]),
-                "train_steps": statistics.mean(steps),
-                "fwd_bwd_ms_per_step": fb,
-                "optimizer_ms_per_step": op,
-                "ms_per_step": fb + op,
+                "train_seconds": cost["train_seconds"],
+                "train_steps": cost["train_steps"],
+                "fwd_bwd_ms_per_step": cost["fwd_bwd_ms"],
+                "optimizer_ms_per_step": cost["optimizer_ms"],
+                "ms_per_step": cost["fwd_bwd_ms"] + cost["optimizer_ms"],
             }
         )
     return {"targets": {k: json_float(v) for k, v in targets.items()}, "rows": rows}

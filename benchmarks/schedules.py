@@ -93,35 +93,29 @@ def summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in runs:
         finals.setdefault(r["name"], []).append(rr.final_loss(r["rows"]))
     targets = {c: statistics.mean(finals[c]) for c in COMPETITORS if c in finals}
-    whole = {
-        c: statistics.mean(r["rows"][-1]["seconds"] for r in runs if r["name"] == c)
-        for c in targets
-    }
+    mine = {name: [r for r in runs if r["name"] == name] for name in finals}
+    costs = {name: rr.run_costs(own) for name, own in mine.items()}
     out = []
     for name, f in finals.items():
-        mine = [r for r in runs if r["name"] == name]
-        steps = [max(1, r["steps"]) for r in mine]
+        cost = costs[name]
         row: dict[str, Any] = {
             "name": name,
             "final_mean": rr.json_float(statistics.mean(f)),
             "final_min": rr.json_float(min(f)),
             "final_max": rr.json_float(max(f)),
-            "fwd_bwd_ms": statistics.mean(
-                1e3 * r["fwd_bwd_seconds"] / s for r, s in zip(mine, steps)
-            ),
-            "optimizer_ms": statistics.mean(
-                1e3 * r["optimizer_seconds"] / s for r, s in zip(mine, steps)
-            ),
-            "train_seconds": statistics.mean(r["rows"][-1]["seconds"] for r in mine),
+            "fwd_bwd_ms": cost["fwd_bwd_ms"],
+            "optimizer_ms": cost["optimizer_ms"],
+            "train_seconds": cost["train_seconds"],
         }
         for c, target in targets.items():
             if c == name:  # a competitor against its own mean: not a target
                 continue
-            reach = rr.time_to_target([r["rows"] for r in mine], target)
+            reach = rr.time_to_target([r["rows"] for r in mine[name]], target)
             row[f"seconds_to_{c}"] = reach["seconds"]
             row[f"steps_to_{c}"] = reach["steps"]
             row[f"reached_to_{c}"] = f"{reach['reached']}/{reach['seeds']}"
-            row[f"ratio_to_{c}"] = None if reach["seconds"] is None else reach["seconds"] / whole[c]
+            whole = costs[c]["train_seconds"]
+            row[f"ratio_to_{c}"] = None if reach["seconds"] is None else reach["seconds"] / whole
         out.append(row)
     return out
 
