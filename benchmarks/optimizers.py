@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import re
 import statistics
 import sys
 import tempfile
@@ -91,6 +92,9 @@ LRS: dict[str, tuple[float, ...]] = {
     "kfac-moments-fast": (7e-3, 1.4e-2),
     "kfac-moments-fresh": (7e-3, 1.4e-2),
     "kfac-adaptive": (0.1, 1.0),  # the starting damping: no learning rate to sweep
+    "kfac-muon": (0.02, 0.05),
+    "kfac-muon-two-sided": (0.02, 0.05),
+    "kfac-muon-kfac-head": (0.02, 0.05),
 }
 """Learning-rate sweep per optimizer (Muon's is for its matrices; its AdamW part uses
 AdamW's middle value)."""
@@ -245,6 +249,16 @@ KFAC = {
 }
 """The K-FAC variants, all with ``scaling="fisher"``."""
 
+ORTHOGONAL: dict[str, str] = {
+    "kfac-muon": "orthogonal",
+    "kfac-muon-two-sided": "orthogonal-two-sided",
+    "kfac-muon-kfac-head": "orthogonal-kfac-head",
+}
+"""The orthogonal recipes of ``kf.KFAC`` (Muon's step on K-FAC's curvature), by the name
+they race under. As Muon's, their hidden matrices take the learning rate swept and the
+parameters left to AdamW take AdamW's middle value; the workload's output layers
+(``Workload.outputs``) are the head (``ortho_skip``)."""
+
 
 class Stepper:
     """One optimizer (and preconditioner) over a model: ``zero_grad``, ``step``, and the
@@ -279,6 +293,10 @@ class Stepper:
             self.opts = [self.face]
         elif name in KFAC:
             self._kfac(name, model, lr, schedule, s, w.face)
+        elif name in ORTHOGONAL:
+            self.face = _orthogonal_face(name, model, lr, s, w.outputs)
+            self.pre = self.face.preconditioner
+            self.opts = [self.face]
         elif name == "sgd":
             self.opts = [torch.optim.SGD(params, lr=lr, **{"momentum": 0.9, **s})]
         elif name == "adamw":
@@ -364,6 +382,26 @@ class Stepper:
         for o, s in zip(self.opts, self.schedulers):
             o.step()
             s.step()
+
+
+def _orthogonal_face(
+    name: str, model: nn.Module, lr: float, settings: dict[str, Any], outputs: tuple[str, ...]
+) -> kf.KFAC:
+    """``kf.KFAC`` with the orthogonal recipe of ``name`` (:data:`ORTHOGONAL`), its powers
+    from ``settings["ortho_powers"]`` when given, the layers under ``outputs`` as the head;
+    the other ``settings`` are preconditioner arguments."""
+    recipe = kf.RECIPES[ORTHOGONAL[name]]
+    base = recipe.kfac_kwargs["orthogonal"]
+    powers = tuple(settings.pop("ortho_powers", base.powers))
+    head = "^(" + "|".join(re.escape(o) for o in outputs) + r")(\.|$)"
+    return kf.KFAC(
+        model,
+        lr=lr,
+        recipe=recipe,
+        orthogonal=base._replace(powers=powers, skip=head),
+        others_kwargs={"lr": LRS["adamw"][-1]},
+        **settings,
+    )
 
 
 def run(name: str, lr: float, w: Workload, seed: int, eval_every: int) -> list[dict[str, float]]:

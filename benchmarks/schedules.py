@@ -303,20 +303,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def merged(out: Path, workloads: dict[str, Any], quick: bool) -> dict[str, Any]:
-    """The results document with ``workloads`` (each with its own ``run``: command,
-    commit, machine, seeds, seconds) in place of those of the same name in ``out``, the
-    other workloads of ``out`` kept (a rerun of one workload replaces it alone; a file
-    written before workloads carried their run lends them its own)."""
+def merged(
+    out: Path,
+    workloads: dict[str, Any],
+    quick: bool,
+    *,
+    benchmark: str = "schedules",
+    order: tuple[str, ...] = WORKLOADS,
+) -> dict[str, Any]:
+    """The results document of ``benchmark`` with ``workloads`` (each with its own
+    ``run``: command, commit, machine, seeds, seconds) in place of those of the same name
+    in ``out``, the other workloads of ``out`` kept, in ``order`` (a rerun of one workload
+    replaces it alone; a file written before workloads carried their run lends them its
+    own)."""
     kept: dict[str, Any] = {}
     if out.exists():
         old = json.loads(out.read_text())
-        if old.get("benchmark") == "schedules" and old.get("quick") == quick:
-            own = {k: old[k] for k in ("command", "commit", "dirty", "machine", "seeds", "seconds")}
+        if old.get("benchmark") == benchmark and old.get("quick") == quick:
+            keys = ("command", "commit", "dirty", "machine", "seeds", "seconds")
+            own = {k: old[k] for k in keys if k in old}
             kept = {w: {"run": own, **part} for w, part in old["workloads"].items()}
-    order = [w for w in WORKLOADS if w in kept or w in workloads]
+    names = [w for w in order if w in kept or w in workloads]
     both = {**kept, **workloads}
-    return {"benchmark": "schedules", "quick": quick, "workloads": {w: both[w] for w in order}}
+    return {"benchmark": benchmark, "quick": quick, "workloads": {w: both[w] for w in names}}
 
 
 if __name__ == "__main__":

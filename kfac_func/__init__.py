@@ -71,6 +71,7 @@ from kfac_func.step.decompose import decompose
 from kfac_func.step.ekfac import correct_eigenvalues
 from kfac_func.step.hyper import NonFiniteError, exp_decay_factor_averaging
 from kfac_func.step.options import StepOptions
+from kfac_func.step.orthogonal import Orthogonal
 from kfac_func.step.precondition import precondition_grads
 from kfac_func.step.sync_free import report_skipped
 from kfac_func.step.update import update
@@ -114,6 +115,7 @@ __all__ = [
     "LayerTable",
     "MissingStatisticsWarning",
     "NonFiniteError",
+    "Orthogonal",
     "ParallelKFACPreconditioner",
     "ParallelPlan",
     "Plan",

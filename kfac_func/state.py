@@ -32,7 +32,15 @@ from kfac_func.core.conventions import (
 from kfac_func.core.decomposition import COMPUTE_METHODS, EIGENBASIS_REFRESH, Decomposition
 from kfac_func.core.pytree import register_dataclass
 
-__all__ = ["AdaptiveRecord", "AdaptiveState", "KFACConfig", "KFACState", "LayerState", "init"]
+__all__ = [
+    "MOMENT_FIELDS",
+    "AdaptiveRecord",
+    "AdaptiveState",
+    "KFACConfig",
+    "KFACState",
+    "LayerState",
+    "init",
+]
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,11 @@ class KFACConfig:
                 raise ValueError(f"{name} must be a floating torch.dtype, got {dt!r}")
 
 
+MOMENT_FIELDS = ("graft_moment", "basis_moment", "basis_momentum", "ortho_momentum")
+"""The running moments a :class:`LayerState` may hold, each of its gradient matrix's
+shape."""
+
+
 @dataclass(frozen=True)
 class LayerState:
     """Per-layer state: running-average factors and their latest decomposition.
@@ -106,6 +119,9 @@ class LayerState:
         basis_momentum: the running first moment of the layer's gradient kept by
             eigenbasis moments with ``moment_beta1 > 0``, in the eigenbasis (rotated
             exactly into each new one), or None.
+        ortho_momentum: the momentum of the layer's gradient kept by orthogonalized steps
+            (``update(..., orthogonal=True)``, see :mod:`kfac_func.step.orthogonal`), in
+            the layer's own coordinates, or None: it also marks the layers taking them.
         moment_count: how many gradients ``basis_moment`` holds (static; its bias
             correction).
         grad_skips: the steps whose gradient of this layer was non-finite and passed
@@ -134,6 +150,7 @@ class LayerState:
     graft_moment: torch.Tensor | None = None
     basis_moment: torch.Tensor | None = None
     basis_momentum: torch.Tensor | None = None
+    ortho_momentum: torch.Tensor | None = None
     moment_count: int = 0
     grad_skips: torch.Tensor | None = None
     grad_skips_reported: int = 0
@@ -217,6 +234,7 @@ register_dataclass(
         "graft_moment",
         "basis_moment",
         "basis_momentum",
+        "ortho_momentum",
         "grad_skips",
         "factor_skips",
         "usable",

@@ -45,7 +45,14 @@ from kfac_func.core.decomposition import (
 from kfac_func.distributed.communicator import Communicator
 from kfac_func.distributed.plan import DistributedStrategy, Plan
 from kfac_func.distributed.sharded import release_unowned
-from kfac_func.state import AdaptiveRecord, AdaptiveState, KFACConfig, KFACState, LayerState
+from kfac_func.state import (
+    MOMENT_FIELDS,
+    AdaptiveRecord,
+    AdaptiveState,
+    KFACConfig,
+    KFACState,
+    LayerState,
+)
 from kfac_func.step.decompose import redecompose
 
 __all__ = ["StateDictMixin", "layer_entries", "load_layer"]
@@ -69,11 +76,7 @@ def layer_entries(state: KFACState, plan: Plan, comm: Communicator) -> dict[str,
             ).wait()
             updates = int(count.item())
         entry: dict[str, Any] = {"A": a, "G": g, "factor_updates": updates}
-        for moment in (
-            "graft_moment",
-            "basis_moment",
-            "basis_momentum",
-        ):  # the grad workers' running moments
+        for moment in MOMENT_FIELDS:  # the grad workers' running moments
             if getattr(ls, moment) is not None:
                 entry[moment] = getattr(ls, moment)
         if ls.basis_moment is not None:
@@ -113,7 +116,7 @@ def load_layer(
             raise ValueError(f"layer {ls.spec.name!r}: state_dict factor {which} holds NaN/Inf")
     device = ls.a_factor.device  # the model's: a state dict saved elsewhere comes here
     moments: dict[str, Any] = {}
-    for moment in ("graft_moment", "basis_moment", "basis_momentum"):
+    for moment in MOMENT_FIELDS:
         t = entry.get(moment)
         if t is None:
             continue

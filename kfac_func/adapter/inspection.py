@@ -45,6 +45,7 @@ class InspectionMixin(PreconditionerBase):
     moment_beta2: float
     moment_eps: float
     moment_beta1: float
+    orthogonal: Any
     sync_free: bool
     batched_eigh: bool
     eigh_device: torch.device | None
@@ -75,6 +76,7 @@ class InspectionMixin(PreconditionerBase):
             not self._damping_checked
             and self.adaptive is None
             and not self.eigenbasis_moments
+            and self.orthogonal is None
             and not self.sync_free
         )
 
@@ -163,12 +165,27 @@ class InspectionMixin(PreconditionerBase):
             moment_beta2=self.moment_beta2,
             moment_eps=self.moment_eps,
             moment_beta1=self.moment_beta1,
+            **self._orthogonal_options(),
             sync_free=self.sync_free,
             batched_eigh=self.batched_eigh,
             eigh_device=self.eigh_device,
             grouped=self.grouped,
             **this_step,
         )
+
+    def _orthogonal_options(self) -> dict[str, Any]:
+        """The :class:`kfac_func.StepOptions` fields of :attr:`orthogonal`."""
+        o = self.orthogonal
+        if o is None:
+            return {}
+        return {
+            "orthogonal": True,
+            "ortho_powers": o.powers,
+            "ortho_damping": o.damping,
+            "ortho_beta": o.beta,
+            "ortho_steps": o.steps,
+            "ortho_skip": o.skip,
+        }
 
     def __repr__(self) -> str:
         hyper = ", ".join(f"{k}={getattr(self, k)!r}" for k in HYPER)

@@ -51,6 +51,7 @@ from kfac_func.state import KFACState, init
 from kfac_func.step.adaptive import AdaptiveInfo, init_adaptive
 from kfac_func.step.basis import BasisMoments
 from kfac_func.step.decompose import check_eigh_device
+from kfac_func.step.orthogonal import Orthogonal, orthogonal_table
 from kfac_func.step.precondition import Grafting
 
 __all__ = ["AllreduceMethod", "ComputeMethod", "KFACPreconditioner"]
@@ -138,13 +139,15 @@ class KFACPreconditioner(
             call is checked against the kind's computation.
         grafting: None, ``"sgd"`` or ``"adam"``: each layer's step takes that optimizer's
             norm.
-        graft_beta2: Adam grafting's ``β₂``.
-        graft_eps: Adam grafting's ``ε``.
+        graft_beta2, graft_eps: Adam grafting's ``β₂`` and ``ε``.
         eigenbasis_moments: Adam's step in K-FAC's eigenbasis (see
             :func:`kfac_func.update`).
-        moment_beta2: the eigenbasis moments' ``β₂``.
-        moment_eps: the eigenbasis moments' ``ε``.
+        moment_beta2, moment_eps: the eigenbasis moments' ``β₂`` and ``ε``.
         moment_beta1: the eigenbasis moments' ``β₁`` (0: no first moment).
+        orthogonal: a :class:`~kfac_func.Orthogonal`: Muon's step on K-FAC's curvature
+            for the layers holding one weight matrix; the others take Adam's step in
+            K-FAC's eigenbasis under ``eigenbasis_moments``, else are not registered (see
+            :func:`~kfac_func.step.orthogonal.orthogonal_table`). None: K-FAC's step.
         adaptive: an :class:`~kfac_func.AdaptiveStepper` of ``model`` (one process, plain
             parameters, ``kl_clip=None``): :meth:`step` then updates the parameters itself.
         allreduce_method: ``ALLREDUCE_BUCKETED`` or ``ALLREDUCE`` (an
@@ -227,6 +230,7 @@ class KFACPreconditioner(
         moment_beta2: float = 0.999,
         moment_eps: float = 1e-8,
         moment_beta1: float = 0.0,
+        orthogonal: Orthogonal | None = None,
         adaptive: AdaptiveStepper | None = None,
         allreduce_method: AllreduceMethod | str | None = None,
         sync_free: bool = False,
@@ -274,18 +278,19 @@ class KFACPreconditioner(
             kinds=kinds,
         )  # fmt: skip
         self.layers = unwrapped(table)
+        method = self.compute_method.name.lower()
+        if orthogonal is not None:  # the skip pattern reads the names without wrappers
+            orthogonal = orthogonal.check(method)
+            self.layers = orthogonal_table(self.layers, orthogonal, others=eigenbasis_moments)
+        self.orthogonal = orthogonal
         self.max_factor_dim, self.kfac_approx = max_factor_dim, kfac_approx
         if grafting is not None:
             Grafting(grafting, graft_beta2, graft_eps).check()
         self.grafting, self.graft_beta2, self.graft_eps = grafting, graft_beta2, graft_eps
         if eigenbasis_moments:
-            BasisMoments(moment_beta2, moment_eps, moment_beta1).check(
-                self.compute_method.name.lower()
-            )
-        self.eigenbasis_moments = eigenbasis_moments
-        self.moment_beta2 = moment_beta2
-        self.moment_eps = moment_eps
-        self.moment_beta1 = moment_beta1
+            BasisMoments(moment_beta2, moment_eps, moment_beta1).check(method)
+        self.eigenbasis_moments, self.moment_beta1 = eigenbasis_moments, moment_beta1
+        self.moment_beta2, self.moment_eps = moment_beta2, moment_eps
         self.adaptive = adaptive
         if not self.layers:
             raise no_layers_error(self.layers, type(model).__name__)
@@ -313,13 +318,7 @@ class KFACPreconditioner(
             else self.plan.strategy
         )
         # every rank must agree on these, or its collectives would not match the others'
-        agreed = (
-            "accumulation_steps",
-            "scaling",
-            "loss_reduction",
-            "loss_divisor",
-            "factor_dtype",
-        )
+        agreed = ("accumulation_steps", "scaling", "loss_reduction", "loss_divisor", "factor_dtype")
         settings = {k: getattr(self, k) for k in (*HYPER, *agreed)}
         settings.update(
             bucket_cap_mb=self._bucket_cap_mb,
@@ -331,6 +330,7 @@ class KFACPreconditioner(
             factor_rows=factor_rows,
             grafting=(grafting, graft_beta2, graft_eps),
             eigenbasis_moments=(eigenbasis_moments, moment_beta2, moment_eps, moment_beta1),
+            orthogonal=orthogonal,
             # FSDP2 / tensor parallelism: every rank must see the same meshes and placements
             parameters=describe_parameters(model, self.layers),
         )

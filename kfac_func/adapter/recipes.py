@@ -13,7 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RECIPES", "Recipe", "recipe_named"]
+from kfac_func.step.orthogonal import Orthogonal
+
+__all__ = ["HEAD_NAMES", "RECIPES", "Recipe", "recipe_named"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,14 @@ every workload's tuning grid of ``kfac-moments-fresh`` tried in the optimizer ra
 0.014, 0.028), the one whose worst final test loss on the tuning seed is the smallest
 fraction of the way from the tuned rate's to AdamW's (see docs/optimizers.md)."""
 
+HEAD_NAMES = r"(^|\.)(lm_head|head|classifier|output)$"
+"""The layer names the orthogonal recipes take for a model's head (``ortho_skip``): a
+head keeps AdamW's step (``"orthogonal"``, ``"orthogonal-two-sided"``) or K-FAC's
+(``"orthogonal-kfac-head"``), as Muon leaves it to AdamW; give ``orthogonal=`` to name
+another."""
+
+_ORTHOGONAL = {"kl_clip": None, "scaling": "fisher", "factor_decay": 0.9}
+
 RECIPES: dict[str, Recipe] = {
     "recommended": Recipe(
         name="recommended",
@@ -76,11 +86,60 @@ RECIPES: dict[str, Recipe] = {
         automatic=True,
     ),
     "kfac-pytorch": Recipe(name="kfac-pytorch", lr=1e-3, betas=None, weight_decay=None),
+    "orthogonal": Recipe(
+        name="orthogonal",
+        lr=0.02,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        base_kwargs={"momentum": 0.0},
+        kfac_kwargs={
+            **_ORTHOGONAL,
+            "orthogonal": Orthogonal(powers=(0.5, 0.0), skip=HEAD_NAMES),
+            "factor_update_steps": 1,
+            "inv_update_steps": 2,
+        },
+        automatic=True,
+    ),
+    "orthogonal-two-sided": Recipe(
+        name="orthogonal-two-sided",
+        lr=0.02,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        base_kwargs={"momentum": 0.0},
+        kfac_kwargs={
+            **_ORTHOGONAL,
+            "orthogonal": Orthogonal(powers=(0.25, 0.25), skip=HEAD_NAMES),
+            "factor_update_steps": 1,
+            "inv_update_steps": 2,
+        },
+        automatic=True,
+    ),
+    "orthogonal-kfac-head": Recipe(
+        name="orthogonal-kfac-head",
+        lr=0.02,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        base_kwargs={"momentum": 0.0},
+        kfac_kwargs={
+            **_ORTHOGONAL,
+            "orthogonal": Orthogonal(powers=(0.5, 0.0), skip=HEAD_NAMES),
+            "eigenbasis_moments": True,
+            "factor_update_steps": 1,
+            "inv_update_steps": 2,
+        },
+        automatic=True,
+    ),
 }
 """The named recipes: ``"recommended"`` (the default: Adam's step in K-FAC's eigenbasis on
 SOAP's schedule, the optimizer race's ``kfac-moments-fresh``) and ``"kfac-pytorch"``
 (kfac-pytorch's preconditioner defaults in front of plain SGD, AdamW with torch's
-defaults on the other parameters: what ``kf.KFAC`` was before the recommended recipe)."""
+defaults on the other parameters: what ``kf.KFAC`` was before the recommended recipe),
+and the orthogonal recipes (Muon's step on K-FAC's curvature, see
+:mod:`kfac_func.step.orthogonal`): ``"orthogonal"``, the hidden matrices' momentum times
+``(A + δI)^(-1/2)`` orthogonalized, their G factors diagonal, embeddings, norms and the
+head (:data:`HEAD_NAMES`) on AdamW; ``"orthogonal-two-sided"``,
+``(G + δI)^(-1/4) U (A + δI)^(-1/4)`` orthogonalized; ``"orthogonal-kfac-head"``, the
+first with the head, embeddings and norms on Adam's step in K-FAC's eigenbasis."""
 
 
 def recipe_named(name: str | Recipe) -> Recipe:

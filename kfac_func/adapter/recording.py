@@ -232,6 +232,7 @@ class HookRecorder(PreconditionerBase):
             spec.block.has_rows
             and not any(spec.diagonal)
             and not self.eigenbasis_moments  # which needs the gradient in the eigenbasis
+            and getattr(self, "orthogonal", None) is None  # which needs it too
             and not getattr(self, "sync_free", False)  # which decides nothing on the host
             and self.comm.world_size == 1
             and self.model.training

@@ -37,7 +37,7 @@ import torch
 
 from kfac_func.distributed.communicator import Communicator
 from kfac_func.distributed.plan import Plan
-from kfac_func.state import AdaptiveState, KFACState, LayerState
+from kfac_func.state import MOMENT_FIELDS, AdaptiveState, KFACState, LayerState
 from kfac_func.step.decompose import decompose_layer
 
 __all__ = [
@@ -50,7 +50,7 @@ __all__ = [
     "warn_missing_moments",
 ]
 
-MOMENTS = ("graft_moment", "basis_moment", "basis_momentum")
+MOMENTS = MOMENT_FIELDS
 """The running moments a layer state may hold (all of the gradient matrix's shape)."""
 
 
@@ -86,6 +86,8 @@ def kept_moments(settings: Any) -> tuple[str, ...]:
         out.append("basis_moment")
         if float(getattr(settings, "moment_beta1", 0.0)) > 0:
             out.append("basis_momentum")
+    if getattr(settings, "orthogonal", False):
+        out.append("ortho_momentum")
     return tuple(out)
 
 

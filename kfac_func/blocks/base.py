@@ -83,6 +83,11 @@ class LayerBlock(ABC):
     inputs averaged and the output-gradients summed over the positions that share the
     weight, one row per example (see :meth:`reduced`)."""
 
+    orthogonalizable: ClassVar[bool] = False
+    """Whether the layer's gradient matrix is one weight matrix (a linear map, a
+    convolution's), whose step may be orthogonalized as Muon's (see
+    :mod:`kfac_func.step.orthogonal`); embeddings, norms and tied layers are not."""
+
     model_parallel: ClassVar[bool] = True
     """Whether the model-parallel preconditioner supports the kind."""
 

@@ -60,6 +60,7 @@ class Conv1dBlock(LayerBlock):
     """
 
     kind = "conv1d"
+    orthogonalizable = True
     module_types = (nn.Conv1d,)
     reducible = True
 

@@ -103,6 +103,7 @@ class Conv2dBlock(LayerBlock):
     """
 
     kind = "conv2d"
+    orthogonalizable = True
     module_types = (nn.Conv2d,)
     reducible = True
 

@@ -40,6 +40,7 @@ class LinearBlock(LayerBlock):
     """
 
     kind = "linear"
+    orthogonalizable = True
     module_types: tuple[type[nn.Module], ...] = (nn.Linear,)
     has_rows = True
     tensor_parallel = True

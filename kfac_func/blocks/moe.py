@@ -88,6 +88,7 @@ class ExpertsBlock(LayerBlock):
     """
 
     kind = "moe"
+    orthogonalizable = True
     taps = True
     recomputes = True
     checks_itself = True

@@ -44,7 +44,7 @@ from kfac_func.checkpoint.state_format import (
     _metadata,
 )
 from kfac_func.core.decomposition import decomposition_from_fields
-from kfac_func.state import AdaptiveRecord, AdaptiveState, KFACState, LayerState
+from kfac_func.state import MOMENT_FIELDS, AdaptiveRecord, AdaptiveState, KFACState, LayerState
 
 __all__ = [
     "state_from_dict",
@@ -149,7 +149,7 @@ def _layer_problems(
         (f, d[_layer_key(name, f)], _shape(getattr(ls, f).shape), getattr(ls, f).dtype)
         for f in ("a_factor", "g_factor")
     ]
-    for moment in ("graft_moment", "basis_moment", "basis_momentum"):
+    for moment in MOMENT_FIELDS:
         if entry.get(moment):
             key = _layer_key(name, moment)
             checks.append((moment, d[key], ls.spec.matrix_shape, like.config.factor_dtype))
@@ -257,6 +257,7 @@ def _build_layer(
         graft_moment=get("graft_moment") if entry.get("graft_moment") else None,
         basis_moment=get("basis_moment") if entry.get("basis_moment") else None,
         basis_momentum=get("basis_momentum") if entry.get("basis_momentum") else None,
+        ortho_momentum=get("ortho_momentum") if entry.get("ortho_momentum") else None,
         moment_count=entry["moment_count"],
         grad_skips=get("grad_skips") if entry.get("grad_skips") else None,
         grad_skips_reported=entry["grad_skips_reported"],

@@ -63,7 +63,14 @@ from kfac_func.core.decomposition import (
     EKFACDecomposition,
     InverseDecomposition,
 )
-from kfac_func.state import AdaptiveRecord, AdaptiveState, KFACConfig, KFACState, LayerState
+from kfac_func.state import (
+    MOMENT_FIELDS,
+    AdaptiveRecord,
+    AdaptiveState,
+    KFACConfig,
+    KFACState,
+    LayerState,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -148,6 +155,7 @@ def _metadata(
                 "graft_moment": ls.graft_moment is not None,
                 "basis_moment": ls.basis_moment is not None,
                 "basis_momentum": ls.basis_momentum is not None,
+                "ortho_momentum": ls.ortho_momentum is not None,
                 "moment_count": ls.moment_count,
                 "grad_skips": ls.grad_skips is not None,
                 "grad_skips_reported": ls.grad_skips_reported,
@@ -313,8 +321,9 @@ def _decode_meta(d: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         _get(entry, "graft_moment", bool, f"layer {name!r} ")
         entry.setdefault("basis_moment", False)  # files written before eigenbasis moments
         _get(entry, "basis_moment", bool, f"layer {name!r} ")
-        entry.setdefault("basis_momentum", False)
-        _get(entry, "basis_momentum", bool, f"layer {name!r} ")
+        for moment in ("basis_momentum", "ortho_momentum"):
+            entry.setdefault(moment, False)
+            _get(entry, moment, bool, f"layer {name!r} ")
         entry.setdefault("moment_count", 0)
         _get(entry, "moment_count", int, f"layer {name!r} ")
         entry.setdefault("grad_skips", False)  # files written before sync_free counters
@@ -349,9 +358,7 @@ def _expected_keys(meta: dict[str, Any]) -> list[str]:
         name = entry["name"]
         keys += [_layer_key(name, "a_factor"), _layer_key(name, "g_factor")]
         for moment in (
-            "graft_moment",
-            "basis_moment",
-            "basis_momentum",
+            *MOMENT_FIELDS,
             "grad_skips",
             "factor_skips",
             "usable",

@@ -34,6 +34,7 @@ from kfac_func.state import KFACState, LayerState
 from kfac_func.step.basis import BasisMoments
 from kfac_func.step.checks import check_layers, layer_matrix
 from kfac_func.step.hyper import Hyper, NonFinite, check_hyper, resolve
+from kfac_func.step.orthogonal import Orthogonal
 from kfac_func.step.precondition import Grafting, precondition_with
 
 __all__ = ["owned_rows", "precondition_sharded", "release_unowned", "sharded_layouts"]
@@ -175,6 +176,7 @@ def precondition_sharded(
     grafting: Grafting | None,
     basis_moments: BasisMoments | None,
     changes: dict[str, dict[str, object]],
+    orthogonal: Orthogonal | None = None,
 ) -> dict[str, torch.Tensor]:
     """The preconditioned gradients (DTensors like ``grads``'); see the module docstring.
 
@@ -216,6 +218,7 @@ def precondition_sharded(
             grafting=grafting,
             basis_moments=basis_moments,
             changes=changes,
+            orthogonal=orthogonal,
         )
         done[name] = (p, m)
     scale = None

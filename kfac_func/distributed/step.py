@@ -43,6 +43,7 @@ from kfac_func.step.decompose import check_eigh_device
 from kfac_func.step.grouped import preconditioned_layers
 from kfac_func.step.hyper import as_list, resolve
 from kfac_func.step.options import StepOptions, step_options
+from kfac_func.step.orthogonal import orthogonal_layers, start_momenta
 from kfac_func.step.precondition import apply_preconditioned, captured_rows
 from kfac_func.step.sync_free import apply_selected, leave_sync_free, report_layers
 
@@ -118,6 +119,7 @@ def update_distributed(
     names = check_plan(state, plan)
     graft_settings = opts.grafting_settings()
     basis_settings = opts.basis_settings(state.config.compute_method)
+    ortho = opts.orthogonal_settings(state.config.compute_method)
     check_grads_mapping(grads)  # before any collective
     # DTensor gradients (FSDP2, tensor parallelism): placements checked before any other
     # collective; their preconditioning stage is kfac_func.distributed.sharded's
@@ -130,15 +132,18 @@ def update_distributed(
         state, names, plan, comm, opts, captures, batch_factors, factor_reducer
     )
     layers = _decomposition_stage(state, layers, names, plan, comm, opts, lam, statistics, decay)
+    if ortho is not None:  # the layers this rank steps orthogonally, marked by a momentum
+        workers = {n: layers[n] for n in names if comm.rank in plan.layers[n].grad_workers}
+        start_momenta(layers, orthogonal_layers(workers, ortho.skip))
     changes: Changes = {}
     if layouts is not None:  # DTensor gradients: see kfac_func.distributed.sharded
         args = (lam, opts.kl_clip, opts.lr, step, opts.nonfinite, graft_settings)
         out = precondition_sharded(
-            layers, grads, layouts, names, plan, comm, *args, basis_settings, changes
+            layers, grads, layouts, names, plan, comm, *args, basis_settings, changes, ortho
         )
         return out, _finished(state, layers, changes)
-    if basis_settings is not None or opts.sync_free:
-        rows = {}  # eigenbasis moments need the gradient matrix itself
+    if basis_settings is not None or ortho is not None or opts.sync_free:
+        rows = {}  # eigenbasis moments and orthogonal steps need the gradient matrix itself
     elif rows is None and captures is not None and comm.world_size == 1:
         rows = captured_rows(state, captures)
     mine = [
@@ -160,6 +165,7 @@ def update_distributed(
         grafting=graft_settings,
         basis_moments=basis_settings,
         changes=changes,
+        orthogonal=ortho,
     )
     received = _exchange(layers, grads, names, owned, plan, comm, opts.sync_free)
     if opts.sync_free:

@@ -42,6 +42,7 @@ from kfac_func.step.hyper import (
     take,
 )
 from kfac_func.step.layer_step import Grafting, precondition_with
+from kfac_func.step.orthogonal import Orthogonal
 from kfac_func.step.sync_free import all_finite_tensor, count_skips, keep_where
 
 __all__ = ["precondition_layers_grouped", "preconditioned_layers"]
@@ -114,6 +115,7 @@ def precondition_layers_grouped(
     grafting: Grafting | None = None,
     basis_moments: BasisMoments | None = None,
     changes: dict[str, dict[str, object]] | None = None,
+    orthogonal: Orthogonal | None = None,
 ) -> dict[str, torch.Tensor]:
     """:func:`~kfac_func.step.precondition.precondition_layers` (``sync_free=False``) or
     :func:`~kfac_func.step.precondition.precondition_layers_sync_free` (``sync_free=True``),
@@ -137,7 +139,9 @@ def precondition_layers_grouped(
     clip, rate = clip_and_rate(kl_clip, lr, step)
     decomposed = [name for name, ls in layers.items() if ls.decomposition is not None]
     taken = {name: take(rows, name, consume_rows) for name in decomposed}
-    settings = _Settings(damping, step, grafting, basis_moments, sync_free, clip is not None)
+    settings = _Settings(
+        damping, step, grafting, basis_moments, sync_free, clip is not None, orthogonal
+    )
     units, use_rows, results = _compute(layers, grads, decomposed, taken, settings, nonfinite)
     terms = [res["term"].reshape(-1) for _, res in results] if clip is not None else []
     scale: torch.Tensor | None = None
@@ -180,6 +184,7 @@ def preconditioned_layers(
     grafting: Grafting | None = None,
     basis_moments: BasisMoments | None = None,
     changes: dict[str, dict[str, object]] | None = None,
+    orthogonal: Orthogonal | None = None,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The preconditioned gradient matrices of the decomposed layers among ``names``,
     computed group by group, before the kl_clip scale: ``{layer: (P, finite)}`` with
@@ -206,7 +211,7 @@ def preconditioned_layers(
     validate_grads(layers, grads)
     chosen = [n for n in names if layers[n].decomposition is not None]
     taken = {n: None if rows is None else rows.get(n) for n in chosen}
-    settings = _Settings(damping, step, grafting, basis_moments, sync_free, False)
+    settings = _Settings(damping, step, grafting, basis_moments, sync_free, False, orthogonal)
     _, use_rows, results = _compute(layers, grads, chosen, taken, settings, nonfinite)
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for unit, res in results:
@@ -231,7 +236,7 @@ def _compute(
     (``{finite layer: use its rows}``, see :func:`_check`) and each unit's results of
     :func:`_stage`."""
     alone: list[str] = []
-    if not settings.sync_free and settings.basis_moments is None:
+    if not settings.sync_free and settings.basis_moments is None and settings.orthogonal is None:
         alone = [n for n in names if rows_cheaper(layers[n].spec, taken.get(n))]
     plan = plan_groups(layers, names, grads, alone=alone)
     units = [_Unit(group, layers, grads) for group in plan]
@@ -293,6 +298,7 @@ class _Settings(NamedTuple):
     basis_moments: BasisMoments | None
     sync_free: bool
     kl_clip: bool
+    orthogonal: Orthogonal | None
 
 
 def _stage(
@@ -323,6 +329,7 @@ def _stage(
         grafting=settings.grafting,
         basis_moments=settings.basis_moments,
         changes=mine,
+        orthogonal=settings.orthogonal,
     )
     new = mine.get(ls.spec.name, {})
     change: dict[str, object] = {

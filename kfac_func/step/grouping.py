@@ -23,6 +23,7 @@ GROUPED_FIELDS = (
     "graft_moment",
     "basis_moment",
     "basis_momentum",
+    "ortho_momentum",
     "grad_skips",
     "usable",
 )

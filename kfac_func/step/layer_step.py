@@ -21,6 +21,7 @@ from kfac_func.state import LayerState
 from kfac_func.step.basis import BasisMoments, precondition_in_basis
 from kfac_func.step.checks import rows_cheaper
 from kfac_func.step.hyper import check_hyper
+from kfac_func.step.orthogonal import Orthogonal, precondition_orthogonal
 
 __all__ = ["Grafting", "graft", "precondition_layer", "precondition_with"]
 
@@ -74,10 +75,18 @@ def precondition_with(
     grafting: Grafting | None,
     basis_moments: BasisMoments | None,
     changes: dict[str, dict[str, object]] | None,
+    orthogonal: Orthogonal | None = None,
 ) -> torch.Tensor:
-    """One checked layer's preconditioned gradient matrix: by its decomposition
+    """One checked layer's preconditioned gradient matrix: its orthogonalized step when
+    ``orthogonal`` is given and the layer keeps an orthogonal momentum (see
+    :mod:`kfac_func.step.orthogonal`; not grafted), else by its decomposition
     (:func:`precondition_layer`) or by its eigenbasis moments, then grafted; the changes
     of its state (running moments) go into ``changes[layer]``."""
+    if orthogonal is not None and ls.ortho_momentum is not None:
+        p, new = precondition_orthogonal(ls, m, orthogonal)
+        if changes is not None:
+            changes.setdefault(ls.spec.name, {}).update(new)
+        return p
     if basis_moments is not None:
         p, new = precondition_in_basis(ls, m, basis_moments)
         if changes is not None:

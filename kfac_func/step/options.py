@@ -27,6 +27,7 @@ from kfac_func.step.basis import BasisMoments
 from kfac_func.step.decompose import check_eigh_device
 from kfac_func.step.hyper import HYPER_CHECKS, Hyper, NonFinite, check_hyper, resolve
 from kfac_func.step.layer_step import Grafting
+from kfac_func.step.orthogonal import Orthogonal
 from kfac_func.step.sync_free import check_sync_free
 
 __all__ = ["DEFAULT_DAMPING", "StepOptions", "step_options"]
@@ -34,7 +35,7 @@ __all__ = ["DEFAULT_DAMPING", "StepOptions", "step_options"]
 DEFAULT_DAMPING = 1e-3
 """The damping of a step given none (``StepOptions.damping=None``) that decomposes."""
 
-_FLAGS = ("eigenbasis_moments", "sync_free", "batched_eigh", "grouped")
+_FLAGS = ("eigenbasis_moments", "orthogonal", "sync_free", "batched_eigh", "grouped")
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,24 @@ class StepOptions:
         moment_beta1: Adam's ``β₁`` for eigenbasis moments: the gradient is averaged first
             (``LayerState.basis_momentum``) and the average preconditioned, as SOAP does;
             use the consuming optimizer without momentum then. 0: none.
+        orthogonal: Muon's step on K-FAC's curvature (see
+            :mod:`kfac_func.step.orthogonal`): each layer whose kind holds one weight
+            matrix and whose name ``ortho_skip`` does not match takes its Nesterov
+            momentum (``ortho_beta``, kept in ``LayerState.ortho_momentum``),
+            preconditioned by powers of its damped factors,
+            ``(G + δ·mean(G) I)^(-q) U (A + δ·mean(A) I)^(-p)``, orthogonalized by
+            ``ortho_steps`` Newton–Schulz iterations and scaled to AdamW's RMS
+            (``0.2·sqrt(max(rows, cols))``); the consuming optimizer takes no momentum
+            then, and ``kl_clip`` is usually None. The other layers take the step's
+            other preconditioning (eigenbasis moments when on). Needs ``"eigen"`` or
+            ``"ekfac"``.
+        ortho_powers: ``(p, q)``, the powers of A and G in [0, 1]: ``(0.5, 0.0)``
+            one-sided (G is not used: register it diagonal, see
+            :func:`kfac_func.register`'s ``max_factor_dim``), ``(0.25, 0.25)`` two-sided.
+        ortho_damping: ``δ``, relative to each factor's mean eigenvalue.
+        ortho_beta, ortho_steps: the momentum and the Newton–Schulz iterations.
+        ortho_skip: a regular expression of the layer names that do not take the
+            orthogonalized step (a head kept on K-FAC's own step); None: none.
         sync_free: decide on the device (see :mod:`kfac_func.step.sync_free`): each
             layer's gradient is checked for NaN/Inf there and ``torch.where`` selects its
             preconditioned or its raw gradient; the kl_clip scale stays a tensor. On one
@@ -129,6 +148,12 @@ class StepOptions:
     moment_beta2: float = 0.999
     moment_eps: float = 1e-8
     moment_beta1: float = 0.0
+    orthogonal: bool = False
+    ortho_powers: tuple[float, float] = (0.5, 0.0)
+    ortho_damping: float = 0.01
+    ortho_beta: float = 0.95
+    ortho_steps: int = 5
+    ortho_skip: str | None = None
     sync_free: bool = False
     batched_eigh: bool = False
     eigh_device: torch.device | str | None = None
@@ -146,6 +171,8 @@ class StepOptions:
         self.grafting_settings()
         if self.eigenbasis_moments:
             BasisMoments(self.moment_beta2, self.moment_eps, self.moment_beta1).check("eigen")
+        if self.orthogonal:
+            self.orthogonal_settings("eigen")
         object.__setattr__(self, "eigh_device", check_eigh_device(self.eigh_device))
 
     def replace(self, **changes: Any) -> StepOptions:
@@ -176,6 +203,28 @@ class StepOptions:
             return None
         moments = BasisMoments(self.moment_beta2, self.moment_eps, self.moment_beta1)
         return moments.check(compute_method)
+
+    def orthogonal_settings(self, compute_method: str) -> Orthogonal | None:
+        """The orthogonalized step's settings for a state of ``compute_method``, checked
+        (None: not used).
+
+        Example:
+            >>> StepOptions(orthogonal=True).orthogonal_settings("eigen").powers
+            (0.5, 0.0)
+        """
+        if not self.orthogonal:
+            return None
+        powers = (
+            tuple(self.ortho_powers) if isinstance(self.ortho_powers, list) else self.ortho_powers
+        )
+        settings = Orthogonal(
+            powers,  # type: ignore[arg-type]
+            self.ortho_damping,
+            self.ortho_beta,
+            self.ortho_steps,
+            self.ortho_skip,
+        )
+        return settings.check(compute_method)
 
     def at(self, step: int) -> StepOptions:
         """These options with every hyperparameter evaluated at ``step`` and checked (a

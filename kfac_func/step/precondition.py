@@ -31,6 +31,7 @@ from kfac_func.step.hyper import (
 )
 from kfac_func.step.layer_step import Grafting, graft, precondition_layer, precondition_with
 from kfac_func.step.options import StepOptions, step_options
+from kfac_func.step.orthogonal import Orthogonal, orthogonal_layers, start_momenta
 from kfac_func.step.sync_free import (
     apply_selected,
     count_skips,
@@ -122,8 +123,12 @@ def precondition_grads(
     kl_clip, lr = opts.kl_clip, opts.lr
     grafting = opts.grafting_settings()
     basis_moments = opts.basis_settings(state.config.compute_method)
+    ortho = opts.orthogonal_settings(state.config.compute_method)
     lam = opts.damping_at(state.step)
     layers: Mapping[str, LayerState] = state.layers
+    if ortho is not None:  # the momenta start at zero (stored by kfac_func.update)
+        layers = dict(layers)
+        start_momenta(layers, orthogonal_layers(layers, ortho.skip))
     if not sync_free:  # decompositions that sync_free steps judged on the device
         layers = usable_only(layers)
     if basis_moments is None and damping is not None:
@@ -141,6 +146,7 @@ def precondition_grads(
             rows=None if sync_free else rows,
             grafting=grafting,
             basis_moments=basis_moments,
+            orthogonal=ortho,
         )
     if sync_free:
         validate_grads(layers, grads)
@@ -153,6 +159,7 @@ def precondition_grads(
             step=state.step,
             grafting=grafting,
             basis_moments=basis_moments,
+            orthogonal=ortho,
         )
     return precondition_layers(
         layers,
@@ -165,6 +172,7 @@ def precondition_grads(
         rows=rows,
         grafting=grafting,
         basis_moments=basis_moments,
+        orthogonal=ortho,
     )
 
 
@@ -227,6 +235,7 @@ def precondition_layers(
     grafting: Grafting | None = None,
     basis_moments: BasisMoments | None = None,
     changes: dict[str, dict[str, object]] | None = None,
+    orthogonal: Orthogonal | None = None,
 ) -> dict[str, torch.Tensor]:
     """:func:`precondition_grads` of ``layers`` with a resolved ``damping``.
 
@@ -239,10 +248,10 @@ def precondition_layers(
     done: list[tuple[LayerSpec, torch.Tensor]] = []
     terms: dict[str, torch.Tensor] = {}
     decomposed = [name for name, ls in layers.items() if ls.decomposition is not None]
-    # eigenbasis moments need the gradient matrix itself: rows are not checked or used
-    checks = check_layers(
-        layers, grads, decomposed, nonfinite, rows if basis_moments is None else None
-    )
+    # eigenbasis moments and orthogonal steps need the gradient matrix itself: rows are
+    # not checked or used
+    plain = basis_moments is None and orthogonal is None
+    checks = check_layers(layers, grads, decomposed, nonfinite, rows if plain else None)
     for name, ls in layers.items():
         taken = take(rows, name, consume_rows)
         check = checks.get(name)
@@ -258,6 +267,7 @@ def precondition_layers(
             grafting=grafting,
             basis_moments=basis_moments,
             changes=changes,
+            orthogonal=orthogonal,
         )
         if kl_clip is not None:
             terms[ls.spec.name] = kl_clip_term(p, m)
@@ -277,6 +287,7 @@ def precondition_layers_sync_free(
     grafting: Grafting | None = None,
     basis_moments: BasisMoments | None = None,
     changes: dict[str, dict[str, object]] | None = None,
+    orthogonal: Orthogonal | None = None,
 ) -> dict[str, torch.Tensor]:
     """:func:`precondition_layers` without host synchronisation (see
     :mod:`kfac_func.step.sync_free`): every decomposed layer is preconditioned, and its
@@ -300,6 +311,7 @@ def precondition_layers_sync_free(
             grafting=grafting,
             basis_moments=basis_moments,
             changes=mine,
+            orthogonal=orthogonal,
         )
         if changes is not None:
             change = keep_where(ls, mine.get(ls.spec.name, {}), select)

@@ -39,6 +39,7 @@ from kfac_func.step.grouped_batch import batch_factors_grouped
 from kfac_func.step.grouped_fold import fold_layers_grouped
 from kfac_func.step.hyper import as_list, resolve, take
 from kfac_func.step.options import StepOptions, step_options
+from kfac_func.step.orthogonal import orthogonal_layers, start_momenta
 from kfac_func.step.precondition import (
     captured_rows,
     precondition_layers,
@@ -120,6 +121,7 @@ def update(
     step, config = state.step, state.config
     graft_settings = opts.grafting_settings()
     basis_settings = opts.basis_settings(config.compute_method)
+    ortho = opts.orthogonal_settings(config.compute_method)
     sync_free, grouped, nonfinite = opts.sync_free, opts.grouped, opts.nonfinite
     validate_grads(state.layers, grads)  # before anything changes, donated or not
     layers = state.layers if donate else dict(state.layers)
@@ -172,8 +174,11 @@ def update(
     if config.compute_method == "ekfac" and micro is not None:
         # EKFAC: this step's per-example moments in the current eigenbases
         update_scales(layers, micro, decay, nonfinite, fresh, sync_free)
+    if ortho is not None:  # the layers taking orthogonalized steps, marked by a momentum
+        start_momenta(layers, orthogonal_layers(layers, ortho.skip))
     changes: dict[str, dict[str, object]] = {}
-    if rows is None and captures is not None and basis_settings is None and not sync_free:
+    plain = basis_settings is None and ortho is None and not sync_free
+    if rows is None and captures is not None and plain:
         rows = captured_rows(state, captures)  # the default mode's shortcut of Linear layers
     if grouped:
         out = precondition_layers_grouped(
@@ -190,6 +195,7 @@ def update(
             grafting=graft_settings,
             basis_moments=basis_settings,
             changes=changes,
+            orthogonal=ortho,
         )
     elif sync_free:
         out = precondition_layers_sync_free(
@@ -202,6 +208,7 @@ def update(
             grafting=graft_settings,
             basis_moments=basis_settings,
             changes=changes,
+            orthogonal=ortho,
         )
     else:
         out = precondition_layers(
@@ -217,6 +224,7 @@ def update(
             grafting=graft_settings,
             basis_moments=basis_settings,
             changes=changes,
+            orthogonal=ortho,
         )
     for name, change in changes.items():  # the running moments (and skip counters)
         layers[name] = layers[name].replace(**change)

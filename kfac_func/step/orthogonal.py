@@ -1,0 +1,178 @@
+"""Orthogonalized steps in the step: the settings, which layers take them, and one layer's
+preconditioning. The math is in :mod:`kfac_func.core.orthogonal`.
+
+A layer takes the orthogonalized step when its kind holds one weight matrix
+(:attr:`kfac_func.blocks.LayerBlock.orthogonalizable`: linear layers, convolutions,
+attention projections, experts) and its name does not match ``ortho_skip``; it keeps its
+momentum in ``LayerState.ortho_momentum`` (in the layer's own coordinates, so that a new
+eigenbasis needs no carrying), which also marks it. The other layers of the step (norms,
+embeddings, a head matched by ``ortho_skip``) take the step's other preconditioning: the
+eigenbasis moments when they are on, K-FAC's damped inverse otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, MutableMapping
+from typing import NamedTuple
+
+import torch
+
+from kfac_func.blocks import LayerSpec, LayerTable
+from kfac_func.core.decomposition import EigenDecomposition
+from kfac_func.core.orthogonal import newton_schulz, orthogonal_scale, power_precondition
+from kfac_func.state import LayerState
+from kfac_func.step.hyper import check_hyper
+
+__all__ = [
+    "Orthogonal",
+    "orthogonal_layers",
+    "orthogonal_table",
+    "precondition_orthogonal",
+    "start_momenta",
+]
+
+
+class Orthogonal(NamedTuple):
+    """Settings of the orthogonalized step (see :mod:`kfac_func.core.orthogonal`).
+
+    Attributes:
+        powers: ``(p, q)``: the powers of the damped A and G factors (0: that side is not
+            used).
+        damping: ``δ``, relative to each factor's mean eigenvalue.
+        beta: the momentum (Nesterov's, as Muon's) averaged before the preconditioning.
+        steps: Newton–Schulz iterations.
+        skip: a regular expression searched in the layer names: matching layers do not
+            take the orthogonalized step (None: every layer whose kind can).
+    """
+
+    powers: tuple[float, float] = (0.5, 0.0)
+    damping: float = 0.01
+    beta: float = 0.95
+    steps: int = 5
+    skip: str | None = None
+
+    def check(self, compute_method: str) -> Orthogonal:
+        """This, validated for a state of ``compute_method`` (a ValueError names the bad
+        setting).
+
+        Example:
+            >>> Orthogonal(powers=(0.5, -1.0)).check("eigen")
+            Traceback (most recent call last):
+            ...
+            ValueError: ortho_powers must be two numbers in [0, 1], got (0.5, -1.0)
+        """
+        if compute_method not in ("eigen", "ekfac"):
+            raise ValueError(
+                "orthogonal steps take powers in the eigenbasis: compute_method 'eigen' or "
+                f"'ekfac', got {compute_method!r}"
+            )
+        ok = (
+            isinstance(self.powers, tuple)
+            and len(self.powers) == 2
+            and all(isinstance(v, (int, float)) and 0 <= v <= 1 for v in self.powers)
+        )
+        if not ok:
+            raise ValueError(f"ortho_powers must be two numbers in [0, 1], got {self.powers!r}")
+        check_hyper("ortho_damping", self.damping, lambda v: v >= 0, ">= 0")
+        check_hyper("ortho_beta", self.beta, lambda v: 0 <= v < 1, "in [0, 1)")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"ortho_steps must be a positive int, got {self.steps!r}")
+        if self.skip is not None:
+            re.compile(self.skip)
+        return self
+
+
+def _orthogonal(spec: LayerSpec, rx: re.Pattern[str] | None) -> bool:
+    """Whether the layer of ``spec`` takes the orthogonalized step under ``rx``."""
+    return spec.block.orthogonalizable and (rx is None or rx.search(spec.name) is None)
+
+
+def orthogonal_table(table: LayerTable, settings: Orthogonal, *, others: bool) -> LayerTable:
+    """``table`` made ready for orthogonalized steps under ``settings``: with one-sided
+    powers (``(p, 0)``) the G factor of every layer taking them (as
+    :func:`orthogonal_layers` chooses them) is kept as its diagonal (the step does not use
+    G, and a diagonal one costs ``rows × d_out`` to build instead of ``rows × d_out²``,
+    and nothing to decompose); without ``others`` the other layers are moved to
+    ``table.skipped`` (their parameters are left to another optimizer, as Muon leaves
+    embeddings, norms and the head to AdamW).
+
+    Example:
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+        >>> table = orthogonal_table(kf.register(model), Orthogonal(), others=False)
+        >>> table["0"].factor_shapes, table.skipped["1"]
+        (((5, 5), (3,)), 'takes no orthogonalized step (left to the other optimizer)')
+    """
+    rx = None if settings.skip is None else re.compile(settings.skip)
+    one_sided = settings.powers[1] == 0
+    specs, skipped = [], dict(table.skipped)
+    for s in table.values():
+        if not _orthogonal(s, rx):
+            if others:
+                specs.append(s)
+            else:
+                skipped[s.name] = "takes no orthogonalized step (left to the other optimizer)"
+        elif one_sided and not s.g_diagonal:
+            specs.append(dataclasses.replace(s, diagonal=(s.a_diagonal, True)))
+        else:
+            specs.append(s)
+    return LayerTable(specs, skipped, model_name=table.model_name)
+
+
+def orthogonal_layers(layers: Mapping[str, LayerState], skip: str | None) -> list[str]:
+    """The names of ``layers`` that take the orthogonalized step: those whose kind can
+    (:attr:`~kfac_func.blocks.LayerBlock.orthogonalizable`) and whose name ``skip`` (a
+    regular expression, ``re.search``) does not match.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> model = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 4), nn.Linear(4, 5))
+        >>> state = kf.init(kf.register(model))
+        >>> orthogonal_layers(state.layers, skip=r"^2$")
+        ['1']
+    """
+    rx = None if skip is None else re.compile(skip)
+    return [name for name, ls in layers.items() if _orthogonal(ls.spec, rx)]
+
+
+def start_momenta(layers: MutableMapping[str, LayerState], names: list[str]) -> None:
+    """Give each of ``names`` that has none a zero momentum (in place): the mark of a layer
+    taking the orthogonalized step, before the step groups the layers."""
+    for name in names:
+        ls = layers[name]
+        if ls.ortho_momentum is None:
+            f = ls.a_factor
+            zeros = torch.zeros(ls.spec.matrix_shape, dtype=f.dtype, device=f.device)
+            layers[name] = ls.replace(ortho_momentum=zeros)
+
+
+def precondition_orthogonal(
+    ls: LayerState, m: torch.Tensor, settings: Orthogonal
+) -> tuple[torch.Tensor, dict[str, object]]:
+    """``(P, changes)``: one layer's orthogonalized step from its gradient matrix ``m``, and
+    the change of its state that holds the new momentum.
+
+    The momentum ``b ← β b + m`` is taken Nesterov's way (``u = m + β b``), preconditioned
+    by the factors' powers (:func:`~kfac_func.core.orthogonal.power_precondition`),
+    orthogonalized (:func:`~kfac_func.core.orthogonal.newton_schulz`) and scaled to AdamW's
+    root-mean-square (:func:`~kfac_func.core.orthogonal.orthogonal_scale`), in the
+    factors' dtype; returned in ``m``'s."""
+    dec = ls.decomposition
+    if not isinstance(dec, EigenDecomposition):
+        raise TypeError(
+            f"layer {ls.spec.name!r}: orthogonal steps need an eigen decomposition, got "
+            f"{type(dec).__name__}"
+        )
+    assert ls.ortho_momentum is not None
+    dtype = ls.a_factor.dtype
+    g = m.to(dtype)
+    momentum = settings.beta * ls.ortho_momentum + g
+    u = g + settings.beta * momentum
+    p = power_precondition(u, dec, settings.powers, settings.damping)
+    out = newton_schulz(p, settings.steps) * orthogonal_scale(m.shape)
+    return out.to(m.dtype), {"ortho_momentum": momentum}
