@@ -185,6 +185,7 @@ class InspectionMixin(PreconditionerBase):
             "ortho_beta": o.beta,
             "ortho_steps": o.steps,
             "ortho_skip": o.skip,
+            "ortho_dtype": o.dtype,
         }
 
     def __repr__(self) -> str:

@@ -187,6 +187,9 @@ class KFAC(OptimizerStateMixin, torch.optim.Optimizer):
         if r.automatic:
             kfac_kwargs.setdefault("batched_eigh", True)
             kfac_kwargs.setdefault("sync_free", _one_cuda_process(model))
+            ortho = kfac_kwargs.get("orthogonal")
+            if ortho is not None and ortho.dtype is None and _native_bf16(model):
+                kfac_kwargs["orthogonal"] = ortho._replace(dtype=torch.bfloat16)
         base_defaults = dict(r.base_kwargs) if base is torch.optim.SGD else {}
         if base is torch.optim.AdamW and self.weight_decay is not None:
             base_defaults["weight_decay"] = self.weight_decay
@@ -394,6 +397,25 @@ def _check_betas(betas: tuple[float, float] | None) -> tuple[float, float] | Non
     if not ok or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"KFAC: betas must be two numbers in [0, 1), got {betas!r}")
     return (float(betas[0]), float(betas[1]))
+
+
+def _native_bf16(model: nn.Module) -> bool:
+    """Whether the device of ``model``'s parameters multiplies bfloat16 natively (a CUDA
+    device that supports it; a CPU whose oneDNN has bfloat16 kernels: AVX-512 BF16 or
+    AMX), where Muon's iteration runs in bfloat16 at about twice float32's speed.
+
+    Example:
+        >>> isinstance(_native_bf16(nn.Linear(2, 2)), bool)
+        True
+    """
+    p = next(model.parameters(), None)
+    if p is None:
+        return False
+    if p.device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
+    if p.device.type == "cpu":
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return False
 
 
 def _one_cuda_process(model: nn.Module) -> bool:

@@ -66,7 +66,18 @@ head keeps AdamW's step (``"orthogonal"``, ``"orthogonal-two-sided"``) or K-FAC'
 (``"orthogonal-kfac-head"``), as Muon leaves it to AdamW; give ``orthogonal=`` to name
 another."""
 
-_ORTHOGONAL = {"kl_clip": None, "scaling": "fisher", "factor_decay": 0.9}
+_ORTHOGONAL = {
+    "kl_clip": None,
+    "scaling": "fisher",
+    "factor_update_steps": 2,
+    "factor_decay": 0.81,
+    "inv_update_steps": 10,
+}
+"""The orthogonal recipes' preconditioner settings: no KL clip, the ``"fisher"`` scaling,
+factor statistics every 2 steps (decay 0.81: the memory in steps of 0.9 every step) and
+factor powers every 10 steps. Cheaper than the recommended recipe's schedule: the
+orthogonalized step reads the factors through their powers only, a smooth function of
+them, where Adam's step in the eigenbasis needs the eigenbasis itself fresh."""
 
 RECIPES: dict[str, Recipe] = {
     "recommended": Recipe(
@@ -95,8 +106,6 @@ RECIPES: dict[str, Recipe] = {
         kfac_kwargs={
             **_ORTHOGONAL,
             "orthogonal": Orthogonal(powers=(0.5, 0.0), skip=HEAD_NAMES),
-            "factor_update_steps": 1,
-            "inv_update_steps": 2,
         },
         automatic=True,
     ),
@@ -109,8 +118,6 @@ RECIPES: dict[str, Recipe] = {
         kfac_kwargs={
             **_ORTHOGONAL,
             "orthogonal": Orthogonal(powers=(0.25, 0.25), skip=HEAD_NAMES),
-            "factor_update_steps": 1,
-            "inv_update_steps": 2,
         },
         automatic=True,
     ),
@@ -124,8 +131,6 @@ RECIPES: dict[str, Recipe] = {
             **_ORTHOGONAL,
             "orthogonal": Orthogonal(powers=(0.5, 0.0), skip=HEAD_NAMES),
             "eigenbasis_moments": True,
-            "factor_update_steps": 1,
-            "inv_update_steps": 2,
         },
         automatic=True,
     ),

@@ -92,6 +92,8 @@ class StepOptions:
             :func:`kfac_func.register`'s ``max_factor_dim``), ``(0.25, 0.25)`` two-sided.
         ortho_damping: ``δ``, relative to each factor's mean eigenvalue.
         ortho_beta, ortho_steps: the momentum and the Newton–Schulz iterations.
+        ortho_dtype: the iteration's dtype (``torch.bfloat16`` as Muon's; None: the
+            factors').
         ortho_skip: a regular expression of the layer names that do not take the
             orthogonalized step (a head kept on K-FAC's own step); None: none.
         sync_free: decide on the device (see :mod:`kfac_func.step.sync_free`): each
@@ -154,6 +156,7 @@ class StepOptions:
     ortho_beta: float = 0.95
     ortho_steps: int = 5
     ortho_skip: str | None = None
+    ortho_dtype: torch.dtype | None = None
     sync_free: bool = False
     batched_eigh: bool = False
     eigh_device: torch.device | str | None = None
@@ -223,6 +226,7 @@ class StepOptions:
             self.ortho_beta,
             self.ortho_steps,
             self.ortho_skip,
+            self.ortho_dtype,
         )
         return settings.check(compute_method)
 

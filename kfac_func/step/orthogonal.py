@@ -45,6 +45,9 @@ class Orthogonal(NamedTuple):
         steps: Newton–Schulz iterations.
         skip: a regular expression searched in the layer names: matching layers do not
             take the orthogonalized step (None: every layer whose kind can).
+        dtype: the dtype of the Newton–Schulz iteration (``torch.bfloat16``, as Muon's,
+            where the hardware multiplies it natively: about twice as fast); None: the
+            factors'.
     """
 
     powers: tuple[float, float] = (0.5, 0.0)
@@ -52,6 +55,7 @@ class Orthogonal(NamedTuple):
     beta: float = 0.95
     steps: int = 5
     skip: str | None = None
+    dtype: torch.dtype | None = None
 
     def check(self, compute_method: str) -> Orthogonal:
         """This, validated for a state of ``compute_method`` (a ValueError names the bad
@@ -81,6 +85,12 @@ class Orthogonal(NamedTuple):
             raise ValueError(f"ortho_steps must be a positive int, got {self.steps!r}")
         if self.skip is not None:
             re.compile(self.skip)
+        if self.dtype is not None and not (
+            isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"ortho_dtype must be a floating torch.dtype or None, got {self.dtype!r}"
+            )
         return self
 
 
@@ -161,7 +171,8 @@ def precondition_orthogonal(
     by the factors' powers (:func:`~kfac_func.core.orthogonal.power_precondition`),
     orthogonalized (:func:`~kfac_func.core.orthogonal.newton_schulz`) and scaled to AdamW's
     root-mean-square (:func:`~kfac_func.core.orthogonal.orthogonal_scale`), in the
-    factors' dtype; returned in ``m``'s."""
+    factors' dtype (the iteration in ``settings.dtype`` when given); returned in
+    ``m``'s."""
     dec = ls.decomposition
     if not isinstance(dec, EigenDecomposition):
         raise TypeError(
@@ -174,5 +185,7 @@ def precondition_orthogonal(
     momentum = settings.beta * ls.ortho_momentum + g
     u = g + settings.beta * momentum
     p = power_precondition(u, dec, settings.powers, settings.damping)
+    if settings.dtype is not None:
+        p = p.to(settings.dtype)
     out = newton_schulz(p, settings.steps) * orthogonal_scale(m.shape)
     return out.to(m.dtype), {"ortho_momentum": momentum}

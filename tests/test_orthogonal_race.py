@@ -1,0 +1,96 @@
+"""``benchmarks/orthogonal_race.py``: its summary on synthetic runs, a quick run end to end
+(no timing checks), and the committed results file and docs table against its own runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import orthogonal_race as ortho  # noqa: E402
+import race_report as rr  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "orthogonal_race.json"
+
+
+def run(name: str, seed: int, losses: tuple[float, ...], per_step: float, phase: str) -> dict:
+    rows = [
+        {"step": 10 * i, "seconds": per_step * 10 * i, "test_loss": x} for i, x in enumerate(losses)
+    ]
+    steps = 10 * (len(losses) - 1)
+    return {
+        "optimizer": name,
+        "phase": phase,
+        "lr": 0.1,
+        "settings": {"knob": 1},
+        "seed": seed,
+        "rows": rows,
+        "steps": steps,
+        "fwd_bwd_seconds": per_step * steps / 2,
+        "optimizer_seconds": per_step * steps / 2,
+    }
+
+
+def test_the_summary_reads_evaluation_runs_and_steps_against_muons() -> None:
+    runs = [
+        run(name, seed, losses, per, "eval")
+        for name, losses, per in (
+            ("muon", (3.0, 2.0, 1.0), 0.1),  # whole run 2 s, final 1.0
+            ("soap", (3.0, 1.5, 0.5), 0.2),
+            ("kfac-muon", (3.0, 0.9, 0.6), 0.15),  # Muon's 1.0 at step 10: 1.5 s
+            (rr.RECIPE, (3.0, 2.0, 0.8), 0.3),
+        )
+        for seed in (1, 2)
+    ]
+    runs.append(run("kfac-muon", 0, (3.0, 9.0, 9.0), 0.15, "tune"))  # tuning: not counted
+    rows = {r["name"]: r for r in ortho.summarize(runs)}
+    mine = rows["kfac-muon"]
+    assert mine["final_mean"] == pytest.approx(0.6)
+    assert (mine["steps_to_muon"], mine["seconds_to_muon"]) == (10, 1.5)
+    assert mine["ratio_to_muon"] == pytest.approx(0.75)
+    assert mine["step_to_muon"] == pytest.approx(1.5) and rows["muon"]["step_to_muon"] == 1.0
+    assert mine["lr"] == 0.1 and mine["settings"] == {"knob": 1}
+
+
+@pytest.mark.slow
+def test_orthogonal_race_quick(tmp_path: Path) -> None:
+    out = tmp_path / "orthogonal_race.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "orthogonal_race.py"),
+            "--quick",
+            "--workloads",
+            "lm",
+            "digits",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,  # a hang guard only; the quick run takes seconds
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["quick"] is True and list(doc["workloads"]) == ["lm", "digits"]
+    names = {r["name"] for r in doc["workloads"]["lm"]["summary"]}
+    assert names == {*ortho.RECIPES, *ortho.COMPETITORS}
+    assert "| digits | kfac-muon |" in ortho.render(doc)
+
+
+def test_the_committed_results_and_the_docs_table_are_their_runs() -> None:
+    if not RESULTS.exists():
+        pytest.skip("no orthogonal race results committed yet")
+    doc = json.loads(RESULTS.read_text())
+    assert doc["quick"] is False
+    for w, part in doc["workloads"].items():
+        assert json.loads(json.dumps(ortho.summarize(part["runs"]))) == part["summary"], w
+    block = rr.block_between(ortho.PAGE.read_text(), ortho.MARKERS)
+    assert block == ortho.render(doc)
