@@ -30,6 +30,7 @@ from kfac_func.core.conventions import (
     initial_factor,
 )
 from kfac_func.core.decomposition import COMPUTE_METHODS, EIGENBASIS_REFRESH, Decomposition
+from kfac_func.core.orthogonal import FactorPowers
 from kfac_func.core.pytree import register_dataclass
 
 __all__ = [
@@ -122,6 +123,9 @@ class LayerState:
         ortho_momentum: the momentum of the layer's gradient kept by orthogonalized steps
             (``update(..., orthogonal=True)``, see :mod:`kfac_func.step.orthogonal`), in
             the layer's own coordinates, or None: it also marks the layers taking them.
+        ortho_power: the damped factor powers of those layers
+            (:class:`~kfac_func.core.orthogonal.FactorPowers`), computed from each new
+            decomposition; derived, so not checkpointed (recomputed at the next step).
         moment_count: how many gradients ``basis_moment`` holds (static; its bias
             correction).
         grad_skips: the steps whose gradient of this layer was non-finite and passed
@@ -151,6 +155,7 @@ class LayerState:
     basis_moment: torch.Tensor | None = None
     basis_momentum: torch.Tensor | None = None
     ortho_momentum: torch.Tensor | None = None
+    ortho_power: FactorPowers | None = None
     moment_count: int = 0
     grad_skips: torch.Tensor | None = None
     grad_skips_reported: int = 0
@@ -235,6 +240,7 @@ register_dataclass(
         "basis_moment",
         "basis_momentum",
         "ortho_momentum",
+        "ortho_power",
         "grad_skips",
         "factor_skips",
         "usable",

@@ -13,25 +13,31 @@ damping), and then orthogonalized. ``q = 0`` is the one-sided step (the input si
 the gradient times a power of the input covariance, as "Newton–Muon" with ``p = 1``);
 ``p = q = 1/4`` the two-sided one (Shampoo's powers under the orthogonalization).
 
-The powers are taken in the factors' eigenbases (:class:`EigenDecomposition`): ``Qa``,
-``da`` and ``Qg``, ``dg``; a diagonal factor (a basis of None) is its own eigenbasis. Pure
-tensor functions, batched over leading dimensions (grouped layers, stacked groups).
+The powers are computed from the factors' eigendecompositions (:class:`EigenDecomposition`:
+``Qa diag((da + λ)^(-p)) Qaᵀ``; a diagonal factor, a basis of None, is its own eigenbasis)
+when the factors are decomposed, and kept as matrices (:class:`FactorPowers`), so that a
+step applies each side with one product, in the iteration's dtype. Pure tensor functions,
+batched over leading dimensions (grouped layers, stacked groups).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from kfac_func.core.decomposition import EigenDecomposition
+from kfac_func.core.pytree import register_dataclass
 
 __all__ = [
     "NS_COEFFICIENTS",
+    "FactorPowers",
+    "apply_powers",
     "damped_power",
+    "factor_powers",
     "newton_schulz",
     "orthogonal_scale",
-    "power_precondition",
 ]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -97,31 +103,59 @@ def damped_power(eigenvalues: torch.Tensor, power: float, damping: float) -> tor
     return safe.pow(-power)
 
 
-def power_precondition(
-    m: torch.Tensor,
-    decomposition: EigenDecomposition,
-    powers: tuple[float, float],
-    damping: float,
-) -> torch.Tensor:
-    """``(G + λ_G I)^(-q) · M · (A + λ_A I)^(-p)`` for ``powers = (p, q)`` (A's, G's), the
-    powers taken in the eigenbases of ``decomposition``; ``λ`` is ``damping`` times each
-    factor's mean eigenvalue (:func:`damped_power`). A power of 0 leaves its side alone
-    (its factor is not read). Computed in the decomposition's dtype, returned in ``m``'s.
+@dataclass(frozen=True)
+class FactorPowers:
+    """One layer's damped factor powers, ``(A + λ_A I)^(-p)`` and ``(G + λ_G I)^(-q)``
+    (:func:`factor_powers`): matrices, a diagonal factor's as the vector of its diagonal,
+    None for a power of 0 (that side is left alone)."""
+
+    a: torch.Tensor | None
+    g: torch.Tensor | None
+
+
+register_dataclass(FactorPowers, data=("a", "g"))
+
+
+def factor_powers(
+    decomposition: EigenDecomposition, powers: tuple[float, float], damping: float
+) -> FactorPowers:
+    """The :class:`FactorPowers` of ``powers = (p, q)`` (A's, G's) from the eigenbases of
+    ``decomposition``; ``λ`` is ``damping`` times each factor's mean eigenvalue
+    (:func:`damped_power`). In the decomposition's dtype.
 
     Example:
         >>> from kfac_func.core.layer_decomposition import eigen_decompose
-        >>> a = torch.tensor([[4.0, 0.0], [0.0, 1.0]])
-        >>> dec = eigen_decompose(a, torch.eye(3), 0.0)
-        >>> power_precondition(torch.ones(3, 2), dec, (0.5, 0.0), 0.0)[0]
-        tensor([0.5000, 1.0000])
+        >>> dec = eigen_decompose(torch.tensor([[4.0, 0.0], [0.0, 1.0]]), torch.eye(3), 0.0)
+        >>> f = factor_powers(dec, (0.5, 0.0), 0.0)
+        >>> f.a, f.g
+        (tensor([[0.5000, 0.0000],
+                [0.0000, 1.0000]]), None)
     """
+
+    def side(q: torch.Tensor | None, d: torch.Tensor, power: float) -> torch.Tensor | None:
+        if power == 0:
+            return None
+        scale = damped_power(d, power, damping)
+        return scale if q is None else (q * scale.unsqueeze(-2)) @ q.mT
+
     d = decomposition
-    p, q = powers
-    v = m.to(d.da.dtype)
-    if p != 0:
-        scale = damped_power(d.da, p, damping).unsqueeze(-2)
-        v = v * scale if d.qa is None else ((v @ d.qa) * scale) @ d.qa.mT
-    if q != 0:
-        scale = damped_power(d.dg, q, damping).unsqueeze(-1)
-        v = v * scale if d.qg is None else d.qg @ (scale * (d.qg.mT @ v))
-    return v.to(m.dtype)
+    return FactorPowers(side(d.qa, d.da, powers[0]), side(d.qg, d.dg, powers[1]))
+
+
+def apply_powers(m: torch.Tensor, powers: FactorPowers) -> torch.Tensor:
+    """``P_G · M · P_A`` for the :class:`FactorPowers` ``powers`` (a vector scales the rows
+    or columns; a side of None is left alone), in ``m``'s dtype.
+
+    Example:
+        >>> f = FactorPowers(torch.tensor([2.0, 3.0]), None)
+        >>> apply_powers(torch.ones(1, 2), f)
+        tensor([[2., 3.]])
+    """
+    v = m
+    if powers.a is not None:
+        a = powers.a.to(m.dtype)
+        v = v * a.unsqueeze(-2) if a.dim() < v.dim() else v @ a
+    if powers.g is not None:
+        g = powers.g.to(m.dtype)
+        v = g.unsqueeze(-1) * v if g.dim() < v.dim() else g @ v
+    return v

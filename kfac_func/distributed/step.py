@@ -43,7 +43,7 @@ from kfac_func.step.decompose import check_eigh_device
 from kfac_func.step.grouped import preconditioned_layers
 from kfac_func.step.hyper import as_list, resolve
 from kfac_func.step.options import StepOptions, step_options
-from kfac_func.step.orthogonal import orthogonal_layers, start_momenta
+from kfac_func.step.orthogonal import orthogonal_layers, prepare_layers
 from kfac_func.step.precondition import apply_preconditioned, captured_rows
 from kfac_func.step.sync_free import apply_selected, leave_sync_free, report_layers
 
@@ -132,9 +132,6 @@ def update_distributed(
         state, names, plan, comm, opts, captures, batch_factors, factor_reducer
     )
     layers = _decomposition_stage(state, layers, names, plan, comm, opts, lam, statistics, decay)
-    if ortho is not None:  # the layers this rank steps orthogonally, marked by a momentum
-        workers = {n: layers[n] for n in names if comm.rank in plan.layers[n].grad_workers}
-        start_momenta(layers, orthogonal_layers(workers, ortho.skip))
     changes: Changes = {}
     if layouts is not None:  # DTensor gradients: see kfac_func.distributed.sharded
         args = (lam, opts.kl_clip, opts.lr, step, opts.nonfinite, graft_settings)
@@ -247,6 +244,10 @@ def _decomposition_stage(
         check_eigh_device(opts.eigh_device),
     )
     carry_moments(layers, before, fresh)
+    ortho = opts.orthogonal_settings(state.config.compute_method)
+    if ortho is not None:  # the layers this rank steps orthogonally: momenta and powers
+        workers = {n: layers[n] for n in names if comm.rank in plan.layers[n].grad_workers}
+        prepare_layers(layers, orthogonal_layers(workers, ortho.skip), ortho, fresh)
     if state.config.compute_method == "ekfac" and statistics is not None:
         dtype = state.config.inv_dtype
         reduce_scales(layers, names, statistics, plan, comm, dtype, decay, opts.nonfinite, fresh)

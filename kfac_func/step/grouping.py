@@ -24,6 +24,7 @@ GROUPED_FIELDS = (
     "basis_moment",
     "basis_momentum",
     "ortho_momentum",
+    "ortho_power",
     "grad_skips",
     "usable",
 )

@@ -3,25 +3,27 @@ preconditioning. The math is in :mod:`kfac_func.core.orthogonal`.
 
 A layer takes the orthogonalized step when its kind holds one weight matrix
 (:attr:`kfac_func.blocks.LayerBlock.orthogonalizable`: linear layers, convolutions,
-attention projections, experts) and its name does not match ``ortho_skip``; it keeps its
+attention projections, experts) and its name does not match ``ortho_skip``. It keeps its
 momentum in ``LayerState.ortho_momentum`` (in the layer's own coordinates, so that a new
-eigenbasis needs no carrying), which also marks it. The other layers of the step (norms,
-embeddings, a head matched by ``ortho_skip``) take the step's other preconditioning: the
-eigenbasis moments when they are on, K-FAC's damped inverse otherwise.
+eigenbasis needs no carrying), which also marks it, and its damped factor powers in
+``LayerState.ortho_power`` (recomputed when the layer is decomposed). The other layers
+of the step (norms, embeddings, a head matched by ``ortho_skip``) take the step's other
+preconditioning: the eigenbasis moments when they are on, K-FAC's damped inverse
+otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Collection, Mapping, MutableMapping
 from typing import NamedTuple
 
 import torch
 
 from kfac_func.blocks import LayerSpec, LayerTable
 from kfac_func.core.decomposition import EigenDecomposition
-from kfac_func.core.orthogonal import newton_schulz, orthogonal_scale, power_precondition
+from kfac_func.core.orthogonal import apply_powers, factor_powers, newton_schulz, orthogonal_scale
 from kfac_func.state import LayerState
 from kfac_func.step.hyper import check_hyper
 
@@ -30,7 +32,7 @@ __all__ = [
     "orthogonal_layers",
     "orthogonal_table",
     "precondition_orthogonal",
-    "start_momenta",
+    "prepare_layers",
 ]
 
 
@@ -150,15 +152,35 @@ def orthogonal_layers(layers: Mapping[str, LayerState], skip: str | None) -> lis
     return [name for name, ls in layers.items() if _orthogonal(ls.spec, rx)]
 
 
-def start_momenta(layers: MutableMapping[str, LayerState], names: list[str]) -> None:
-    """Give each of ``names`` that has none a zero momentum (in place): the mark of a layer
-    taking the orthogonalized step, before the step groups the layers."""
+def prepare_layers(
+    layers: MutableMapping[str, LayerState],
+    names: list[str],
+    settings: Orthogonal,
+    fresh: Collection[str],
+) -> None:
+    """Make each of ``names`` ready for its orthogonalized step (in place): a zero momentum
+    where it has none (which also marks the layer, before the step groups the layers), and
+    its factor powers (:func:`~kfac_func.core.orthogonal.factor_powers`) where it has none
+    or was decomposed this step (``fresh``). Powers are kept from one decomposition to the
+    next: new ``ortho_powers`` or ``ortho_damping`` apply from the next decomposition, as a
+    new damping does for the inverse method. Layers without a decomposition yet are left
+    without powers (the step passes them over). A TypeError names a layer whose
+    decomposition has no eigenbasis."""
     for name in names:
         ls = layers[name]
         if ls.ortho_momentum is None:
             f = ls.a_factor
             zeros = torch.zeros(ls.spec.matrix_shape, dtype=f.dtype, device=f.device)
-            layers[name] = ls.replace(ortho_momentum=zeros)
+            ls = ls.replace(ortho_momentum=zeros)
+        dec = ls.decomposition
+        if dec is not None and (ls.ortho_power is None or name in fresh):
+            if not isinstance(dec, EigenDecomposition):
+                raise TypeError(
+                    f"layer {name!r}: orthogonal steps take powers of an eigen decomposition, "
+                    f"got {type(dec).__name__}"
+                )
+            ls = ls.replace(ortho_power=factor_powers(dec, settings.powers, settings.damping))
+        layers[name] = ls
 
 
 def precondition_orthogonal(
@@ -168,24 +190,15 @@ def precondition_orthogonal(
     the change of its state that holds the new momentum.
 
     The momentum ``b ← β b + m`` is taken Nesterov's way (``u = m + β b``), preconditioned
-    by the factors' powers (:func:`~kfac_func.core.orthogonal.power_precondition`),
+    by the layer's factor powers (``LayerState.ortho_power``, see :func:`prepare_layers`),
     orthogonalized (:func:`~kfac_func.core.orthogonal.newton_schulz`) and scaled to AdamW's
-    root-mean-square (:func:`~kfac_func.core.orthogonal.orthogonal_scale`), in the
-    factors' dtype (the iteration in ``settings.dtype`` when given); returned in
-    ``m``'s."""
-    dec = ls.decomposition
-    if not isinstance(dec, EigenDecomposition):
-        raise TypeError(
-            f"layer {ls.spec.name!r}: orthogonal steps need an eigen decomposition, got "
-            f"{type(dec).__name__}"
-        )
-    assert ls.ortho_momentum is not None
-    dtype = ls.a_factor.dtype
-    g = m.to(dtype)
+    root-mean-square (:func:`~kfac_func.core.orthogonal.orthogonal_scale`): the momentum
+    in the factors' dtype, the powers and the iteration in ``settings.dtype`` (the
+    factors' when None); returned in ``m``'s."""
+    assert ls.ortho_momentum is not None and ls.ortho_power is not None
+    g = m.to(ls.a_factor.dtype)
     momentum = settings.beta * ls.ortho_momentum + g
     u = g + settings.beta * momentum
-    p = power_precondition(u, dec, settings.powers, settings.damping)
-    if settings.dtype is not None:
-        p = p.to(settings.dtype)
+    p = apply_powers(u if settings.dtype is None else u.to(settings.dtype), ls.ortho_power)
     out = newton_schulz(p, settings.steps) * orthogonal_scale(m.shape)
     return out.to(m.dtype), {"ortho_momentum": momentum}

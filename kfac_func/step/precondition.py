@@ -31,7 +31,7 @@ from kfac_func.step.hyper import (
 )
 from kfac_func.step.layer_step import Grafting, graft, precondition_layer, precondition_with
 from kfac_func.step.options import StepOptions, step_options
-from kfac_func.step.orthogonal import Orthogonal, orthogonal_layers, start_momenta
+from kfac_func.step.orthogonal import Orthogonal, orthogonal_layers, prepare_layers
 from kfac_func.step.sync_free import (
     apply_selected,
     count_skips,
@@ -126,9 +126,9 @@ def precondition_grads(
     ortho = opts.orthogonal_settings(state.config.compute_method)
     lam = opts.damping_at(state.step)
     layers: Mapping[str, LayerState] = state.layers
-    if ortho is not None:  # the momenta start at zero (stored by kfac_func.update)
+    if ortho is not None:  # momenta from zero, powers where missing (update stores both)
         layers = dict(layers)
-        start_momenta(layers, orthogonal_layers(layers, ortho.skip))
+        prepare_layers(layers, orthogonal_layers(layers, ortho.skip), ortho, ())
     if not sync_free:  # decompositions that sync_free steps judged on the device
         layers = usable_only(layers)
     if basis_moments is None and damping is not None:

@@ -39,7 +39,7 @@ from kfac_func.step.grouped_batch import batch_factors_grouped
 from kfac_func.step.grouped_fold import fold_layers_grouped
 from kfac_func.step.hyper import as_list, resolve, take
 from kfac_func.step.options import StepOptions, step_options
-from kfac_func.step.orthogonal import orthogonal_layers, start_momenta
+from kfac_func.step.orthogonal import orthogonal_layers, prepare_layers
 from kfac_func.step.precondition import (
     captured_rows,
     precondition_layers,
@@ -174,8 +174,8 @@ def update(
     if config.compute_method == "ekfac" and micro is not None:
         # EKFAC: this step's per-example moments in the current eigenbases
         update_scales(layers, micro, decay, nonfinite, fresh, sync_free)
-    if ortho is not None:  # the layers taking orthogonalized steps, marked by a momentum
-        start_momenta(layers, orthogonal_layers(layers, ortho.skip))
+    if ortho is not None:  # the layers taking orthogonalized steps: momenta and powers
+        prepare_layers(layers, orthogonal_layers(layers, ortho.skip), ortho, fresh)
     changes: dict[str, dict[str, object]] = {}
     plain = basis_settings is None and ortho is None and not sync_free
     if rows is None and captures is not None and plain:
