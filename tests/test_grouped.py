@@ -12,7 +12,12 @@ from typing import Any
 import pytest
 import torch
 from fixture_models import FIXTURES, Fixture, T
-from numerics import MOMENTS, assert_close_where_determined, assert_same_states
+from numerics import (
+    assert_close_where_determined,
+    assert_same_states,
+    damped_rtol,
+    moments_tolerance,
+)
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -39,7 +44,20 @@ METHODS = ("eigen", "inverse", "ekfac")
 TOL: dict[str, float] = {"rel": 1e-9, "rtol": 1e-12, "atol": 1e-14}
 """float64: K-FAC's damped step is a continuous function of its inputs; compared where A's
 and G's eigenvalues exceed 1e-9 of the largest (above the rounding noise of a null
-direction, about 1e-16 of the largest) to a few hundred units of rounding."""
+direction, about 1e-16 of the largest) to a few hundred units of rounding, raised by
+:func:`damped_tolerance` to what the conditioning of the damped preconditioner allows."""
+
+
+def damped_tolerance(state: kf.KFACState) -> dict[str, float]:
+    """:data:`TOL` with ``atol`` (relative to the step's largest entry) raised to
+    :func:`numerics.damped_rtol` of ``state`` at the smallest damping of :data:`SETTINGS`
+    (0.01): a rounding ``u`` of the factors comes out of ``(G ⊗ A + λI)⁻¹`` (eigen, inverse
+    and EKFAC alike) as up to ``u · κ``, ``κ = (λ_max(G)·λ_max(A) + λ) / λ``. Measured on an
+    AMD EPYC CPU's BLAS: GPT-2's first attention projection, ``κ = 2.0e3``, differs by
+    1.5e-13 of its largest entry, where ``64 · u · κ`` allows 1.4e-11 (an absolute 1e-14
+    did not). A damping 1% off moves the step by about 1e-4 of it, a missing layer by all
+    of it."""
+    return {**TOL, "atol": max(TOL["atol"], damped_rtol(state, 0.01, F64))}
 
 
 def _register(fx: Fixture, model: nn.Module) -> kf.LayerTable:
@@ -87,7 +105,10 @@ def test_grouped_equals_per_layer_on_fixture_models(name: str, setting: str) -> 
         for (g1, s1), (g2, s2) in zip(grouped, per_layer):
             # Adam's step in an eigenbasis (the moments) is unique only where the factors
             # determine it (see numerics): compared there, the rest entry by entry
-            tol = MOMENTS if SETTINGS[setting].get("eigenbasis_moments") else TOL
+            if SETTINGS[setting].get("eigenbasis_moments"):
+                tol = moments_tolerance(s2, F64)
+            else:
+                tol = damped_tolerance(s2)
             assert_close_where_determined(g1, g2, s2, **tol)
             assert_same_states(s1, s2, **tol)
         # the fixture has groups: the step did not fall back to one layer at a time
@@ -102,13 +123,15 @@ def test_grouped_equals_per_layer_in_float32() -> None:
     into a step as large as any other (see numerics), and Adam grafting then rescales the
     whole layer by its norm: the comparison is of the moments without grafting, where the
     factors determine the step (eigenvalues above 1e-3 of the largest, many float32 units
-    of rounding away from the noise), at float32's tolerance."""
+    of rounding away from the noise), at float32's tolerance, raised to what the rounding of
+    the eigenvectors allows (:func:`numerics.moments_tolerance`)."""
     fx = FIXTURES["gpt2"]
     setting = {**SETTINGS["moments-adam-graft"], "grafting": None}
     grouped = _steps(fx, torch.float32, "eigen", setting, grouped=True)
     per_layer = _steps(fx, torch.float32, "eigen", setting, grouped=False)
     for (g1, _), (g2, s2) in zip(grouped, per_layer):
-        assert_close_where_determined(g1, g2, s2, rel=1e-3, rtol=1e-4, atol=1e-5)
+        tol = moments_tolerance(s2, torch.float32, rel=1e-3, gap=1e-2)
+        assert_close_where_determined(g1, g2, s2, **{**tol, "rtol": 1e-4})
 
 
 def _deep(depth: int) -> nn.Module:
