@@ -97,6 +97,8 @@ def state_to_dict(
     for path, leaf in zip(paths, leaves):
         if not include_decompositions and path[0] == "layers" and path[2:3] == ("decomposition",):
             continue
+        if path[0] == "layers" and path[2:3] == ("ortho_power",):
+            continue  # derived from the decomposition, recomputed by the next step
         # unique: the last component is always a field name, and the field names of a
         # layer (a_factor, g_factor) and of a decomposition (qa, ..., g_inv) are disjoint
         key = _key(path)
