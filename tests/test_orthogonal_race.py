@@ -94,3 +94,46 @@ def test_the_committed_results_and_the_docs_table_are_their_runs() -> None:
         assert json.loads(json.dumps(ortho.summarize(part["runs"]))) == part["summary"], w
     block = rr.block_between(ortho.PAGE.read_text(), ortho.MARKERS)
     assert block == ortho.render(doc)
+
+
+STAGES = ROOT / "benchmarks" / "results" / "orthogonal_stages.json"
+
+
+@pytest.mark.slow
+def test_orthogonal_stages_quick(tmp_path: Path) -> None:
+    import orthogonal_stages
+
+    out = tmp_path / "orthogonal_stages.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "orthogonal_stages.py"),
+            "--quick",
+            "--workloads",
+            "lm",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,  # a hang guard only
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    rows = {r["name"]: r for r in doc["workloads"]["lm"]["rows"]}
+    assert set(rows) == set(orthogonal_stages.NAMES) and rows["muon"]["to_muon"] == 1.0
+    stages = rows["kfac-muon"]["stages"]
+    assert {"statistics_ms", "powers_ms", "newton_schulz_ms", "rest_ms"} <= set(stages)
+    assert "| lm | kfac-muon |" in orthogonal_stages.render(doc)
+
+
+def test_the_committed_stages_and_their_docs_table() -> None:
+    import orthogonal_stages
+
+    if not STAGES.exists():
+        pytest.skip("no orthogonal stages results committed yet")
+    doc = json.loads(STAGES.read_text())
+    assert doc["quick"] is False
+    block = rr.block_between(orthogonal_stages.PAGE.read_text(), orthogonal_stages.MARKERS)
+    assert block == orthogonal_stages.render(doc)
