@@ -79,6 +79,22 @@ factor powers every 10 steps. Cheaper than the recommended recipe's schedule: th
 orthogonalized step reads the factors through their powers only, a smooth function of
 them, where Adam's step in the eigenbasis needs the eigenbasis itself fresh."""
 
+
+def _orthogonal(name: str, powers: tuple[float, float], **kfac_kwargs: Any) -> Recipe:
+    """An orthogonal recipe: :data:`_ORTHOGONAL`'s settings, ``powers`` of the factors,
+    :data:`HEAD_NAMES` for the head, and ``kfac_kwargs``."""
+    ortho = Orthogonal(powers=powers, skip=HEAD_NAMES)
+    return Recipe(
+        name=name,
+        lr=0.02,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        base_kwargs={"momentum": 0.0},
+        kfac_kwargs={**_ORTHOGONAL, "orthogonal": ortho, **kfac_kwargs},
+        automatic=True,
+    )
+
+
 RECIPES: dict[str, Recipe] = {
     "recommended": Recipe(
         name="recommended",
@@ -97,42 +113,10 @@ RECIPES: dict[str, Recipe] = {
         automatic=True,
     ),
     "kfac-pytorch": Recipe(name="kfac-pytorch", lr=1e-3, betas=None, weight_decay=None),
-    "orthogonal": Recipe(
-        name="orthogonal",
-        lr=0.02,
-        betas=(0.9, 0.95),
-        weight_decay=0.0,
-        base_kwargs={"momentum": 0.0},
-        kfac_kwargs={
-            **_ORTHOGONAL,
-            "orthogonal": Orthogonal(powers=(0.5, 0.0), skip=HEAD_NAMES),
-        },
-        automatic=True,
-    ),
-    "orthogonal-two-sided": Recipe(
-        name="orthogonal-two-sided",
-        lr=0.02,
-        betas=(0.9, 0.95),
-        weight_decay=0.0,
-        base_kwargs={"momentum": 0.0},
-        kfac_kwargs={
-            **_ORTHOGONAL,
-            "orthogonal": Orthogonal(powers=(0.25, 0.25), skip=HEAD_NAMES),
-        },
-        automatic=True,
-    ),
-    "orthogonal-kfac-head": Recipe(
-        name="orthogonal-kfac-head",
-        lr=0.02,
-        betas=(0.9, 0.95),
-        weight_decay=0.0,
-        base_kwargs={"momentum": 0.0},
-        kfac_kwargs={
-            **_ORTHOGONAL,
-            "orthogonal": Orthogonal(powers=(0.5, 0.0), skip=HEAD_NAMES),
-            "eigenbasis_moments": True,
-        },
-        automatic=True,
+    "orthogonal": _orthogonal("orthogonal", (0.5, 0.0)),
+    "orthogonal-two-sided": _orthogonal("orthogonal-two-sided", (0.25, 0.25)),
+    "orthogonal-kfac-head": _orthogonal(
+        "orthogonal-kfac-head", (0.5, 0.0), eigenbasis_moments=True
     ),
 }
 """The named recipes: ``"recommended"`` (the default: Adam's step in K-FAC's eigenbasis on

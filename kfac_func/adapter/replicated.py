@@ -41,7 +41,6 @@ from kfac_func.state import MOMENT_FIELDS, AdaptiveState, KFACState, LayerState
 from kfac_func.step.decompose import decompose_layer
 
 __all__ = [
-    "MOMENTS",
     "adaptive_entry",
     "adaptive_fields",
     "complete_entries",
@@ -49,9 +48,6 @@ __all__ = [
     "kept_moments",
     "warn_missing_moments",
 ]
-
-MOMENTS = MOMENT_FIELDS
-"""The running moments a layer state may hold (all of the gradient matrix's shape)."""
 
 
 def _fields(ls: LayerState, config: Any) -> dict[str, torch.Tensor]:
@@ -67,9 +63,11 @@ def _fields(ls: LayerState, config: Any) -> dict[str, torch.Tensor]:
 
 
 def kept_moments(settings: Any) -> tuple[str, ...]:
-    """The running moments (of :data:`MOMENTS`) that a preconditioner with these settings
-    keeps per layer: ``graft_moment`` under ``grafting="adam"``, ``basis_moment`` under
-    ``eigenbasis_moments`` and ``basis_momentum`` with ``moment_beta1 > 0`` too.
+    """The running moments (of :data:`~kfac_func.state.MOMENT_FIELDS`) that a
+    preconditioner with these settings keeps per layer: ``graft_moment`` under
+    ``grafting="adam"``, ``basis_moment`` under ``eigenbasis_moments`` and
+    ``basis_momentum`` with ``moment_beta1 > 0`` too, ``ortho_momentum`` under
+    ``orthogonal``.
 
     Example:
         >>> from types import SimpleNamespace
@@ -135,7 +133,7 @@ def complete_entries(
         decomposition = send(list(fields.values()), src)
         entry["decomposition"] = {k: v.clone() for k, v in zip(fields, decomposition, strict=True)}
         entry["decomposed"] = flags[0]
-        for moment in MOMENTS:
+        for moment in MOMENT_FIELDS:
             entry.pop(moment, None)  # this rank's own, replaced by the first grad worker's
         entry.pop("moment_count", None)
         if moments:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kfac_func.core.decomposition import EigenDecomposition
+from kfac_func.core.preconditioning import left_product, right_product
 from kfac_func.core.pytree import register_dataclass
 
 __all__ = [
@@ -151,11 +152,5 @@ def apply_powers(m: torch.Tensor, powers: FactorPowers) -> torch.Tensor:
         >>> apply_powers(torch.ones(1, 2), f)
         tensor([[2., 3.]])
     """
-    v = m
-    if powers.a is not None:
-        a = powers.a.to(m.dtype)
-        v = v * a.unsqueeze(-2) if a.dim() < v.dim() else v @ a
-    if powers.g is not None:
-        g = powers.g.to(m.dtype)
-        v = g.unsqueeze(-1) * v if g.dim() < v.dim() else g @ v
-    return v
+    v = m if powers.a is None else right_product(m, powers.a.to(m.dtype))
+    return v if powers.g is None else left_product(powers.g.to(m.dtype), v)

@@ -28,8 +28,10 @@ __all__ = [
     "kl_clip_scale_of_terms",
     "kl_clip_scale_of_vector",
     "kl_clip_term",
+    "left_product",
     "precondition",
     "precondition_rows",
+    "right_product",
 ]
 
 
@@ -56,7 +58,7 @@ def precondition(
         m = matrix.to(d.a_inv.dtype)
         if d.g_inv.dim() == m.dim() and d.a_inv.dim() == m.dim():
             return (d.g_inv @ m @ d.a_inv).to(matrix.dtype)
-        return _right_inverse(_left_inverse(d.g_inv, m), d.a_inv).to(matrix.dtype)
+        return right_product(left_product(d.g_inv, m), d.a_inv).to(matrix.dtype)
     m = matrix.to(d.scale.dtype if isinstance(d, EKFACDecomposition) else d.da.dtype)
     if d.qa is not None and d.qg is not None:
         return _back_project(d.qg.mT @ m @ d.qa, d, damping).to(matrix.dtype)
@@ -65,14 +67,26 @@ def precondition(
     return _back_project(v, d, damping).to(matrix.dtype)
 
 
-def _left_inverse(g_inv: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """``G⁻¹ M``; a diagonal ``G⁻¹`` (one dimension less than ``M``) scales the rows."""
-    return g_inv.unsqueeze(-1) * m if g_inv.dim() < m.dim() else g_inv @ m
+def left_product(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``G M`` for a dense ``G`` or a diagonal one (one dimension less than ``M``, its
+    diagonal: it scales the rows).
+
+    Example:
+        >>> left_product(torch.tensor([2.0, 3.0]), torch.ones(2, 1))
+        tensor([[2.],
+                [3.]])
+    """
+    return g.unsqueeze(-1) * m if g.dim() < m.dim() else g @ m
 
 
-def _right_inverse(m: torch.Tensor, a_inv: torch.Tensor) -> torch.Tensor:
-    """``M A⁻¹``; a diagonal ``A⁻¹`` scales the columns."""
-    return m * a_inv.unsqueeze(-2) if a_inv.dim() < m.dim() else m @ a_inv
+def right_product(m: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``M A`` for a dense ``A`` or a diagonal one (its diagonal: it scales the columns).
+
+    Example:
+        >>> right_product(torch.ones(1, 2), torch.tensor([2.0, 3.0]))
+        tensor([[2., 3.]])
+    """
+    return m * a.unsqueeze(-2) if a.dim() < m.dim() else m @ a
 
 
 def _back_project(
