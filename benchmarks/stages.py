@@ -32,8 +32,8 @@ dict, and the stage functions return new tensors).
   ``k``-th position, scaled: ``factor_rows=``, not the recipe's setting).
 - ``batch factors``: ``KFACPreconditioner._settle`` and ``_batch_factors`` (what
   ``step()`` calls first: the calls' Grams summed, scaled and symmetrised per group,
-  ``step/grouped_batch.py``).
-- ``fold``: ``step.grouped_fold.fold_layers_grouped`` (the running averages, their
+  ``step/batch_factors.py``).
+- ``fold``: ``step.accumulate.fold_layers`` (the running averages, their
   finiteness checks).
 - ``decomposition: eigh``: ``step.decompose.decompose_layers`` (``grouped=True``: one
   batched ``eigh`` per shape, its checks, the precomputed ``1/(dg daᵀ + λ)``, the lone
@@ -44,7 +44,7 @@ dict, and the stage functions return new tensors).
   batched; not the recipe's setting).
 - ``carry moments``: ``step.basis.carry_moments`` (the moments rotated into the new
   eigenbases after an ``eigh``).
-- ``precondition stage``: ``step.grouped.precondition_layers_grouped`` (gradients to
+- ``precondition stage``: ``step.grouped.precondition_layers`` (gradients to
   matrices, stacking, the finiteness checks, the projections and the moments under
   ``vmap``, matrices back to gradients). The stage does not separate its parts, so two
   nearest separable units are timed beside it on the same stacks of each group (the
@@ -137,6 +137,7 @@ from kfac_func.adapter.grads import copy_back  # noqa: E402
 from kfac_func.blocks.spec import thin_positions  # noqa: E402
 from kfac_func.core.basis_moments import adam_in_basis, from_basis, to_basis  # noqa: E402
 from kfac_func.state import KFACState, LayerState  # noqa: E402
+from kfac_func.step.accumulate import fold_layers  # noqa: E402
 from kfac_func.step.basis import basis_of, carry_moments, moment_bases  # noqa: E402
 from kfac_func.step.checks import layer_grads  # noqa: E402
 from kfac_func.step.decompose import (  # noqa: E402
@@ -144,8 +145,7 @@ from kfac_func.step.decompose import (  # noqa: E402
     decompose_layers,
     needs_decomposition,
 )
-from kfac_func.step.grouped import precondition_layers_grouped  # noqa: E402
-from kfac_func.step.grouped_fold import fold_layers_grouped  # noqa: E402
+from kfac_func.step.grouped import precondition_layers  # noqa: E402
 from kfac_func.step.grouping import plan_groups  # noqa: E402
 
 RECIPE = "kfac-moments-fresh"
@@ -292,7 +292,7 @@ class Bench:
         layers = dict(s.layers)
         self._time(
             "fold",
-            lambda: fold_layers_grouped(
+            lambda: fold_layers(
                 layers, lambda n, ls: batch.get(n), decay, cfg, opts.nonfinite, False
             ),
         )
@@ -332,7 +332,7 @@ class Bench:
 
     def _precondition(self) -> dict[str, torch.Tensor]:
         opts, s = self.options, self.state
-        return precondition_layers_grouped(
+        return precondition_layers(
             dict(s.layers),
             self.grads,
             opts.damping_at(s.step),
@@ -601,12 +601,12 @@ def build_rows(
     )
     stage_rows = [
         ("batch factors", "hooks batch", "HookRecorder._batch_factors"),
-        ("fold (running average)", "fold", "fold_layers_grouped"),
+        ("fold (running average)", "fold", "fold_layers"),
         ("decomposition: eigh", "eigh", "decompose_layers"),
         ("  of which the batched eighs", "batched eigh", "batched_eigenpairs"),
         ('decomposition: QR refresh ("qr")', "qr", "decompose_layers, qr config"),
         ("carry moments into new bases", "carry", "carry_moments"),
-        ("precondition stage", "precondition", "precondition_layers_grouped"),
+        ("precondition stage", "precondition", "precondition_layers"),
         ("  projections in and out", "projections", "to_basis + from_basis"),
         ("  moments (Adam in the basis)", "moments", "adam_in_basis, identity bases"),
         ("  rest of the precondition stage", "precondition rest", "difference"),

@@ -21,7 +21,8 @@ from numerics import named
 from torch import nn
 
 import kfac_func as kf
-from kfac_func.core.decomposition import eigh_factor, eigh_factors, solver_error
+from kfac_func.core.decomposition import eigh_factor, solver_error
+from kfac_func.step.decompose_groups import batched_eigenpairs
 
 _EIGH = torch.linalg.eigh
 _INV = torch.linalg.inv
@@ -178,29 +179,20 @@ def test_a_nonfinite_factor_leaves_its_group_and_its_layer_keeps_the_old_one(
             assert_eigen_close(got, other.decomposition, name)
 
 
-def test_eigh_factors_groups_by_shape_and_dtype() -> None:
-    g = torch.Generator().manual_seed(0)
-
-    def spd(n: int, dtype: torch.dtype) -> torch.Tensor:
-        x = torch.randn(2 * n, n, generator=g, dtype=torch.float64)
-        return (x.T @ x / (2 * n)).to(dtype)
-
-    fs = [
-        spd(5, torch.float32),
-        spd(5, torch.float64),
-        spd(5, torch.float32),
-        spd(4, torch.float32),
-    ]
-    out = eigh_factors(fs, dtype=torch.float32)
-    assert out[1] is None and out[3] is None  # alone in their (shape, dtype) groups
-    for i in (0, 2):
-        got = out[i]
-        assert got is not None
-        _, d = eigh_factor(fs[i], dtype=torch.float32)
-        torch.testing.assert_close(got[1], d, rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(
-            got[0] @ torch.diag(got[1]) @ got[0].T, fs[i], rtol=1e-5, atol=1e-6
-        )
+def test_batched_eigenpairs_groups_the_sides_of_one_shape() -> None:
+    """The 16×16 sides (the hidden layers' A and G, the first layer's G) in one stack, each
+    equal to its own eigh; the sides alone in their shape are left to the checked path."""
+    state, _, _ = state_with_factors(mlp(torch.device("cpu"), depth=2), torch.device("cpu"))
+    sides = [(name, side) for name in state.layers for side in (0, 1)]
+    out = batched_eigenpairs(state.layers, state.config, sides)
+    wide = [(n, s) for n, s in sides if state.layers[n].spec.factor_shapes[s][0] == 16]
+    assert sorted(out) == sorted(wide)
+    for (name, side), (q, d) in out.items():
+        ls = state.layers[name]
+        factor = ls.g_factor if side else ls.a_factor
+        _, d_ref = eigh_factor(factor, dtype=torch.float32)
+        torch.testing.assert_close(d, d_ref, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(q @ torch.diag(d) @ q.T, factor, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("method", ["ekfac", "inverse"])

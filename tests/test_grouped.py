@@ -331,8 +331,11 @@ def test_batch_factors_built_together_equal_each_layers_own() -> None:
     symmetrised as stacks, are each layer's own bit for bit; a layer with two calls or two
     micro-batches takes its own path, one that saw nothing is left out."""
     from kfac_func.blocks import Gram
-    from kfac_func.step.accumulate import MicroBatchStats, factors_from_stats
-    from kfac_func.step.grouped_batch import batch_factors_grouped
+    from kfac_func.step.batch_factors import (
+        MicroBatchStats,
+        build_batch_factors,
+        factors_from_stats,
+    )
 
     gen = torch.Generator().manual_seed(0)
 
@@ -362,7 +365,7 @@ def test_batch_factors_built_together_equal_each_layers_own() -> None:
         asked.append(name)
         return stats[name]
 
-    got = batch_factors_grouped(specs, stats_of, config)
+    got = build_batch_factors(specs, stats_of, config)
     assert sorted(asked) == sorted(stats)  # each layer's statistics asked for once
     assert sorted(got) == sorted(set(stats) - {"unseen"})
     for name, (a, g, w) in got.items():

@@ -51,8 +51,8 @@ from kfac_func.state import KFACState, init
 from kfac_func.step.adaptive import AdaptiveInfo, init_adaptive
 from kfac_func.step.basis import BasisMoments
 from kfac_func.step.decompose import check_eigh_device
+from kfac_func.step.layer_step import Grafting
 from kfac_func.step.orthogonal import Orthogonal, orthogonal_table
-from kfac_func.step.precondition import Grafting
 
 __all__ = ["AllreduceMethod", "ComputeMethod", "KFACPreconditioner"]
 

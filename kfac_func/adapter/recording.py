@@ -35,9 +35,8 @@ from kfac_func.distributed.dtensor import whole_input, whole_output_grad
 from kfac_func.distributed.kaisa import offer_factors, start_factor_reduction
 from kfac_func.distributed.plan import Plan
 from kfac_func.distributed.reducer import OrderedReducer
-from kfac_func.step.accumulate import MicroBatchStats, factors_from_stats
+from kfac_func.step.batch_factors import MicroBatchStats, build_batch_factors, factors_from_stats
 from kfac_func.step.checks import rows_cheaper_count
-from kfac_func.step.grouped_batch import batch_factors_grouped
 
 __all__ = ["HookRecorder", "remove_handles"]
 
@@ -443,7 +442,7 @@ class HookRecorder(PreconditionerBase):
                 mb.g.pop(name, None)
         if together:
             specs = {name: self.layers[name] for name in stats}
-            out = batch_factors_grouped(specs, stats.pop, self._state.config)
+            out = build_batch_factors(specs, stats.pop, self._state.config)
         return out
 
 

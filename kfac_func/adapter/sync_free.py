@@ -4,7 +4,7 @@
 :func:`kfac_func.update` (and :func:`kfac_func.update_distributed`): on one process no
 step reads anything on the host, whether it updates the factors, decomposes them or only
 preconditions (see :mod:`kfac_func.step.sync_free` and
-:mod:`kfac_func.step.decompose_on_device`); layers whose gradients or batch factors held a
+:mod:`kfac_func.step.decompose_groups`); layers whose gradients or batch factors held a
 NaN or Inf are counted on the device and warned about by
 :meth:`SyncFreeMixin.report_skipped`. ``compile=True`` (with ``sync_free=True``, on one
 process) runs every step through ``torch.compile(kfac_func.update, fullgraph=True)``: one
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kfac_func.state import KFACState
-from kfac_func.step.decompose_on_device import solver_failed
+from kfac_func.step.decompose_groups import solver_failed
 from kfac_func.step.options import StepOptions
 from kfac_func.step.sync_free import report_skipped
 from kfac_func.step.update import update

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +38,6 @@ __all__ = [
     "divide_scale",
     "eigenvalue_outer",
     "eigh_factor",
-    "eigh_factors",
     "eigh_or_refresh",
     "power_refresh",
     "refresh_eigh",
@@ -356,68 +355,6 @@ def eigh_or_refresh(
             factor, previous, dtype=dtype, compute_dtype=compute_dtype, device=device, label=label
         )
     return eigh_factor(factor, dtype=dtype, compute_dtype=compute_dtype, device=device, label=label)
-
-
-def eigh_factors(
-    factors: Sequence[torch.Tensor],
-    *,
-    dtype: torch.dtype,
-    compute_dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
-) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-    """:func:`eigh_factor` of several factors, with one batched ``eigh`` per group of
-    factors of equal shape, dtype and device (the layers of a transformer share a few
-    shapes): on a GPU one solver call (and one wait for its result) per group instead of
-    one per factor.
-
-    An entry is None where this gives no result for the factor: alone in its group, not
-    finite, the batched call raised, or its result is not finite. Decompose those with
-    :func:`eigh_factor`, whose retries and errors are per factor. A result equals
-    :func:`eigh_factor`'s to rounding; it is not always bit-identical (measured on CPU:
-    identical for 64×64 to 512×512 factors, differing in the last bits for 33×33, whose
-    stacked matrices are not aligned as separate ones are; on a GPU, small matrices may
-    take a batched Jacobi solver). The stack and its results are held at once: about
-    three times the group's factors in memory.
-
-    Example:
-        >>> fs = [torch.diag(torch.tensor([2.0, 1.0])), torch.eye(2), torch.eye(3)]
-        >>> out = eigh_factors(fs, dtype=torch.float32)
-        >>> out[0][1], out[2] is None  # the 3×3 factor is alone in its group
-        (tensor([1., 2.]), True)
-    """
-    cdt = compute_dtype or torch.promote_types(dtype, torch.float32)
-    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(factors)
-    groups: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[int]] = {}
-    for i, f in enumerate(factors):
-        groups.setdefault((tuple(f.shape), f.dtype, f.device), []).append(i)
-    for members in groups.values():
-        if len(members) < 2:
-            continue
-        stack = torch.stack([factors[i] for i in members])
-        # finite sums prove finite factors (one host read per group); a factor whose sum
-        # is not finite, even one that merely overflowed, goes the per-factor way
-        keep = torch.isfinite(stack.sum(dim=(-2, -1))).tolist()
-        idx = [i for i, k in zip(members, keep) if k]
-        if len(idx) < 2:
-            continue
-        if len(idx) < len(members):
-            stack = stack[torch.tensor(keep, device=stack.device)]
-        home = stack.device
-        run_on = torch.device(device) if device is not None else home
-        try:
-            d, q = torch.linalg.eigh(stack.to(run_on, cdt))
-        except RuntimeError:  # the factors get their own retries
-            continue
-        del stack
-        # row-major eigenvectors, as eigh_factor's; each factor's result is a view of
-        # the group's (a few operations per group, none per factor)
-        q, d = q.to(home, dtype).contiguous(), d.to(home, dtype)
-        finite = torch.isfinite(q.sum(dim=(-2, -1)) + d.sum(dim=-1)).tolist()
-        d = d.clamp(min=0.0)
-        for k, (i, qk, dk) in enumerate(zip(idx, q.unbind(0), d.unbind(0))):
-            if finite[k]:
-                out[i] = (qk, dk)
-    return out
 
 
 def eigenvalue_outer(dg: torch.Tensor, da: torch.Tensor, damping: float) -> torch.Tensor:

@@ -206,7 +206,7 @@ def eigen_decompose(
         eigh_device: where eigh runs (``"cpu"``: offload it; default: the factors'
             device); the results are on the factors' device.
         eigenpairs: ``(eigenvectors, eigenvalues)`` of A and of G already computed (by
-            :func:`~kfac_func.core.decomposition.eigh_factors`), used instead of
+            :func:`~kfac_func.step.decompose_groups.batched_eigenpairs`), used instead of
             decomposing that factor; None: decompose it here.
         name: the layer, named in warnings.
         placeholder: whether A and G are placeholders (the identity by construction, see

@@ -46,13 +46,10 @@ from kfac_func.distributed.communicator import Communicator, Pending
 from kfac_func.distributed.plan import DistributedStrategy, Plan
 from kfac_func.distributed.reducer import OrderedReducer
 from kfac_func.state import KFACState, LayerState
-from kfac_func.step.accumulate import fold_checked, layer_batch_factors
-from kfac_func.step.decompose import (
-    batched_eigenpairs,
-    decomposition_failed,
-    needs_decomposition,
-    warm_start,
-)
+from kfac_func.step.accumulate import fold_checked
+from kfac_func.step.batch_factors import layer_batch_factors
+from kfac_func.step.decompose import decomposition_failed
+from kfac_func.step.decompose_groups import batched_eigenpairs, needs_decomposition, warm_start
 from kfac_func.step.hyper import NonFinite, as_list
 
 __all__ = [

@@ -8,7 +8,7 @@ matrix as on one process; every rank then receives its part of the result from t
 worker of its receiver group (its own result under ``COMM_OPT``) and gets it as a new
 DTensor of the same mesh and placements. The kl_clip sum is taken over every layer: each
 layer's term comes from its first grad worker, and one all-reduce gives every rank the
-same scale. The math is the step's own (:mod:`kfac_func.step.precondition`); the
+same scale. The math is the step's own (:mod:`kfac_func.step.grouped`); the
 movement is :mod:`kfac_func.distributed.dtensor`'s.
 """
 
@@ -32,10 +32,11 @@ from kfac_func.distributed.dtensor import (
 from kfac_func.distributed.plan import DistributedStrategy, Plan
 from kfac_func.state import KFACState, LayerState
 from kfac_func.step.basis import BasisMoments
-from kfac_func.step.checks import check_layers, layer_matrix
+from kfac_func.step.checks import layer_matrix
+from kfac_func.step.grouped import preconditioned_layers
 from kfac_func.step.hyper import Hyper, NonFinite, check_hyper, resolve
+from kfac_func.step.layer_step import Grafting
 from kfac_func.step.orthogonal import Orthogonal
-from kfac_func.step.precondition import Grafting, precondition_with
 
 __all__ = ["owned_rows", "precondition_sharded", "release_unowned", "sharded_layouts"]
 
@@ -203,24 +204,19 @@ def precondition_sharded(
             whole[name] = got
     full = {p: t for name, ts in whole.items() for p, t in zip(layers[name].spec.param_names(), ts)}
     mine = [name for name in whole if layers[name].decomposition is not None]
-    checks = check_layers({n: layers[n] for n in whole}, full, mine, nonfinite)
-    done: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for name in mine:
-        if not checks[name].finite:
-            continue
-        m = layer_matrix(layers[name], full)
-        p = precondition_with(
-            layers[name],
-            m,
-            damping,
-            None,
-            step=step,
-            grafting=grafting,
-            basis_moments=basis_moments,
-            changes=changes,
-            orthogonal=orthogonal,
-        )
-        done[name] = (p, m)
+    owned = preconditioned_layers(
+        {n: layers[n] for n in whole},
+        full,
+        mine,
+        damping,
+        step=step,
+        nonfinite=nonfinite,
+        grafting=grafting,
+        basis_moments=basis_moments,
+        changes=changes,
+        orthogonal=orthogonal,
+    )  # the finite layers only, warned about or raised as on one process
+    done = {name: (p, layer_matrix(layers[name], full)) for name, (p, _) in owned.items()}
     scale = None
     if clip is not None:
         terms = torch.zeros(len(names), dtype=torch.float64)

@@ -16,7 +16,7 @@ and decomposition stages, :mod:`kfac_func.distributed.sharded` for DTensor gradi
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import torch
 
@@ -44,7 +44,7 @@ from kfac_func.step.grouped import preconditioned_layers
 from kfac_func.step.hyper import as_list, resolve
 from kfac_func.step.options import StepOptions, step_options
 from kfac_func.step.orthogonal import orthogonal_layers, prepare_layers
-from kfac_func.step.precondition import apply_preconditioned, captured_rows
+from kfac_func.step.precondition import captured_rows
 from kfac_func.step.sync_free import apply_selected, leave_sync_free, report_layers
 
 __all__ = ["update_distributed"]
@@ -165,14 +165,13 @@ def update_distributed(
         orthogonal=ortho,
     )
     received = _exchange(layers, grads, names, owned, plan, comm, opts.sync_free)
-    if opts.sync_free:
-        selected = [
-            (layers[r.name].spec, r.result, r.grad, cast(torch.Tensor, r.done)) for r in received
-        ]
-        out = apply_selected(grads, selected, kl_clip=opts.kl_clip, lr=opts.lr, step=step)
-    else:
-        done = [(layers[r.name].spec, r.result, r.grad) for r in received if r.done]
-        out = apply_preconditioned(grads, done, kl_clip=opts.kl_clip, lr=opts.lr, step=step)
+    # the default mode applies the layers that were preconditioned (read with the flags)
+    selected = [
+        (layers[r.name].spec, r.result, r.grad, None if r.done is True else r.done)
+        for r in received
+        if r.done is not False
+    ]
+    out = apply_selected(grads, selected, kl_clip=opts.kl_clip, lr=opts.lr, step=step)
     new = _finished(state, layers, changes)
     if opts.sync_free and factors_now:  # this step reads the device anyway
         report_layers(new.layers)

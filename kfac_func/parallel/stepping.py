@@ -20,9 +20,11 @@ from kfac_func.core.preconditioning import precondition
 from kfac_func.parallel.base import MicroBatchRecord, ParallelBase
 from kfac_func.parallel.shards import kl_clip_from_terms, kl_clip_terms
 from kfac_func.state import LayerState
-from kfac_func.step.accumulate import MicroBatchStats, factors_from_stats, fold_checked
+from kfac_func.step.accumulate import fold_checked
+from kfac_func.step.batch_factors import MicroBatchStats, factors_from_stats
 from kfac_func.step.checks import grads_finite
-from kfac_func.step.decompose import decompose_layer, needs_decomposition
+from kfac_func.step.decompose import decompose_layer
+from kfac_func.step.decompose_groups import needs_decomposition
 
 __all__ = ["ParallelStep"]
 

@@ -1,24 +1,23 @@
 """Stage 1 of the step: fold batch factors into the running averages.
 
-:func:`accumulate_factors` is the public, pure stage; :func:`fold_layers` and the functions
-around it are the pieces the distributed step and the adapters reuse.
+:func:`accumulate_factors` is the public, pure stage; :func:`fold_layers` folds a step's
+layers, those of one shape together; :func:`fold_checked` and the functions around it are
+the one-layer pieces the distributed step and the adapters reuse.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, MutableMapping, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Hashable, MutableMapping, Sequence
 
 import torch
 
-from kfac_func.blocks import Gram, LayerSpec, call_grams
 from kfac_func.captures import Captures
-from kfac_func.core.conventions import micro_batch_weights
-from kfac_func.core.factors import factor_from_grams
-from kfac_func.core.tied_factors import combine_stacked, is_tied, tied_batch_factors
+from kfac_func.core.stacks import stacked
+from kfac_func.core.tied_factors import combine_stacked
 from kfac_func.state import KFACConfig, KFACState, LayerState
 from kfac_func.step.autocast import without_autocast
+from kfac_func.step.batch_factors import LayerFactors, layer_batch_factors
 from kfac_func.step.hyper import (
     Hyper,
     NonFinite,
@@ -28,99 +27,23 @@ from kfac_func.step.hyper import (
     non_finite,
     resolve,
 )
-from kfac_func.step.sync_free import all_finite_each
+from kfac_func.step.sync_free import all_finite_each, all_finite_rows
 
 __all__ = [
-    "LayerFactors",
-    "MicroBatchStats",
     "accumulate_factors",
     "add_skips",
-    "factors_from_stats",
     "fold_checked",
     "fold_deferred",
     "fold_factors",
     "fold_layers",
     "host_knows_data",
-    "layer_batch_factors",
-    "layer_stats",
     "no_data",
+    "no_data_rows",
     "running_average",
     "settle_folds",
     "settle_on_device",
     "takes_batch",
 ]
-
-
-LayerFactors = tuple[torch.Tensor, torch.Tensor, float]
-"""One layer's batch factors ``(A, G, weight)`` (see :func:`factors_from_stats`)."""
-
-
-class MicroBatchStats(NamedTuple):
-    """One layer's statistics from one micro-batch: per-call Grams of inputs and
-    output-gradients, the micro-batch's example count and its loss scale."""
-
-    a: list[Gram]
-    g: list[Gram]
-    batch_size: int
-    loss_scale: float
-
-
-def factors_from_stats(
-    name: str, micro_batches: Sequence[MicroBatchStats], config: KFACConfig
-) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """A, G and weight of one accumulation window for one layer; None if it saw nothing.
-
-    The weight is what the window counts for when windows of several ranks are averaged
-    (see :func:`kfac_func.core.conventions.micro_batch_weights`).
-    """
-    seen = [m for m in micro_batches if m.a]
-    if not seen:
-        return None
-    sizes = [m.batch_size for m in seen]
-    a_sum: torch.Tensor | None = None
-    g_sum: torch.Tensor | None = None
-    for w, m in zip(micro_batch_weights(config.convention, sizes), seen):
-        if len(m.a) != len(m.g):
-            raise ValueError(
-                f"layer {name!r}: {len(m.a)} captured inputs but {len(m.g)} output-gradients"
-            )
-        if is_tied(m.a):  # an embedding and a head sharing one weight
-            a, g = tied_batch_factors(
-                m.a, m.g, config.convention, batch_size=m.batch_size, loss_scale=m.loss_scale
-            )
-        else:
-            a = factor_from_grams(m.a, config.convention)
-            g = factor_from_grams(
-                m.g, config.convention, batch_size=m.batch_size, loss_scale=m.loss_scale
-            )
-        if a_sum is None or g_sum is None:  # the first: no copy when its weight is 1
-            a_sum, g_sum = (a, g) if w == 1 else (w * a, w * g)
-        else:
-            a_sum.add_(a, alpha=w)  # our own temporaries: accumulate in place
-            g_sum.add_(g, alpha=w)
-    assert a_sum is not None and g_sum is not None
-    return a_sum, g_sum, float(sum(sizes)) if config.convention == "fisher" else 1.0
-
-
-def layer_batch_factors(
-    spec: LayerSpec, micro_batches: Sequence[Captures], config: KFACConfig
-) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """:func:`factors_from_stats` of captures (one per micro-batch)."""
-    return factors_from_stats(spec.name, layer_stats(spec, micro_batches, config), config)
-
-
-def layer_stats(
-    spec: LayerSpec, micro_batches: Sequence[Captures], config: KFACConfig
-) -> list[MicroBatchStats]:
-    """The layer's statistics in each of the captures (one per micro-batch) that saw it."""
-    stats = []
-    for cap in micro_batches:
-        lc = cap.layers.get(spec.name)
-        if lc is None or not lc.inputs:
-            continue
-        a, g = call_grams(spec, lc.inputs, lc.output_grads, config.factor_dtype)
-        stats.append(MicroBatchStats(a, g, cap.batch_size, cap.loss_scale))
-    return stats
 
 
 def fold_checked(
@@ -259,6 +182,19 @@ def host_knows_data(ls: LayerState, config: KFACConfig) -> bool:
     return bool(config.convention != "fisher" or ls.factor_skips is None or ls.factor_updates == 0)
 
 
+def no_data_rows(states: Sequence[LayerState], config: KFACConfig) -> torch.Tensor | None:
+    """:func:`~kfac_func.step.accumulate.no_data` of a group, one flag per layer, in a
+    few operations (None where the host knows for every layer)."""
+    if all(host_knows_data(ls, config) for ls in states):
+        return None
+    device = states[0].a_factor.device
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    skips = stacked([zero if ls.factor_skips is None else ls.factor_skips for ls in states])[0]
+    # a layer the host knows about compares with -1, which no count equals
+    known = [-1 if host_knows_data(ls, config) else ls.factor_updates for ls in states]
+    return skips == torch.tensor(known, dtype=torch.int64, device=device)
+
+
 def fold_factors(
     ls: LayerState, a: torch.Tensor, g: torch.Tensor, decay: float, config: KFACConfig
 ) -> LayerState:
@@ -352,33 +288,167 @@ def fold_layers(
     config: KFACConfig,
     nonfinite: NonFinite,
     sync_free: bool = False,
+    grouped: bool = True,
 ) -> None:
     """:func:`fold_checked` every layer of ``layers`` (in place) with the batch factors
     ``batch_of(name, layer)``; layers for which it returns None are left as they are.
 
-    Layer by layer: each entry is replaced as soon as its new factors exist and its batch
-    factors are dropped before the next layer's are made, so when ``layers`` is the only
-    holder of the old layer states (a donated state) the old factors are freed one layer
-    at a time instead of after the whole step. The checks of all layers are read at the
-    end, in one host synchronisation (:func:`settle_folds`), or counted on the device
-    (``sync_free``, :func:`settle_on_device`).
+    The layers whose batch and running factors have the same shapes, dtypes and devices
+    are folded together (``grouped``): their factors stacked, the average, its checks and
+    the selection of the old factors where the batch's were not finite computed once per
+    group, in the same elementwise operations as for one layer (the same numbers). A layer
+    alone in its shape, a tied layer's stacked uses, and every layer when not ``grouped``
+    is folded as soon as its batch factors exist, and they are dropped before the next
+    layer's are made: when ``layers`` is the only holder of the old layer states (a
+    donated state) the old factors are then freed one layer at a time. The checks of all
+    layers are read at the end, in one host synchronisation (:func:`settle_folds`, whose
+    warnings come in the layers' order), or counted on the device (``sync_free``,
+    :func:`settle_on_device`).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> state = kf.init(kf.register(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))))
+        >>> layers = dict(state.layers)
+        >>> batch = (torch.eye(3), torch.eye(2), 1.0)
+        >>> fold_layers(layers, lambda n, ls: batch, 0.5, state.config, "skip")
+        >>> layers["1"].factor_updates, layers["1"].a_factor[0, 0].item()
+        (1, 1.0)
     """
-    pending = []
+    order = {name: k for k, name in enumerate(layers)}
+    pending: list[tuple[str, torch.Tensor, LayerState]] = []
+    batches: dict[str, LayerFactors] = {}
+    groups: dict[Hashable, list[str]] = {}
     for name in list(layers):
         batch = batch_of(name, layers[name])
-        if batch is not None:
-            before = layers[name]
-            layers[name], checks = fold_deferred(
-                before, batch[0], batch[1], decay, config, sync_free
-            )
-            # the counters are all that is kept of the layer before
-            pending.append((name, checks, before.replace(a_factor=_NONE, g_factor=_NONE)))
-            del before
+        if batch is None:
+            continue
+        key = _key(layers[name], batch, config) if grouped else None
+        if key is None:
+            _fold_one(layers, name, batch, decay, config, sync_free, pending)
+        else:
+            batches[name] = batch
+            groups.setdefault(key, []).append(name)
         del batch
+    for names in groups.values():
+        if len(names) == 1:
+            _fold_one(layers, names[0], batches.pop(names[0]), decay, config, sync_free, pending)
+        else:
+            group = [batches.pop(n) for n in names]
+            _fold_group(layers, names, group, decay, config, sync_free, pending)
+            del group
+    pending.sort(key=lambda item: order[item[0]])
     if sync_free:
         settle_on_device(layers, pending)
     else:
         settle_folds(layers, pending, nonfinite)
 
 
+def _fold_one(
+    layers: MutableMapping[str, LayerState],
+    name: str,
+    batch: LayerFactors,
+    decay: float,
+    config: KFACConfig,
+    sync_free: bool,
+    pending: list[tuple[str, torch.Tensor, LayerState]],
+) -> None:
+    """One layer folded (:func:`fold_deferred`); its checks go into ``pending`` with the
+    counters of the layer before (all that is kept of it)."""
+    before = layers[name]
+    layers[name], checks = fold_deferred(before, batch[0], batch[1], decay, config, sync_free)
+    pending.append((name, checks, before.replace(a_factor=_NONE, g_factor=_NONE)))
+
+
+def _fold_group(
+    layers: MutableMapping[str, LayerState],
+    names: Sequence[str],
+    batches: Sequence[LayerFactors],
+    decay: float,
+    config: KFACConfig,
+    sync_free: bool,
+    pending: list[tuple[str, torch.Tensor, LayerState]],
+) -> None:
+    """:func:`fold_deferred` of the layers ``names`` (equal :func:`_key`), stacked."""
+    states = [layers[n] for n in names]
+    # the batch factors of a group built together are views of one stack already
+    a = stacked([b[0] for b in batches])[0]
+    g = stacked([b[1] for b in batches])[0]
+    old_a = stacked([ls.a_factor for ls in states])[0]
+    old_g = stacked([ls.g_factor for ls in states])[0]
+    if takes_batch(states[0], config):
+        new_a, new_g = a, g
+    else:
+        new_a, new_g = running_average(old_a, a, decay), running_average(old_g, g, decay)
+    empty = no_data_rows(states, config) if sync_free else None
+    if empty is not None:  # layers whose updates were all skipped take the batch
+        new_a = torch.where(_rows(empty, a), a, new_a)
+        new_g = torch.where(_rows(empty, g), g, new_g)
+    checks = all_finite_rows([a, g, new_a, new_g])
+    ok = checks[:, 0] & checks[:, 1]
+    # selected into the new stacks themselves (no further group-sized temporary)
+    out_a = _select(ok, checks[:, 2], new_a, a, old_a)
+    out_g = _select(ok, checks[:, 3], new_g, g, old_g)
+    skips = _group_skips(states, ok) if sync_free else [None] * len(names)
+    for name, ls, fa, fg, c, s in zip(
+        names, states, out_a.unbind(0), out_g.unbind(0), checks.unbind(0), skips
+    ):
+        layers[name] = ls.replace(a_factor=fa, g_factor=fg, factor_updates=ls.factor_updates + 1)
+        if s is not None:
+            layers[name] = layers[name].replace(factor_skips=s)
+        else:
+            pending.append((name, c, ls))
+
+
 _NONE = torch.empty(0)
+
+
+def _group_skips(states: Sequence[LayerState], ok: torch.Tensor) -> list[torch.Tensor]:
+    """The group's ``factor_skips`` counters after this update (``ok``: one flag per
+    layer), computed together."""
+    prev = [ls.factor_skips for ls in states]
+    if all(p is None for p in prev):
+        return list(add_skips(None, ok).unbind(0))
+    zero = torch.zeros((), dtype=torch.int64, device=ok.device)
+    stack = stacked([zero if p is None else p.to(ok.device) for p in prev])[0]
+    return list(add_skips(stack, ok).unbind(0))
+
+
+def _select(
+    ok: torch.Tensor,
+    folded: torch.Tensor,
+    new: torch.Tensor,
+    batch: torch.Tensor,
+    old: torch.Tensor,
+) -> torch.Tensor:
+    """Per row: ``new`` where the batch was finite (``ok``) and the fold too (``folded``),
+    the batch where only the fold was not (a running factor restarted), else ``old``;
+    written into ``new`` unless it is the batch itself (the first update)."""
+    out = new if new is not batch else None
+    if out is None:
+        return torch.where(_rows(ok, new), new, old)
+    torch.where(_rows(folded, new), new, batch, out=out)
+    return torch.where(_rows(ok, new), out, old, out=out)
+
+
+def _rows(flags: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``flags`` (one per row of ``like``) shaped to broadcast over ``like``."""
+    return flags.reshape(-1, *([1] * (like.dim() - 1)))
+
+
+def _key(ls: LayerState, batch: LayerFactors, config: KFACConfig) -> Hashable | None:
+    """What layers must share to be folded together; a tied layer's stacked uses, or
+    factors on another device than the batch's, fold alone (None)."""
+    a, g, _ = batch
+    alone = (
+        ls.spec.block.stacked_uses
+        or a.dim() != ls.a_factor.dim()
+        or ls.a_factor.device != a.device
+        or ls.g_factor.device != g.device
+    )
+    if alone:
+        return None
+    first = takes_batch(ls, config)
+    shapes = tuple((tuple(t.shape), t.dtype, t.device) for t in (a, g, ls.a_factor, ls.g_factor))
+    return (shapes, first)

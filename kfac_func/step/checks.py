@@ -1,27 +1,24 @@
 """Checks of the gradients before they are preconditioned.
 
 Every layer's gradients must be present with the layer's shapes (an error names the layer
-otherwise); each layer's finiteness, and whether its rows reproduce its gradient, are
-computed on the device and read with one host synchronisation (:func:`check_layers`).
+otherwise); whether rows are worth using instead of the gradient matrix. The checks of
+the values themselves (finiteness, rows reproducing the gradient) are the preconditioning
+stage's, computed on the device (:mod:`kfac_func.step.grouped`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from collections.abc import Mapping
 
 import torch
 
 from kfac_func.blocks import LayerSpec, Rows, grads_to_matrix
 from kfac_func.core.decomposition import all_finite
-from kfac_func.core.factors import rows_match
 from kfac_func.state import LayerState
 from kfac_func.step.hyper import NonFinite, non_finite
 
 __all__ = [
-    "LayerCheck",
     "check_grads_mapping",
-    "check_layers",
     "grads_finite",
     "layer_grads",
     "layer_matrix",
@@ -42,14 +39,6 @@ def layer_grads(
 def layer_matrix(ls: LayerState, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The layer's gradient matrix; errors name the layer, missing keys and shapes."""
     return grads_to_matrix(ls.spec, *layer_grads(ls.spec, grads))
-
-
-class LayerCheck(NamedTuple):
-    """What :func:`check_layers` found for one layer: its gradients are finite, and its
-    rows may replace its gradient matrix (:func:`precondition_layer`)."""
-
-    finite: bool
-    rows: bool
 
 
 def rows_cheaper(spec: LayerSpec, rows: Rows | None) -> bool:
@@ -92,44 +81,6 @@ def validate_grads(layers: Mapping[str, LayerState], grads: Mapping[str, torch.T
     check_grads_mapping(grads)
     for ls in layers.values():
         layer_grads(ls.spec, grads)
-
-
-def check_layers(
-    layers: Mapping[str, LayerState],
-    grads: Mapping[str, torch.Tensor],
-    names: Sequence[str],
-    nonfinite: NonFinite,
-    rows: Mapping[str, Rows] | None = None,
-) -> dict[str, LayerCheck]:
-    """Check the gradients of the layers ``names`` before preconditioning them.
-
-    Every layer of ``layers`` must have its gradients in ``grads`` with its shapes
-    (ValueError naming the layer otherwise). For each of ``names``: are the gradients
-    finite (else warned or raised as :func:`grads_finite` does), and do the layer's
-    ``rows`` reproduce its gradient (:func:`kfac_func.core.factors.rows_match`, when
-    :func:`rows_cheaper`)? The answers of all layers are computed on the gradients' device
-    and read in one host synchronisation (a second only for a sum that overflowed).
-    """
-    validate_grads(layers, grads)
-    flags: list[torch.Tensor] = []
-    for name in names:
-        spec = layers[name].spec
-        w, b = layer_grads(spec, grads)
-        flags.append(torch.isfinite(w.sum() if b is None else w.sum() + b.sum()))
-        layer_rows = (rows or {}).get(name)
-        if layer_rows and rows_cheaper(spec, layer_rows):
-            flags.append(rows_match(spec, w, b, layer_rows))
-        else:
-            flags.append(torch.zeros((), dtype=torch.bool, device=w.device))
-    read = torch.stack([f.to(flags[0].device) for f in flags]).tolist() if flags else []
-    out: dict[str, LayerCheck] = {}
-    for k, name in enumerate(names):
-        finite, use_rows = read[2 * k], read[2 * k + 1]
-        if not finite:  # a NaN/Inf entry, or a sum that overflowed: the exact check
-            ls = layers[name]
-            finite = grads_finite(name, ls.spec, layer_matrix(ls, grads), nonfinite)
-        out[name] = LayerCheck(finite, finite and use_rows)
-    return out
 
 
 def grads_finite(name: str, spec: LayerSpec, m: torch.Tensor, mode: NonFinite) -> bool:

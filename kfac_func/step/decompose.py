@@ -1,14 +1,16 @@
 """Stage 2 of the step: decompose the running factors (eigen or inverse).
 
-:func:`decompose` is the public, pure stage; :func:`redecompose` and the functions around it
-are the pieces the distributed step and the adapters reuse. A factor that cannot be
+:func:`decompose` is the public, pure stage; :func:`decompose_layers` decomposes a step's
+layers (the factors of one shape together by :mod:`kfac_func.step.decompose_groups`, the
+others checked here); :func:`redecompose` and the functions around it are the checked
+one-layer pieces, which the distributed step and the adapters use too. A factor that cannot be
 decomposed never stops training: its layer keeps its previous decomposition.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Hashable, Iterable, Mapping, MutableMapping
+from collections.abc import MutableMapping
 
 import torch
 
@@ -16,28 +18,29 @@ from kfac_func.core.conventions import decomposition_dtype
 from kfac_func.core.decomposition import (
     Decomposition,
     DecompositionError,
-    EigenDecomposition,
-    EKFACDecomposition,
-    eigenvalue_outer,
-    eigh_factors,
 )
 from kfac_func.core.ekfac import from_eigen
 from kfac_func.core.layer_decomposition import Eigenpair, eigen_decompose, inverse_decompose
-from kfac_func.core.stacks import stacked
 from kfac_func.state import KFACConfig, KFACState, LayerState
 from kfac_func.step.autocast import without_autocast
+from kfac_func.step.decompose_groups import (
+    batched_eigenpairs,
+    batched_outers,
+    needs_decomposition,
+    new_decompositions,
+    select_on_device,
+    solver_failed,
+    warm_start,
+)
 from kfac_func.step.hyper import Hyper, check_hyper, resolve
 
 __all__ = [
-    "batched_eigenpairs",
     "check_eigh_device",
     "decompose",
     "decompose_layer",
     "decompose_layers",
     "decomposition_failed",
-    "needs_decomposition",
     "redecompose",
-    "warm_start",
 ]
 
 
@@ -63,12 +66,11 @@ def decompose(
 
     - ``batched_eigh``: factors of equal shape and dtype, across layers, are stacked and
       decomposed with one ``eigh`` call per shape (see
-      :func:`~kfac_func.core.decomposition.eigh_factors`), instead of one call per
+      :func:`~kfac_func.step.decompose_groups.batched_eigenpairs`), instead of one call per
       factor: on a GPU fewer solver calls, each of which waits for its result; on a CPU
       LAPACK decomposes the stack one matrix at a time. Results equal the per-factor
-      ones to rounding (not always bit for bit); every new decomposition is held until
-      the last layer's is made, where the per-factor path frees each layer's previous
-      one as it goes. Not for eigenbases refreshed by QR (they are not eigh).
+      ones to rounding (not always bit for bit). Eigenbases refreshed by QR are
+      refreshed one by one (they are not eigh).
     - ``eigh_device``: where eigh runs, e.g. ``"cpu"`` to offload it from a GPU (its
       results are moved back to the factors' device); None: the factors' device.
 
@@ -91,8 +93,8 @@ def decompose(
         lam,
         state.config,
         update_inverses=not only_missing,
-        batched_eigh=batched_eigh,
         eigh_device=eigh_device,
+        grouped=batched_eigh,
     )
     return state.replace(layers=layers)
 
@@ -115,87 +117,61 @@ def check_eigh_device(eigh_device: torch.device | str | None) -> torch.device | 
         ) from err
 
 
-def batched_eigenpairs(
-    layers: Mapping[str, LayerState],
-    config: KFACConfig,
-    sides: Iterable[tuple[str, int]],
-    *,
-    eigh_device: torch.device | None = None,
-) -> dict[tuple[str, int], Eigenpair]:
-    """The eigenpairs of the factors ``sides`` (``(layer, 0)`` for A, ``(layer, 1)`` for G)
-    from batched eigh calls (:func:`~kfac_func.core.decomposition.eigh_factors`), for the
-    eigen methods. Sides that are diagonal, refreshed by QR or that the batched calls gave
-    no result for are missing: decompose those one by one."""
-    if config.compute_method not in ("eigen", "ekfac"):
-        return {}
-    keys, factors = [], []
-    for name, side in sides:
-        ls = layers[name]
-        if ls.spec.diagonal[side] or warm_start(ls, config) is not None:
-            continue
-        keys.append((name, side))
-        factors.append(ls.g_factor if side else ls.a_factor)
-    cdt = decomposition_dtype(config.convention, config.inv_dtype)
-    results = eigh_factors(factors, dtype=config.inv_dtype, compute_dtype=cdt, device=eigh_device)
-    return {k: r for k, r in zip(keys, results) if r is not None}
-
-
-def batched_outers(
-    layers: Mapping[str, LayerState],
-    config: KFACConfig,
-    pairs: Mapping[tuple[str, int], Eigenpair],
-    damping: float,
-) -> dict[str, torch.Tensor]:
-    """The precomputed ``dgda = 1/(dg daᵀ + λ)`` of the layers whose two eigenpairs are in
-    ``pairs``, computed together for layers of equal shapes (a few operations per group);
-    empty unless the configuration precomputes it (``"eigen"`` with
-    ``compute_eigenvalue_outer_product``). Layers alone in their shape are left out (their
-    decomposition computes it)."""
-    if config.compute_method != "eigen" or not config.compute_eigenvalue_outer_product:
-        return {}
-    groups: dict[Hashable, list[str]] = {}
-    for name, ls in layers.items():
-        a, g = pairs.get((name, 0)), pairs.get((name, 1))
-        if a is None or g is None or any(ls.spec.diagonal):
-            continue
-        key = (tuple(a[1].shape), tuple(g[1].shape), a[1].dtype, a[1].device)
-        groups.setdefault(key, []).append(name)
-    out: dict[str, torch.Tensor] = {}
-    for names in groups.values():
-        if len(names) < 2:
-            continue
-        da = stacked([pairs[(n, 0)][1] for n in names])[0]
-        dg = stacked([pairs[(n, 1)][1] for n in names])[0]
-        out.update(zip(names, eigenvalue_outer(dg, da, damping).unbind(0)))
-    return out
-
-
 def decompose_layers(
     layers: MutableMapping[str, LayerState],
     damping: float,
     config: KFACConfig,
     *,
     update_inverses: bool,
-    batched_eigh: bool = False,
     eigh_device: torch.device | str | None = None,
-    grouped: bool = False,
+    grouped: bool = True,
+    sync_free: bool = False,
 ) -> set[str]:
-    """:func:`redecompose` (in place) every layer of ``layers`` that
-    :func:`needs_decomposition`, one layer at a time: a layer's previous decomposition
-    (kept for a warm start and in case the new one fails) is dropped as soon as its
-    replacement exists, not after the last layer (see :func:`fold_layers`). With
-    ``batched_eigh`` the eigendecompositions of equal-shaped factors are computed first,
-    together (see :func:`decompose`). ``grouped``: batched eigh, and the precomputed
-    ``dgda`` of equal-shaped layers computed together (operations per group, not per
-    layer). Returns the layers that got a new decomposition."""
+    """Decompose (in place) every layer of ``layers`` that :func:`needs_decomposition`:
+    the decomposition stage of every step. Returns the layers that got a new one.
+
+    The factors of one shape are decomposed together on the device (``grouped``; see
+    :mod:`kfac_func.step.decompose_groups`). The default mode reads whether they came out
+    finite in one host synchronisation, and decomposes the other sides one by one with
+    the checks and retries of :func:`redecompose` (float64, jitter; a layer that still
+    fails keeps its previous decomposition, with a warning), one layer at a time: each
+    layer's previous decomposition is dropped as soon as its replacement exists. With
+    ``sync_free`` nothing is read: every side is computed on the device and each layer
+    keeps its previous decomposition where the new one is not finite, as its ``usable``
+    flag says (:func:`~kfac_func.step.decompose_groups.select_on_device`); should the
+    solver itself fail (LAPACK not converging), the layers take the default mode's path
+    (a compiled step raises: the adapter reruns it eagerly).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> state = kf.init(kf.register(nn.Linear(2, 2)), convention="kfac-pytorch")
+        >>> layers = dict(state.layers)
+        >>> decompose_layers(layers, 0.1, state.config, update_inverses=True)
+        {''}
+        >>> layers[""].decomposition.da
+        tensor([1., 1., 1.])
+    """
     device = check_eigh_device(eigh_device)
     todo = [
         name
         for name, ls in layers.items()
         if needs_decomposition(ls, config, update_inverses=update_inverses)
     ]
+    if sync_free and todo:
+        try:
+            made = new_decompositions(
+                layers, todo, damping, config, eigh_device=device, grouped=grouped
+            )
+        except RuntimeError as err:  # nothing of layers changed yet
+            if not solver_failed(err) or torch.compiler.is_compiling():
+                raise
+        else:
+            select_on_device(layers, made, config)
+            return set(todo)
     pairs: dict[tuple[str, int], Eigenpair] = {}
-    if batched_eigh or grouped:
+    if grouped:
         sides = [(name, side) for name in todo for side in (0, 1)]
         pairs = batched_eigenpairs(layers, config, sides, eigh_device=device)
     outers = batched_outers(layers, config, pairs, damping) if grouped else {}
@@ -208,16 +184,11 @@ def decompose_layers(
         )
         if layers[name].decomposition_failures == old.decomposition_failures:
             fresh.add(name)
+            if sync_free:  # decided on the host after the solver's failure: applied
+                usable = torch.ones((), dtype=torch.bool, device=old.a_factor.device)
+                layers[name] = layers[name].replace(usable=usable)
         del old, given
     return fresh
-
-
-def needs_decomposition(ls: LayerState, config: KFACConfig, *, update_inverses: bool) -> bool:
-    """Whether a layer gets a new decomposition: on ``update_inverses`` steps, or when it
-    has none yet; never from ``"fisher"`` factors that hold no data."""
-    if ls.factor_updates == 0 and config.convention == "fisher":
-        return False
-    return update_inverses or ls.decomposition is None
 
 
 def decompose_layer(
@@ -261,19 +232,6 @@ def decompose_layer(
         name=ls.spec.name,
         placeholder=ls.spec.placeholder,
     )
-
-
-def warm_start(
-    ls: LayerState, config: KFACConfig
-) -> EigenDecomposition | EKFACDecomposition | None:
-    """The decomposition to refresh under ``eigenbasis_refresh="qr"`` (None: decompose
-    from scratch)."""
-    dec = ls.decomposition
-    if config.eigenbasis_refresh == "qr" and isinstance(
-        dec, (EigenDecomposition, EKFACDecomposition)
-    ):
-        return dec
-    return None
 
 
 def redecompose(

@@ -1,20 +1,23 @@
-"""The grouped step: layers of one shape preconditioned together.
+"""The preconditioning stage of every step: layers of one shape preconditioned together.
 
-A per-layer step costs a few dozen small tensor operations, and the Python around them,
-for every layer; on a GPU each operation is a kernel launch, so a deep model's step is
+Preconditioning one layer costs a few dozen small tensor operations, and the Python
+around them; on a GPU each operation is a kernel launch, so a deep model's step is
 launch-bound. Here the layers whose states and gradients have the same shapes, dtypes,
 kind and settings (:func:`~kfac_func.step.grouping.group_key`) form a *group*: each of
-their tensors is stacked once, the per-layer function
-(:func:`~kfac_func.step.layer_step.precondition_with`, the per-layer step's own) runs once
+their tensors is stacked once, the one-layer function
+(:func:`~kfac_func.step.layer_step.precondition_with`) runs once
 over the stacks under :func:`torch.func.vmap`, and the results are unbound into the
 layers. The operations of a step grow with the number of
 groups, not of layers: a transformer has a handful of groups whatever its depth.
 
-The numbers are the per-layer step's up to the rounding of batched products (the same
-formulas, in the same dtypes; the kl_clip terms are summed in name order as there). A
-group holds two layers or more; a layer alone, one without a decomposition and one whose
-rows make its preconditioning cheaper (:func:`~kfac_func.step.checks.rows_cheaper`) run
-as one-layer units of the same code, without stacking.
+A group holds two layers or more; a layer alone, one whose rows make its
+preconditioning cheaper (:func:`~kfac_func.step.checks.rows_cheaper`), and every layer
+when a step asks for ``grouped=False`` run as one-layer units of the same code, without
+stacking or vmap: their numbers are the groups' up to the rounding of batched products
+(the same formulas, in the same dtypes; the kl_clip terms are summed in name order
+either way). The default mode's checks (finiteness, and whether a layer's rows reproduce
+its gradient) are computed on the device and read in one host synchronisation;
+``sync_free`` never reads them (see :mod:`kfac_func.step.sync_free`).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from kfac_func.step.layer_step import Grafting, precondition_with
 from kfac_func.step.orthogonal import Orthogonal
 from kfac_func.step.sync_free import all_finite_tensor, count_skips, keep_where
 
-__all__ = ["precondition_layers_grouped", "preconditioned_layers"]
+__all__ = ["precondition_layers", "preconditioned_layers"]
 
 
 class _Unit:
@@ -100,7 +103,7 @@ class _Unit:
         return t.unbind(0) if self.batched else (t,)
 
 
-def precondition_layers_grouped(
+def precondition_layers(
     layers: Mapping[str, LayerState],
     grads: Mapping[str, torch.Tensor],
     damping: float,
@@ -116,11 +119,20 @@ def precondition_layers_grouped(
     basis_moments: BasisMoments | None = None,
     changes: dict[str, dict[str, object]] | None = None,
     orthogonal: Orthogonal | None = None,
+    grouped: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """:func:`~kfac_func.step.precondition.precondition_layers` (``sync_free=False``) or
-    :func:`~kfac_func.step.precondition.precondition_layers_sync_free` (``sync_free=True``),
-    computed group by group (see the module docstring): the same results, warnings and
-    changes of the layer states (``changes[layer]``).
+    """:func:`~kfac_func.precondition_grads` of ``layers`` with a resolved ``damping``,
+    computed group by group (see the module docstring; ``grouped=False``: one layer at a
+    time).
+
+    In the default mode a layer whose gradients hold NaN/Inf passes them unchanged (warned
+    about, in the layers' order, or raised: ``nonfinite``), and a layer whose ``rows``
+    reproduce its gradient is preconditioned from them where that is cheaper; with
+    ``sync_free`` each layer's finiteness (and its decomposition's ``usable`` flag) selects
+    the result or the raw gradient on the device. With ``consume_rows``, each layer's
+    entry is removed from a mutable ``rows`` once taken. The new running moments of each
+    layer (Adam grafting, eigenbasis moments, orthogonal momenta; under ``sync_free`` the
+    ``grad_skips`` counter too) go into ``changes[layer]`` (for ``LayerState.replace``).
 
     Example:
         >>> import torch
@@ -130,8 +142,8 @@ def precondition_layers_grouped(
         >>> state = kf.decompose(kf.init(kf.register(model), convention="kfac-pytorch"),
         ...                      damping=1.0)
         >>> grads = {k: torch.ones_like(p) for k, p in model.named_parameters()}
-        >>> out = precondition_layers_grouped(state.layers, grads, 1.0, kl_clip=None, lr=0.1,
-        ...                                   step=0, nonfinite="skip")
+        >>> out = precondition_layers(state.layers, grads, 1.0, kl_clip=None, lr=0.1,
+        ...                           step=0, nonfinite="skip")
         >>> out["1.bias"]
         tensor([0.5000, 0.5000, 0.5000])
     """
@@ -142,11 +154,14 @@ def precondition_layers_grouped(
     settings = _Settings(
         damping, step, grafting, basis_moments, sync_free, clip is not None, orthogonal
     )
-    units, use_rows, results = _compute(layers, grads, decomposed, taken, settings, nonfinite)
+    units, use_rows, results = _compute(
+        layers, grads, decomposed, taken, settings, nonfinite, grouped
+    )
     terms = [res["term"].reshape(-1) for _, res in results] if clip is not None else []
     scale: torch.Tensor | None = None
     if clip is not None and terms:
-        # summed in name order, as the per-layer step sums them
+        # summed in name order, so that ranks listing the layers in another order, and
+        # every grouping, round it alike
         order = [name for unit in units for name in unit.names]
         place = {name: k for k, name in enumerate(order)}
         names = sorted(order)
@@ -190,9 +205,9 @@ def preconditioned_layers(
     computed group by group, before the kl_clip scale: ``{layer: (P, finite)}`` with
     ``finite`` a 0-d bool tensor. In the default mode only the layers whose gradients are
     finite are there (the others warned about or raised, as
-    :func:`~kfac_func.step.checks.check_layers` does); with ``sync_free`` every one, its
+    :func:`precondition_layers` does); with ``sync_free`` every one, its
     flag deciding on the device. The changes of the layer states go into
-    ``changes[layer]`` (as :func:`precondition_layers_grouped`'s). The distributed step
+    ``changes[layer]`` (as :func:`precondition_layers`'s). The distributed step
     preconditions the layers a rank owns with it.
 
     Example:
@@ -231,14 +246,15 @@ def _compute(
     taken: Mapping[str, Rows | None],
     settings: _Settings,
     nonfinite: NonFinite,
+    grouped: bool = True,
 ) -> tuple[list[_Unit], dict[str, bool], list[tuple[_Unit, dict[str, Any]]]]:
-    """The units of ``names`` (decomposed layers), the default mode's checks
-    (``{finite layer: use its rows}``, see :func:`_check`) and each unit's results of
-    :func:`_stage`."""
+    """The units of ``names`` (decomposed layers; each alone unless ``grouped``), the
+    default mode's checks (``{finite layer: use its rows}``, see :func:`_check`) and each
+    unit's results of :func:`_stage`."""
     alone: list[str] = []
     if not settings.sync_free and settings.basis_moments is None and settings.orthogonal is None:
         alone = [n for n in names if rows_cheaper(layers[n].spec, taken.get(n))]
-    plan = plan_groups(layers, names, grads, alone=alone)
+    plan = plan_groups(layers, names, grads, alone=alone if grouped else names)
     units = [_Unit(group, layers, grads) for group in plan]
     use_rows = {} if settings.sync_free else _check(units, layers, grads, taken, alone, nonfinite)
     results = []
@@ -337,7 +353,7 @@ def _stage(
     }
     select = finite
     if settings.sync_free:
-        if ls.usable is not None:  # a decomposition the device judged (see decompose_on_device)
+        if ls.usable is not None:  # a decomposition the device judged (see decompose_groups)
             select = finite & ls.usable
         change = keep_where(ls, change, select)
         change["grad_skips"] = count_skips(ls, finite)
@@ -359,7 +375,7 @@ def _written(
     """The gradients written for one layer (the weight's, and the bias's if it has one):
     from ``p`` scaled by the kl_clip factor, where ``finite`` if ``select`` (else from the
     raw matrix ``m``); without ``select`` (the caller writes finite layers only) ``p``, the
-    step's own temporary, is scaled in place, as the per-layer step scales it."""
+    step's own temporary, is scaled in place."""
     if not select:
         out = p if scale is None else p.mul_(scale.to(p.dtype))
     else:
@@ -378,9 +394,8 @@ def _check(
     nonfinite: NonFinite,
 ) -> dict[str, bool]:
     """The default mode's checks, read in one host synchronisation: every layer's
-    finiteness (warned about, in the layers' order, or raised as the per-layer step
-    does), and whether the rows of each of ``alone`` reproduce its gradient. Returns
-    ``{finite layer: use its rows}``."""
+    finiteness (warned about, in the layers' order, or raised), and whether the rows of
+    each of ``alone`` reproduce its gradient. Returns ``{finite layer: use its rows}``."""
     flags = [u.finite.reshape(-1) for u in units]
     order = [name for u in units for name in u.names]
     for name in alone:

@@ -100,7 +100,7 @@ class StepOptions:
             layer's gradient is checked for NaN/Inf there and ``torch.where`` selects its
             preconditioned or its raw gradient; the kl_clip scale stays a tensor. On one
             process factor updates and decompositions decide on the device too (see
-            :mod:`kfac_func.step.decompose_on_device`; ``LayerState.factor_skips`` and
+            :mod:`kfac_func.step.decompose_groups`; ``LayerState.factor_skips`` and
             ``LayerState.usable``): no step kind reads anything on the host, and
             ``torch.compile(kfac_func.update, fullgraph=True)`` traces each whole. Skipped
             layers are counted in the state (``LayerState.grad_skips``) and warned about
@@ -113,13 +113,14 @@ class StepOptions:
             :func:`kfac_func.decompose`).
         eigh_device: the device eigh runs on (``"cpu"``: offload it); None: the factors'.
         grouped: compute the layers of one shape together, as stacked tensors: their batch
-            factors (:mod:`kfac_func.step.grouped_batch`), running factors
-            (:mod:`kfac_func.step.grouped_fold`), preconditioning
+            factors (:mod:`kfac_func.step.batch_factors`), running factors
+            (:func:`~kfac_func.step.accumulate.fold_layers`), preconditioning
             (:mod:`kfac_func.step.grouped`) and, for the eigen methods,
             eigendecompositions (as ``batched_eigh``) and precomputed ``dgda``. The
             operations of those stages grow with the number of distinct layer shapes, not
-            of layers. The results are those of the per-layer step (``grouped=False``) to
-            rounding.
+            of layers. ``grouped=False`` runs every layer as a group of one, through the
+            same code (the old factors and decompositions are then freed layer by layer);
+            the results are the same to rounding.
 
     All hyperparameters (``damping``, ``factor_decay``, ``kl_clip``, ``lr``,
     ``update_factors``, ``update_inverses``) may be ``step -> value`` callables, evaluated

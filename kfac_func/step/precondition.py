@@ -1,7 +1,8 @@
 """Stage 3 of the step: precondition the gradients and scale them by kl_clip.
 
-:func:`precondition_grads` is the public, pure stage; :func:`precondition_layer` and
-:func:`write_preconditioned` are the pieces the distributed step and the adapters reuse.
+:func:`precondition_grads` is the public, pure stage; the computation is
+:mod:`kfac_func.step.grouped`'s (the layers of one shape together, a lone layer as a
+group of one), which the distributed step shares.
 """
 
 from __future__ import annotations
@@ -13,45 +14,20 @@ from typing import Any
 
 import torch
 
-from kfac_func.blocks import LayerSpec, Rows, matrix_to_grads
+from kfac_func.blocks import Rows
 from kfac_func.captures import Captures
 from kfac_func.core.decomposition import EigenDecomposition, InverseDecomposition
-from kfac_func.core.preconditioning import kl_clip_scale_of_terms, kl_clip_term
 from kfac_func.state import KFACState, LayerState
 from kfac_func.step.autocast import without_autocast
 from kfac_func.step.basis import BasisMoments
-from kfac_func.step.checks import check_layers, layer_matrix, validate_grads
-from kfac_func.step.grouped import precondition_layers_grouped
-from kfac_func.step.hyper import (
-    Hyper,
-    NonFinite,
-    as_list,
-    clip_and_rate,
-    take,
-)
-from kfac_func.step.layer_step import Grafting, graft, precondition_layer, precondition_with
+from kfac_func.step.grouped import precondition_layers
+from kfac_func.step.hyper import as_list
+from kfac_func.step.layer_step import Grafting
 from kfac_func.step.options import StepOptions, step_options
-from kfac_func.step.orthogonal import Orthogonal, orthogonal_layers, prepare_layers
-from kfac_func.step.sync_free import (
-    apply_selected,
-    count_skips,
-    keep_where,
-    layer_finite,
-    usable_only,
-)
+from kfac_func.step.orthogonal import orthogonal_layers, prepare_layers
+from kfac_func.step.sync_free import usable_only
 
-__all__ = [
-    "Grafting",
-    "apply_preconditioned",
-    "captured_rows",
-    "graft",
-    "precondition_grads",
-    "precondition_layer",
-    "precondition_layers",
-    "precondition_layers_sync_free",
-    "precondition_with",
-    "write_preconditioned",
-]
+__all__ = ["captured_rows", "precondition_grads"]
 
 
 @without_autocast
@@ -81,7 +57,8 @@ def precondition_grads(
     :func:`kfac_func.update` stores them. The preconditioned gradients of all layers are
     then scaled by ``min(1, sqrt(kl_clip / |lr² Σ P ⊙ grad|))`` unless ``kl_clip`` is
     None. ``rows`` (``{layer: [(input rows, output-gradient rows), ...]}``, see
-    :func:`precondition_layer`) lets Linear layers skip dense products.
+    :func:`~kfac_func.step.layer_step.precondition_layer`) lets Linear layers skip dense
+    products.
 
     ``damping`` λ divides by ``dg daᵀ + λ`` in the eigenbasis (``"eigen"``, ``"ekfac"``).
     Not given (None), it is the damping of the decomposition where the decomposition holds
@@ -133,34 +110,6 @@ def precondition_grads(
         layers = usable_only(layers)
     if basis_moments is None and damping is not None:
         layers = _damped_by(layers, lam)
-    if opts.grouped:
-        return precondition_layers_grouped(
-            layers,
-            grads,
-            lam,
-            kl_clip=kl_clip,
-            lr=lr,
-            step=state.step,
-            nonfinite=nonfinite,
-            sync_free=sync_free,
-            rows=None if sync_free else rows,
-            grafting=grafting,
-            basis_moments=basis_moments,
-            orthogonal=ortho,
-        )
-    if sync_free:
-        validate_grads(layers, grads)
-        return precondition_layers_sync_free(
-            layers,
-            grads,
-            lam,
-            kl_clip=kl_clip,
-            lr=lr,
-            step=state.step,
-            grafting=grafting,
-            basis_moments=basis_moments,
-            orthogonal=ortho,
-        )
     return precondition_layers(
         layers,
         grads,
@@ -169,10 +118,12 @@ def precondition_grads(
         lr=lr,
         step=state.step,
         nonfinite=nonfinite,
-        rows=rows,
+        sync_free=sync_free,
+        rows=None if sync_free else rows,
         grafting=grafting,
         basis_moments=basis_moments,
         orthogonal=ortho,
+        grouped=opts.grouped,
     )
 
 
@@ -221,106 +172,6 @@ def _damped_by(layers: Mapping[str, LayerState], damping: float) -> Mapping[str,
     return out
 
 
-def precondition_layers(
-    layers: Mapping[str, LayerState],
-    grads: Mapping[str, torch.Tensor],
-    damping: float,
-    *,
-    kl_clip: Hyper | None,
-    lr: Hyper,
-    step: int,
-    nonfinite: NonFinite,
-    rows: Mapping[str, Rows] | None = None,
-    consume_rows: bool = False,
-    grafting: Grafting | None = None,
-    basis_moments: BasisMoments | None = None,
-    changes: dict[str, dict[str, object]] | None = None,
-    orthogonal: Orthogonal | None = None,
-) -> dict[str, torch.Tensor]:
-    """:func:`precondition_grads` of ``layers`` with a resolved ``damping``.
-
-    Holds one layer's gradient matrix at a time: its term of the kl_clip sum is taken as
-    soon as the layer is preconditioned. With ``consume_rows``, each layer's entry is
-    removed from a mutable ``rows`` once used. The new running moments of each layer
-    (Adam grafting, eigenbasis moments) go into ``changes[layer]`` (for
-    ``LayerState.replace``).
-    """
-    done: list[tuple[LayerSpec, torch.Tensor]] = []
-    terms: dict[str, torch.Tensor] = {}
-    decomposed = [name for name, ls in layers.items() if ls.decomposition is not None]
-    # eigenbasis moments and orthogonal steps need the gradient matrix itself: rows are
-    # not checked or used
-    plain = basis_moments is None and orthogonal is None
-    checks = check_layers(layers, grads, decomposed, nonfinite, rows if plain else None)
-    for name, ls in layers.items():
-        taken = take(rows, name, consume_rows)
-        check = checks.get(name)
-        if check is None or not check.finite:
-            continue
-        m = layer_matrix(ls, grads)
-        p = precondition_with(
-            ls,
-            m,
-            damping,
-            taken if check.rows else None,
-            step=step,
-            grafting=grafting,
-            basis_moments=basis_moments,
-            changes=changes,
-            orthogonal=orthogonal,
-        )
-        if kl_clip is not None:
-            terms[ls.spec.name] = kl_clip_term(p, m)
-        done.append((ls.spec, p))
-        del m
-    return write_preconditioned(grads, done, terms, kl_clip=kl_clip, lr=lr, step=step)
-
-
-def precondition_layers_sync_free(
-    layers: Mapping[str, LayerState],
-    grads: Mapping[str, torch.Tensor],
-    damping: float,
-    *,
-    kl_clip: Hyper | None,
-    lr: Hyper,
-    step: int,
-    grafting: Grafting | None = None,
-    basis_moments: BasisMoments | None = None,
-    changes: dict[str, dict[str, object]] | None = None,
-    orthogonal: Orthogonal | None = None,
-) -> dict[str, torch.Tensor]:
-    """:func:`precondition_layers` without host synchronisation (see
-    :mod:`kfac_func.step.sync_free`): every decomposed layer is preconditioned, and its
-    gradient's finiteness, a tensor, selects the result or the raw gradient. Its new
-    running moments (kept where it was not finite) and its ``grad_skips`` counter go into
-    ``changes[layer]``. The caller validates ``grads`` (:func:`validate_grads`)."""
-    done: list[tuple[LayerSpec, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    for name, ls in layers.items():
-        if ls.decomposition is None:
-            continue
-        finite = layer_finite(ls.spec, grads)
-        select = finite if ls.usable is None else finite & ls.usable
-        m = layer_matrix(ls, grads)
-        mine: dict[str, dict[str, object]] = {}
-        p = precondition_with(
-            ls,
-            m,
-            damping,
-            None,
-            step=step,
-            grafting=grafting,
-            basis_moments=basis_moments,
-            changes=mine,
-            orthogonal=orthogonal,
-        )
-        if changes is not None:
-            change = keep_where(ls, mine.get(ls.spec.name, {}), select)
-            change["grad_skips"] = count_skips(ls, finite)
-            changes[name] = change
-        done.append((ls.spec, p, m, select))
-    return apply_selected(grads, done, kl_clip=kl_clip, lr=lr, step=step)
-
-
 def captured_rows(state: KFACState, captures: Captures | Sequence[Captures]) -> dict[str, Rows]:
     """The rows of the calls in ``captures`` (all micro-batches) of every layer whose kind
     has rows (:attr:`kfac_func.blocks.LayerBlock.has_rows`)."""
@@ -339,58 +190,4 @@ def captured_rows(state: KFACState, captures: Captures | Sequence[Captures]) -> 
         ]
         if found:
             out[name] = found
-    return out
-
-
-def apply_preconditioned(
-    grads: Mapping[str, torch.Tensor],
-    done: Sequence[tuple[LayerSpec, torch.Tensor, torch.Tensor]],
-    *,
-    kl_clip: Hyper | None,
-    lr: Hyper,
-    step: int,
-) -> dict[str, torch.Tensor]:
-    """Scale the preconditioned matrices by the kl_clip factor and write them back.
-
-    ``done`` holds ``(spec, preconditioned matrix, raw matrix)`` of the layers that were
-    preconditioned; every other entry of ``grads`` passes unchanged into the new dict.
-    The preconditioned matrices are scaled in place (see :func:`write_preconditioned`).
-    """
-    terms: dict[str, torch.Tensor] = {}
-    if kl_clip is not None:
-        terms = {spec.name: kl_clip_term(p, m) for spec, p, m in done}
-    pairs = [(spec, p) for spec, p, _ in done]
-    return write_preconditioned(grads, pairs, terms, kl_clip=kl_clip, lr=lr, step=step)
-
-
-def write_preconditioned(
-    grads: Mapping[str, torch.Tensor],
-    done: Sequence[tuple[LayerSpec, torch.Tensor]],
-    terms: Mapping[str, torch.Tensor],
-    *,
-    kl_clip: Hyper | None,
-    lr: Hyper,
-    step: int,
-) -> dict[str, torch.Tensor]:
-    """Scale the preconditioned matrices by the kl_clip factor and write them back.
-
-    ``done`` holds ``(spec, preconditioned matrix)`` of the layers that were
-    preconditioned, ``terms`` their :func:`~kfac_func.core.decomposition.kl_clip_term` by layer
-    name (needed unless ``kl_clip`` is None). The matrices must be the caller's own
-    temporaries: they are scaled in place. Every other entry of ``grads`` passes unchanged
-    into the new dict.
-    """
-    clip, rate = clip_and_rate(kl_clip, lr, step)
-    if clip is not None and done:
-        # summed in name order, so that ranks whose states list layers in another order
-        # round it the same
-        by_name = {spec.name: p for spec, p in done}
-        names = sorted(by_name)
-        first = by_name[names[0]]
-        scale = kl_clip_scale_of_terms([terms[n] for n in names], clip, rate, dtype=first.dtype)
-        for _, p in done:
-            p.mul_(scale.to(p.dtype))
-    out = dict(grads)
-    for spec, p in done:
-        spec.block.write_grads(spec, out, grads, *matrix_to_grads(spec, p))
     return out

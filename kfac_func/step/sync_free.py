@@ -1,11 +1,11 @@
 """The pieces of a step without host synchronisation (``sync_free=True``).
 
 By default a step reads every layer's checks on the host (one synchronisation, see
-:func:`kfac_func.step.checks.check_layers`) and branches in Python: a layer whose gradient
+:mod:`kfac_func.step.grouped`) and branches in Python: a layer whose gradient
 holds a NaN or Inf is left out and a warning names it. On a GPU that read waits for every
 queued kernel. With ``sync_free=True`` the decision stays on the device:
 
-- each layer's finiteness is a 0-d bool tensor (:func:`layer_finite`);
+- each layer's finiteness is a 0-d bool tensor (:func:`all_finite_tensor`);
 - the layer is preconditioned whatever it holds, and ``torch.where`` selects the
   preconditioned or the raw gradient (:func:`apply_selected`); a skipped layer's term of
   the kl_clip sum is zero, its running moments keep their old values (:func:`keep_where`);
@@ -15,7 +15,7 @@ queued kernel. With ``sync_free=True`` the decision stays on the device:
 
 Steps that update the factors or decompose them decide on the device as well (see
 :func:`~kfac_func.step.accumulate.settle_on_device` and
-:mod:`kfac_func.step.decompose_on_device`).
+:mod:`kfac_func.step.decompose_groups`).
 
 When every gradient is finite the numbers are exactly those of the default mode's dense
 path. The rows shortcut of Linear layers (:func:`kfac_func.step.precondition.precondition_layer`)
@@ -32,17 +32,16 @@ import torch
 from kfac_func.blocks import LayerSpec, matrix_to_grads
 from kfac_func.core.preconditioning import kl_clip_scale_of_terms, kl_clip_term
 from kfac_func.state import KFACState, LayerState
-from kfac_func.step.checks import layer_grads
 from kfac_func.step.hyper import Hyper, NonFinite, clip_and_rate
 
 __all__ = [
     "all_finite_each",
+    "all_finite_rows",
     "all_finite_tensor",
     "apply_selected",
     "check_sync_free",
     "count_skips",
     "keep_where",
-    "layer_finite",
     "leave_sync_free",
     "report_layers",
     "report_skipped",
@@ -60,23 +59,6 @@ def check_sync_free(sync_free: bool, nonfinite: NonFinite) -> None:
             "gradient: use nonfinite='skip' (the skips are counted in the state and "
             "reported by kfac_func.report_skipped)"
         )
-
-
-def layer_finite(spec: LayerSpec, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Whether every entry of the layer's gradients is finite, as a 0-d bool tensor on the
-    gradients' device (no host synchronisation).
-
-    Example:
-        >>> from torch import nn
-        >>> from kfac_func.blocks import register
-        >>> spec = register(nn.Linear(2, 1))[""]
-        >>> g = {"weight": torch.tensor([[1.0, float("nan")]]), "bias": torch.zeros(1)}
-        >>> layer_finite(spec, g)
-        tensor(False)
-    """
-    w, b = layer_grads(spec, grads)
-    finite = all_finite_tensor(w)
-    return finite if b is None else finite & all_finite_tensor(b)
 
 
 def all_finite_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -113,6 +95,22 @@ def all_finite_each(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.isfinite(torch.stack(ends)).all(dim=1)
 
 
+def all_finite_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``(n, len(tensors))`` bools: whether row ``i`` (``t[i]``) of each stacked tensor is
+    finite, by its extremes, checked together in one ``isfinite``.
+
+    Example:
+        >>> t = torch.tensor([[1.0, 2.0], [float("inf"), 0.0]])
+        >>> all_finite_rows([t, torch.zeros(2, 3)])
+        tensor([[ True,  True],
+                [False,  True]])
+    """
+    n = tensors[0].shape[0]
+    rows = [t.reshape(n, -1) for t in tensors]  # amin and amax: faster than aminmax here
+    ends = [torch.stack([r.amin(1), r.amax(1)], dim=1) for r in rows]
+    return torch.isfinite(torch.stack(ends, dim=1)).all(dim=2)
+
+
 def count_skips(ls: LayerState, finite: torch.Tensor) -> torch.Tensor:
     """The layer's ``grad_skips`` counter, one higher where ``finite`` is False."""
     skipped = (~finite).to(torch.int64)
@@ -137,7 +135,7 @@ def keep_where(
 
 def apply_selected(
     grads: Mapping[str, torch.Tensor],
-    done: Sequence[tuple[LayerSpec, torch.Tensor, torch.Tensor, torch.Tensor]],
+    done: Sequence[tuple[LayerSpec, torch.Tensor, torch.Tensor, torch.Tensor | None]],
     *,
     kl_clip: Hyper | None,
     lr: Hyper,
@@ -147,11 +145,21 @@ def apply_selected(
     layer, the preconditioned or the raw gradient as its flag selects.
 
     ``done`` holds ``(spec, preconditioned matrix, raw matrix, flag)``: the flag is a 0-d
-    bool tensor (True: use the preconditioned matrix). Layers whose flag is False add 0 to
-    the kl_clip sum, which is taken in name order as
-    :func:`kfac_func.step.precondition.write_preconditioned` takes it (the same numbers
-    when every flag is True). Nothing in ``done`` is modified. Every other entry of
-    ``grads`` passes unchanged into the new dict.
+    bool tensor (True: use the preconditioned matrix), or None where the host knows the
+    layer was preconditioned. Layers whose flag is False add 0 to the kl_clip sum, which
+    is taken in name order, as the preconditioning stage takes it (the same numbers when
+    every flag is True). Nothing in ``done`` is modified. Every other entry of ``grads``
+    passes unchanged into the new dict.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from kfac_func.blocks import register
+        >>> spec = register(nn.Linear(2, 1, bias=False))[""]
+        >>> grads = {"weight": torch.ones(1, 2)}
+        >>> done = [(spec, torch.full((1, 2), 3.0), torch.ones(1, 2), torch.tensor(False))]
+        >>> apply_selected(grads, done, kl_clip=None, lr=0.1, step=0)["weight"]
+        tensor([[1., 1.]])
     """
     clip, rate = clip_and_rate(kl_clip, lr, step)
     scale: torch.Tensor | None = None
@@ -162,13 +170,14 @@ def apply_selected(
         for name in names:
             p, m, flag = by_name[name]
             term = kl_clip_term(p, m)
-            terms.append(torch.where(flag, term, torch.zeros_like(term)))
+            terms.append(term if flag is None else torch.where(flag, term, torch.zeros_like(term)))
         first = by_name[names[0]][0]
         scale = kl_clip_scale_of_terms(terms, clip, rate, dtype=first.dtype)
     out = dict(grads)
     for spec, p, m, flag in done:
-        scaled = p if scale is None else p * scale.to(p.dtype)
-        chosen = torch.where(flag, scaled, m.to(p.dtype))
+        chosen = p if scale is None else p * scale.to(p.dtype)
+        if flag is not None:
+            chosen = torch.where(flag, chosen, m.to(p.dtype))
         spec.block.write_grads(spec, out, grads, *matrix_to_grads(spec, chosen))
     return out
 

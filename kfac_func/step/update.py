@@ -21,30 +21,24 @@ import torch
 
 from kfac_func.blocks import Rows
 from kfac_func.captures import Captures
-from kfac_func.state import KFACConfig, KFACState, LayerState
-from kfac_func.step.accumulate import (
+from kfac_func.state import KFACState, LayerState
+from kfac_func.step.accumulate import fold_layers
+from kfac_func.step.autocast import without_autocast
+from kfac_func.step.basis import carry_moments, moment_bases
+from kfac_func.step.batch_factors import (
     LayerFactors,
-    fold_layers,
+    build_batch_factors,
     layer_batch_factors,
     layer_stats,
 )
-from kfac_func.step.autocast import without_autocast
-from kfac_func.step.basis import carry_moments, moment_bases
 from kfac_func.step.checks import validate_grads
 from kfac_func.step.decompose import check_eigh_device, decompose_layers
-from kfac_func.step.decompose_on_device import decompose_layers_on_device, solver_failed
 from kfac_func.step.ekfac import update_scales
-from kfac_func.step.grouped import precondition_layers_grouped
-from kfac_func.step.grouped_batch import batch_factors_grouped
-from kfac_func.step.grouped_fold import fold_layers_grouped
+from kfac_func.step.grouped import precondition_layers
 from kfac_func.step.hyper import as_list, resolve, take
 from kfac_func.step.options import StepOptions, step_options
 from kfac_func.step.orthogonal import orthogonal_layers, prepare_layers
-from kfac_func.step.precondition import (
-    captured_rows,
-    precondition_layers,
-    precondition_layers_sync_free,
-)
+from kfac_func.step.precondition import captured_rows
 from kfac_func.step.sync_free import leave_sync_free
 
 __all__ = ["update"]
@@ -140,7 +134,7 @@ def update(
         made: dict[str, LayerFactors] | None = None
         if grouped and micro is not None:  # the layers of one shape together
             specs = {name: ls.spec for name, ls in layers.items()}
-            made = batch_factors_grouped(
+            made = build_batch_factors(
                 specs, lambda name: layer_stats(specs[name], micro, config), config
             )
 
@@ -151,25 +145,20 @@ def update(
                 return layer_batch_factors(ls.spec, micro, config)
             return take(batch_factors, name, donate)
 
-        (fold_layers_grouped if grouped else fold_layers)(
-            layers, batch_of, decay, config, nonfinite, sync_free
-        )
+        fold_layers(layers, batch_of, decay, config, nonfinite, sync_free, grouped)
     lam = opts.damping_at(step)
     before = moment_bases(layers)
     inverses_now = bool(resolve(opts.update_inverses, step))
     eigh_device = check_eigh_device(opts.eigh_device)
-    if sync_free:
-        fresh = _decompose_on_device(layers, lam, config, inverses_now, eigh_device, grouped)
-    else:
-        fresh = decompose_layers(
-            layers,
-            lam,
-            config,
-            update_inverses=inverses_now,
-            batched_eigh=opts.batched_eigh,
-            eigh_device=eigh_device,
-            grouped=grouped,
-        )
+    fresh = decompose_layers(
+        layers,
+        lam,
+        config,
+        update_inverses=inverses_now,
+        eigh_device=eigh_device,
+        grouped=grouped or opts.batched_eigh,
+        sync_free=sync_free,
+    )
     carry_moments(layers, before, fresh, grouped=grouped)
     if config.compute_method == "ekfac" and micro is not None:
         # EKFAC: this step's per-example moments in the current eigenbases
@@ -180,90 +169,23 @@ def update(
     plain = basis_settings is None and ortho is None and not sync_free
     if rows is None and captures is not None and plain:
         rows = captured_rows(state, captures)  # the default mode's shortcut of Linear layers
-    if grouped:
-        out = precondition_layers_grouped(
-            layers,
-            grads,
-            lam,
-            kl_clip=opts.kl_clip,
-            lr=opts.lr,
-            step=step,
-            nonfinite=nonfinite,
-            sync_free=sync_free,
-            rows=rows,
-            consume_rows=donate,
-            grafting=graft_settings,
-            basis_moments=basis_settings,
-            changes=changes,
-            orthogonal=ortho,
-        )
-    elif sync_free:
-        out = precondition_layers_sync_free(
-            layers,
-            grads,
-            lam,
-            kl_clip=opts.kl_clip,
-            lr=opts.lr,
-            step=step,
-            grafting=graft_settings,
-            basis_moments=basis_settings,
-            changes=changes,
-            orthogonal=ortho,
-        )
-    else:
-        out = precondition_layers(
-            layers,
-            grads,
-            lam,
-            kl_clip=opts.kl_clip,
-            lr=opts.lr,
-            step=step,
-            nonfinite=nonfinite,
-            rows=rows,
-            consume_rows=donate,
-            grafting=graft_settings,
-            basis_moments=basis_settings,
-            changes=changes,
-            orthogonal=ortho,
-        )
+    out = precondition_layers(
+        layers,
+        grads,
+        lam,
+        kl_clip=opts.kl_clip,
+        lr=opts.lr,
+        step=step,
+        nonfinite=nonfinite,
+        sync_free=sync_free,
+        rows=rows,
+        consume_rows=donate,
+        grafting=graft_settings,
+        basis_moments=basis_settings,
+        changes=changes,
+        orthogonal=ortho,
+        grouped=grouped,
+    )
     for name, change in changes.items():  # the running moments (and skip counters)
         layers[name] = layers[name].replace(**change)
     return out, state.replace(layers=layers, step=step + 1)
-
-
-def _decompose_on_device(
-    layers: dict[str, LayerState],
-    damping: float,
-    config: KFACConfig,
-    update_inverses: bool,
-    eigh_device: torch.device | None,
-    grouped: bool,
-) -> set[str]:
-    """The decomposition stage of a ``sync_free`` step: decided on the device
-    (:mod:`kfac_func.step.decompose_on_device`); should the solver itself fail (LAPACK
-    not converging), eagerly the checked stage with its retries (a compiled step raises:
-    the adapter reruns it eagerly)."""
-    if torch.compiler.is_compiling():
-        return decompose_layers_on_device(
-            layers, damping, config, update_inverses=update_inverses, eigh_device=eigh_device
-        )
-    try:
-        return decompose_layers_on_device(
-            layers, damping, config, update_inverses=update_inverses, eigh_device=eigh_device
-        )
-    except RuntimeError as err:  # nothing of layers changed yet
-        if not solver_failed(err):
-            raise
-        fresh = decompose_layers(
-            layers,
-            damping,
-            config,
-            update_inverses=update_inverses,
-            eigh_device=eigh_device,
-            grouped=grouped,
-        )
-        for name in fresh:  # checked on the host: applied
-            ls = layers[name]
-            ok = torch.ones((), dtype=torch.bool, device=ls.a_factor.device)
-            layers[name] = ls.replace(usable=ok)
-        return fresh
