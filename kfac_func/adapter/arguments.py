@@ -1,14 +1,21 @@
-"""kfac-pytorch's preconditioner arguments, validated once for every preconditioner class.
+"""kfac-pytorch's preconditioner arguments, described once for every preconditioner class.
 
-:class:`KFACArguments` checks and stores the keyword arguments that
-:class:`~kfac_func.adapter.preconditioner.KFACPreconditioner` and the model-parallel
-preconditioners share (numbers may also be ``step -> value`` callables); ``HYPER`` names
-the hyperparameters that are saved in state dicts and printed.
+:meth:`KFACArguments._set_arguments` is the one description of the keyword arguments that
+:class:`~kfac_func.adapter.preconditioner.KFACPreconditioner`,
+:class:`~kfac_func.parallel.preconditioner.ParallelKFACPreconditioner` and
+:class:`~kfac_func.parallel.gpt_neox.GPTNeoXKFACPreconditioner` share: their names, how
+they are checked (numbers may also be ``step -> value`` callables) and the attributes they
+are stored as. Each constructor keeps its explicit signature (what ``inspect.signature``,
+type checkers and the API reference read) and hands its arguments over by name with
+:func:`arguments_of`; their documentation is :class:`KFACPreconditioner`'s ``Args``, to
+which the other two refer. ``HYPER`` names the hyperparameters that are saved in state
+dicts and printed.
 """
 
 from __future__ import annotations
 
 import enum
+import inspect
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -30,6 +37,7 @@ __all__ = [
     "IntOrFn",
     "KFACArguments",
     "PreconditionerBase",
+    "arguments_of",
     "log_registered",
     "parse_enum",
 ]
@@ -65,6 +73,23 @@ def parse_enum(cls: type[enum.Enum], value: Any, arg: str) -> Any:
         return cls[value.upper()]
     names = ", ".join(m.lower() for m in cls.__members__)
     raise ValueError(f"{arg} must be one of {names} (or {cls.__name__}), got {value!r}")
+
+
+def arguments_of(function: Callable[..., Any], given: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``given`` (a constructor's ``locals()``) that name parameters of
+    ``function``: a constructor hands the arguments it shares with ``function`` over by
+    name, so that their list is written once, in ``function``'s signature.
+
+    Example:
+        >>> def build(a: int, *, b: int = 2) -> int:
+        ...     return a + b
+        >>> def wrapper(a: int, b: int = 5, c: int = 0) -> int:
+        ...     return build(**arguments_of(build, locals()))
+        >>> wrapper(1)
+        6
+    """
+    names = inspect.signature(function).parameters
+    return {name: given[name] for name in names if name in given and name != "self"}
 
 
 def log_registered(
@@ -173,6 +198,9 @@ class KFACArguments:
         allreduce_method: AllreduceMethod | str | None = None,
         convention: str | None = None,
     ) -> None:
+        """Check and store the shared arguments: this signature is their one list (the
+        constructors hand them over with :func:`arguments_of`), documented in
+        :class:`~kfac_func.adapter.preconditioner.KFACPreconditioner`'s ``Args``."""
         # scaling= is the preconditioners' name, convention= the functional API's
         scaling = convention_argument(convention, scaling, default="kfac-pytorch")
         if allreduce_bucket_cap_mb < 0:
