@@ -282,12 +282,19 @@ class PreconditionerBase(KFACArguments):
     hyperparameter's current value, and whether this step collects statistics."""
 
     _state: KFACState
+    layers: Mapping[str, LayerSpec]
     eigenbasis_moments: bool = False
 
     @property
     def steps(self) -> int:
         """Number of :meth:`step` calls so far."""
         return self._state.step
+
+    def _repr(self, name: str, where: str, *settings: str) -> str:
+        """``name(N layers<where>, <the hyperparameters>, <settings>, scaling=...)``."""
+        hyper = ", ".join(f"{k}={getattr(self, k)!r}" for k in HYPER)
+        tail = ", ".join((*settings, f"scaling={self.scaling!r}"))
+        return f"{name}({len(self.layers)} layers{where}, {hyper}, {tail})"
 
     def _value(self, v: Any) -> Any:
         return v(self.steps) if callable(v) else v

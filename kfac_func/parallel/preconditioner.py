@@ -40,7 +40,6 @@ import torch
 from torch import nn
 
 from kfac_func.adapter.arguments import (
-    HYPER,
     ComputeMethod,
     FloatOrFn,
     IntOrFn,
@@ -226,9 +225,9 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         self.world_plan = global_plan(self.all_specs, self.owner_rank, comm.world_size)
 
     def __repr__(self) -> str:
-        hyper = ", ".join(f"{k}={getattr(self, k)!r}" for k in HYPER)
-        return (
-            f"{type(self).__name__}({len(self.layers)} layers on stage {self.stage}, {hyper}, "
-            f"data={self.comm.dp_size}, model={self.comm.mp_size}, "
-            f"compute_method={self.compute_method.name.lower()}, scaling={self.scaling!r})"
+        return self._repr(
+            type(self).__name__,
+            f" on stage {self.stage}",
+            f"data={self.comm.dp_size}, model={self.comm.mp_size}",
+            f"compute_method={self.compute_method.name.lower()}",
         )
