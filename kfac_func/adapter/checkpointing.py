@@ -33,13 +33,7 @@ from kfac_func.adapter.replicated import (
 )
 from kfac_func.blocks.tied import newly_tied
 from kfac_func.checkpoint.checksums import CHECKSUMS_KEY, add_checksums, verify_checksums
-from kfac_func.core.decomposition import (
-    EigenDecomposition,
-    EKFACDecomposition,
-    InverseDecomposition,
-    all_finite,
-    decomposition_from_fields,
-)
+from kfac_func.core.decomposition import DECOMPOSITIONS, all_finite, decomposition_from_fields
 from kfac_func.distributed.communicator import Communicator
 from kfac_func.distributed.plan import DistributedStrategy, Plan
 from kfac_func.distributed.sharded import release_unowned
@@ -143,7 +137,7 @@ def load_layer(
     dec = entry.get("decomposition")
     if dec is not None:
         kind = type(ls.decomposition) if ls.decomposition is not None else None
-        cls = kind or _decomposition_class(config.compute_method)
+        cls = kind or DECOMPOSITIONS[config.compute_method]
         fields = {k: v.to(device, copy=True) for k, v in dec.items()}
         return new.replace(decomposition=decomposition_from_fields(cls, fields))
     if damping is not None:
@@ -188,11 +182,6 @@ def _own_copies(tree: dict[str, Any]) -> dict[str, Any]:
         else v
         for k, v in tree.items()
     }
-
-
-def _decomposition_class(method: str) -> Any:
-    classes = {"eigen": EigenDecomposition, "ekfac": EKFACDecomposition}
-    return classes.get(method, InverseDecomposition)
 
 
 class StateDictMixin(PreconditionerBase):

@@ -23,7 +23,7 @@ from kfac_func.adapter.checkpoint_settings import (
     warn_replaced,
 )
 from kfac_func.checkpoint.factor_dir import load_factor_dir, save_factor_dir
-from kfac_func.core.decomposition import EigenDecomposition, InverseDecomposition
+from kfac_func.core.decomposition import DECOMPOSITIONS
 from kfac_func.parallel.base import ParallelBase
 from kfac_func.state import KFACState, LayerState
 from kfac_func.step.decompose import decompose_layer
@@ -116,7 +116,7 @@ class ParallelCheckpointing(ParallelBase):
             if not self._owner(name):
                 pass  # only a layer's owner decomposes it and preconditions its gradient
             elif dec is not None:
-                cls = EigenDecomposition if cfg.compute_method == "eigen" else InverseDecomposition
+                cls = DECOMPOSITIONS[cfg.compute_method]
                 new = new.replace(decomposition=cls(**{k: v.to(dev) for k, v in dec.items()}))
             elif compute_inverses:
                 new = new.replace(
