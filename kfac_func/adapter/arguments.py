@@ -28,7 +28,7 @@ from kfac_func.captures import check_loss_divisor
 from kfac_func.core.conventions import CONVENTIONS, convention_argument
 from kfac_func.distributed.communicator import AllreduceMethod
 from kfac_func.distributed.plan import AssignmentStrategy
-from kfac_func.state import KFACState
+from kfac_func.state import KFACState, init
 
 __all__ = [
     "HYPER",
@@ -283,6 +283,7 @@ class PreconditionerBase(KFACArguments):
 
     _state: KFACState
     layers: Mapping[str, LayerSpec]
+    factor_dtype: torch.dtype
     eigenbasis_moments: bool = False
 
     @property
@@ -295,6 +296,20 @@ class PreconditionerBase(KFACArguments):
         hyper = ", ".join(f"{k}={getattr(self, k)!r}" for k in HYPER)
         tail = ", ".join((*settings, f"scaling={self.scaling!r}"))
         return f"{name}({len(self.layers)} layers{where}, {hyper}, {tail})"
+
+    def _first_state(self, device: torch.device, **options: Any) -> KFACState:
+        """The registered layers' fresh state (:func:`kfac_func.init`) on ``device``, as the
+        stored arguments and :attr:`factor_dtype` ask, with ``init``'s other ``options``."""
+        return init(
+            self.layers,
+            convention=self.scaling,  # type: ignore[arg-type]
+            compute_method=self.compute_method.name.lower(),
+            compute_eigenvalue_outer_product=self.compute_eigenvalue_outer_product,
+            factor_dtype=self.factor_dtype,
+            inv_dtype=self.inv_dtype,
+            device=device,
+            **options,
+        )
 
     def _value(self, v: Any) -> Any:
         return v(self.steps) if callable(v) else v

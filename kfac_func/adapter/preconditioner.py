@@ -48,7 +48,7 @@ from kfac_func.distributed.dtensor import (
 from kfac_func.distributed.plan import AssignmentStrategy, DistributedStrategy, make_plan
 from kfac_func.distributed.sharded import release_unowned
 from kfac_func.distributed.step import update_distributed
-from kfac_func.state import KFACState, init
+from kfac_func.state import KFACState
 from kfac_func.step.adaptive import AdaptiveInfo, init_adaptive
 from kfac_func.step.basis import BasisMoments
 from kfac_func.step.decompose import check_eigh_device
@@ -318,16 +318,7 @@ class KFACPreconditioner(
             settings=settings,
             timeout=collective_timeout,
         )
-        self._state = init(
-            self.layers,
-            convention=self.scaling,  # type: ignore[arg-type]
-            compute_method=self.compute_method.name.lower(),
-            compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
-            factor_dtype=self.factor_dtype,
-            inv_dtype=inv_dtype,
-            device=weight.device,
-            eigenbasis_refresh=eigenbasis_refresh,
-        )
+        self._state = self._first_state(weight.device, eigenbasis_refresh=eigenbasis_refresh)
         # sharded models under MEM_OPT hold factors only for the layers each rank owns
         self._sharded = any(is_dtensor(p) for p in model.parameters())
         self._state = release_unowned(self._state, self.plan, self.comm.rank, self._sharded)

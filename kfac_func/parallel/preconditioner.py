@@ -56,7 +56,6 @@ from kfac_func.parallel.plan import global_plan, make_parallel_plan, register_pa
 from kfac_func.parallel.recording import ParallelHookRecorder
 from kfac_func.parallel.splits import ParallelClasses
 from kfac_func.parallel.stepping import ParallelStep
-from kfac_func.state import init
 
 __all__ = ["ParallelKFACPreconditioner"]
 
@@ -174,16 +173,8 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         params = [model.get_parameter(s.weight) for s in self.layers.values()]
         weight = params[0] if params else next(model.parameters(), torch.empty(0))
         self.factor_dtype = factor_dtype or torch.promote_types(weight.dtype, torch.float32)
-        self._state = init(
-            self.layers,
-            convention=self.scaling,  # type: ignore[arg-type]
-            compute_method=self.compute_method.name.lower(),
-            compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
-            factor_dtype=self.factor_dtype,
-            inv_dtype=inv_dtype,
-            device=weight.device,
-            allow_empty=True,  # a pipeline stage may hold no preconditioned layer
-        )
+        # a pipeline stage may hold no preconditioned layer
+        self._state = self._first_state(weight.device, allow_empty=True)
         self._directory()
         self._micro = []
         self._handles = []
