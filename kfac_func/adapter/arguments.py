@@ -38,6 +38,7 @@ __all__ = [
     "KFACArguments",
     "PreconditionerBase",
     "arguments_of",
+    "check_bucket_cap",
     "log_registered",
     "parse_enum",
 ]
@@ -90,6 +91,19 @@ def arguments_of(function: Callable[..., Any], given: Mapping[str, Any]) -> dict
     """
     names = inspect.signature(function).parameters
     return {name: given[name] for name in names if name in given and name != "self"}
+
+
+def check_bucket_cap(cap: float) -> None:
+    """A ValueError unless ``allreduce_bucket_cap_mb`` is >= 0 (0: one collective per tensor).
+
+    Example:
+        >>> check_bucket_cap(-1)
+        Traceback (most recent call last):
+        ...
+        ValueError: allreduce_bucket_cap_mb must be >= 0, got -1
+    """
+    if cap < 0:
+        raise ValueError(f"allreduce_bucket_cap_mb must be >= 0, got {cap!r}")
 
 
 def log_registered(
@@ -203,8 +217,7 @@ class KFACArguments:
         :class:`~kfac_func.adapter.preconditioner.KFACPreconditioner`'s ``Args``."""
         # scaling= is the preconditioners' name, convention= the functional API's
         scaling = convention_argument(convention, scaling, default="kfac-pytorch")
-        if allreduce_bucket_cap_mb < 0:
-            raise ValueError("allreduce_bucket_cap_mb must be >= 0")
+        check_bucket_cap(allreduce_bucket_cap_mb)
         reduce_method: AllreduceMethod = (
             AllreduceMethod.for_bucket_cap(allreduce_bucket_cap_mb)
             if allreduce_method is None

@@ -57,6 +57,7 @@ from kfac_func.adapter.arguments import (
     FloatOrFn,
     IntOrFn,
     arguments_of,
+    check_bucket_cap,
     parse_enum,
 )
 from kfac_func.blocks.mapped import KindMap
@@ -172,10 +173,7 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
                 "model must be an instance of deepspeed.pipe.PipelineModule. "
                 f"Got an instance of {type(model)}."
             )
-        if allreduce_bucket_cap_mb < 0:
-            raise ValueError(
-                f"allreduce_bucket_cap_mb must be >= 0, got {allreduce_bucket_cap_mb!r}"
-            )
+        check_bucket_cap(allreduce_bucket_cap_mb)  # before compute_method's, as kfac-pytorch
         method = parse_enum(ComputeMethod, compute_method, "compute_method")
         if method is ComputeMethod.INVERSE:
             raise ValueError(
