@@ -69,7 +69,8 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
     documented there, with the same defaults but ``compute_eigenvalue_outer_product=False``
     (as kfac-pytorch's GPT-NeoX preconditioner); ``allreduce_bucket_cap_mb`` and
     ``symmetry_aware`` are accepted for compatibility (each collective here carries one
-    layer's tensors). It adds:
+    layer's tensors); the ``loglevel`` report covers this stage and names the global and
+    pipeline rank. It adds:
 
     Args:
         data_parallel_group: this rank's data-parallel group (None: no data parallelism).
