@@ -1,14 +1,21 @@
-"""kfac-pytorch's preconditioner arguments, validated once for every preconditioner class.
+"""kfac-pytorch's preconditioner arguments, described once for every preconditioner class.
 
-:class:`KFACArguments` checks and stores the keyword arguments that
-:class:`~kfac_func.adapter.preconditioner.KFACPreconditioner` and the model-parallel
-preconditioners share (numbers may also be ``step -> value`` callables); ``HYPER`` names
-the hyperparameters that are saved in state dicts and printed.
+:meth:`KFACArguments._set_arguments` is the one description of the keyword arguments that
+:class:`~kfac_func.adapter.preconditioner.KFACPreconditioner`,
+:class:`~kfac_func.parallel.preconditioner.ParallelKFACPreconditioner` and
+:class:`~kfac_func.parallel.gpt_neox.GPTNeoXKFACPreconditioner` share: their names, how
+they are checked (numbers may also be ``step -> value`` callables) and the attributes they
+are stored as. Each constructor keeps its explicit signature (what ``inspect.signature``,
+type checkers and the API reference read) and hands its arguments over by name with
+:func:`arguments_of`; their documentation is :class:`KFACPreconditioner`'s ``Args``, to
+which the other two refer. ``HYPER`` names the hyperparameters that are saved in state
+dicts and printed.
 """
 
 from __future__ import annotations
 
 import enum
+import inspect
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -21,7 +28,7 @@ from kfac_func.captures import check_loss_divisor
 from kfac_func.core.conventions import CONVENTIONS, convention_argument
 from kfac_func.distributed.communicator import AllreduceMethod
 from kfac_func.distributed.plan import AssignmentStrategy
-from kfac_func.state import KFACState
+from kfac_func.state import KFACState, init
 
 __all__ = [
     "HYPER",
@@ -30,6 +37,8 @@ __all__ = [
     "IntOrFn",
     "KFACArguments",
     "PreconditionerBase",
+    "arguments_of",
+    "check_bucket_cap",
     "log_registered",
     "parse_enum",
 ]
@@ -65,6 +74,36 @@ def parse_enum(cls: type[enum.Enum], value: Any, arg: str) -> Any:
         return cls[value.upper()]
     names = ", ".join(m.lower() for m in cls.__members__)
     raise ValueError(f"{arg} must be one of {names} (or {cls.__name__}), got {value!r}")
+
+
+def arguments_of(function: Callable[..., Any], given: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``given`` (a constructor's ``locals()``) that name parameters of
+    ``function``: a constructor hands the arguments it shares with ``function`` over by
+    name, so that their list is written once, in ``function``'s signature.
+
+    Example:
+        >>> def build(a: int, *, b: int = 2) -> int:
+        ...     return a + b
+        >>> def wrapper(a: int, b: int = 5, c: int = 0) -> int:
+        ...     return build(**arguments_of(build, locals()))
+        >>> wrapper(1)
+        6
+    """
+    names = inspect.signature(function).parameters
+    return {name: given[name] for name in names if name in given and name != "self"}
+
+
+def check_bucket_cap(cap: float) -> None:
+    """A ValueError unless ``allreduce_bucket_cap_mb`` is >= 0 (0: one collective per tensor).
+
+    Example:
+        >>> check_bucket_cap(-1)
+        Traceback (most recent call last):
+        ...
+        ValueError: allreduce_bucket_cap_mb must be >= 0, got -1
+    """
+    if cap < 0:
+        raise ValueError(f"allreduce_bucket_cap_mb must be >= 0, got {cap!r}")
 
 
 def log_registered(
@@ -173,10 +212,12 @@ class KFACArguments:
         allreduce_method: AllreduceMethod | str | None = None,
         convention: str | None = None,
     ) -> None:
+        """Check and store the shared arguments: this signature is their one list (the
+        constructors hand them over with :func:`arguments_of`), documented in
+        :class:`~kfac_func.adapter.preconditioner.KFACPreconditioner`'s ``Args``."""
         # scaling= is the preconditioners' name, convention= the functional API's
         scaling = convention_argument(convention, scaling, default="kfac-pytorch")
-        if allreduce_bucket_cap_mb < 0:
-            raise ValueError("allreduce_bucket_cap_mb must be >= 0")
+        check_bucket_cap(allreduce_bucket_cap_mb)
         reduce_method: AllreduceMethod = (
             AllreduceMethod.for_bucket_cap(allreduce_bucket_cap_mb)
             if allreduce_method is None
@@ -254,12 +295,34 @@ class PreconditionerBase(KFACArguments):
     hyperparameter's current value, and whether this step collects statistics."""
 
     _state: KFACState
+    layers: Mapping[str, LayerSpec]
+    factor_dtype: torch.dtype
     eigenbasis_moments: bool = False
 
     @property
     def steps(self) -> int:
         """Number of :meth:`step` calls so far."""
         return self._state.step
+
+    def _repr(self, name: str, where: str, *settings: str) -> str:
+        """``name(N layers<where>, <the hyperparameters>, <settings>, scaling=...)``."""
+        hyper = ", ".join(f"{k}={getattr(self, k)!r}" for k in HYPER)
+        tail = ", ".join((*settings, f"scaling={self.scaling!r}"))
+        return f"{name}({len(self.layers)} layers{where}, {hyper}, {tail})"
+
+    def _first_state(self, device: torch.device, **options: Any) -> KFACState:
+        """The registered layers' fresh state (:func:`kfac_func.init`) on ``device``, as the
+        stored arguments and :attr:`factor_dtype` ask, with ``init``'s other ``options``."""
+        return init(
+            self.layers,
+            convention=self.scaling,  # type: ignore[arg-type]
+            compute_method=self.compute_method.name.lower(),
+            compute_eigenvalue_outer_product=self.compute_eigenvalue_outer_product,
+            factor_dtype=self.factor_dtype,
+            inv_dtype=self.inv_dtype,
+            device=device,
+            **options,
+        )
 
     def _value(self, v: Any) -> Any:
         return v(self.steps) if callable(v) else v

@@ -19,14 +19,20 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kfac_func.adapter.arguments import HYPER
 from kfac_func.state import KFACState
+
+if TYPE_CHECKING:
+    from kfac_func.adapter.arguments import PreconditionerBase
 
 __all__ = [
     "CONSTRUCTED_KEY",
     "SETTINGS_KEY",
     "check_settings",
+    "hyperparameter_entries",
+    "load_hyperparameters",
     "meaning_settings",
     "replaced_choices",
     "warn_replaced",
@@ -155,3 +161,53 @@ damping 0.001 → 0.01
             UserWarning,
             stacklevel=stacklevel + 1,
         )
+
+
+def hyperparameter_entries(owner: PreconditionerBase, settings: dict[str, Any]) -> dict[str, Any]:
+    """The entries a preconditioner's state dict begins with: ``steps``, the non-callable
+    hyperparameters of :data:`~kfac_func.adapter.arguments.HYPER`, the ``settings`` (its
+    :func:`meaning_settings`) and the non-callable hyperparameters it was constructed with.
+
+    Example:
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> pre = kf.KFACPreconditioner(nn.Linear(2, 2), damping=lambda k: 0.1)
+        >>> sd = hyperparameter_entries(pre, {})
+        >>> sorted(sd), sd["constructed"]["lr"]
+        (['constructed', 'factor_decay', 'factor_update_steps', 'inv_update_steps', \
+'kl_clip', 'lr', 'settings', 'steps'], 0.1)
+    """
+    sd: dict[str, Any] = {"steps": owner.steps}
+    sd.update({k: v for k in HYPER if not callable(v := getattr(owner, k))})
+    sd[SETTINGS_KEY] = settings
+    made = getattr(owner, "_constructed", {})
+    sd[CONSTRUCTED_KEY] = {k: v for k, v in made.items() if not callable(v)}
+    return sd
+
+
+def load_hyperparameters(
+    owner: PreconditionerBase, sd: dict[str, Any], settings: Mapping[str, Any]
+) -> tuple[list[str], dict[str, Any]]:
+    """Check the settings of the state dict ``sd`` against ``settings`` (a ValueError
+    names those that differ; nothing changes then), then set its hyperparameters on
+    ``owner`` but where ``owner`` holds a callable; both records are popped from ``sd``.
+    Returns the hyperparameters the constructor chose otherwise than the checkpoint's
+    run (:func:`replaced_choices`) and the values before, for :func:`warn_replaced` (and
+    for putting them back if the rest of the state dict is refused).
+
+    Example:
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> pre = kf.KFACPreconditioner(nn.Linear(2, 2), damping=0.01)
+        >>> sd = {"damping": 0.5, "constructed": {"damping": 0.01}}
+        >>> load_hyperparameters(pre, sd, {})[0], pre.damping, sd
+        ([], 0.5, {'damping': 0.5})
+    """
+    check_settings(sd.pop(SETTINGS_KEY, None), settings)
+    made = getattr(owner, "_constructed", {})
+    chosen = replaced_choices(HYPER, sd.pop(CONSTRUCTED_KEY, None), made, sd)
+    old = {key: getattr(owner, key) for key in HYPER}
+    for key in HYPER:
+        if key in sd and not callable(old[key]):
+            setattr(owner, key, sd[key])
+    return chosen, old

@@ -17,11 +17,9 @@ import torch
 
 from kfac_func.adapter.arguments import HYPER, PreconditionerBase
 from kfac_func.adapter.checkpoint_settings import (
-    CONSTRUCTED_KEY,
-    SETTINGS_KEY,
-    check_settings,
+    hyperparameter_entries,
+    load_hyperparameters,
     meaning_settings,
-    replaced_choices,
     warn_replaced,
 )
 from kfac_func.adapter.fallback import DEMOTED_KEY
@@ -35,13 +33,7 @@ from kfac_func.adapter.replicated import (
 )
 from kfac_func.blocks.tied import newly_tied
 from kfac_func.checkpoint.checksums import CHECKSUMS_KEY, add_checksums, verify_checksums
-from kfac_func.core.decomposition import (
-    EigenDecomposition,
-    EKFACDecomposition,
-    InverseDecomposition,
-    all_finite,
-    decomposition_from_fields,
-)
+from kfac_func.core.decomposition import DECOMPOSITIONS, all_finite, decomposition_from_fields
 from kfac_func.distributed.communicator import Communicator
 from kfac_func.distributed.plan import DistributedStrategy, Plan
 from kfac_func.distributed.sharded import release_unowned
@@ -145,7 +137,7 @@ def load_layer(
     dec = entry.get("decomposition")
     if dec is not None:
         kind = type(ls.decomposition) if ls.decomposition is not None else None
-        cls = kind or _decomposition_class(config.compute_method)
+        cls = kind or DECOMPOSITIONS[config.compute_method]
         fields = {k: v.to(device, copy=True) for k, v in dec.items()}
         return new.replace(decomposition=decomposition_from_fields(cls, fields))
     if damping is not None:
@@ -192,11 +184,6 @@ def _own_copies(tree: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _decomposition_class(method: str) -> Any:
-    classes = {"eigen": EigenDecomposition, "ekfac": EKFACDecomposition}
-    return classes.get(method, InverseDecomposition)
-
-
 class StateDictMixin(PreconditionerBase):
     """``state_dict`` / ``load_state_dict`` of :class:`KFACPreconditioner` (a base class:
     the preconditioner sets the attributes below)."""
@@ -211,14 +198,7 @@ class StateDictMixin(PreconditionerBase):
         and update counter, so a resumed run is bit-exact); ``settings``: what the factors
         mean (scaling, compute method, eigenbasis moments, factor dtype, layer kinds and
         ``kfac_approx``), checked by :meth:`load_state_dict`."""
-        sd: dict[str, Any] = {"steps": self.steps}
-        for key in HYPER:
-            value = getattr(self, key)
-            if not callable(value):
-                sd[key] = value
-        sd[SETTINGS_KEY] = meaning_settings(self._state, self.eigenbasis_moments)
-        made = getattr(self, "_constructed", {})
-        sd[CONSTRUCTED_KEY] = {k: v for k, v in made.items() if not callable(v)}
+        sd = hyperparameter_entries(self, meaning_settings(self._state, self.eigenbasis_moments))
         if include_factors:
             sd["layers"] = layer_entries(self._state, self.plan, self.comm)
             # a template DCP loads into: the same tensors on every rank (no collective on
@@ -256,24 +236,16 @@ class StateDictMixin(PreconditionerBase):
         if demoted:  # the saved run's layers left to the other optimizer: left here too
             verify_checksums(state_dict, "K-FAC state_dict")  # before anything changes
             self.demote(dict(demoted))
-        check_settings(
-            sd.pop(SETTINGS_KEY, None), meaning_settings(self._state, self.eigenbasis_moments)
-        )
-        steps = int(sd.pop("steps"))
-        layers_sd = sd.pop("layers", None)
-        chosen = replaced_choices(
-            HYPER, sd.pop(CONSTRUCTED_KEY, None), getattr(self, "_constructed", {}), sd
-        )
-        device = next(iter(self._state.layers.values())).a_factor.device
-        adaptive = _adaptive_from(
-            adaptive_fields(sd.pop("adaptive", None)), self._state.adaptive, device
-        )
-        old = {key: getattr(self, key) for key in HYPER}
-        for key in HYPER:
-            if key in sd and not callable(getattr(self, key)):
-                setattr(self, key, sd[key])
+        settings = meaning_settings(self._state, self.eigenbasis_moments)
+        chosen, old = load_hyperparameters(self, sd, settings)
         layers = dict(self._state.layers)
         try:
+            steps = int(sd.pop("steps"))
+            layers_sd = sd.pop("layers", None)
+            device = next(iter(layers.values())).a_factor.device
+            adaptive = _adaptive_from(
+                adaptive_fields(sd.pop("adaptive", None)), self._state.adaptive, device
+            )
             if layers_sd is not None:
                 unknown = sorted(set(layers_sd) - set(layers))
                 fresh = newly_tied(layers, layers_sd)  # saved when tied pairs were skipped

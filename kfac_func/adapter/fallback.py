@@ -53,18 +53,8 @@ class FallbackWarning(UserWarning):
 
 class FallbackMixin(InspectionMixin):
     """Demotion of registered layers (a base class of
-    :class:`~kfac_func.KFACPreconditioner`; see :mod:`kfac_func.adapter.fallback`).
-
-    Example:
-        >>> import torch
-        >>> from torch import nn
-        >>> import kfac_func as kf
-        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-        >>> pre = kf.KFACPreconditioner(model)
-        >>> pre.demote({"1": "left to the other optimizer by hand"})
-        >>> list(pre.layers), pre.demoted
-        (['0'], {'1': 'left to the other optimizer by hand'})
-    """
+    :class:`~kfac_func.KFACPreconditioner`; see :mod:`kfac_func.adapter.fallback` and the
+    example of :meth:`demote`)."""
 
     layers: LayerTable
     comm: Communicator
@@ -144,12 +134,13 @@ class FallbackMixin(InspectionMixin):
                 are in the plan every rank executes: leave them out with ``skip_layers=``.
 
         Example:
-            >>> import torch
             >>> from torch import nn
             >>> import kfac_func as kf
             >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
             >>> pre = kf.KFACPreconditioner(model)
             >>> pre.demote({"0": "tried elsewhere"})
+            >>> list(pre.layers), pre.demoted
+            (['1'], {'0': 'tried elsewhere'})
             >>> print(pre.layers.skipped["0"])
             tried elsewhere
         """

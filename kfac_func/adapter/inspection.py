@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kfac_func.adapter.arguments import HYPER, PreconditionerBase
+from kfac_func.adapter.arguments import PreconditionerBase
 from kfac_func.blocks import Gram, LayerTable
 from kfac_func.step.diagnostics import DOMINANCE, JUDGE_LIMIT, damping_dominance, judged_at
 from kfac_func.step.options import StepOptions
@@ -189,12 +189,12 @@ class InspectionMixin(PreconditionerBase):
         }
 
     def __repr__(self) -> str:
-        hyper = ", ".join(f"{k}={getattr(self, k)!r}" for k in HYPER)
-        return (
-            f"KFACPreconditioner({len(self.layers)} layers, {hyper}, "
-            f"accumulation_steps={self.accumulation_steps}, "
-            f"compute_method={self.compute_method.name.lower()}, "
-            f"distributed_strategy={self.distributed_strategy.name}, scaling={self.scaling!r})"
+        return self._repr(
+            "KFACPreconditioner",
+            "",
+            f"accumulation_steps={self.accumulation_steps}",
+            f"compute_method={self.compute_method.name.lower()}",
+            f"distributed_strategy={self.distributed_strategy.name}",
         )
 
 

@@ -24,6 +24,7 @@ from kfac_func.adapter.arguments import (
     ComputeMethod,
     FloatOrFn,
     IntOrFn,
+    arguments_of,
     log_registered,
 )
 from kfac_func.adapter.checkpointing import StateDictMixin
@@ -47,7 +48,7 @@ from kfac_func.distributed.dtensor import (
 from kfac_func.distributed.plan import AssignmentStrategy, DistributedStrategy, make_plan
 from kfac_func.distributed.sharded import release_unowned
 from kfac_func.distributed.step import update_distributed
-from kfac_func.state import KFACState, init
+from kfac_func.state import KFACState
 from kfac_func.step.adaptive import AdaptiveInfo, init_adaptive
 from kfac_func.step.basis import BasisMoments
 from kfac_func.step.decompose import check_eigh_device
@@ -246,31 +247,7 @@ class KFACPreconditioner(
         self._set_sync_free(sync_free, compile, grouped)
         self.batched_eigh, self.eigh_device = batched_eigh, check_eigh_device(eigh_device)
         self.factor_rows = check_factor_rows(factor_rows, update_factors_in_hook)
-        self._set_arguments(
-            model,
-            factor_update_steps=factor_update_steps,
-            inv_update_steps=inv_update_steps,
-            damping=damping,
-            factor_decay=factor_decay,
-            kl_clip=kl_clip,
-            lr=lr,
-            accumulation_steps=accumulation_steps,
-            allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
-            assignment_strategy=assignment_strategy,
-            compute_method=compute_method,
-            compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
-            symmetry_aware=symmetry_aware,
-            grad_scaler=grad_scaler,
-            inv_dtype=inv_dtype,
-            skip_layers=skip_layers,
-            update_factors_in_hook=update_factors_in_hook,
-            loglevel=loglevel,
-            scaling=scaling,
-            convention=convention,
-            loss_reduction=loss_reduction,
-            loss_divisor=loss_divisor,
-            allreduce_method=allreduce_method,
-        )
+        self._set_arguments(**arguments_of(self._set_arguments, locals()))  # checked, stored
 
         # named as the model's state dict names them (no checkpoint_wrapper prefixes)
         table = register(
@@ -341,16 +318,7 @@ class KFACPreconditioner(
             settings=settings,
             timeout=collective_timeout,
         )
-        self._state = init(
-            self.layers,
-            convention=self.scaling,  # type: ignore[arg-type]
-            compute_method=self.compute_method.name.lower(),
-            compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
-            factor_dtype=self.factor_dtype,
-            inv_dtype=inv_dtype,
-            device=weight.device,
-            eigenbasis_refresh=eigenbasis_refresh,
-        )
+        self._state = self._first_state(weight.device, eigenbasis_refresh=eigenbasis_refresh)
         # sharded models under MEM_OPT hold factors only for the layers each rank owns
         self._sharded = any(is_dtensor(p) for p in model.parameters())
         self._state = release_unowned(self._state, self.plan, self.comm.rank, self._sharded)

@@ -38,7 +38,7 @@ from torch import nn
 
 from kfac_func.blocks.spec import Gram, LayerSpec, shape_error
 
-__all__ = ["LayerBlock"]
+__all__ = ["JointBlock", "LayerBlock"]
 
 
 class LayerBlock(ABC):
@@ -442,6 +442,28 @@ class LayerBlock(ABC):
         else:
             w, b = m, None
         return w.reshape(spec.weight_shape), b
+
+
+class JointBlock(LayerBlock):
+    """A kind whose statistics need a call's input and output-gradient together
+    (:attr:`~LayerBlock.joint`): it implements :meth:`~LayerBlock.joint_grams`, and
+    :meth:`a_gram` and :meth:`g_gram` refuse.
+
+    Example:
+        >>> import torch
+        >>> from kfac_func.blocks import register
+        >>> spec = register(torch.nn.LayerNorm(3))[""]
+        >>> isinstance(spec.block, JointBlock), spec.block.joint
+        (True, True)
+    """
+
+    joint = True
+
+    def a_gram(self, spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype) -> Gram:
+        raise TypeError(f"layer {spec.name!r} ({spec.kind}): statistics need joint_grams")
+
+    def g_gram(self, spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype) -> Gram:
+        raise TypeError(f"layer {spec.name!r} ({spec.kind}): statistics need joint_grams")
 
 
 def _rows(t: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac_func.blocks.base import LayerBlock
+from kfac_func.blocks.base import JointBlock
 from kfac_func.blocks.linear import LinearBlock
 from kfac_func.blocks.registry import register_block
 from kfac_func.blocks.spec import Gram, LayerSpec
@@ -66,7 +66,7 @@ _PARTS = ("gate_up_proj", "down_proj")
 
 
 @register_block
-class ExpertsBlock(LayerBlock):
+class ExpertsBlock(JointBlock):
     """The fused experts of a mixture-of-experts layer: two stacked projections, per-expert
     factors (see the module docstring).
 
@@ -92,7 +92,6 @@ class ExpertsBlock(LayerBlock):
     taps = True
     recomputes = True
     checks_itself = True
-    joint = True
     model_parallel = False
 
     def matches(self, module: nn.Module) -> bool:
@@ -135,12 +134,6 @@ class ExpertsBlock(LayerBlock):
     def examples(self, spec: LayerSpec, x: torch.Tensor) -> int | None:
         """The routed rows do not tell (the other layers say the batch size)."""
         return None
-
-    def a_gram(self, spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype) -> Gram:
-        raise TypeError(f"layer {spec.name!r} ({spec.kind}): statistics need joint_grams")
-
-    def g_gram(self, spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype) -> Gram:
-        raise TypeError(f"layer {spec.name!r} ({spec.kind}): statistics need joint_grams")
 
     def joint_grams(
         self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor, dtype: torch.dtype

@@ -23,16 +23,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from kfac_func.blocks.base import LayerBlock
+from kfac_func.blocks.base import JointBlock
 from kfac_func.blocks.spec import Gram, LayerSpec, shape_error
 
 __all__ = ["ScaleShiftBlock", "unit_grams"]
 
 
-class ScaleShiftBlock(LayerBlock):
+class ScaleShiftBlock(JointBlock):
     """Norm layers with an elementwise affine: per-unit ``(scale, shift)`` Fisher blocks."""
 
-    joint = True
     model_parallel = False
     placeholder_a = True
 
@@ -76,12 +75,6 @@ class ScaleShiftBlock(LayerBlock):
 
     def weight_shape(self, spec: LayerSpec) -> tuple[int, ...]:
         return tuple(spec.option("shape"))
-
-    def a_gram(self, spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype) -> Gram:
-        raise TypeError(f"layer {spec.name!r} ({spec.kind}): statistics need joint_grams")
-
-    def g_gram(self, spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype) -> Gram:
-        raise TypeError(f"layer {spec.name!r} ({spec.kind}): statistics need joint_grams")
 
     def joint_grams(
         self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor, dtype: torch.dtype

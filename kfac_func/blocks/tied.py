@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kfac_func.blocks.base import LayerBlock
+from kfac_func.blocks.base import JointBlock
 from kfac_func.blocks.registry import register_block
 from kfac_func.blocks.spec import Gram, LayerSpec, row_gram, shape_error
 
@@ -83,7 +83,7 @@ class EmbeddingUse(Gram):
 
 
 @register_block
-class TiedBlock(LayerBlock):
+class TiedBlock(JointBlock):
     """The weight ``W`` ``(V, d)`` shared by an embedding and an output head
     (``in_dim = d``, ``out_dim = V``; the vocabulary side is diagonal).
 
@@ -98,10 +98,9 @@ class TiedBlock(LayerBlock):
         ('tied', '0.weight', ((3, 3), (7,)), '0')
     """
 
-    kind = "tied"
+    kind = "tied"  # joint: a call's statistics depend on which use it is (told by its input)
     stacked_uses = 2
     module_types = ()  # made by register() from a pair of layers, never from one module
-    joint = True  # a call's statistics depend on which use it is (told by its input)
     model_parallel = False
 
     def matches(self, module: nn.Module) -> bool:
@@ -122,12 +121,6 @@ class TiedBlock(LayerBlock):
         """The names of the embedding modules whose calls are the embedding use: the
         option ``"tied"``, then those of ``"tied_also"`` (a weight held by several)."""
         return [str(spec.option("tied")), *spec.option("tied_also", ())]
-
-    def a_gram(self, spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype) -> Gram:
-        raise TypeError(f"layer {spec.name!r} ({spec.kind}): statistics need joint_grams")
-
-    def g_gram(self, spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype) -> Gram:
-        raise TypeError(f"layer {spec.name!r} ({spec.kind}): statistics need joint_grams")
 
     @staticmethod
     def embedding_scale(spec: LayerSpec) -> float:

@@ -28,7 +28,6 @@ from kfac_func.blocks.tied import newly_tied
 from kfac_func.checkpoint.errors import CheckpointMismatchError, _names
 from kfac_func.checkpoint.state_format import (
     _CONFIG_FIELDS,
-    _DECOMPOSITIONS,
     _SPEC_DEFAULTS,
     _SPEC_FIELDS,
     META_KEY,
@@ -43,7 +42,7 @@ from kfac_func.checkpoint.state_format import (
     _layer_key,
     _metadata,
 )
-from kfac_func.core.decomposition import decomposition_from_fields
+from kfac_func.core.decomposition import DECOMPOSITIONS, decomposition_from_fields
 from kfac_func.state import MOMENT_FIELDS, AdaptiveRecord, AdaptiveState, KFACState, LayerState
 
 __all__ = [
@@ -250,7 +249,7 @@ def _build_layer(
     dec_meta = entry.get("decomposition")
     decomposition = None
     if dec_meta is not None:
-        cls = _DECOMPOSITIONS[dec_meta["type"]]
+        cls = DECOMPOSITIONS[dec_meta["type"]]
         tensors = {f: get("decomposition", f) for f in dec_meta["tensors"]}
         decomposition = decomposition_from_fields(cls, tensors)
     return LayerState(

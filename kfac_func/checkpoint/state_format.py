@@ -58,11 +58,7 @@ import torch
 
 from kfac_func.blocks import LayerSpec
 from kfac_func.checkpoint.errors import CheckpointFormatError
-from kfac_func.core.decomposition import (
-    EigenDecomposition,
-    EKFACDecomposition,
-    InverseDecomposition,
-)
+from kfac_func.core.decomposition import DECOMPOSITIONS
 from kfac_func.state import (
     MOMENT_FIELDS,
     AdaptiveRecord,
@@ -84,13 +80,6 @@ META_KEY = "__kfac_meta__"
 """Reserved key of the JSON metadata tensor (and of the safetensors header entry)."""
 
 _FORMAT_NAME = "kfac_func.KFACState"
-_DECOMPOSITIONS: dict[
-    str, type[EigenDecomposition] | type[InverseDecomposition] | type[EKFACDecomposition]
-] = {
-    "eigen": EigenDecomposition,
-    "inverse": InverseDecomposition,
-    "ekfac": EKFACDecomposition,
-}
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(KFACConfig))
 _SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(LayerSpec))
 
@@ -130,7 +119,7 @@ def _decomposition_meta(ls: LayerState) -> dict[str, Any] | None:
     d = ls.decomposition
     if d is None:
         return None
-    kind = next(k for k, cls in _DECOMPOSITIONS.items() if isinstance(d, cls))
+    kind = next(k for k, cls in DECOMPOSITIONS.items() if isinstance(d, cls))
     fields = [f.name for f in dataclasses.fields(d) if getattr(d, f.name) is not None]
     return {"type": kind, "tensors": fields}
 
@@ -340,12 +329,12 @@ def _decode_meta(d: Mapping[str, torch.Tensor]) -> dict[str, Any]:
                 raise _fmt(f"layer {name!r}: decomposition is not an object")
             where = f"layer {name!r} decomposition "
             kind = _get(dec, "type", str, where)
-            if kind != config["compute_method"] or kind not in _DECOMPOSITIONS:
+            if kind != config["compute_method"] or kind not in DECOMPOSITIONS:
                 raise _fmt(
                     f"layer {name!r}: decomposition type {kind!r} in a checkpoint of "
                     f"compute_method {config['compute_method']!r}"
                 )
-            fields = {f.name for f in dataclasses.fields(_DECOMPOSITIONS[kind])}
+            fields = {f.name for f in dataclasses.fields(DECOMPOSITIONS[kind])}
             tensors = _get(dec, "tensors", list, where)
             if not set(tensors) <= fields or len(set(tensors)) != len(tensors):
                 raise _fmt(f"layer {name!r}: bad decomposition tensors {tensors!r}")

@@ -25,6 +25,7 @@ from kfac_func.core.pytree import register_dataclass
 
 __all__ = [
     "COMPUTE_METHODS",
+    "DECOMPOSITIONS",
     "EIGENBASIS_REFRESH",
     "DecompositionError",
     "EKFACDecomposition",
@@ -88,6 +89,11 @@ register_dataclass(InverseDecomposition, data=("a_inv", "g_inv"))
 register_dataclass(EKFACDecomposition, data=("qa", "qg", "scale"))
 
 Decomposition = EigenDecomposition | InverseDecomposition | EKFACDecomposition
+
+DECOMPOSITIONS: dict[
+    str, type[EigenDecomposition] | type[InverseDecomposition] | type[EKFACDecomposition]
+] = {"eigen": EigenDecomposition, "inverse": InverseDecomposition, "ekfac": EKFACDecomposition}
+"""The decomposition class of each compute method (:data:`COMPUTE_METHODS`)."""
 
 
 def decomposition_from_fields(

@@ -15,16 +15,15 @@ from typing import Any
 
 import torch
 
+from kfac_func.adapter.arguments import HYPER
 from kfac_func.adapter.checkpoint_settings import (
-    CONSTRUCTED_KEY,
-    SETTINGS_KEY,
-    check_settings,
+    hyperparameter_entries,
+    load_hyperparameters,
     meaning_settings,
-    replaced_choices,
     warn_replaced,
 )
 from kfac_func.checkpoint.factor_dir import load_factor_dir, save_factor_dir
-from kfac_func.core.decomposition import EigenDecomposition, InverseDecomposition
+from kfac_func.core.decomposition import DECOMPOSITIONS
 from kfac_func.parallel.base import ParallelBase
 from kfac_func.state import KFACState, LayerState
 from kfac_func.step.decompose import decompose_layer
@@ -36,22 +35,13 @@ class ParallelCheckpointing(ParallelBase):
     """``state_dict``, ``load_state_dict`` and the factor directory of the parallel
     preconditioner (a base class). Each method is a collective: every rank calls it."""
 
-    _HYPER = ("factor_update_steps", "inv_update_steps", "damping", "factor_decay", "kl_clip", "lr")
-
     def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
         """kfac-pytorch's shape, gathered across ranks: every rank returns ``steps``, the
         non-callable hyperparameters and ``layers: {name: {"A", "G", ...}}`` of every layer
         of every stage (each from its owner). With ``factor_checkpoint_dir`` the factors
         go to one file per layer there instead (see :meth:`save_factors_to_dir`). A
         collective: every rank calls it."""
-        sd: dict[str, Any] = {"steps": self.steps}
-        for key in self._HYPER:
-            value = getattr(self, key)
-            if not callable(value):
-                sd[key] = value
-        sd[SETTINGS_KEY] = meaning_settings(self._world_state(), False)
-        made = getattr(self, "_constructed", {})
-        sd[CONSTRUCTED_KEY] = {k: v for k, v in made.items() if not callable(v)}
+        sd = hyperparameter_entries(self, meaning_settings(self._world_state(), False))
         if not include_factors:
             return sd
         if self.factor_checkpoint_dir is not None:
@@ -89,17 +79,10 @@ class ParallelCheckpointing(ParallelBase):
         # the settings that decide what the factors mean must match (a ValueError names
         # them); hyperparameters are restored, with a warning naming those this
         # constructor chose otherwise than the checkpoint's run
-        check_settings(sd.pop(SETTINGS_KEY, None), meaning_settings(self._world_state(), False))
+        chosen, old = load_hyperparameters(self, sd, meaning_settings(self._world_state(), False))
         steps = int(sd.pop("steps"))
         layers_sd = sd.pop("layers", None)
-        made = getattr(self, "_constructed", {})
-        chosen = replaced_choices(self._HYPER, sd.pop(CONSTRUCTED_KEY, None), made, sd)
-        old = {key: getattr(self, key) for key in self._HYPER}
-        for key in self._HYPER:
-            if key in sd and not callable(getattr(self, key)):
-                setattr(self, key, sd[key])
-        restored = {key: getattr(self, key) for key in self._HYPER}
-        warn_replaced(chosen, old, restored, stacklevel=2)
+        warn_replaced(chosen, old, {key: getattr(self, key) for key in HYPER}, stacklevel=2)
         self._state = self._state.replace(step=steps)
         if self.factor_checkpoint_dir is not None:
             self.load_factors_from_dir(compute_inverses)
@@ -133,7 +116,7 @@ class ParallelCheckpointing(ParallelBase):
             if not self._owner(name):
                 pass  # only a layer's owner decomposes it and preconditions its gradient
             elif dec is not None:
-                cls = EigenDecomposition if cfg.compute_method == "eigen" else InverseDecomposition
+                cls = DECOMPOSITIONS[cfg.compute_method]
                 new = new.replace(decomposition=cls(**{k: v.to(dev) for k, v in dec.items()}))
             elif compute_inverses:
                 new = new.replace(

@@ -47,22 +47,25 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from kfac_func.adapter.arguments import ComputeMethod, parse_enum
+from kfac_func.adapter.arguments import (
+    ComputeMethod,
+    FloatOrFn,
+    IntOrFn,
+    arguments_of,
+    check_bucket_cap,
+    parse_enum,
+)
 from kfac_func.blocks.mapped import KindMap
 from kfac_func.distributed.plan import AssignmentStrategy
 from kfac_func.parallel.preconditioner import ParallelKFACPreconditioner
 from kfac_func.parallel.splits import ParallelClasses
 
 __all__ = ["ExperimentalFeatureWarning", "GPTNeoXKFACPreconditioner"]
-
-IntOrFn = int | Callable[[int], int]
-FloatOrFn = float | Callable[[int], float]
 
 
 class ExperimentalFeatureWarning(UserWarning):
@@ -92,66 +95,27 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
     :meth:`state_dict` and :meth:`load_state_dict`, at the same point (they are
     collectives). Warns :class:`ExperimentalFeatureWarning` at construction.
 
+    The arguments are :class:`~kfac_func.parallel.preconditioner.ParallelKFACPreconditioner`'s,
+    in kfac-pytorch's GPT-NeoX order, with its defaults (those shared with
+    :class:`kfac_func.KFACPreconditioner` are documented there) but for ``loss_divisor`` and
+    ``include_plain_linear``. ``accumulation_steps`` is DeepSpeed's
+    ``gradient_accumulation_steps``; the ``kl_clip`` sum runs over every layer of every
+    stage. Here:
+
     Args:
         model: the ``deepspeed.pipe.PipelineModule`` (this rank's stage of it).
-        factor_update_steps: steps between factor updates (positive int or
-            ``step -> int`` callable), as in :class:`kfac_func.KFACPreconditioner`.
-        inv_update_steps: steps between recomputations of the eigendecompositions.
-        damping: Tikhonov damping λ (>= 0, or a callable).
-        factor_decay: coefficient of the factors' running averages, in [0, 1].
-        kl_clip: the bound of the kl_clip scale (> 0), whose sum runs over every layer
-            of every stage; None disables it.
-        lr: the learning rate in the ``kl_clip`` scale (keep it equal to the
-            optimizer's).
-        accumulation_steps: micro-batches per optimizer step (DeepSpeed's
-            ``gradient_accumulation_steps``); their statistics form one factor update.
-        allreduce_bucket_cap_mb: accepted for compatibility (each collective here
-            carries one layer's tensors).
-        assignment_strategy: how the layers' factors are balanced over the
-            data-parallel ranks: ``"compute"`` (``n³``) or ``"memory"`` (``n²``).
         compute_method: must be eigen (the default; ValueError otherwise, as in
             kfac-pytorch).
-        compute_eigenvalue_outer_product: precompute ``1 / (outer(dg, da) + λ)`` when
-            decomposing (default False, as kfac-pytorch's GPT-NeoX preconditioner).
-        symmetry_aware: accepted for compatibility.
-        data_parallel_group: this rank's data-parallel group (None: the grid's, or no
-            data parallelism without a grid).
-        model_parallel_group: this rank's tensor (model) parallel group (None: the
-            grid's slice-parallel group, or none).
-        pipeline_parallel_group: this rank's pipeline group, whose rank is the stage
-            (None: the grid's, or a single stage).
-        grad_scaler: a ``GradScaler`` or a callable returning the loss scale; the
-            output-gradients seen by the hooks are divided by it.
-        factor_dtype: dtype of the factors (default: the weights' dtype promoted to at
-            least float32).
-        inv_dtype: dtype the decompositions are stored in.
-        factor_checkpoint_dir: with it, :meth:`state_dict` writes the factors to one
-            file per layer there (written by the layer's owner;
-            :func:`kfac_func.save_factor_dir`'s format) and returns only the step and the
-            hyperparameters; :meth:`load_state_dict` reads them back.
-        skip_layers: regular expressions searched in module names and class names;
-            matching modules are not registered.
-        update_factors_in_hook: build each call's Gram statistics in the hooks (True)
-            or keep the raw tensors until :meth:`step` (False); the results are the
-            same.
-        loglevel: the :mod:`logging` level at which construction reports on the
-            ``"kfac_func"`` logger: one ``Registered name="...": ...`` line per layer of
-            this stage (with the global and pipeline rank), the stage's layer table and
-            the assignment. DEBUG (the default) is silent unless that logger shows DEBUG.
-        scaling: ``"kfac-pytorch"`` (default) or ``"fisher"`` (see
-            :mod:`kfac_func.core.conventions`); ``convention=`` is an alias.
-        loss_reduction: ``"mean"`` or ``"sum"``: how the loss reduces the batch.
+        data_parallel_group, model_parallel_group, pipeline_parallel_group: this rank's
+            groups (None: the module's DeepSpeed grid's data-parallel, slice-parallel and
+            pipeline groups, or none without a grid); the pipeline group's rank is the
+            stage.
         loss_divisor: what the backpropagated loss was divided by besides the reduction;
             None (default): ``accumulation_steps``, since DeepSpeed's engine
             backpropagates the loss divided by its gradient accumulation steps.
         include_plain_linear: False (default, as kfac-pytorch): register only the
             column- and row-parallel linears; True: also the pipeline's other supported
             layers (``nn.Linear`` projections and heads, ...).
-        kinds: ``{module class: kind}`` for the model's own classes that compute a
-            registered kind (see :func:`kfac_func.register`).
-        parallel_classes: ``{module class or class name: "column" | "row" | None}`` for
-            tensor-parallel linears of other class names (Transformer Engine's, ...); see
-            :func:`~kfac_func.parallel.plan.register_parallel`.
 
     Raises:
         ImportError: DeepSpeed is not installed.
@@ -209,10 +173,7 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
                 "model must be an instance of deepspeed.pipe.PipelineModule. "
                 f"Got an instance of {type(model)}."
             )
-        if allreduce_bucket_cap_mb < 0:
-            raise ValueError(
-                f"allreduce_bucket_cap_mb must be >= 0, got {allreduce_bucket_cap_mb!r}"
-            )
+        check_bucket_cap(allreduce_bucket_cap_mb)  # before compute_method's, as kfac-pytorch
         method = parse_enum(ComputeMethod, compute_method, "compute_method")
         if method is ComputeMethod.INVERSE:
             raise ValueError(
@@ -232,36 +193,7 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
                 model_parallel_group = grid.get_slice_parallel_group()
             if pipeline_parallel_group is None:
                 pipeline_parallel_group = grid.get_pipe_parallel_group()
-        super().__init__(
-            model,
-            data_parallel_group=data_parallel_group,
-            model_parallel_group=model_parallel_group,
-            pipeline_parallel_group=pipeline_parallel_group,
-            factor_update_steps=factor_update_steps,
-            inv_update_steps=inv_update_steps,
-            damping=damping,
-            factor_decay=factor_decay,
-            kl_clip=kl_clip,
-            lr=lr,
-            accumulation_steps=accumulation_steps,
-            allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
-            assignment_strategy=assignment_strategy,
-            compute_method=ComputeMethod.EIGEN,
-            compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
-            symmetry_aware=symmetry_aware,
-            grad_scaler=grad_scaler,
-            factor_dtype=factor_dtype,
-            inv_dtype=inv_dtype,
-            factor_checkpoint_dir=factor_checkpoint_dir,
-            skip_layers=skip_layers,
-            update_factors_in_hook=update_factors_in_hook,
-            loglevel=loglevel,
-            scaling=scaling,
-            convention=convention,
-            loss_reduction=loss_reduction,
-            # DeepSpeed's engine backpropagates loss / gradient_accumulation_steps
-            loss_divisor=accumulation_steps if loss_divisor is None else loss_divisor,
-            include_plain_linear=include_plain_linear,
-            kinds=kinds,
-            parallel_classes=parallel_classes,
-        )
+        compute_method = method  # eigen, checked above
+        if loss_divisor is None:  # DeepSpeed's engine backpropagates loss / its accumulation
+            loss_divisor = accumulation_steps
+        super().__init__(**arguments_of(super().__init__, locals()))

@@ -25,7 +25,7 @@ This module holds no K-FAC code; :mod:`kfac_func.parallel.preconditioner` recogn
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -166,7 +166,76 @@ def _full_init(
     return w, b
 
 
-class ColumnParallelLinear(nn.Module):
+_L = TypeVar("_L", bound="_SplitLinear")
+
+
+class _SplitLinear(nn.Module):
+    """What the two layers share: the sizes of the full layer, this rank's part of its
+    weight (split on dimension :attr:`split_dim`) and bias, drawn as ``nn.Linear`` draws
+    the full layer or copied from one (:meth:`_from_dense`)."""
+
+    split_dim: ClassVar[int]  # 0: the outputs (column-parallel); 1: the inputs (row)
+    flag: ClassVar[str]  # the layer's own flag, shown by extra_repr
+    bias: nn.Parameter | None
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        *,
+        skip_bias_add: bool,
+        group: Group,
+        dtype: torch.dtype | None,
+    ) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.skip_bias_add = skip_bias_add
+        self.group = group
+        what = ("output_size", "input_size")[self.split_dim]
+        _parts((output_size, input_size)[self.split_dim], group, what)
+        w, b = self._part(*_full_init(output_size, input_size, bias, dtype))
+        self.weight = nn.Parameter(w.clone())
+        self.bias = nn.Parameter(b.clone()) if b is not None else None
+
+    def _part(
+        self, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's part of the full layer's ``weight`` and ``bias`` (a column-parallel
+        bias is split like the weight's rows; a row-parallel one is whole)."""
+        n = weight.shape[self.split_dim] // _size(self.group)
+        start = _rank(self.group) * n
+        if bias is not None and self.split_dim == 0:
+            bias = bias.narrow(0, start, n)
+        return weight.narrow(self.split_dim, start, n), bias
+
+    @classmethod
+    def _from_dense(cls: type[_L], linear: nn.Linear, **flags: Any) -> _L:
+        """This rank's part of ``linear`` (same values), built with the layer's ``flags``."""
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            dtype=linear.weight.dtype,
+            **flags,
+        )
+        weight, bias = layer._part(linear.weight, linear.bias)
+        with torch.no_grad():
+            layer.weight.copy_(weight)
+            if layer.bias is not None and bias is not None:
+                layer.bias.copy_(bias)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (
+            f"input_size={self.input_size}, output_size={self.output_size}, "
+            f"per_partition={self.weight.shape[self.split_dim]}, "
+            f"bias={self.bias is not None}, {self.flag}={getattr(self, self.flag)}"
+        )
+
+
+class ColumnParallelLinear(_SplitLinear):
     """``y = x Wᵀ + b`` with ``W`` split on the output dimension over ``group``.
 
     Args:
@@ -189,6 +258,9 @@ class ColumnParallelLinear(nn.Module):
         torch.Size([2, 6])
     """
 
+    split_dim = 0
+    flag = "gather_output"
+
     def __init__(
         self,
         input_size: int,
@@ -200,19 +272,11 @@ class ColumnParallelLinear(nn.Module):
         group: Group = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.input_size = input_size
-        self.output_size = output_size
-        self.gather_output = gather_output
-        self.skip_bias_add = skip_bias_add
-        self.group = group
-        self.output_size_per_partition, rank = _parts(output_size, group, "output_size")
-        w, b = _full_init(output_size, input_size, bias, dtype)
-        rows = slice(
-            rank * self.output_size_per_partition, (rank + 1) * self.output_size_per_partition
+        super().__init__(
+            input_size, output_size, bias, skip_bias_add=skip_bias_add, group=group, dtype=dtype
         )
-        self.weight = nn.Parameter(w[rows].clone())
-        self.bias = nn.Parameter(b[rows].clone()) if b is not None else None
+        self.gather_output = gather_output
+        self.output_size_per_partition = int(self.weight.shape[0])
 
     @classmethod
     def from_dense(
@@ -224,21 +288,9 @@ class ColumnParallelLinear(nn.Module):
         group: Group = None,
     ) -> ColumnParallelLinear:
         """This rank's part of ``linear`` (same values, split on the output dimension)."""
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            gather_output=gather_output,
-            skip_bias_add=skip_bias_add,
-            group=group,
-            dtype=linear.weight.dtype,
+        return cls._from_dense(
+            linear, gather_output=gather_output, skip_bias_add=skip_bias_add, group=group
         )
-        n, rank = layer.output_size_per_partition, _rank(group)
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight[rank * n : (rank + 1) * n])
-            if layer.bias is not None and linear.bias is not None:
-                layer.bias.copy_(linear.bias[rank * n : (rank + 1) * n])
-        return layer
 
     def forward(self, x: torch.Tensor) -> Any:
         x = copy_to_model_parallel_region(x, self.group)
@@ -252,15 +304,8 @@ class ColumnParallelLinear(nn.Module):
             return out, self.bias
         return out
 
-    def extra_repr(self) -> str:
-        return (
-            f"input_size={self.input_size}, output_size={self.output_size}, "
-            f"per_partition={self.output_size_per_partition}, bias={self.bias is not None}, "
-            f"gather_output={self.gather_output}"
-        )
 
-
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_SplitLinear):
     """``y = Σ_ranks x_i W_iᵀ + b`` with ``W`` split on the input dimension over ``group``.
 
     Args:
@@ -279,6 +324,9 @@ class RowParallelLinear(nn.Module):
         torch.Size([2, 3])
     """
 
+    split_dim = 1
+    flag = "input_is_parallel"
+
     def __init__(
         self,
         input_size: int,
@@ -290,17 +338,11 @@ class RowParallelLinear(nn.Module):
         group: Group = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.input_size = input_size
-        self.output_size = output_size
+        super().__init__(
+            input_size, output_size, bias, skip_bias_add=skip_bias_add, group=group, dtype=dtype
+        )
         self.input_is_parallel = input_is_parallel
-        self.skip_bias_add = skip_bias_add
-        self.group = group
-        self.input_size_per_partition, rank = _parts(input_size, group, "input_size")
-        w, b = _full_init(output_size, input_size, bias, dtype)
-        n = self.input_size_per_partition
-        self.weight = nn.Parameter(w[:, rank * n : (rank + 1) * n].clone())
-        self.bias = nn.Parameter(b) if b is not None else None
+        self.input_size_per_partition = int(self.weight.shape[1])
 
     @classmethod
     def from_dense(
@@ -312,21 +354,9 @@ class RowParallelLinear(nn.Module):
         group: Group = None,
     ) -> RowParallelLinear:
         """This rank's part of ``linear`` (same values, split on the input dimension)."""
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            input_is_parallel=input_is_parallel,
-            skip_bias_add=skip_bias_add,
-            group=group,
-            dtype=linear.weight.dtype,
+        return cls._from_dense(
+            linear, input_is_parallel=input_is_parallel, skip_bias_add=skip_bias_add, group=group
         )
-        n, rank = layer.input_size_per_partition, _rank(group)
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight[:, rank * n : (rank + 1) * n])
-            if layer.bias is not None and linear.bias is not None:
-                layer.bias.copy_(linear.bias)
-        return layer
 
     def forward(self, x: torch.Tensor) -> Any:
         if not self.input_is_parallel:
@@ -335,10 +365,3 @@ class RowParallelLinear(nn.Module):
         if self.skip_bias_add:
             return out, self.bias
         return out + self.bias if self.bias is not None else out
-
-    def extra_repr(self) -> str:
-        return (
-            f"input_size={self.input_size}, output_size={self.output_size}, "
-            f"per_partition={self.input_size_per_partition}, bias={self.bias is not None}, "
-            f"input_is_parallel={self.input_is_parallel}"
-        )

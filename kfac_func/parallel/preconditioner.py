@@ -34,13 +34,18 @@ questions of :mod:`kfac_func.parallel.base`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from kfac_func.adapter.arguments import ComputeMethod, log_registered
+from kfac_func.adapter.arguments import (
+    ComputeMethod,
+    FloatOrFn,
+    IntOrFn,
+    arguments_of,
+    log_registered,
+)
 from kfac_func.blocks.checks import check_hooks
 from kfac_func.blocks.mapped import KindMap
 from kfac_func.distributed.plan import AssignmentStrategy
@@ -51,44 +56,42 @@ from kfac_func.parallel.plan import global_plan, make_parallel_plan, register_pa
 from kfac_func.parallel.recording import ParallelHookRecorder
 from kfac_func.parallel.splits import ParallelClasses
 from kfac_func.parallel.stepping import ParallelStep
-from kfac_func.state import init
 
 __all__ = ["ParallelKFACPreconditioner"]
 
 logger = logging.getLogger("kfac_func")
 
-IntOrFn = int | Callable[[int], int]
-FloatOrFn = float | Callable[[int], float]
-
 
 class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelCheckpointing):
     """K-FAC preconditioner for one pipeline stage of a data × model-parallel model.
 
-    Arguments are kfac-pytorch's (see :class:`kfac_func.KFACPreconditioner`) plus:
+    The arguments it shares with :class:`kfac_func.KFACPreconditioner` are kfac-pytorch's,
+    documented there, with the same defaults but ``compute_eigenvalue_outer_product=False``
+    (as kfac-pytorch's GPT-NeoX preconditioner); ``allreduce_bucket_cap_mb`` and
+    ``symmetry_aware`` are accepted for compatibility (each collective here carries one
+    layer's tensors); the ``loglevel`` report covers this stage and names the global and
+    pipeline rank. It adds:
 
     Args:
         data_parallel_group: this rank's data-parallel group (None: no data parallelism).
         model_parallel_group: this rank's tensor (model) parallel group (None: none).
         pipeline_parallel_group: this rank's pipeline group; its rank is the stage.
         factor_checkpoint_dir: with it, :meth:`state_dict` writes the factors to one file
-            per layer there (:func:`kfac_func.save_factor_dir`) instead of returning them,
-            and :meth:`load_state_dict` reads them back.
+            per layer there (:func:`kfac_func.save_factor_dir`; each written by the layer's
+            owner) and returns only the step and the hyperparameters, and
+            :meth:`load_state_dict` reads them back.
         include_plain_linear: also register the supported layers that are not
             column- or row-parallel (``nn.Linear``, ...); True by default here, False in
             :class:`~kfac_func.parallel.gpt_neox.GPTNeoXKFACPreconditioner`.
-        kinds: ``{module class: kind}`` for the model's own classes that compute a
-            registered kind (see :func:`kfac_func.register`); each mapped module's first
-            call is checked against the kind's computation.
         parallel_classes: ``{module class or class name: "column" | "row" | None}`` for
             tensor-parallel linears whose class is not named ``ColumnParallelLinear`` /
-            ``RowParallelLinear`` (see :func:`~kfac_func.parallel.plan.register_parallel`);
-            a module that looks tensor-parallel but is neither raises a ValueError.
+            ``RowParallelLinear`` (Transformer Engine's, ...; see
+            :func:`~kfac_func.parallel.plan.register_parallel`); a module that looks
+            tensor-parallel but is neither raises a ValueError.
 
     Every rank of the world constructs it at the same point, and calls :meth:`step`,
     :meth:`state_dict` and :meth:`load_state_dict` together (they are collectives).
     Gradients must be averaged over the data-parallel group before :meth:`step`.
-    ``allreduce_bucket_cap_mb`` and ``symmetry_aware`` are accepted for compatibility;
-    each collective here carries one layer's tensors.
 
     Example:
         >>> import torch
@@ -137,30 +140,7 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         convention: str | None = None,
         parallel_classes: ParallelClasses | None = None,
     ) -> None:
-        self._set_arguments(
-            model,
-            factor_update_steps=factor_update_steps,
-            inv_update_steps=inv_update_steps,
-            damping=damping,
-            factor_decay=factor_decay,
-            kl_clip=kl_clip,
-            lr=lr,
-            accumulation_steps=accumulation_steps,
-            allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
-            assignment_strategy=assignment_strategy,
-            compute_method=compute_method,
-            compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
-            symmetry_aware=symmetry_aware,
-            grad_scaler=grad_scaler,
-            inv_dtype=inv_dtype,
-            skip_layers=skip_layers,
-            update_factors_in_hook=update_factors_in_hook,
-            loglevel=loglevel,
-            scaling=scaling,
-            convention=convention,
-            loss_reduction=loss_reduction,
-            loss_divisor=loss_divisor,
-        )
+        self._set_arguments(**arguments_of(self._set_arguments, locals()))  # checked, stored
         if self.compute_method is ComputeMethod.EKFAC:
             raise ValueError(
                 "compute_method='ekfac' is not supported by the model-parallel "
@@ -194,16 +174,8 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         params = [model.get_parameter(s.weight) for s in self.layers.values()]
         weight = params[0] if params else next(model.parameters(), torch.empty(0))
         self.factor_dtype = factor_dtype or torch.promote_types(weight.dtype, torch.float32)
-        self._state = init(
-            self.layers,
-            convention=self.scaling,  # type: ignore[arg-type]
-            compute_method=self.compute_method.name.lower(),
-            compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
-            factor_dtype=self.factor_dtype,
-            inv_dtype=inv_dtype,
-            device=weight.device,
-            allow_empty=True,  # a pipeline stage may hold no preconditioned layer
-        )
+        # a pipeline stage may hold no preconditioned layer
+        self._state = self._first_state(weight.device, allow_empty=True)
         self._directory()
         self._micro = []
         self._handles = []
@@ -245,9 +217,9 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         self.world_plan = global_plan(self.all_specs, self.owner_rank, comm.world_size)
 
     def __repr__(self) -> str:
-        hyper = ", ".join(f"{k}={getattr(self, k)!r}" for k in self._HYPER)
-        return (
-            f"{type(self).__name__}({len(self.layers)} layers on stage {self.stage}, {hyper}, "
-            f"data={self.comm.dp_size}, model={self.comm.mp_size}, "
-            f"compute_method={self.compute_method.name.lower()}, scaling={self.scaling!r})"
+        return self._repr(
+            type(self).__name__,
+            f" on stage {self.stage}",
+            f"data={self.comm.dp_size}, model={self.comm.mp_size}",
+            f"compute_method={self.compute_method.name.lower()}",
         )
