@@ -16,7 +16,7 @@ optimizer runs the preconditioner at exactly that point, on every rank::
     import deepspeed
     import torch
     from deepspeed.pipe import PipelineModule
-    from kfac_func import GPTNeoXKFACPreconditioner
+    from kfac_func.parallel import GPTNeoXKFACPreconditioner
 
     pipe = PipelineModule(layers, topology=topology, loss_fn=loss_fn)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
@@ -127,7 +127,7 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
         inv_dtype: dtype the decompositions are stored in.
         factor_checkpoint_dir: with it, :meth:`state_dict` writes the factors to one
             file per layer there (written by the layer's owner;
-            :func:`kfac_func.save_factor_dir`'s format) and returns only the step and the
+            :func:`kfac_func.checkpoint.save_factor_dir`'s format) and returns only the step and the
             hyperparameters; :meth:`load_state_dict` reads them back.
         skip_layers: regular expressions searched in module names and class names;
             matching modules are not registered.

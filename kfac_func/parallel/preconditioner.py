@@ -71,8 +71,8 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         model_parallel_group: this rank's tensor (model) parallel group (None: none).
         pipeline_parallel_group: this rank's pipeline group; its rank is the stage.
         factor_checkpoint_dir: with it, :meth:`state_dict` writes the factors to one file
-            per layer there (:func:`kfac_func.save_factor_dir`) instead of returning them,
-            and :meth:`load_state_dict` reads them back.
+            per layer there (:func:`kfac_func.checkpoint.save_factor_dir`) instead of returning
+            them, and :meth:`load_state_dict` reads them back.
         include_plain_linear: also register the supported layers that are not
             column- or row-parallel (``nn.Linear``, ...); True by default here, False in
             :class:`~kfac_func.parallel.gpt_neox.GPTNeoXKFACPreconditioner`.
