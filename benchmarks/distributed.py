@@ -1,4 +1,4 @@
-"""Step time and traffic of ``kf.update_distributed`` on 1, 2 and 4 gloo ranks.
+"""Step time and traffic of ``kf.distributed.update_distributed`` on 1, 2 and 4 gloo ranks.
 
 Run ``python benchmarks/distributed.py`` (about a minute on a 2-core CPU) or ``--quick``
 (a narrow MLP and three repetitions, under 30 s: a smoke test, not a measurement).
@@ -10,7 +10,7 @@ other, gloo over a file store, one intra-op thread per rank) and each KAISA stra
 (``COMM_OPT``; ``HYBRID_OPT`` where the world has an even number of ranks above 2;
 ``MEM_OPT``), with ``compute_method="eigen"`` and the eigenvalue outer product:
 
-- the median wall time of one ``kf.update_distributed`` call, excluding ``kf.capture``
+- the median wall time of one ``kf.distributed.update_distributed`` call, excluding ``kf.capture``
   (every rank's captures and gradients are computed once, before the spawn, by the
   parent, and the gradients are averaged over ranks as DDP does, outside the clock); all
   ranks enter each timed call together (a barrier) and a call counts as long as its
@@ -85,8 +85,8 @@ HYPER: dict[str, Any] = dict(damping=1e-3, factor_decay=0.95, kl_clip=1e-3, lr=0
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description="Step time and bytes per rank of kf.update_distributed on 1, 2 and 4 "
-        "gloo ranks (COMM_OPT, HYBRID_OPT, MEM_OPT; eigen).",
+        description="Step time and bytes per rank of kf.distributed.update_distributed on 1, 2 "
+        "and 4 gloo ranks (COMM_OPT, HYBRID_OPT, MEM_OPT; eigen).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--quick", action="store_true", help="narrow MLP, 3 reps: a smoke test")
@@ -201,14 +201,14 @@ def bench_strategy(
     fraction: DistributedStrategy,
     kinds: list[Kind],
 ) -> dict[str, Any]:
-    plan = kf.make_plan(
+    plan = kf.distributed.make_plan(
         layers,
         world,
         grad_worker_fraction=fraction,
         compute_method="eigen",
         compute_eigenvalue_outer_product=True,
     )
-    comm = kf.Communicator(
+    comm = kf.distributed.Communicator(
         plan, bucket_cap_mb=args.bucket_cap_mb, symmetry_aware=args.symmetry_aware
     )
     state = kf.init(layers, compute_method="eigen", compute_eigenvalue_outer_product=True)
@@ -218,7 +218,7 @@ def bench_strategy(
         before = Counter(comm.bytes)
         dist.barrier()
         t0 = time.perf_counter()
-        _, state = kf.update_distributed(
+        _, state = kf.distributed.update_distributed(
             state,
             grads,
             captures=caps,
@@ -331,7 +331,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{m.in_features}->{m.out_features}" for m in model if isinstance(m, nn.Linear)
     )
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    print("kfac_func distributed benchmark: kf.update_distributed over gloo (KAISA strategies)")
+    print(
+        "kfac_func distributed benchmark: kf.distributed.update_distributed over gloo "
+        "(KAISA strategies)"
+    )
     print(
         f"torch {torch.__version__} | kfac_func {kf.__version__} | python "
         f"{platform.python_version()} | {platform.machine()} | 1 thread per rank | "
@@ -345,8 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         f"symmetry_aware={args.symmetry_aware}; ranks started by {args.start_method}"
     )
     print(
-        f"step time: median of {args.reps} kf.update_distributed calls of each kind (slowest "
-        f"rank, capture excluded) after {args.warmup} warm-up calls; amortized over the "
+        f"step time: median of {args.reps} kf.distributed.update_distributed calls of each kind "
+        f"(slowest rank, capture excluded) after {args.warmup} warm-up calls; amortized over the "
         "intervals F/I by kind frequency"
     )
     print(

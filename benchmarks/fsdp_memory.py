@@ -76,7 +76,9 @@ def run(rank: int, world: int, store: str, queue: mp.Queue) -> None:  # type: ig
                     fully_shard(m[i], mesh=mesh)
                 net = fully_shard(m, mesh=mesh)
             pre = kf.KFACPreconditioner(
-                net, grad_worker_fraction=kf.DistributedStrategy[strategy], inv_update_steps=1
+                net,
+                grad_worker_fraction=kf.distributed.DistributedStrategy[strategy],
+                inv_update_steps=1,
             )
             g = torch.Generator().manual_seed(rank)
             for _ in range(STEPS):

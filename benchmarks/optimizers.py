@@ -367,7 +367,7 @@ class Stepper:
         self.pre = kf.KFACPreconditioner(
             model,
             lr=lambda step: sgd.param_groups[0]["lr"],
-            adaptive=kf.AdaptiveStepper(model, loss="cross_entropy") if adaptive else None,
+            adaptive=kf.adapter.AdaptiveStepper(model, loss="cross_entropy") if adaptive else None,
             **kwargs,
         )
 

@@ -41,9 +41,9 @@ from common import save_curves, save_provenance
 from transformer_lm import CharData, CharTransformer, lm_loss
 
 STRATEGIES = {
-    "comm-opt": kf.DistributedStrategy.COMM_OPT,
-    "mem-opt": kf.DistributedStrategy.MEM_OPT,
-    "hybrid-opt": kf.DistributedStrategy.HYBRID_OPT,
+    "comm-opt": kf.distributed.DistributedStrategy.COMM_OPT,
+    "mem-opt": kf.distributed.DistributedStrategy.MEM_OPT,
+    "hybrid-opt": kf.distributed.DistributedStrategy.HYBRID_OPT,
 }
 
 

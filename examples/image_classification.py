@@ -307,7 +307,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--inverse-every", type=int, default=s.inverse_every, help="K-FAC decomposition interval"
     )
     p.add_argument(
-        "--scaling", choices=kf.CONVENTIONS, default=s.scaling, help="K-FAC factor scaling"
+        "--scaling", choices=kf.core.CONVENTIONS, default=s.scaling, help="K-FAC factor scaling"
     )
     p.add_argument("--seed", type=int, default=0, help="initialisation and batch order")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")

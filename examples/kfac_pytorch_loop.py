@@ -30,7 +30,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 # kfac-pytorch: from kfac.preconditioner import KFACPreconditioner
 #               from kfac.scheduler import LambdaParamScheduler
-from kfac_func import KFACPreconditioner, LambdaParamScheduler
+from kfac_func import KFACPreconditioner
+from kfac_func.adapter import LambdaParamScheduler
 
 
 def make_data(

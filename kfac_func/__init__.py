@@ -1,5 +1,17 @@
 """kfac_func: K-FAC for PyTorch as pure functions over immutable state pytrees.
 
+The top level holds what a training loop needs: the optimizer face (:class:`KFAC` and its
+recipes), the drop-in :class:`KFACPreconditioner`, the functional loop (:func:`register`,
+:func:`init`, :func:`capture`, :func:`update`, :func:`decompose`, :class:`StepOptions`), checkpoints
+(:func:`save_state`, :func:`save_dcp`, ...) and the errors and warnings these raise. The
+rest is in the subpackages: the step's stages and the adaptive step in
+:mod:`kfac_func.step`, the math of one layer in :mod:`kfac_func.core`, plans and
+communicators in :mod:`kfac_func.distributed`, model parallelism in
+:mod:`kfac_func.parallel`, factor directories in :mod:`kfac_func.checkpoint`, layer kinds
+in :mod:`kfac_func.blocks`, the scheduler and the adaptive stepper in
+:mod:`kfac_func.adapter`. Their old top-level names still resolve, with a
+``DeprecationWarning`` naming the new place (see ``MOVED``).
+
 Example:
     >>> import torch
     >>> from torch import nn
@@ -14,153 +26,174 @@ Example:
     >>> grads, state = kf.update(state, grads, captures=caps, damping=1e-2, lr=0.1)
 """
 
-from kfac_func.adapter.adaptive import AdaptiveStepper
-from kfac_func.adapter.coverage import MissingStatisticsWarning
-from kfac_func.adapter.fallback import FallbackWarning
-from kfac_func.adapter.optimizer import KFAC
-from kfac_func.adapter.preconditioner import ComputeMethod, KFACPreconditioner
-from kfac_func.adapter.recipes import RECIPES, Recipe
-from kfac_func.adapter.scheduler import LambdaParamScheduler
-from kfac_func.blocks import LayerSpec, LayerTable, grads_to_matrix, matrix_to_grads, register
+import importlib
+import warnings
+from typing import Any
+
+# the subpackages, so that ``kf.distributed.make_plan`` and the like resolve
+from kfac_func import adapter as adapter
+from kfac_func import blocks as blocks
+from kfac_func import captures as captures
+from kfac_func import checkpoint as checkpoint
+from kfac_func import core as core
+from kfac_func import distributed as distributed
+from kfac_func import parallel as parallel
+from kfac_func import state as state
+from kfac_func import step as step
+from kfac_func.adapter import (
+    KFAC,
+    RECIPES,
+    ComputeMethod,
+    FallbackWarning,
+    KFACPreconditioner,
+    MissingStatisticsWarning,
+    Recipe,
+)
+from kfac_func.blocks import LayerTable, register
 from kfac_func.blocks.examples import BatchSizeError
-from kfac_func.captures import Captures, LayerCapture, capture
-from kfac_func.checkpoint.atomic_dcp import load_dcp, save_dcp
-from kfac_func.checkpoint.errors import (
+from kfac_func.captures import Captures, capture
+from kfac_func.checkpoint import (
     CheckpointError,
-    CheckpointFormatError,
-    CheckpointMismatchError,
+    load_dcp,
+    load_state,
+    save_dcp,
+    save_state,
+    state_from_dict,
+    state_to_dict,
 )
-from kfac_func.checkpoint.factor_dir import load_factor_dir, save_factor_dir
-from kfac_func.checkpoint.factor_manifest import layer_file_name, read_factor_manifest
-from kfac_func.checkpoint.state_dict import state_from_dict, state_to_dict
-from kfac_func.checkpoint.state_files import load_state, save_state
-from kfac_func.core.conventions import CONVENTIONS, Convention
-from kfac_func.core.decomposition import (
-    DecompositionError,
-    EigenDecomposition,
-    EKFACDecomposition,
-    InverseDecomposition,
-)
-from kfac_func.core.factors import a_factor, g_factor
-from kfac_func.core.layer_decomposition import eigen_decompose, inverse_decompose
-from kfac_func.core.preconditioning import kl_clip_scale, precondition
-from kfac_func.core.quadratic import QuadraticSolution, lm_damping, solve_quadratic
-from kfac_func.distributed.communicator import AllreduceMethod, Communicator, RankMismatchError
-from kfac_func.distributed.plan import (
-    AssignmentStrategy,
-    DistributedStrategy,
-    LayerPlan,
-    Plan,
-    make_plan,
-)
-from kfac_func.distributed.step import update_distributed
-from kfac_func.parallel.gpt_neox import ExperimentalFeatureWarning, GPTNeoXKFACPreconditioner
-from kfac_func.parallel.plan import ParallelPlan, make_parallel_plan, register_parallel
-from kfac_func.parallel.preconditioner import ParallelKFACPreconditioner
-from kfac_func.state import AdaptiveRecord, AdaptiveState, KFACConfig, KFACState, LayerState, init
-from kfac_func.step.accumulate import accumulate_factors
-from kfac_func.step.adaptive import (
-    AdaptiveInfo,
-    adapt_damping,
-    adaptive_step,
-    damping_due,
-    init_adaptive,
-)
-from kfac_func.step.curvature import curvature_gram
+from kfac_func.core import DecompositionError
+from kfac_func.state import KFACConfig, KFACState, init
+from kfac_func.step import NonFiniteError, Orthogonal, StepOptions
 from kfac_func.step.decompose import decompose
-from kfac_func.step.ekfac import correct_eigenvalues
-from kfac_func.step.hyper import NonFiniteError, exp_decay_factor_averaging
-from kfac_func.step.options import StepOptions
-from kfac_func.step.orthogonal import Orthogonal
-from kfac_func.step.precondition import precondition_grads
-from kfac_func.step.sync_free import report_skipped
 from kfac_func.step.update import update
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CONVENTIONS",
     "KFAC",
     "RECIPES",
-    "AdaptiveInfo",
-    "AdaptiveRecord",
-    "AdaptiveState",
-    "AdaptiveStepper",
-    "AllreduceMethod",
-    "AssignmentStrategy",
     "BatchSizeError",
     "Captures",
     "CheckpointError",
-    "CheckpointFormatError",
-    "CheckpointMismatchError",
-    "Communicator",
     "ComputeMethod",
-    "Convention",
     "DecompositionError",
-    "DistributedStrategy",
-    "EKFACDecomposition",
-    "EigenDecomposition",
-    "ExperimentalFeatureWarning",
     "FallbackWarning",
-    "GPTNeoXKFACPreconditioner",
-    "InverseDecomposition",
     "KFACConfig",
     "KFACPreconditioner",
     "KFACState",
-    "LambdaParamScheduler",
-    "LayerCapture",
-    "LayerPlan",
-    "LayerSpec",
-    "LayerState",
     "LayerTable",
     "MissingStatisticsWarning",
     "NonFiniteError",
     "Orthogonal",
-    "ParallelKFACPreconditioner",
-    "ParallelPlan",
-    "Plan",
-    "QuadraticSolution",
-    "RankMismatchError",
     "Recipe",
     "StepOptions",
     "__version__",
-    "a_factor",
-    "accumulate_factors",
-    "adapt_damping",
-    "adaptive_step",
     "capture",
-    "correct_eigenvalues",
-    "curvature_gram",
-    "damping_due",
     "decompose",
-    "eigen_decompose",
-    "exp_decay_factor_averaging",
-    "g_factor",
-    "grads_to_matrix",
     "init",
-    "init_adaptive",
-    "inverse_decompose",
-    "kl_clip_scale",
-    "layer_file_name",
-    "lm_damping",
     "load_dcp",
-    "load_factor_dir",
     "load_state",
-    "make_parallel_plan",
-    "make_plan",
-    "matrix_to_grads",
-    "precondition",
-    "precondition_grads",
-    "read_factor_manifest",
     "register",
-    "register_parallel",
-    "report_skipped",
     "save_dcp",
-    "save_factor_dir",
     "save_state",
-    "solve_quadratic",
     "state_from_dict",
     "state_to_dict",
     "update",
-    "update_distributed",
 ]
+
+#: The names that left the top level, each with the module that exports it now. They
+#: resolve from ``kfac_func`` for one more release, with a ``DeprecationWarning``.
+MOVED: dict[str, str] = {
+    "AdaptiveStepper": "kfac_func.adapter",
+    "LambdaParamScheduler": "kfac_func.adapter",
+    "grads_to_matrix": "kfac_func.blocks",
+    "LayerSpec": "kfac_func.blocks",
+    "matrix_to_grads": "kfac_func.blocks",
+    "LayerCapture": "kfac_func.captures",
+    "CheckpointFormatError": "kfac_func.checkpoint",
+    "CheckpointMismatchError": "kfac_func.checkpoint",
+    "layer_file_name": "kfac_func.checkpoint",
+    "load_factor_dir": "kfac_func.checkpoint",
+    "read_factor_manifest": "kfac_func.checkpoint",
+    "save_factor_dir": "kfac_func.checkpoint",
+    "a_factor": "kfac_func.core",
+    "Convention": "kfac_func.core",
+    "CONVENTIONS": "kfac_func.core",
+    "eigen_decompose": "kfac_func.core",
+    "EigenDecomposition": "kfac_func.core",
+    "EKFACDecomposition": "kfac_func.core",
+    "g_factor": "kfac_func.core",
+    "inverse_decompose": "kfac_func.core",
+    "InverseDecomposition": "kfac_func.core",
+    "kl_clip_scale": "kfac_func.core",
+    "lm_damping": "kfac_func.core",
+    "precondition": "kfac_func.core",
+    "QuadraticSolution": "kfac_func.core",
+    "solve_quadratic": "kfac_func.core",
+    "AllreduceMethod": "kfac_func.distributed",
+    "AssignmentStrategy": "kfac_func.distributed",
+    "Communicator": "kfac_func.distributed",
+    "DistributedStrategy": "kfac_func.distributed",
+    "LayerPlan": "kfac_func.distributed",
+    "make_plan": "kfac_func.distributed",
+    "Plan": "kfac_func.distributed",
+    "RankMismatchError": "kfac_func.distributed",
+    "update_distributed": "kfac_func.distributed",
+    "ExperimentalFeatureWarning": "kfac_func.parallel",
+    "GPTNeoXKFACPreconditioner": "kfac_func.parallel",
+    "make_parallel_plan": "kfac_func.parallel",
+    "ParallelKFACPreconditioner": "kfac_func.parallel",
+    "ParallelPlan": "kfac_func.parallel",
+    "register_parallel": "kfac_func.parallel",
+    "AdaptiveRecord": "kfac_func.state",
+    "AdaptiveState": "kfac_func.state",
+    "LayerState": "kfac_func.state",
+    "accumulate_factors": "kfac_func.step",
+    "adapt_damping": "kfac_func.step",
+    "adaptive_step": "kfac_func.step",
+    "AdaptiveInfo": "kfac_func.step",
+    "correct_eigenvalues": "kfac_func.step",
+    "curvature_gram": "kfac_func.step",
+    "damping_due": "kfac_func.step",
+    "exp_decay_factor_averaging": "kfac_func.step",
+    "init_adaptive": "kfac_func.step",
+    "precondition_grads": "kfac_func.step",
+    "report_skipped": "kfac_func.step",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A moved name (``MOVED``), from its new module, with a ``DeprecationWarning``.
+
+    Example:
+        >>> import warnings
+        >>> import kfac_func as kf
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     plan_maker = kf.make_plan
+        >>> plan_maker is kf.distributed.make_plan
+        True
+        >>> str(caught[0].message).split(";")[0]
+        'kfac_func.make_plan moved to kfac_func.distributed.make_plan'
+    """
+    module = MOVED.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"kfac_func.{name} moved to {module}.{name}; the top-level name will be removed in "
+        "the next release",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    """The module's names and the moved ones (which still resolve, with a warning).
+
+    Example:
+        >>> import kfac_func as kf
+        >>> "make_plan" in dir(kf) and "update" in dir(kf)
+        True
+    """
+    return sorted({*globals(), *MOVED})

@@ -133,10 +133,10 @@ class LayerState:
             int64 tensor on the layer's device, counted without reading it on the host;
             None before the first such step.
         grad_skips_reported: how many of ``grad_skips`` were already warned about
-            (static; see :func:`kfac_func.report_skipped`).
+            (static; see :func:`kfac_func.step.report_skipped`).
         factor_skips: the factor updates of ``sync_free=True`` steps whose batch factors
             held NaN/Inf (the layer kept its factors), not reported yet: a 0-d int64
-            tensor, counted in ``factor_updates`` until :func:`kfac_func.report_skipped`
+            tensor, counted in ``factor_updates`` until :func:`kfac_func.step.report_skipped`
             moves them to ``skipped_updates``; None before the first such step.
         usable: whether ``decomposition`` is applied, decided on the device by
             ``sync_free=True`` decomposition steps (a 0-d bool tensor: False while the

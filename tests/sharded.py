@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac_func import DistributedStrategy, KFACPreconditioner
+from kfac_func import KFACPreconditioner
+from kfac_func.distributed import DistributedStrategy
 
 F64 = torch.float64
 LR = 0.1

@@ -22,13 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import kfac_func as kf
-from kfac_func import (
-    AssignmentStrategy,
-    ComputeMethod,
-    DistributedStrategy,
-    KFACPreconditioner,
-    LambdaParamScheduler,
-)
+from kfac_func import ComputeMethod, KFACPreconditioner
+from kfac_func.adapter import LambdaParamScheduler
+from kfac_func.distributed import AssignmentStrategy, DistributedStrategy
 
 F64 = torch.float64
 CPU = torch.device("cpu")
@@ -488,12 +484,15 @@ def test_unequal_grad_worker_groups_are_refused(monkeypatch: pytest.MonkeyPatch)
     the adapter with the world size it reads from the process group patched to 4."""
     layers = kf.register(small())
     with pytest.raises(ValueError, match=r"groups of 3 grad workers.*4 ranks into equal groups"):
-        kf.make_plan(layers, 4, grad_worker_fraction=0.75)
+        kf.distributed.make_plan(layers, 4, grad_worker_fraction=0.75)
     with pytest.raises(ValueError, match=r"equal groups"):
-        kf.make_plan(layers, 3, grad_worker_fraction=0.5)
-    assert kf.make_plan(layers, 4, grad_worker_fraction=0.5).worker_groups == ((0, 1), (2, 3))
+        kf.distributed.make_plan(layers, 3, grad_worker_fraction=0.5)
+    assert kf.distributed.make_plan(layers, 4, grad_worker_fraction=0.5).worker_groups == (
+        (0, 1),
+        (2, 3),
+    )
 
-    monkeypatch.setattr(kf.Communicator, "current_world_size", staticmethod(lambda: 4))
+    monkeypatch.setattr(kf.distributed.Communicator, "current_world_size", staticmethod(lambda: 4))
     with pytest.raises(ValueError, match=r"world_size=4 gives groups of 3 grad workers"):
         KFACPreconditioner(small(), grad_worker_fraction=0.75)
 
@@ -553,7 +552,7 @@ def test_hooks_collect_only_in_training_mode_with_grad() -> None:
     state = kf.init(layers, convention="kfac-pytorch", factor_dtype=F64, inv_dtype=F64)
     state = state.replace(step=1)
     _, _, caps = kf.capture(ref, dict(ref.named_parameters()), x, lambda o: xent(o, y))
-    state = kf.accumulate_factors(state, caps, factor_decay=pre.factor_decay)
+    state = kf.step.accumulate_factors(state, caps, factor_decay=pre.factor_decay)
     for name in layers:
         assert torch.equal(pre.state.layers[name].a_factor, state.layers[name].a_factor)
         assert torch.equal(pre.state.layers[name].g_factor, state.layers[name].g_factor)
@@ -670,7 +669,7 @@ def test_accumulation_weighting_rule(scaling: str) -> None:
         xent(net(x), y).backward()
         _, _, cap = kf.capture(ref, dict(ref.named_parameters()), x, lambda o, y=y: xent(o, y))
         fresh = kf.init(layers, convention=scaling, factor_dtype=F64)  # type: ignore[arg-type]
-        singles.append(kf.accumulate_factors(fresh, cap, factor_decay=decay))
+        singles.append(kf.step.accumulate_factors(fresh, cap, factor_decay=decay))
     pre.step()
     w = [n / sum(sizes) for n in sizes] if scaling == "fisher" else [0.5, 0.5]
     for name in layers:

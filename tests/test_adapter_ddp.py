@@ -27,7 +27,8 @@ from gloo import gloo_group, one_thread, record_errors, spawn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from kfac_func import DistributedStrategy, KFACPreconditioner
+from kfac_func import KFACPreconditioner
+from kfac_func.distributed import DistributedStrategy
 from kfac_func.distributed.plan import resolve_grad_workers
 
 WORLD = 2

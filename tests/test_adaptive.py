@@ -118,7 +118,7 @@ def test_curvature_gram_matches_dense_ggn(case: str, positions: bool) -> None:
     loss_fn = make(targets)
     loss = loss_fn if kind is None else kind
     v, w = _random_like(params, 2), _random_like(params, 3)
-    got = kf.curvature_gram(model, params, x, [v, w], loss=loss, loss_reduction=reduction)
+    got = kf.step.curvature_gram(model, params, x, [v, w], loss=loss, loss_reduction=reduction)
     ggn, _, names = _dense(model, params, x, loss_fn)
     want = _gram([_flat(v, names), _flat(w, names)], ggn)
     assert got.dtype == DT and got.shape == (2, 2)
@@ -147,7 +147,7 @@ def test_curvature_gram_through_attention() -> None:
     x = torch.randn(3, 6, 4, generator=g, dtype=DT)
     loss_fn = _ce(torch.randint(0, 5, (3, 6), generator=g))
     v, w = _random_like(params, 6), _random_like(params, 7)
-    got = kf.curvature_gram(model, params, x, [v, w])
+    got = kf.step.curvature_gram(model, params, x, [v, w])
     ggn, _, names = _dense(model, params, x, loss_fn)
     want = _gram([_flat(v, names), _flat(w, names)], ggn)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
@@ -184,7 +184,7 @@ def _problem(
     g = torch.Generator().manual_seed(10 + seed)
     x = torch.randn(7, 3, generator=g, dtype=DT)
     t = torch.randint(0, 4, (7,), generator=g)
-    state = kf.init_adaptive(kf.init(kf.register(model), factor_dtype=DT), damping=0.3)
+    state = kf.step.init_adaptive(kf.init(kf.register(model), factor_dtype=DT), damping=0.3)
     if previous:
         delta = {k: 0.1 * d for k, d in _random_like(params, 20 + seed).items()}
         state = state.replace(adaptive=state.adaptive.replace(previous=delta))
@@ -202,7 +202,7 @@ def test_alpha_mu_minimise_the_dense_quadratic_model(seed: int) -> None:
     sizes = [params[k].numel() for k in names]
     grads = {k: t.reshape(params[k].shape) for k, t in zip(names, grad.split(sizes))}
     directions = _random_like(params, 30 + seed)
-    updates, new, info = kf.adaptive_step(
+    updates, new, info = kf.step.adaptive_step(
         state, params, grads, directions, model=model, args=x, loss="cross_entropy", l2_reg=0.05
     )
     lam = 0.3 + 0.05
@@ -238,7 +238,7 @@ def test_first_step_solves_alpha_only() -> None:
     sizes = [params[k].numel() for k in names]
     grads = {k: t.reshape(params[k].shape) for k, t in zip(names, grad.split(sizes))}
     directions = _random_like(params, 5)
-    updates, _, info = kf.adaptive_step(state, params, grads, directions, model=model, args=x)
+    updates, _, info = kf.step.adaptive_step(state, params, grads, directions, model=model, args=x)
     v1 = -_flat(directions, names)
     q11 = float(v1 @ (ggn @ v1) + 0.3 * v1 @ v1)
     alpha = -float(grad @ v1) / q11
@@ -254,16 +254,20 @@ def test_parallel_previous_update_falls_back_to_alpha() -> None:
     directions = _random_like(params, 6)
     parallel = {k: -2.0 * d for k, d in directions.items()}
     state = state.replace(adaptive=state.adaptive.replace(previous=parallel))
-    _, _, info = kf.adaptive_step(state, params, grads, directions, model=model, args=x)
+    _, _, info = kf.step.adaptive_step(state, params, grads, directions, model=model, args=x)
     assert info.method == "alpha" and info.mu == 0.0 and info.predicted < 0
 
 
 def test_solve_quadratic_fallbacks() -> None:
-    assert kf.solve_quadratic([[1.0, 2.0], [2.0, 1.0]], [-1.0, 0.0]).method == "alpha"  # indefinite
-    assert kf.solve_quadratic([[1.0, 1.0], [1.0, 1.0]], [-1.0, -1.0]).method == "alpha"  # singular
-    assert kf.solve_quadratic([[0.0, 0.0], [0.0, 0.0]], [0.0, 0.0]) == (0.0, 0.0, 0.0, "none")
-    assert kf.solve_quadratic([[math.nan, 0.0], [0.0, 1.0]], [1.0, 0.0]).method == "nonfinite"
-    s = kf.solve_quadratic(torch.tensor([[4.0]]), torch.tensor([-2.0]))
+    assert (
+        kf.core.solve_quadratic([[1.0, 2.0], [2.0, 1.0]], [-1.0, 0.0]).method == "alpha"
+    )  # indefinite
+    assert (
+        kf.core.solve_quadratic([[1.0, 1.0], [1.0, 1.0]], [-1.0, -1.0]).method == "alpha"
+    )  # singular
+    assert kf.core.solve_quadratic([[0.0, 0.0], [0.0, 0.0]], [0.0, 0.0]) == (0.0, 0.0, 0.0, "none")
+    assert kf.core.solve_quadratic([[math.nan, 0.0], [0.0, 1.0]], [1.0, 0.0]).method == "nonfinite"
+    s = kf.core.solve_quadratic(torch.tensor([[4.0]]), torch.tensor([-2.0]))
     assert (s.alpha, s.mu, s.predicted, s.method) == (0.5, 0.0, -0.5, "alpha")
 
 
@@ -273,10 +277,14 @@ def test_nonfinite_model_skips_or_raises() -> None:
     directions = _random_like(params, 7)
     directions["0.weight"][0, 0] = math.nan
     with pytest.warns(RuntimeWarning, match="non-finite"):
-        updates, _, info = kf.adaptive_step(state, params, grads, directions, model=model, args=x)
+        updates, _, info = kf.step.adaptive_step(
+            state, params, grads, directions, model=model, args=x
+        )
     assert info.method == "nonfinite" and all(not u.any() for u in updates.values())
     with pytest.raises(kf.NonFiniteError):
-        kf.adaptive_step(state, params, grads, directions, model=model, args=x, nonfinite="raise")
+        kf.step.adaptive_step(
+            state, params, grads, directions, model=model, args=x, nonfinite="raise"
+        )
 
 
 # --------------------------------------------------------------------------- (d) damping
@@ -284,13 +292,13 @@ def test_nonfinite_model_skips_or_raises() -> None:
 
 def test_lm_rule() -> None:
     w = 0.95**5
-    assert kf.lm_damping(1.0, 0.8, omega=w) == w
-    assert kf.lm_damping(1.0, 0.2, omega=w) == 1.0 / w
-    assert kf.lm_damping(1.0, 0.5, omega=w) == 1.0
-    assert kf.lm_damping(1.0, None, omega=w) == 1.0
-    assert kf.lm_damping(1.0, math.nan, omega=w) == 1.0 / w
-    assert kf.lm_damping(1.0, 0.9, omega=0.5, min_damping=0.8) == 0.8
-    assert kf.lm_damping(1.0, -3.0, omega=0.5, max_damping=1.2) == 1.2
+    assert kf.core.lm_damping(1.0, 0.8, omega=w) == w
+    assert kf.core.lm_damping(1.0, 0.2, omega=w) == 1.0 / w
+    assert kf.core.lm_damping(1.0, 0.5, omega=w) == 1.0
+    assert kf.core.lm_damping(1.0, None, omega=w) == 1.0
+    assert kf.core.lm_damping(1.0, math.nan, omega=w) == 1.0 / w
+    assert kf.core.lm_damping(1.0, 0.9, omega=0.5, min_damping=0.8) == 0.8
+    assert kf.core.lm_damping(1.0, -3.0, omega=0.5, max_damping=1.2) == 1.2
 
 
 def _after_step(state: kf.KFACState, steps: int, predicted: float = -1.0) -> kf.KFACState:
@@ -299,38 +307,38 @@ def _after_step(state: kf.KFACState, steps: int, predicted: float = -1.0) -> kf.
 
 
 def test_adapt_damping_every_interval_steps() -> None:
-    state = kf.init_adaptive(kf.init(kf.register(nn.Linear(2, 2))), damping=1.0)
+    state = kf.step.init_adaptive(kf.init(kf.register(nn.Linear(2, 2))), damping=1.0)
     w = 0.95**5
     dampings = []
     for step in range(1, 11):
         state = _after_step(state, step)
-        due = kf.damping_due(state, interval=5)
+        due = kf.step.damping_due(state, interval=5)
         assert due == (step % 5 == 0)
-        state = kf.adapt_damping(state, 0.1, 1.0, interval=5)  # ρ = 0.9: shrink when due
+        state = kf.step.adapt_damping(state, 0.1, 1.0, interval=5)  # ρ = 0.9: shrink when due
         assert state.adaptive.rho == pytest.approx(0.9)
         dampings.append(state.adaptive.damping)
     assert dampings == [1.0] * 4 + [w] * 5 + [w * w]
     # ρ < 1/4 grows, the new loss may be left out when no adaptation is due
-    state = kf.adapt_damping(_after_step(state, 11), None, None, interval=5)
-    state = kf.adapt_damping(_after_step(state, 15), 0.9, 1.0, interval=5)  # ρ = 0.1
+    state = kf.step.adapt_damping(_after_step(state, 11), None, None, interval=5)
+    state = kf.step.adapt_damping(_after_step(state, 15), 0.9, 1.0, interval=5)  # ρ = 0.1
     assert state.adaptive.damping == pytest.approx(w)
     # clamping at both ends
-    low = kf.adapt_damping(_after_step(state, 20), 0.0, 1.0, interval=5, min_damping=0.9)
+    low = kf.step.adapt_damping(_after_step(state, 20), 0.0, 1.0, interval=5, min_damping=0.9)
     assert low.adaptive.damping == 0.9
-    high = kf.adapt_damping(_after_step(state, 20), 5.0, 1.0, interval=5, max_damping=0.8)
+    high = kf.step.adapt_damping(_after_step(state, 20), 5.0, 1.0, interval=5, max_damping=0.8)
     assert high.adaptive.damping == 0.8
     # a non-finite new loss is a failed step
-    bad = kf.adapt_damping(_after_step(state, 20), math.inf, 1.0, interval=5)
+    bad = kf.step.adapt_damping(_after_step(state, 20), math.inf, 1.0, interval=5)
     assert bad.adaptive.rho == -math.inf and bad.adaptive.damping == pytest.approx(1.0)
     # history: bounded, the latest last
     assert len(state.adaptive.history) == 12
-    assert state.adaptive.history[-1] == kf.AdaptiveRecord(
+    assert state.adaptive.history[-1] == kf.state.AdaptiveRecord(
         15, state.adaptive.damping, 1.0, 0.0, -1.0, pytest.approx(0.1)
     )
     with pytest.raises(ValueError, match="new_loss"):
-        kf.adapt_damping(_after_step(state, 25), None, 1.0, interval=5)
+        kf.step.adapt_damping(_after_step(state, 25), None, 1.0, interval=5)
     with pytest.raises(ValueError, match="already called"):
-        kf.adapt_damping(state, 0.5, 1.0, interval=5)
+        kf.step.adapt_damping(state, 0.5, 1.0, interval=5)
 
 
 # --------------------------------------------------------------------------- (e) checkpoints
@@ -341,7 +349,7 @@ def _trained(steps: int = 3) -> tuple[nn.Module, kf.KFACState]:
     g = torch.Generator().manual_seed(3)
     x, t = torch.randn(16, 3, generator=g, dtype=DT), torch.randint(0, 4, (16,), generator=g)
     params = _params(model)
-    state = kf.init_adaptive(
+    state = kf.step.init_adaptive(
         kf.init(kf.register(model), factor_dtype=DT, inv_dtype=DT), damping=1.0
     )
     for _ in range(steps):
@@ -349,7 +357,7 @@ def _trained(steps: int = 3) -> tuple[nn.Module, kf.KFACState]:
     return model, state
 
 
-def _same_adaptive(a: kf.AdaptiveState | None, b: kf.AdaptiveState | None) -> None:
+def _same_adaptive(a: kf.state.AdaptiveState | None, b: kf.state.AdaptiveState | None) -> None:
     assert a is not None and b is not None
     for f in dataclasses.fields(a):
         if f.name != "previous":
@@ -398,7 +406,7 @@ def test_old_format_without_adaptive_part_loads() -> None:
     loaded = kf.state_from_dict(d, like=like)
     assert loaded.adaptive is None and loaded.step == state.step
     assert torch.equal(loaded.layers["0"].a_factor, state.layers["0"].a_factor)
-    fresh = kf.init_adaptive(like, damping=0.5)
+    fresh = kf.step.init_adaptive(like, damping=0.5)
     assert kf.state_from_dict(d, like=fresh).adaptive == fresh.adaptive
     # a state without an adaptive part round-trips to none
     plain = kf.state_from_dict(kf.state_to_dict(state.replace(adaptive=None)), like=like)
@@ -411,7 +419,7 @@ def test_malformed_adaptive_metadata_is_refused() -> None:
     meta = json.loads(bytes(d[META_KEY].tolist()).decode())
     meta["adaptive"]["damping"] = "high"
     d[META_KEY] = torch.tensor(list(json.dumps(meta).encode()), dtype=torch.uint8)
-    with pytest.raises(kf.CheckpointFormatError, match="damping"):
+    with pytest.raises(kf.checkpoint.CheckpointFormatError, match="damping"):
         kf.state_from_dict(d, like=kf.init(kf.register(model), factor_dtype=DT, inv_dtype=DT))
 
 
@@ -432,12 +440,12 @@ def _loop_step(
     directions, state = kf.update(
         state, grads, captures=caps, damping=state.adaptive.damping, kl_clip=None
     )
-    updates, state, _ = kf.adaptive_step(
+    updates, state, _ = kf.step.adaptive_step(
         state, params, grads, directions, model=model, args=x, loss=loss
     )
     params = {k: p + updates[k] for k, p in params.items()}
     new = loss_fn(functional_call(model, params, (x,)))
-    state = kf.adapt_damping(state, new, old, interval=interval)
+    state = kf.step.adapt_damping(state, new, old, interval=interval)
     return params, state, float(old)
 
 
@@ -447,7 +455,7 @@ def test_classification_loss_decreases_and_damping_moves() -> None:
     x = torch.randn(64, 4, generator=g, dtype=DT)
     t = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
     params = _params(model)
-    state = kf.init_adaptive(
+    state = kf.step.init_adaptive(
         kf.init(kf.register(model), factor_dtype=DT, inv_dtype=DT), damping=1.0
     )
     losses = []
@@ -469,7 +477,7 @@ def test_stepper_regression_in_place() -> None:
     x = torch.linspace(-2, 2, 40, dtype=DT).reshape(20, 2)
     y = torch.sin(x.sum(dim=1, keepdim=True))
     loss_fn = lambda out: F.mse_loss(out, y)  # noqa: E731
-    state = kf.init_adaptive(
+    state = kf.step.init_adaptive(
         kf.init(kf.register(model), factor_dtype=DT, inv_dtype=DT), damping=10.0
     )
     stepper = AdaptiveStepper(model, loss="mse", interval=2, min_damping=1e-4)
@@ -503,40 +511,40 @@ def test_bad_input_names_the_argument() -> None:
     _, grads, _ = kf.capture(model, params, x, loss_fn)
     directions = _random_like(params, 8)
     with pytest.raises(ValueError, match="damping"):
-        kf.init_adaptive(state, damping=-1.0)
+        kf.step.init_adaptive(state, damping=-1.0)
     with pytest.raises(ValueError, match="damping"):
-        kf.lm_damping(-1.0, 0.5, omega=0.5)
+        kf.core.lm_damping(-1.0, 0.5, omega=0.5)
     with pytest.raises(ValueError, match="omega"):
-        kf.lm_damping(1.0, 0.5, omega=1.5)
+        kf.core.lm_damping(1.0, 0.5, omega=1.5)
     after = _after_step(state, 1)
     with pytest.raises(ValueError, match="interval"):
-        kf.adapt_damping(after, 0.1, 1.0, interval=0)
+        kf.step.adapt_damping(after, 0.1, 1.0, interval=0)
     with pytest.raises(ValueError, match="interval"):
-        kf.damping_due(after, interval=0)
+        kf.step.damping_due(after, interval=0)
     with pytest.raises(ValueError, match="min_damping"):
-        kf.adapt_damping(after, 0.1, 1.0, min_damping=2.0, max_damping=1.0)
+        kf.step.adapt_damping(after, 0.1, 1.0, min_damping=2.0, max_damping=1.0)
     with pytest.raises(ValueError, match="damping_decay"):
-        kf.adapt_damping(after, 0.1, 1.0, damping_decay=1.5)
+        kf.step.adapt_damping(after, 0.1, 1.0, damping_decay=1.5)
     with pytest.raises(ValueError, match="adaptive_step"):
-        kf.adapt_damping(state, 0.1, 1.0)
+        kf.step.adapt_damping(state, 0.1, 1.0)
     with pytest.raises(ValueError, match="new_loss must be a scalar"):
-        kf.adapt_damping(after, torch.zeros(2), 1.0)
+        kf.step.adapt_damping(after, torch.zeros(2), 1.0)
     missing = {k: v for k, v in directions.items() if k != "2.bias"}
     with pytest.raises(ValueError, match=r"directions must have the keys of params.*2\.bias"):
-        kf.adaptive_step(state, params, grads, missing, model=model, args=x)
+        kf.step.adaptive_step(state, params, grads, missing, model=model, args=x)
     with pytest.raises(ValueError, match="grads"):
-        kf.adaptive_step(
+        kf.step.adaptive_step(
             state, params, {**grads, "extra": torch.zeros(1)}, directions, model=model, args=x
         )
     wrong = {**directions, "0.weight": directions["0.weight"].T}
     with pytest.raises(ValueError, match="directions: shapes"):
-        kf.adaptive_step(state, params, grads, wrong, model=model, args=x)
+        kf.step.adaptive_step(state, params, grads, wrong, model=model, args=x)
     with pytest.raises(ValueError, match="l2_reg"):
-        kf.adaptive_step(state, params, grads, directions, model=model, args=x, l2_reg=-1.0)
+        kf.step.adaptive_step(state, params, grads, directions, model=model, args=x, l2_reg=-1.0)
     with pytest.raises(ValueError, match="loss"):
-        kf.adaptive_step(state, params, grads, directions, model=model, args=x, loss="hinge")  # type: ignore[arg-type]
+        kf.step.adaptive_step(state, params, grads, directions, model=model, args=x, loss="hinge")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="init_adaptive"):
-        kf.adaptive_step(
+        kf.step.adaptive_step(
             state.replace(adaptive=None), params, grads, directions, model=model, args=x
         )
 
@@ -579,7 +587,9 @@ def test_adapter_equals_the_functional_loop_and_resumes() -> None:
     pre = _adaptive_pre(model)
     got = _adapter_steps(model, pre, range(4))
     params = _params(ref)
-    state = kf.init_adaptive(kf.init(kf.register(ref), factor_dtype=DT, inv_dtype=DT), damping=1.0)
+    state = kf.step.init_adaptive(
+        kf.init(kf.register(ref), factor_dtype=DT, inv_dtype=DT), damping=1.0
+    )
     for k in range(4):
         g = torch.Generator().manual_seed(k)
         x, t = torch.randn(16, 3, generator=g, dtype=DT), torch.randint(0, 4, (16,), generator=g)

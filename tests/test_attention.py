@@ -113,7 +113,7 @@ def test_factors_are_the_grams_of_the_projections(case: str) -> None:
     _, _, caps = kf.capture(
         model, params, args, lambda out: 0.5 * F.mse_loss(out, t, reduction="sum") / n
     )
-    state = kf.accumulate_factors(kf.init(table, factor_dtype=DT), caps)
+    state = kf.step.accumulate_factors(kf.init(table, factor_dtype=DT), caps)
     oracle = _oracle(attn, xq, xkv, t)
     bias = case != "nobias"
     for part, (a, gr) in oracle.items():
@@ -235,6 +235,6 @@ def test_eval_mode_capture_and_failing_forward_restore_everything() -> None:
 
 
 def test_model_parallel_registration_skips_attention() -> None:
-    table, _ = kf.register_parallel(nn.Sequential(nn.Linear(E, E), Self_(_mha())))
+    table, _ = kf.parallel.register_parallel(nn.Sequential(nn.Linear(E, E), Self_(_mha())))
     assert list(table) == ["0"]
     assert "not supported by the model-parallel preconditioner" in table.skipped["1.attn"]

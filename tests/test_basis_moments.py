@@ -34,8 +34,10 @@ def _batch(k: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 4, generator=g, dtype=DT), torch.randint(0, 3, (n,), generator=g)
 
 
-def _matrix(spec: kf.LayerSpec, grads: dict[str, torch.Tensor]) -> torch.Tensor:
-    return kf.grads_to_matrix(spec, grads[spec.weight], grads[spec.bias] if spec.bias else None)
+def _matrix(spec: kf.blocks.LayerSpec, grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    return kf.blocks.grads_to_matrix(
+        spec, grads[spec.weight], grads[spec.bias] if spec.bias else None
+    )
 
 
 @pytest.mark.parametrize("beta1", [0.0, 0.8])
@@ -183,8 +185,8 @@ def test_adapter_equals_update_and_resumes_from_checkpoints() -> None:
     pre = _adapter(model)
     table = kf.register(ref)
     state = kf.init(table, factor_dtype=DT, inv_dtype=DT)
-    plan = kf.make_plan(table, 1)
-    comm = kf.Communicator(plan)
+    plan = kf.distributed.make_plan(table, 1)
+    comm = kf.distributed.Communicator(plan)
     dstate = state
     params = {k: v.detach().clone() for k, v in ref.named_parameters()}
     kw = {"kl_clip": None, "eigenbasis_moments": True, "moment_beta2": B2, "moment_beta1": 0.5}
@@ -194,7 +196,7 @@ def test_adapter_equals_update_and_resumes_from_checkpoints() -> None:
         _, grads, caps = kf.capture(ref, params, x, lambda o, y=y: F.cross_entropy(o, y))
         every = step % 2 == 0
         out, state = kf.update(state, grads, captures=caps, update_inverses=every, **kw)  # type: ignore[arg-type]
-        dout, dstate = kf.update_distributed(
+        dout, dstate = kf.distributed.update_distributed(
             dstate,
             grads,
             captures=caps,

@@ -79,7 +79,7 @@ def test_capture_expands_shared_positions_as_the_adapter(layout: str) -> None:
         params = dict(model.named_parameters())
         _, _, caps = kf.capture(model, params, x, lambda o: _loss(o, y), layers=layers)
         assert caps.batch_size == N
-        state = kf.accumulate_factors(state, caps)
+        state = kf.step.accumulate_factors(state, caps)
         return {n: (ls.a_factor, ls.g_factor) for n, ls in state.layers.items()}
 
     want, got = factors("explicit"), factors(layout)

@@ -124,7 +124,7 @@ def test_module_called_twice_gives_one_update_with_both_calls_rows() -> None:
     torch.testing.assert_close(grads["cell.weight"], gw, rtol=1e-12, atol=1e-14)
 
     state = kf.init(kf.register(model), factor_dtype=torch.float64, inv_dtype=torch.float64)
-    new = kf.accumulate_factors(state, caps)
+    new = kf.step.accumulate_factors(state, caps)
     assert new.layers["cell"].factor_updates == 1
     rows = torch.cat([torch.cat([a, torch.ones(5, 1, dtype=a.dtype)], 1) for a in ref_in["cell"]])
     torch.testing.assert_close(new.layers["cell"].a_factor, rows.T @ rows / 10, rtol=1e-12, atol=0)

@@ -63,7 +63,7 @@ def test_resuming_the_same_construction_after_a_schedule_is_silent() -> None:
     preconditioner as before and gets the scheduled values back without a warning."""
     model = _model()
     pre = kf.KFACPreconditioner(model)
-    sched = kf.LambdaParamScheduler(
+    sched = kf.adapter.LambdaParamScheduler(
         pre, kl_clip_lambda=lambda step: 0.9, damping_lambda=lambda step: 0.5
     )
     for _ in range(2):

@@ -78,7 +78,7 @@ def test_compiled_precondition_grads_equals_eager() -> None:
     state, grads = _state()
 
     def fn(s: kf.KFACState, g: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return kf.precondition_grads(
+        return kf.step.precondition_grads(
             s, g, damping=1e-2, kl_clip=1e-3, grafting=Grafting("sgd"), sync_free=True
         )
 

@@ -213,7 +213,7 @@ def test_a_batch_skipped_on_the_device_equals_the_default_skip() -> None:
             assert torch.equal(outs[True]["2.weight"], grads["2.weight"])
             assert not bool(states[True].layers["2"].usable)
     with pytest.warns(RuntimeWarning, match=r"layer '2'.* batch factors of 1 factor update"):
-        _, settled = kf.report_skipped(states[True])
+        _, settled = kf.step.report_skipped(states[True])
     for name, ls in settled.layers.items():
         other = states[False].layers[name]
         assert (ls.factor_updates, ls.skipped_updates) == (
@@ -240,7 +240,7 @@ def test_a_decomposition_that_is_not_finite_keeps_the_previous_one() -> None:
     assert not bool(new.layers["0"].usable) and bool(new.layers["2"].usable)
     assert torch.equal(out["0.weight"], grads["0.weight"])
     assert not torch.equal(out["2.weight"], grads["2.weight"])
-    plain = kf.precondition_grads(new, grads, damping=1e-2)  # checked on the host: the same
+    plain = kf.step.precondition_grads(new, grads, damping=1e-2)  # checked on the host: the same
     assert torch.equal(plain["0.weight"], grads["0.weight"])
     assert not torch.equal(plain["2.weight"], grads["2.weight"])
     _, good = kf.update(state, grads, update_factors=False, sync_free=True, damping=1e-2)

@@ -32,7 +32,7 @@ def test_factor_decay_outside_0_1_is_refused_by_both(decay: float) -> None:
 def test_factor_decay_zero_keeps_the_latest_batch_factors_in_both() -> None:
     """0 is a value of the range (``exp_decay_factor_averaging`` starts with it): the
     factors are the last batch's, in the preconditioner as in ``update``."""
-    assert kf.exp_decay_factor_averaging()(1) == 0.0
+    assert kf.step.exp_decay_factor_averaging()(1) == 0.0
     model, plain = _model(), _model()  # the capture's forward must not feed the hooks
     pre = kf.KFACPreconditioner(model, factor_decay=0.0, scaling="fisher", kl_clip=None)
     state = kf.init(kf.register(plain))
@@ -45,7 +45,7 @@ def test_factor_decay_zero_keeps_the_latest_batch_factors_in_both() -> None:
         _, grads, caps = kf.capture(plain, params, x, lambda o: o.pow(2).mean())
         _, state = kf.update(state, grads, captures=caps, factor_decay=0.0)
     spec = pre.layers["0"]
-    want = kf.a_factor(spec, [x], convention="fisher")
+    want = kf.core.a_factor(spec, [x], convention="fisher")
     torch.testing.assert_close(pre.state.layers["0"].a_factor, want)
     torch.testing.assert_close(state.layers["0"].a_factor, want)
     torch.testing.assert_close(pre.state.layers["2"].g_factor, state.layers["2"].g_factor)

@@ -333,8 +333,8 @@ def test_fisher_factors_equal_explicit(case: Case) -> None:
     assert spec.factor_shapes == (tuple(a_shape), tuple(g_shape))
 
     # Pure factor functions.
-    a_got = kf.a_factor(spec, [x], "fisher", DT)
-    g_got = kf.g_factor(spec, [r], "fisher", DT, batch_size=N, loss_scale=c)
+    a_got = kf.core.a_factor(spec, [x], "fisher", DT)
+    g_got = kf.core.g_factor(spec, [r], "fisher", DT, batch_size=N, loss_scale=c)
     torch.testing.assert_close(a_got, unstack(a_exp, groups), **TOL)
     torch.testing.assert_close(g_got, unstack(g_exp, groups), **TOL)
 
@@ -350,7 +350,7 @@ def test_fisher_factors_equal_explicit(case: Case) -> None:
         torch.testing.assert_close(grads[key], eg, **TOL)
     torch.testing.assert_close(caps.layers["conv"].output_grads[0], r, **TOL)
     state = kf.init({"conv": spec}, factor_dtype=DT)
-    state = kf.accumulate_factors(state, caps)
+    state = kf.step.accumulate_factors(state, caps)
     torch.testing.assert_close(state.layers["conv"].a_factor, unstack(a_exp, groups), **TOL)
     torch.testing.assert_close(state.layers["conv"].g_factor, unstack(g_exp, groups), **TOL)
 
@@ -371,14 +371,14 @@ def test_gradient_matrix_is_sum_of_row_outer_products(case: Case) -> None:
     grads = torch.autograd.grad(out, params, cot)
     wg, bg = grads[0], (grads[1] if case.bias else None)
 
-    m = kf.grads_to_matrix(spec, wg, bg)
+    m = kf.blocks.grads_to_matrix(spec, wg, bg)
     a = with_ones(explicit_patches(x, case), case.bias)
     rows = output_rows(cot, groups)
     expected = rows.mT @ a  # Σ_rows r aᵀ, per group
     assert tuple(m.shape) == spec.matrix_shape
     torch.testing.assert_close(m, unstack(expected, groups), **TOL)
 
-    w2, b2 = kf.matrix_to_grads(spec, m)
+    w2, b2 = kf.blocks.matrix_to_grads(spec, m)
     assert torch.equal(w2, wg)
     if case.bias:
         assert b2 is not None and torch.equal(b2, bg)
@@ -432,7 +432,7 @@ def test_single_example_fisher_block_is_exact(case: Case, hw: tuple[int, int]) -
 
     spec = kf.register(model)["conv"]
     _, _, caps = kf.capture(model, params, x, loss_fn)
-    state = kf.accumulate_factors(kf.init({"conv": spec}, factor_dtype=DT), caps)
+    state = kf.step.accumulate_factors(kf.init({"conv": spec}, factor_dtype=DT), caps)
     a_f = state.layers["conv"].a_factor
     g_f = state.layers["conv"].g_factor
     if case.n_groups == 1:
@@ -462,8 +462,8 @@ def test_kfac_pytorch_convention(case: Case) -> None:
     a_exp = a.mT @ a / n_rows
     g_exp = rows.mT @ rows / n_rows
 
-    a_got = kf.a_factor(spec, [x], "kfac-pytorch", DT)
-    g_got = kf.g_factor(spec, [r], "kfac-pytorch", DT, batch_size=N, loss_scale=1.0 / N)
+    a_got = kf.core.a_factor(spec, [x], "kfac-pytorch", DT)
+    g_got = kf.core.g_factor(spec, [r], "kfac-pytorch", DT, batch_size=N, loss_scale=1.0 / N)
     torch.testing.assert_close(a_got, unstack(a_exp, groups), **TOL)
     torch.testing.assert_close(g_got, unstack(g_exp, groups), **TOL)
 
@@ -475,7 +475,7 @@ def test_kfac_pytorch_convention(case: Case) -> None:
 
     _, _, caps = kf.capture(model, dict(model.named_parameters()), x, loss_fn)
     state = kf.init({"conv": spec}, convention="kfac-pytorch", factor_dtype=DT)
-    state = kf.accumulate_factors(state, caps, factor_decay=0.5)
+    state = kf.step.accumulate_factors(state, caps, factor_decay=0.5)
     eye_a = torch.eye(spec.a_dim, dtype=DT).expand(spec.factor_shapes[0])
     eye_g = torch.eye(spec.g_dim, dtype=DT).expand(spec.factor_shapes[1])
     ls = state.layers["conv"]
@@ -502,10 +502,10 @@ def test_unbatched_input_equals_batch_of_one(case: Case, convention: str) -> Non
     spec = kf.register(nn.Sequential(OrderedDict([("conv", conv)])))["conv"]
     x3 = x[0]
     r = torch.randn(conv(x).shape, dtype=DT, generator=gen)
-    a1 = kf.a_factor(spec, [x], convention, DT)
-    a3 = kf.a_factor(spec, [x3], convention, DT)
-    g1 = kf.g_factor(spec, [r], convention, DT, batch_size=1, loss_scale=1.0)
-    g3 = kf.g_factor(spec, [r[0]], convention, DT, batch_size=1, loss_scale=1.0)
+    a1 = kf.core.a_factor(spec, [x], convention, DT)
+    a3 = kf.core.a_factor(spec, [x3], convention, DT)
+    g1 = kf.core.g_factor(spec, [r], convention, DT, batch_size=1, loss_scale=1.0)
+    g3 = kf.core.g_factor(spec, [r[0]], convention, DT, batch_size=1, loss_scale=1.0)
     torch.testing.assert_close(a3, a1, rtol=0, atol=0)
     torch.testing.assert_close(g3, g1, rtol=0, atol=0)
     if convention == "fisher":
@@ -529,8 +529,12 @@ def test_unbatched_input_equals_batch_of_one(case: Case, convention: str) -> Non
     torch.testing.assert_close(l3, l1, **TOL)
     for k in gr1:
         torch.testing.assert_close(gr3[k], gr1[k], **TOL)
-    s3 = kf.accumulate_factors(kf.init({"conv": spec}, convention=convention, factor_dtype=DT), c3)
-    s1 = kf.accumulate_factors(kf.init({"conv": spec}, convention=convention, factor_dtype=DT), c1)
+    s3 = kf.step.accumulate_factors(
+        kf.init({"conv": spec}, convention=convention, factor_dtype=DT), c3
+    )
+    s1 = kf.step.accumulate_factors(
+        kf.init({"conv": spec}, convention=convention, factor_dtype=DT), c1
+    )
     torch.testing.assert_close(s3.layers["conv"].a_factor, s1.layers["conv"].a_factor, **TOL)
     torch.testing.assert_close(s3.layers["conv"].g_factor, s1.layers["conv"].g_factor, **TOL)
 
@@ -577,7 +581,7 @@ def test_same_padding_matches_pytorch(kernel, dilation, mode) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def _stem_spec() -> kf.LayerSpec:
+def _stem_spec() -> kf.blocks.LayerSpec:
     model = nn.Sequential(OrderedDict([("stem", nn.Conv2d(3, 4, 3, groups=1))]))
     return kf.register(model)["stem"]
 
@@ -586,7 +590,7 @@ def _stem_spec() -> kf.LayerSpec:
 def test_a_factor_wrong_input_names_layer_and_shape(shape: tuple[int, ...]) -> None:
     spec = _stem_spec()
     with pytest.raises(ValueError) as err:
-        kf.a_factor(spec, [torch.zeros(shape)])
+        kf.core.a_factor(spec, [torch.zeros(shape)])
     msg = str(err.value)
     assert "'stem'" in msg
     assert str(shape) in msg
@@ -595,7 +599,7 @@ def test_a_factor_wrong_input_names_layer_and_shape(shape: tuple[int, ...]) -> N
 def test_a_factor_wrong_unbatched_input_reports_the_shape_given() -> None:
     spec = _stem_spec()
     with pytest.raises(ValueError) as err:
-        kf.a_factor(spec, [torch.zeros(5, 6, 6)])
+        kf.core.a_factor(spec, [torch.zeros(5, 6, 6)])
     msg = str(err.value)
     assert "'stem'" in msg
     assert "(5, 6, 6)" in msg and "(1, 5, 6, 6)" not in msg, msg
@@ -604,4 +608,4 @@ def test_a_factor_wrong_unbatched_input_reports_the_shape_given() -> None:
 def test_g_factor_wrong_output_grad_names_layer_and_shape() -> None:
     spec = _stem_spec()
     with pytest.raises(ValueError, match=r"'stem'.*\(2, 5, 4, 4\)"):
-        kf.g_factor(spec, [torch.zeros(2, 5, 4, 4)], batch_size=2, loss_scale=0.5)
+        kf.core.g_factor(spec, [torch.zeros(2, 5, 4, 4)], batch_size=2, loss_scale=0.5)

@@ -123,7 +123,7 @@ def test_factors_and_gradient_matrix_match_the_extractor(case: Case) -> None:
     if case.bias:
         rows = torch.cat([rows, torch.ones(*rows.shape[:-1], 1, dtype=DT)], dim=-1)
     a_oracle = rows.mT @ rows / rows.shape[1]
-    a = kf.a_factor(spec, [x], dtype=DT)
+    a = kf.core.a_factor(spec, [x], dtype=DT)
     torch.testing.assert_close(
         a, a_oracle if case.groups > 1 else a_oracle[0], rtol=1e-12, atol=1e-12
     )
@@ -134,19 +134,19 @@ def test_factors_and_gradient_matrix_match_the_extractor(case: Case) -> None:
         .reshape(case.groups, -1, case.cout // case.groups)
     )
     g_oracle = gr.mT @ gr / (N * 0.5**2)
-    g = kf.g_factor(spec, [r], dtype=DT, batch_size=N, loss_scale=0.5)
+    g = kf.core.g_factor(spec, [r], dtype=DT, batch_size=N, loss_scale=0.5)
     torch.testing.assert_close(
         g, g_oracle if case.groups > 1 else g_oracle[0], rtol=1e-12, atol=1e-12
     )
     # the gradient matrix is Σ gᵀ[a, 1] over positions (r is the output-gradient)
     y = mod(x)
     (dw, *db) = torch.autograd.grad(y, [mod.weight, *([mod.bias] if case.bias else [])], r)
-    m = kf.grads_to_matrix(spec, dw, db[0] if db else None)
+    m = kf.blocks.grads_to_matrix(spec, dw, db[0] if db else None)
     m_oracle = gr.mT @ rows
     torch.testing.assert_close(
         m, m_oracle if case.groups > 1 else m_oracle[0], rtol=1e-12, atol=1e-12
     )
-    w2, b2 = kf.matrix_to_grads(spec, m)
+    w2, b2 = kf.blocks.matrix_to_grads(spec, m)
     assert torch.equal(w2, dw) and (b2 is None) == (not case.bias)
 
 
@@ -189,14 +189,14 @@ def test_unbatched_input_and_bad_shapes() -> None:
     spec = kf.register(nn.Sequential(case.module()))["0"]
     x = _x(case)
     torch.testing.assert_close(
-        kf.a_factor(spec, [x[:1]], dtype=DT), kf.a_factor(spec, [x[0]], dtype=DT)
+        kf.core.a_factor(spec, [x[:1]], dtype=DT), kf.core.a_factor(spec, [x[0]], dtype=DT)
     )
     with pytest.raises(
         ValueError, match=r"layer '0' \(conv1d\): input must have shape \(N, 4, L\)"
     ):
-        kf.a_factor(spec, [torch.zeros(2, 3, 5)])
+        kf.core.a_factor(spec, [torch.zeros(2, 3, 5)])
     with pytest.raises(ValueError, match=r"output-gradient must have shape \(N, 6, L\)"):
-        kf.g_factor(spec, [torch.zeros(2, 5, 5)], batch_size=2, loss_scale=0.5)
+        kf.core.g_factor(spec, [torch.zeros(2, 5, 5)], batch_size=2, loss_scale=0.5)
 
 
 def test_table_and_adapter() -> None:

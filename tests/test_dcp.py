@@ -30,7 +30,9 @@ from gloo import gloo_group, record_errors, spawn
 from sharded import F64, GLOBAL_BATCH, LR, global_batch, whole
 from torch import nn
 
-from kfac_func import AdaptiveStepper, DistributedStrategy, KFACPreconditioner
+from kfac_func import KFACPreconditioner
+from kfac_func.adapter import AdaptiveStepper
+from kfac_func.distributed import DistributedStrategy
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 fsdp = pytest.importorskip("torch.distributed.fsdp")

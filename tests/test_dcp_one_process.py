@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac_func import AdaptiveStepper, KFACPreconditioner
+from kfac_func import KFACPreconditioner
+from kfac_func.adapter import AdaptiveStepper
 from kfac_func.adapter.checkpoint_settings import SETTINGS_KEY
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")

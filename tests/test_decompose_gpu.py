@@ -74,10 +74,12 @@ def state_with_factors(
     params = dict(model.named_parameters())
     _, grads, caps = kf.capture(model, params, x, lambda o: F.cross_entropy(o, y))
     state = kf.init(kf.register(model), convention="fisher", device=device, **init)
-    return kf.accumulate_factors(state, caps, factor_decay=0.0), grads, caps
+    return kf.step.accumulate_factors(state, caps, factor_decay=0.0), grads, caps
 
 
-def assert_eigen_close(got: kf.EigenDecomposition, want: kf.EigenDecomposition, what: str) -> None:
+def assert_eigen_close(
+    got: kf.core.EigenDecomposition, want: kf.core.EigenDecomposition, what: str
+) -> None:
     """Eigenvalues equal, and the eigenbases span the same directions (column signs and
     the order within clusters of equal eigenvalues may differ between solvers): compared
     through the reconstructions ``Q diag(d) Qᵀ``."""
@@ -103,14 +105,16 @@ def test_batched_eigh_equals_the_per_factor_path(device: torch.device) -> None:
     assert list(batched.layers) == list(per.layers)
     for name in per.layers:
         got, want = batched.layers[name].decomposition, per.layers[name].decomposition
-        assert isinstance(got, kf.EigenDecomposition) and isinstance(want, kf.EigenDecomposition)
+        assert isinstance(got, kf.core.EigenDecomposition) and isinstance(
+            want, kf.core.EigenDecomposition
+        )
         assert got.qa is not None and got.qa.device.type == device.type
         assert_eigen_close(got, want, name)
         assert got.dgda is not None and want.dgda is not None
         torch.testing.assert_close(got.dgda, want.dgda, rtol=1e-4, atol=1e-6)
     # the preconditioned gradients, which do not depend on the eigenvectors' signs
-    p_batched = kf.precondition_grads(batched, grads, damping=1e-2, kl_clip=None)
-    p_per = kf.precondition_grads(per, grads, damping=1e-2, kl_clip=None)
+    p_batched = kf.step.precondition_grads(batched, grads, damping=1e-2, kl_clip=None)
+    p_per = kf.step.precondition_grads(per, grads, damping=1e-2, kl_clip=None)
     for k in grads:
         torch.testing.assert_close(p_batched[k], p_per[k], rtol=1e-4, atol=1e-6, msg=named(k))
 
@@ -174,8 +178,8 @@ def test_a_nonfinite_factor_leaves_its_group_and_its_layer_keeps_the_old_one(
     for name, other in first.layers.items():
         if name != "4":
             got = batched.layers[name].decomposition
-            assert isinstance(got, kf.EigenDecomposition)
-            assert isinstance(other.decomposition, kf.EigenDecomposition)
+            assert isinstance(got, kf.core.EigenDecomposition)
+            assert isinstance(other.decomposition, kf.core.EigenDecomposition)
             assert_eigen_close(got, other.decomposition, name)
 
 
@@ -205,12 +209,12 @@ def test_batched_eigh_with_other_methods(method: str, device: torch.device) -> N
         got, want = batched.layers[name].decomposition, ls.decomposition
         assert type(got) is type(want)
         if method == "inverse":
-            assert isinstance(got, kf.InverseDecomposition)
-            assert isinstance(want, kf.InverseDecomposition)
+            assert isinstance(got, kf.core.InverseDecomposition)
+            assert isinstance(want, kf.core.InverseDecomposition)
             assert torch.equal(got.a_inv, want.a_inv) and torch.equal(got.g_inv, want.g_inv)
         else:
-            assert isinstance(got, kf.EKFACDecomposition)
-            assert isinstance(want, kf.EKFACDecomposition)
+            assert isinstance(got, kf.core.EKFACDecomposition)
+            assert isinstance(want, kf.core.EKFACDecomposition)
             torch.testing.assert_close(got.scale, want.scale, rtol=1e-4, atol=1e-6)
 
 
@@ -219,12 +223,12 @@ def test_batched_eigh_in_update_and_update_distributed(device: torch.device) -> 
     model = mlp(device)
     _, grads, caps = state_with_factors(model, device)
     layers = kf.register(model)
-    plan = kf.make_plan(layers, world_size=1)
-    comm = kf.Communicator(plan)
+    plan = kf.distributed.make_plan(layers, world_size=1)
+    comm = kf.distributed.Communicator(plan)
     state = kf.init(layers, device=device)
     want, _ = kf.update(state, grads, captures=caps, kl_clip=None)
     got, new = kf.update(state, grads, captures=caps, kl_clip=None, batched_eigh=True)
-    got_d, new_d = kf.update_distributed(
+    got_d, new_d = kf.distributed.update_distributed(
         state, grads, captures=caps, plan=plan, comm=comm, kl_clip=None, batched_eigh=True
     )
     for k in grads:
@@ -276,7 +280,7 @@ def test_cusolver_error_is_retried_in_float64_and_names_the_layer(
     ls = state.layers[first]
     q_ref, d_ref = eigh_factor(ls.a_factor.cpu(), dtype=torch.float32, compute_dtype=torch.float64)
     dec = new.layers[first].decomposition
-    assert isinstance(dec, kf.EigenDecomposition) and dec.qa is not None
+    assert isinstance(dec, kf.core.EigenDecomposition) and dec.qa is not None
     assert dec.qa.device == ls.a_factor.device and dec.qa.dtype == torch.float32
     assert torch.equal(dec.qa.cpu(), q_ref) and torch.equal(dec.da.cpu(), d_ref)
     assert new.layers[first].decomposition_failures == 0
@@ -285,7 +289,9 @@ def test_cusolver_error_is_retried_in_float64_and_names_the_layer(
     for name in state.layers:
         if name != first:
             a, b = new.layers[name].decomposition, others.layers[name].decomposition
-            assert isinstance(a, kf.EigenDecomposition) and isinstance(b, kf.EigenDecomposition)
+            assert isinstance(a, kf.core.EigenDecomposition) and isinstance(
+                b, kf.core.EigenDecomposition
+            )
             assert torch.equal(a.da, b.da) and torch.equal(a.dg, b.dg)
 
 
@@ -295,8 +301,8 @@ def test_cusolver_error_under_update_distributed_names_the_layer(
     model = mlp(device, depth=1)
     _, grads, caps = state_with_factors(model, device)
     layers = kf.register(model)
-    plan = kf.make_plan(layers, world_size=1)
-    comm = kf.Communicator(plan)
+    plan = kf.distributed.make_plan(layers, world_size=1)
+    comm = kf.distributed.Communicator(plan)
     state = kf.init(layers, device=device)
     last = list(layers)[-1]
     g_width = layers[last].factor_shapes[1][0]
@@ -306,7 +312,9 @@ def test_cusolver_error_under_update_distributed_names_the_layer(
         ),
         pytest.warns(RuntimeWarning, match=rf"^layer '{last}', the G factor: eigh raised a solver"),
     ):
-        out, new = kf.update_distributed(state, grads, captures=caps, plan=plan, comm=comm)
+        out, new = kf.distributed.update_distributed(
+            state, grads, captures=caps, plan=plan, comm=comm
+        )
     assert new.layers[last].decomposition_failures == 0
     assert all(torch.isfinite(v).all() for v in out.values())
 
@@ -325,7 +333,7 @@ def test_cusolver_error_in_the_inverse_is_retried(
     a = state.layers[first].a_factor.cpu().double()
     want = _INV(a + 1e-2 * torch.eye(a.shape[0], dtype=torch.float64)).float()
     dec = new.layers[first].decomposition
-    assert isinstance(dec, kf.InverseDecomposition)
+    assert isinstance(dec, kf.core.InverseDecomposition)
     assert dec.a_inv.device == state.layers[first].a_factor.device
     assert torch.equal(dec.a_inv.cpu(), want)
 
@@ -368,14 +376,14 @@ def test_eigh_device_cpu_runs_eigh_on_the_cpu(
         assert calls and {dev.type for *_, dev in calls} == {"cpu"}, calls
         for name, ls in state.layers.items():
             dec = offloaded.layers[name].decomposition
-            assert isinstance(dec, kf.EigenDecomposition) and dec.qa is not None
+            assert isinstance(dec, kf.core.EigenDecomposition) and dec.qa is not None
             assert dec.qa.device == ls.a_factor.device and dec.dg.device == ls.g_factor.device
             if not batched:
                 q_ref, d_ref = eigh_factor(ls.a_factor.cpu(), dtype=torch.float32)
                 assert torch.equal(dec.qa.cpu(), q_ref) and torch.equal(dec.da.cpu(), d_ref)
             if device.type == "cpu" and not batched:  # a no-op on a CPU
                 ref = here.layers[name].decomposition
-                assert isinstance(ref, kf.EigenDecomposition)
+                assert isinstance(ref, kf.core.EigenDecomposition)
                 assert torch.equal(dec.qa, ref.qa) and torch.equal(dec.dg, ref.dg)
 
 
@@ -449,7 +457,7 @@ def test_functional_factors_stay_float32_under_bf16_autocast(
             rel = float((f16.double() - f32.double()).norm() / f32.double().norm())
             assert rel < BF16_RTOL, (name, attr, rel)
         dec = new.layers[name].decomposition
-        assert isinstance(dec, kf.EigenDecomposition) and dec.qa is not None
+        assert isinstance(dec, kf.core.EigenDecomposition) and dec.qa is not None
         assert dec.qa.dtype == torch.float32
     for k in grads:
         assert got[k].dtype == torch.float32

@@ -210,12 +210,14 @@ def test_failure_under_update_distributed_without_process_group(
     on one rank it must do what update() does."""
     model, grads, caps = _problem()
     layers = kf.register(model)
-    plan = kf.make_plan(layers, world_size=1)
-    comm = kf.Communicator(plan)
+    plan = kf.distributed.make_plan(layers, world_size=1)
+    comm = kf.distributed.Communicator(plan)
     state = kf.init(layers, inv_dtype=torch.float64)
     _, state = kf.update(state, grads, captures=caps)
     with _failing(monkeypatch, "eigh", _fail_width(7)), pytest.warns(RuntimeWarning) as rec:
-        out_d, new_d = kf.update_distributed(state, grads, captures=caps, plan=plan, comm=comm)
+        out_d, new_d = kf.distributed.update_distributed(
+            state, grads, captures=caps, plan=plan, comm=comm
+        )
     with _failing(monkeypatch, "eigh", _fail_width(7)), pytest.warns(RuntimeWarning):
         out_u, new_u = kf.update(state, grads, captures=caps)
     assert [str(w.message)[:40] for w in rec] == ["layer '2': could not decompose the G fac"]
@@ -332,11 +334,13 @@ def test_qr_refresh_in_update_decomposes_exactly_once(monkeypatch: pytest.Monkey
     out_exact, exact = kf.update(exact, grads, captures=caps)
     for k in grads:
         assert torch.equal(out[k], out_exact[k])
-    plan = kf.make_plan(layers, world_size=1)
-    comm = kf.Communicator(plan)
+    plan = kf.distributed.make_plan(layers, world_size=1)
+    comm = kf.distributed.Communicator(plan)
     with _failing(monkeypatch, "eigh", lambda x, i: True) as calls:
         out2, new = kf.update(state, grads, captures=caps)
-        out3, _ = kf.update_distributed(state, grads, captures=caps, plan=plan, comm=comm)
+        out3, _ = kf.distributed.update_distributed(
+            state, grads, captures=caps, plan=plan, comm=comm
+        )
     assert calls == []
     assert new.layers["0"].decomposition is not state.layers["0"].decomposition
     assert new.layers["0"].decomposition_failures == 0

@@ -77,8 +77,8 @@ def test_adapter_and_distributed_single_rank_agree_with_update() -> None:
     model = _model()
     x, y = _batch()
     table = kf.register(model, max_factor_dim=6)
-    plan = kf.make_plan(table, 1)
-    comm = kf.Communicator(plan)
+    plan = kf.distributed.make_plan(table, 1)
+    comm = kf.distributed.Communicator(plan)
     s1 = kf.init(table, factor_dtype=DT, inv_dtype=DT)
     s2 = kf.init(table, factor_dtype=DT, inv_dtype=DT)
     for _ in range(2):
@@ -86,7 +86,9 @@ def test_adapter_and_distributed_single_rank_agree_with_update() -> None:
             model, dict(model.named_parameters()), x, lambda o: F.cross_entropy(o, y)
         )
         o1, s1 = kf.update(s1, grads, captures=caps, damping=0.01)
-        o2, s2 = kf.update_distributed(s2, grads, captures=caps, plan=plan, comm=comm, damping=0.01)
+        o2, s2 = kf.distributed.update_distributed(
+            s2, grads, captures=caps, plan=plan, comm=comm, damping=0.01
+        )
         for k in o1:
             torch.testing.assert_close(o1[k], o2[k], rtol=0, atol=0)
     pre = kf.KFACPreconditioner(
@@ -124,5 +126,5 @@ def test_checkpoints_round_trip_and_older_checkpoints_load() -> None:
         del layer["spec"]["diagonal"]
     old[META_KEY] = torch.tensor(list(json.dumps(meta).encode()), dtype=torch.uint8)
     kf.state_from_dict(old, like=dense)
-    with pytest.raises(kf.CheckpointMismatchError, match="diagonal"):
+    with pytest.raises(kf.checkpoint.CheckpointMismatchError, match="diagonal"):
         kf.state_from_dict(old, like=state)

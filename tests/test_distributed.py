@@ -6,8 +6,8 @@ fraction) x compute method (eigen with and without the eigenvalue outer product,
 with the warm-started QR refresh of the eigenbases,
 inverse) x symmetry-aware packing x bucketing (one bucket, one collective per tensor, a
 tiny cap that forces several buckets). Every rank takes its slice of a global batch,
-averages its gradients like DDP and calls ``kf.update_distributed``; the result must match
-``kf.update`` on the whole global batch (computed in the same process) and be
+averages its gradients like DDP and calls ``kf.distributed.update_distributed``; the result
+must match ``kf.update`` on the whole global batch (computed in the same process) and be
 bit-identical on all ranks.
 
 A last configuration makes eigh fail on one factor from step ``FAIL_FROM`` on: every
@@ -124,12 +124,12 @@ def make_config_plan(
     fraction: DistributedStrategy | float,
     method: str,
     outer: bool,
-) -> kf.Plan:
+) -> kf.distributed.Plan:
     """Colocated factors with the outer product (required) or MEM_OPT (forced); split
     owners otherwise, so that both placements are exercised."""
     strategy = resolve_grad_workers(fraction, world)[2]
     colocate = outer or strategy is DistributedStrategy.MEM_OPT
-    return kf.make_plan(
+    return kf.distributed.make_plan(
         layers,
         world,
         grad_worker_fraction=fraction,
@@ -247,13 +247,13 @@ def _run_config(
     t0 = time.perf_counter()
     calls = Counter(CALLS)
     plan = make_config_plan(layers, world, fraction, method, outer)
-    comm = kf.Communicator(plan, bucket_cap_mb=cap, symmetry_aware=sym)
+    comm = kf.distributed.Communicator(plan, bucket_cap_mb=cap, symmetry_aware=sym)
     state = init_state(layers, method, outer)
     max_err = 0.0
     outs = []
     for step, (grads, caps, ref_out) in enumerate(steps):
         with eigh_failing(step) if fail else contextlib.nullcontext():
-            out, state = kf.update_distributed(
+            out, state = kf.distributed.update_distributed(
                 state, grads, captures=caps, plan=plan, comm=comm, **HYPER
             )
         assert sorted(out) == sorted(ref_out)
@@ -299,7 +299,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 
         # a plan for another world size is refused, naming both sizes
         try:
-            kf.Communicator(kf.make_plan(layers, world + 1))
+            kf.distributed.Communicator(kf.distributed.make_plan(layers, world + 1))
         except ValueError as e:
             result["wrong_world_error"] = str(e)
 
@@ -551,9 +551,9 @@ def test_bucket_caps_change_the_number_of_collectives(spawned: Any) -> None:
 
 def test_communicator_rejects_plan_for_other_world_without_group() -> None:
     assert not dist.is_initialized()
-    plan = kf.make_plan({"fc": (3, 2)}, world_size=2)
+    plan = kf.distributed.make_plan({"fc": (3, 2)}, world_size=2)
     with pytest.raises(ValueError) as info:
-        kf.Communicator(plan)
+        kf.distributed.Communicator(plan)
     assert "world_size=2" in str(info.value) and "1 ranks" in str(info.value)
 
 
@@ -565,14 +565,14 @@ def test_update_distributed_without_group_is_update(method: str, outer: bool, ba
     assert not dist.is_initialized()
     model = make_model()
     layers = kf.register(model)
-    plan = kf.make_plan(
+    plan = kf.distributed.make_plan(
         layers,
         1,
         compute_method=compute_method(method),
         compute_eigenvalue_outer_product=outer,
         colocate_factors=outer,
     )
-    comm = kf.Communicator(plan, bucket_cap_mb=0.0, symmetry_aware=True)
+    comm = kf.distributed.Communicator(plan, bucket_cap_mb=0.0, symmetry_aware=True)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     state = init_state(layers, method, outer)
     dstate = init_state(layers, method, outer)
@@ -580,7 +580,7 @@ def test_update_distributed_without_group_is_update(method: str, outer: bool, ba
         x, y = global_batch(step, batch)
         _, grads, caps = kf.capture(model, params, x, xent(y), layers=layers)
         out, state = kf.update(state, grads, captures=caps, **HYPER)
-        dout, dstate = kf.update_distributed(
+        dout, dstate = kf.distributed.update_distributed(
             dstate, grads, captures=caps, plan=plan, comm=comm, **HYPER
         )
         for name, ls in state.layers.items():

@@ -14,7 +14,7 @@ One start per world size (2 and 4 ranks); every scenario runs inside it, in orde
   collective timeout (4 ranks); the others step and must fail within the timeout (plus
   slack), not hang.
 
-In the two mismatch scenarios every rank must raise :class:`kf.RankMismatchError`
+In the two mismatch scenarios every rank must raise :class:`kf.distributed.RankMismatchError`
 naming the differing line of the disagreeing rank next to rank 0's.
 """
 
@@ -51,7 +51,7 @@ def _expect_mismatch(build: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         build()
-    except kf.RankMismatchError as e:
+    except kf.distributed.RankMismatchError as e:
         return {"error": str(e), "seconds": time.perf_counter() - t0}
     return {"error": None}
 
@@ -81,14 +81,14 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             layers = kf.register(model)
             if last:
                 layers = kf.LayerTable(reversed(list(layers.values())))
-            plan = kf.make_plan(layers, world)
-            comm = kf.Communicator(plan)
+            plan = kf.distributed.make_plan(layers, world)
+            comm = kf.distributed.Communicator(plan)
             state = kf.init(layers)
             x, y = torch.randn(5, 4), torch.randn(5, 3)
             params = dict(model.named_parameters())
             for _ in range(2):
                 _, grads, caps = kf.capture(model, params, x, lambda o: (o - y).pow(2).mean())
-                grads, state = kf.update_distributed(
+                grads, state = kf.distributed.update_distributed(
                     state, grads, captures=caps, plan=plan, comm=comm
                 )
             flat = torch.cat([grads[k].reshape(-1) for k in sorted(grads)])

@@ -98,8 +98,10 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         table = kf.register(_model(), max_factor_dim=MAX_DIM, kfac_approx=APPROX)
         results = []
         for strategy, method, cap in CONFIGS:
-            plan = kf.make_plan(table, world, grad_worker_fraction=strategy, compute_method=method)
-            comm = kf.Communicator(plan, bucket_cap_mb=cap, symmetry_aware=True)
+            plan = kf.distributed.make_plan(
+                table, world, grad_worker_fraction=strategy, compute_method=method
+            )
+            comm = kf.distributed.Communicator(plan, bucket_cap_mb=cap, symmetry_aware=True)
             state = _state(table, method)
             err, outs = 0.0, []
             for grads, caps, ref in data[method]:
@@ -107,7 +109,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
                 for v in avg.values():
                     dist.all_reduce(v)
                     v /= world
-                out, state = kf.update_distributed(
+                out, state = kf.distributed.update_distributed(
                     state, avg, captures=caps[rank], plan=plan, comm=comm, **HYPER
                 )
                 err = max(err, *(float((out[k] - ref[k]).abs().max()) for k in ref))

@@ -58,7 +58,7 @@ def _per_example(model: nn.Module, layer: str, x: torch.Tensor, y: torch.Tensor)
     w, b = params[f"{layer}.weight"], params[f"{layer}.bias"]
     dw, db = vmap(grad(loss, argnums=(0, 1)), in_dims=(None, None, 0, 0))(w, b, x, y)
     spec = kf.register(model)[layer]
-    return torch.stack([kf.grads_to_matrix(spec, dw[n], db[n]) for n in range(x.shape[0])])
+    return torch.stack([kf.blocks.grads_to_matrix(spec, dw[n], db[n]) for n in range(x.shape[0])])
 
 
 def _data(kind: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +88,7 @@ def test_corrected_eigenvalues_are_the_fisher_diagonal_in_the_kfac_basis(
     lam = 0.03
     out, state = kf.update(state, grads, captures=caps, damping=lam, kl_clip=None)
     dec = state.layers[layer].decomposition
-    assert isinstance(dec, kf.EKFACDecomposition)
+    assert isinstance(dec, kf.core.EKFACDecomposition)
     per = _per_example(model, layer, x, y)  # (N, [G,] g, a)
     proj = dec.qg.mT @ per @ dec.qa  # type: ignore[union-attr]
     torch.testing.assert_close(dec.scale, proj.pow(2).mean(dim=0), rtol=1e-10, atol=1e-14)
@@ -101,9 +101,9 @@ def test_corrected_eigenvalues_are_the_fisher_diagonal_in_the_kfac_basis(
             torch.diagonal(q.T @ fisher @ q), dec.scale.reshape(-1), rtol=1e-10, atol=1e-14
         )
     # preconditioning divides by scale + λ in that basis
-    m = kf.grads_to_matrix(table[layer], grads[f"{layer}.weight"], grads[f"{layer}.bias"])
+    m = kf.blocks.grads_to_matrix(table[layer], grads[f"{layer}.weight"], grads[f"{layer}.bias"])
     want = dec.qg @ ((dec.qg.mT @ m @ dec.qa) / (dec.scale + lam)) @ dec.qa.mT  # type: ignore[union-attr]
-    got = kf.grads_to_matrix(table[layer], out[f"{layer}.weight"], out[f"{layer}.bias"])
+    got = kf.blocks.grads_to_matrix(table[layer], out[f"{layer}.weight"], out[f"{layer}.bias"])
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13)
 
 
@@ -116,10 +116,10 @@ def test_running_average_in_a_kept_basis_and_restart_in_a_new_one() -> None:
     for step in range(3):
         x, y = _data("seq", 10 + step)
         _, grads, caps = kf.capture(model, params, x, lambda o, y=y: _loss(o, y))
-        state = kf.accumulate_factors(state, caps, factor_decay=decay)
+        state = kf.step.accumulate_factors(state, caps, factor_decay=decay)
         if step == 0:
             state = kf.decompose(state, damping=0.1)
-        state = kf.correct_eigenvalues(state, caps, factor_decay=decay)
+        state = kf.step.correct_eigenvalues(state, caps, factor_decay=decay)
         dec = state.layers["fc"].decomposition
         per = _per_example(model, "fc", x, y)
         moments.append((dec.qg.mT @ per @ dec.qa).pow(2).mean(dim=0))  # type: ignore[union-attr]
@@ -127,7 +127,7 @@ def test_running_average_in_a_kept_basis_and_restart_in_a_new_one() -> None:
     # decompose() leaves K-FAC's eigenvalues; the three corrections fold in with decay
     dec0 = (
         kf.decompose(
-            kf.accumulate_factors(
+            kf.step.accumulate_factors(
                 kf.init(kf.register(model), compute_method="eigen", factor_dtype=DT, inv_dtype=DT),
                 kf.capture(
                     model, params, *_data("seq", 10)[:1], lambda o: _loss(o, _data("seq", 10)[1])
@@ -162,14 +162,16 @@ def test_checkpoints_and_what_is_refused() -> None:
     back = kf.state_from_dict(kf.state_to_dict(state, include_decompositions=True), like=state)
     for name, ls in state.layers.items():
         got = back.layers[name].decomposition
-        assert isinstance(got, kf.EKFACDecomposition)
+        assert isinstance(got, kf.core.EKFACDecomposition)
         assert torch.equal(got.scale, ls.decomposition.scale)  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="use convention='fisher'"):
         kf.init(kf.register(model), compute_method="ekfac", convention="kfac-pytorch")
     # one rank of update_distributed computes what update computes
-    plan = kf.make_plan(kf.register(model), 1, compute_method="ekfac")
-    comm = kf.Communicator(plan)
-    out_d, state_d = kf.update_distributed(state, grads, captures=caps, plan=plan, comm=comm)
+    plan = kf.distributed.make_plan(kf.register(model), 1, compute_method="ekfac")
+    comm = kf.distributed.Communicator(plan)
+    out_d, state_d = kf.distributed.update_distributed(
+        state, grads, captures=caps, plan=plan, comm=comm
+    )
     out_u, state_u = kf.update(state, grads, captures=caps)
     for n in out_u:
         assert torch.equal(out_d[n], out_u[n]), n
@@ -223,7 +225,7 @@ def _ddp_train(
 ) -> list[dict[str, torch.Tensor]]:
     pre = kf.KFACPreconditioner(
         model,
-        grad_worker_fraction=kf.DistributedStrategy[strategy],
+        grad_worker_fraction=kf.distributed.DistributedStrategy[strategy],
         compute_method="ekfac",
         scaling="fisher",
         factor_dtype=DT,

@@ -55,7 +55,7 @@ def test_factors_equal_token_counts_and_output_gradient_gram() -> None:
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, V, (5, 6), generator=g), torch.randint(0, C, (5, 6), generator=g)
     _, _, caps = kf.capture(model, dict(model.named_parameters()), x, lambda o: _loss(o, y))
-    state = kf.accumulate_factors(kf.init(kf.register(model), factor_dtype=DT), caps)
+    state = kf.step.accumulate_factors(kf.init(kf.register(model), factor_dtype=DT), caps)
     ls = state.layers["emb"]
     n, t = x.shape
     counts = torch.zeros(V, dtype=DT)
@@ -137,9 +137,9 @@ def test_unsupported_options_are_skipped_with_the_reason(
 def test_out_of_range_and_float_inputs_name_the_layer() -> None:
     spec = kf.register(nn.Sequential(nn.Embedding(5, 2)))["0"]
     with pytest.raises(ValueError, match=r"layer '0' \(embedding\).*out of range"):
-        kf.a_factor(spec, [torch.tensor([1, 7])])
+        kf.core.a_factor(spec, [torch.tensor([1, 7])])
     with pytest.raises(ValueError, match=r"layer '0' \(embedding\).*integer token indices"):
-        kf.a_factor(spec, [torch.tensor([1.0])])
+        kf.core.a_factor(spec, [torch.tensor([1.0])])
 
 
 def test_large_vocabulary_memory_is_order_v_plus_d_squared() -> None:

@@ -2,7 +2,7 @@
 resuming a 4-rank run on 2 ranks and on 1 process.
 
 The resharding tests spawn each world size once (a module-scoped fixture): 4 gloo ranks
-train ``N`` steps with ``kf.update_distributed`` and save; 2 fresh gloo ranks, and the
+train ``N`` steps with ``kf.distributed.update_distributed`` and save; 2 fresh gloo ranks, and the
 test process itself (world 1), load with the plan of their world size and continue ``M``
 steps. Every rank takes its slice of a fixed global batch; gradients are the global
 batch's (what DDP's average gives). The preconditioned gradients must equal those of an
@@ -171,16 +171,16 @@ def test_round_trip_equals_state_dict_round_trip(
 ) -> None:
     state = trained()
     assert all(ls.decomposition is not None for ls in state.layers.values())
-    plan = kf.make_plan(kf.register(make_model()), 1) if with_plan else None
-    kf.save_factor_dir(state, tmp_path, plan=plan, include_decompositions=include)
-    loaded = kf.load_factor_dir(tmp_path, like=fresh(), plan=plan)
+    plan = kf.distributed.make_plan(kf.register(make_model()), 1) if with_plan else None
+    kf.checkpoint.save_factor_dir(state, tmp_path, plan=plan, include_decompositions=include)
+    loaded = kf.checkpoint.load_factor_dir(tmp_path, like=fresh(), plan=plan)
     want = kf.state_from_dict(kf.state_to_dict(state, include_decompositions=include), like=fresh())
     assert_states_equal(loaded, want)
     assert loaded.step == N and list(loaded.layers) == list(state.layers)
     assert all(ls.factor_updates == N for ls in loaded.layers.values())
     assert all((ls.decomposition is not None) is include for ls in loaded.layers.values())
 
-    manifest = kf.read_factor_manifest(tmp_path)
+    manifest = kf.checkpoint.read_factor_manifest(tmp_path)
     assert manifest["step"] == N and manifest["world_size"] == 1
     assert manifest["include_decompositions"] is include
     assert [e["name"] for e in manifest["layers"]] == list(state.layers)
@@ -192,7 +192,7 @@ def test_round_trip_equals_state_dict_round_trip(
         single = kf.load_state(tmp_path / e["file"], like=_only(fresh(), e["name"]))
         assert torch.equal(single.layers[e["name"]].a_factor, state.layers[e["name"]].a_factor)
     assert sorted(os.listdir(tmp_path)) == sorted(
-        [kf.layer_file_name(n) for n in state.layers] + [fm.MANIFEST_NAME]
+        [kf.checkpoint.layer_file_name(n) for n in state.layers] + [fm.MANIFEST_NAME]
     )
 
 
@@ -202,14 +202,16 @@ def _only(state: kf.KFACState, name: str) -> kf.KFACState:
 
 def test_only_owned_reads_the_owned_layers_under_mem_opt(tmp_path: Path) -> None:
     state = trained()
-    kf.save_factor_dir(state, tmp_path, include_decompositions=True)
+    kf.checkpoint.save_factor_dir(state, tmp_path, include_decompositions=True)
     layers = kf.register(make_model())
-    plan = kf.make_plan(layers, 2, grad_worker_fraction=DistributedStrategy.MEM_OPT)
+    plan = kf.distributed.make_plan(layers, 2, grad_worker_fraction=DistributedStrategy.MEM_OPT)
     owners = {n: plan.layers[n].a_owner for n in layers}
     assert set(owners.values()) == {0, 1}
     like = fresh()
     for rank in (0, 1):
-        got = kf.load_factor_dir(tmp_path, like=like, plan=plan, rank=rank, only_owned=True)
+        got = kf.checkpoint.load_factor_dir(
+            tmp_path, like=like, plan=plan, rank=rank, only_owned=True
+        )
         assert got.step == N
         for n in layers:
             if owners[n] == rank:
@@ -217,7 +219,9 @@ def test_only_owned_reads_the_owned_layers_under_mem_opt(tmp_path: Path) -> None
             else:
                 assert got.layers[n] is like.layers[n]
     # everything, whatever the rank, without only_owned
-    assert_states_equal(kf.load_factor_dir(tmp_path, like=like, plan=plan, rank=1), state)
+    assert_states_equal(
+        kf.checkpoint.load_factor_dir(tmp_path, like=like, plan=plan, rank=1), state
+    )
 
 
 # --------------------------------------------------------------------------- 2. file names
@@ -251,8 +255,8 @@ def test_odd_layer_names_round_trip_inside_the_directory(tmp_path: Path) -> None
         },
     )
     ckpt = tmp_path / "ckpt"
-    kf.save_factor_dir(state, ckpt)
-    files = {n: kf.layer_file_name(n) for n in ODD_NAMES}
+    kf.checkpoint.save_factor_dir(state, ckpt)
+    files = {n: kf.checkpoint.layer_file_name(n) for n in ODD_NAMES}
     for f in files.values():
         _assert_plain(f)
     assert len(set(files.values())) == len(ODD_NAMES)
@@ -261,29 +265,31 @@ def test_odd_layer_names_round_trip_inside_the_directory(tmp_path: Path) -> None
     # nothing was written outside the directory; the manifest maps names to the files
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
     assert sorted(os.listdir(ckpt)) == sorted([*files.values(), fm.MANIFEST_NAME])
-    manifest = kf.read_factor_manifest(ckpt)
+    manifest = kf.checkpoint.read_factor_manifest(ckpt)
     assert {e["name"]: e["file"] for e in manifest["layers"]} == files
-    loaded = kf.load_factor_dir(ckpt, like=kf.init(specs, factor_dtype=torch.float64))
+    loaded = kf.checkpoint.load_factor_dir(ckpt, like=kf.init(specs, factor_dtype=torch.float64))
     assert_states_equal(loaded, state)
 
 
 def test_file_names_examples() -> None:
-    assert kf.layer_file_name("encoder.0") == "layer.encoder.0.safetensors"
-    assert kf.layer_file_name("..") == "layer....safetensors"
-    assert kf.layer_file_name("a/b") == "layer.a%2Fb.safetensors"
-    assert kf.layer_file_name("über") == "layer.%C3%BCber.safetensors"
-    assert kf.layer_file_name("a\x00b") == "layer.a%00b.safetensors"
-    assert kf.layer_file_name("\ud800") == "layer.%ED%A0%80.safetensors"  # lone surrogate
-    long = kf.layer_file_name("ü" * 100)
+    assert kf.checkpoint.layer_file_name("encoder.0") == "layer.encoder.0.safetensors"
+    assert kf.checkpoint.layer_file_name("..") == "layer....safetensors"
+    assert kf.checkpoint.layer_file_name("a/b") == "layer.a%2Fb.safetensors"
+    assert kf.checkpoint.layer_file_name("über") == "layer.%C3%BCber.safetensors"
+    assert kf.checkpoint.layer_file_name("a\x00b") == "layer.a%00b.safetensors"
+    assert (
+        kf.checkpoint.layer_file_name("\ud800") == "layer.%ED%A0%80.safetensors"
+    )  # lone surrogate
+    long = kf.checkpoint.layer_file_name("ü" * 100)
     assert "~" in long and "%C3%BC" in long and len(long) <= 210
     with pytest.raises(TypeError):
-        kf.layer_file_name(3)  # type: ignore[arg-type]
+        kf.checkpoint.layer_file_name(3)  # type: ignore[arg-type]
 
 
 @settings(max_examples=100, deadline=None)
 @given(st.sets(st.text(max_size=300), max_size=12))
 def test_file_names_are_plain_and_distinct(names: set[str]) -> None:
-    files = [kf.layer_file_name(n) for n in names]
+    files = [kf.checkpoint.layer_file_name(n) for n in names]
     for f in files:
         _assert_plain(f)
     assert len(set(files)) == len(names)
@@ -301,13 +307,13 @@ def test_text_names_round_trip_through_files(tmp_path: Path, names: set[str]) ->
     specs = {n: dataclasses.replace(base, name=n) for n in sorted(names)}
     state = kf.init(specs).replace(step=3)
     ckpt = tmp_path / hashlib.sha256(repr(sorted(names)).encode()).hexdigest()[:12]
-    kf.save_factor_dir(state, ckpt)
+    kf.checkpoint.save_factor_dir(state, ckpt)
     assert sorted(os.listdir(ckpt)) == sorted(
-        [kf.layer_file_name(n) for n in names] + [fm.MANIFEST_NAME]
+        [kf.checkpoint.layer_file_name(n) for n in names] + [fm.MANIFEST_NAME]
     )
-    m = kf.read_factor_manifest(ckpt)
+    m = kf.checkpoint.read_factor_manifest(ckpt)
     assert sorted(e["name"] for e in m["layers"]) == sorted(names)
-    assert kf.load_factor_dir(ckpt, like=kf.init(specs)).step == 3
+    assert kf.checkpoint.load_factor_dir(ckpt, like=kf.init(specs)).step == 3
 
 
 # --------------------------------------------------------------------------- 3. incomplete
@@ -315,7 +321,7 @@ def test_text_names_round_trip_through_files(tmp_path: Path, names: set[str]) ->
 
 @pytest.fixture
 def saved(tmp_path: Path) -> Path:
-    kf.save_factor_dir(trained(), tmp_path / "ckpt", include_decompositions=True)
+    kf.checkpoint.save_factor_dir(trained(), tmp_path / "ckpt", include_decompositions=True)
     return tmp_path / "ckpt"
 
 
@@ -330,13 +336,13 @@ def _entry(path: Path, name: str) -> dict[str, Any]:
 
 def test_missing_manifest_is_refused(saved: Path) -> None:
     (saved / fm.MANIFEST_NAME).unlink()
-    with pytest.raises(kf.CheckpointFormatError) as info:
-        kf.load_factor_dir(saved, like=fresh())
+    with pytest.raises(kf.checkpoint.CheckpointFormatError) as info:
+        kf.checkpoint.load_factor_dir(saved, like=fresh())
     msg = str(info.value)
     assert "no manifest.json" in msg and "interrupted" in msg and "4 layer file(s)" in msg
     assert str(saved) in msg
     with pytest.raises(FileNotFoundError):
-        kf.load_factor_dir(saved / "absent", like=fresh())
+        kf.checkpoint.load_factor_dir(saved / "absent", like=fresh())
 
 
 def test_missing_and_truncated_files_are_named(saved: Path) -> None:
@@ -344,17 +350,17 @@ def test_missing_and_truncated_files_are_named(saved: Path) -> None:
     (saved / head["file"]).unlink()
     raw = (saved / stem["file"]).read_bytes()
     (saved / stem["file"]).write_bytes(raw[: len(raw) // 2])
-    with pytest.raises(kf.CheckpointFormatError) as info:
-        kf.load_factor_dir(saved, like=fresh())
+    with pytest.raises(kf.checkpoint.CheckpointFormatError) as info:
+        kf.checkpoint.load_factor_dir(saved, like=fresh())
     msg = str(info.value)
     assert "incomplete or damaged" in msg
     assert f"layer 'Head': file {head['file']!r} is missing" in msg
     assert f"layer 'stem.0': file {stem['file']!r} has {len(raw) // 2} bytes" in msg
     assert "truncated" in msg
     # also under only_owned, for layers the rank does not read
-    plan = kf.make_plan(kf.register(make_model()), 2, grad_worker_fraction=0.5)
-    with pytest.raises(kf.CheckpointFormatError, match="'Head'"):
-        kf.load_factor_dir(saved, like=fresh(), plan=plan, rank=0, only_owned=True)
+    plan = kf.distributed.make_plan(kf.register(make_model()), 2, grad_worker_fraction=0.5)
+    with pytest.raises(kf.checkpoint.CheckpointFormatError, match="'Head'"):
+        kf.checkpoint.load_factor_dir(saved, like=fresh(), plan=plan, rank=0, only_owned=True)
 
 
 def test_altered_file_of_the_same_size_is_refused(saved: Path) -> None:
@@ -362,15 +368,15 @@ def test_altered_file_of_the_same_size_is_refused(saved: Path) -> None:
     raw = bytearray((saved / e["file"]).read_bytes())
     raw[-1] ^= 1  # last byte of the last tensor: still a well-formed file
     (saved / e["file"]).write_bytes(bytes(raw))
-    with pytest.raises(kf.CheckpointFormatError, match=r"'body\.2'.*SHA-256"):
-        kf.load_factor_dir(saved, like=fresh())
+    with pytest.raises(kf.checkpoint.CheckpointFormatError, match=r"'body\.2'.*SHA-256"):
+        kf.checkpoint.load_factor_dir(saved, like=fresh())
 
 
 def test_file_of_another_step_is_refused(saved: Path, tmp_path: Path) -> None:
     """A file of another save that matches the manifest's size and digest (only possible
     if the manifest was rewritten) is still caught by its step."""
     other = tmp_path / "other"
-    kf.save_factor_dir(trained().replace(step=N + 2), other, include_decompositions=True)
+    kf.checkpoint.save_factor_dir(trained().replace(step=N + 2), other, include_decompositions=True)
     e = _entry(other, "body.0")
     (saved / e["file"]).write_bytes((other / e["file"]).read_bytes())
     manifest = _manifest(saved)
@@ -378,8 +384,10 @@ def test_file_of_another_step_is_refused(saved: Path, tmp_path: Path) -> None:
         if entry["name"] == "body.0":
             entry.update(bytes=e["bytes"], sha256=e["sha256"])
     (saved / fm.MANIFEST_NAME).write_text(json.dumps(manifest))
-    with pytest.raises(kf.CheckpointFormatError, match=r"holds step 5, the manifest step 3"):
-        kf.load_factor_dir(saved, like=fresh())
+    with pytest.raises(
+        kf.checkpoint.CheckpointFormatError, match=r"holds step 5, the manifest step 3"
+    ):
+        kf.checkpoint.load_factor_dir(saved, like=fresh())
 
 
 @pytest.mark.parametrize(
@@ -404,14 +412,14 @@ def test_file_of_another_step_is_refused(saved: Path, tmp_path: Path) -> None:
 )
 def test_malformed_or_future_manifest(saved: Path, change: dict[str, Any], match: str) -> None:
     (saved / fm.MANIFEST_NAME).write_text(json.dumps({**_manifest(saved), **change}))
-    with pytest.raises(kf.CheckpointFormatError, match=match):
-        kf.load_factor_dir(saved, like=fresh())
+    with pytest.raises(kf.checkpoint.CheckpointFormatError, match=match):
+        kf.checkpoint.load_factor_dir(saved, like=fresh())
 
 
 def test_not_json_manifest(saved: Path) -> None:
     (saved / fm.MANIFEST_NAME).write_bytes(b"{\xff")
-    with pytest.raises(kf.CheckpointFormatError, match="not valid UTF-8 JSON"):
-        kf.load_factor_dir(saved, like=fresh())
+    with pytest.raises(kf.checkpoint.CheckpointFormatError, match="not valid UTF-8 JSON"):
+        kf.checkpoint.load_factor_dir(saved, like=fresh())
 
 
 def test_other_model_lists_every_layer_problem(saved: Path) -> None:
@@ -422,8 +430,8 @@ def test_other_model_lists_every_layer_problem(saved: Path) -> None:
         )  # body.2 and Head extra in the directory, body.3 missing from it
     )
     like = kf.init(kf.register(other), factor_dtype=torch.float32, inv_dtype=torch.float64)
-    with pytest.raises(kf.CheckpointMismatchError) as info:
-        kf.load_factor_dir(saved, like=like)
+    with pytest.raises(kf.checkpoint.CheckpointMismatchError) as info:
+        kf.checkpoint.load_factor_dir(saved, like=like)
     e = info.value
     assert e.missing == ["body.3"] and e.extra == ["body.2", "Head"]
     assert e.config == ["factor_dtype: 'float64' in the checkpoint, 'float32' in like"]
@@ -444,10 +452,10 @@ def test_interrupted_save_leaves_no_manifest(saved: Path, monkeypatch: pytest.Mo
 
     monkeypatch.setattr(ff, "save_state", failing)
     with pytest.raises(OSError, match="disk full"):
-        kf.save_factor_dir(trained().replace(step=9), saved)
+        kf.checkpoint.save_factor_dir(trained().replace(step=9), saved)
     assert not (saved / fm.MANIFEST_NAME).exists()
-    with pytest.raises(kf.CheckpointFormatError, match=r"no manifest\.json"):
-        kf.load_factor_dir(saved, like=fresh())
+    with pytest.raises(kf.checkpoint.CheckpointFormatError, match=r"no manifest\.json"):
+        kf.checkpoint.load_factor_dir(saved, like=fresh())
     assert not [f for f in os.listdir(saved) if f.endswith(".tmp")]
 
 
@@ -455,28 +463,32 @@ def test_plans_ranks_and_only_owned_are_checked(saved: Path) -> None:
     layers = kf.register(make_model())
     state = trained()
     with pytest.raises(ValueError, match=r"world_size=4.*no process group"):
-        kf.save_factor_dir(state, saved, plan=kf.make_plan(layers, 4))
+        kf.checkpoint.save_factor_dir(state, saved, plan=kf.distributed.make_plan(layers, 4))
     with pytest.raises(ValueError, match="without an initialized process group"):
-        kf.save_factor_dir(state, saved, rank=1)
+        kf.checkpoint.save_factor_dir(state, saved, rank=1)
     with pytest.raises(ValueError, match=r"not in plan \['Head', 'body\.0', 'body\.2'\]"):
-        kf.save_factor_dir(state, saved, plan=kf.make_plan({"stem.0": (3, 2)}, 1))
+        kf.checkpoint.save_factor_dir(
+            state, saved, plan=kf.distributed.make_plan({"stem.0": (3, 2)}, 1)
+        )
     assert (saved / fm.MANIFEST_NAME).exists()  # refused before anything was touched
-    comm4 = kf.make_plan(layers, 4)
+    comm4 = kf.distributed.make_plan(layers, 4)
     with pytest.raises(ValueError, match="only_owned=True is for MEM_OPT plans"):
-        kf.load_factor_dir(saved, like=fresh(), plan=comm4, rank=1, only_owned=True)
+        kf.checkpoint.load_factor_dir(saved, like=fresh(), plan=comm4, rank=1, only_owned=True)
     with pytest.raises(ValueError, match="needs the plan"):
-        kf.load_factor_dir(saved, like=fresh(), only_owned=True)
+        kf.checkpoint.load_factor_dir(saved, like=fresh(), only_owned=True)
     with pytest.raises(ValueError, match="rank 4 is outside"):
-        kf.load_factor_dir(saved, like=fresh(), plan=comm4, rank=4)
+        kf.checkpoint.load_factor_dir(saved, like=fresh(), plan=comm4, rank=4)
     with pytest.raises(TypeError):
-        kf.save_factor_dir({}, saved)  # type: ignore[arg-type]
+        kf.checkpoint.save_factor_dir({}, saved)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- 4. resharding
 
 
-def _plan(layers: kf.LayerTable, world: int, strategy: str) -> kf.Plan:
-    return kf.make_plan(layers, world, grad_worker_fraction=DistributedStrategy[strategy])
+def _plan(layers: kf.LayerTable, world: int, strategy: str) -> kf.distributed.Plan:
+    return kf.distributed.make_plan(
+        layers, world, grad_worker_fraction=DistributedStrategy[strategy]
+    )
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
@@ -496,10 +508,10 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             directory = Path(tmp, _label(config))
             if world == 4:
                 plan = _plan(layers, world, save)
-                comm = kf.Communicator(plan)
+                comm = kf.distributed.Communicator(plan)
                 state, err = init_state(layers), 0.0
                 for s in steps[:N]:
-                    out, state = kf.update_distributed(
+                    out, state = kf.distributed.update_distributed(
                         state,
                         s["grads"],
                         captures=s["local"][rank],
@@ -509,18 +521,22 @@ def _worker(rank: int, world: int, tmp: str) -> None:
                         **HYPER,
                     )
                     err = max(err, max_diff(out, s["out"]))
-                kf.save_factor_dir(state, directory, plan=plan, include_decompositions=include)
+                kf.checkpoint.save_factor_dir(
+                    state, directory, plan=plan, include_decompositions=include
+                )
                 result["configs"][_label(config)] = {"err": err}
             else:
                 plan = _plan(layers, world, resume)
-                comm = kf.Communicator(plan)
+                comm = kf.distributed.Communicator(plan)
                 only_owned = plan.strategy is DistributedStrategy.MEM_OPT
                 like = init_state(layers)
-                state = kf.load_factor_dir(directory, like=like, plan=plan, only_owned=only_owned)
+                state = kf.checkpoint.load_factor_dir(
+                    directory, like=like, plan=plan, only_owned=only_owned
+                )
                 read = [n for n in layers if state.layers[n] is not like.layers[n]]
                 step0, err = state.step, 0.0
                 for s in steps[N:]:
-                    out, state = kf.update_distributed(
+                    out, state = kf.distributed.update_distributed(
                         state,
                         s["grads"],
                         captures=s["local"][rank],
@@ -543,13 +559,13 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             ff.save_state = failing  # type: ignore[assignment]
             plan = _plan(layers, world, "MEM_OPT")
             try:
-                kf.save_factor_dir(init_state(layers), Path(tmp, "failed"), plan=plan)
+                kf.checkpoint.save_factor_dir(init_state(layers), Path(tmp, "failed"), plan=plan)
             except Exception as e:
                 result["failed_save"] = f"{type(e).__name__}: {e}"
             finally:
                 ff.save_state = real
             try:  # a plan for another world size
-                kf.load_factor_dir(
+                kf.checkpoint.load_factor_dir(
                     Path(tmp, _label(CONFIGS[0])),
                     like=init_state(layers),
                     plan=_plan(layers, 2, "MEM_OPT"),
@@ -575,7 +591,7 @@ def resharded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     t1 = time.perf_counter()
     saved = _spawn(4, tmp)
     t2 = time.perf_counter()
-    manifests = {_label(c): kf.read_factor_manifest(tmp / _label(c)) for c in CONFIGS}
+    manifests = {_label(c): kf.checkpoint.read_factor_manifest(tmp / _label(c)) for c in CONFIGS}
     resumed = _spawn(2, tmp)
     t3 = time.perf_counter()
 
@@ -585,14 +601,14 @@ def resharded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for config in CONFIGS:
         include = config[2]
         steps = data[include]
-        plan = kf.make_plan(layers, 1)
-        comm = kf.Communicator(plan)
-        a = kf.load_factor_dir(tmp / _label(config), like=init_state(layers), plan=plan)
-        b = kf.load_factor_dir(tmp / _label(config), like=init_state(layers))
+        plan = kf.distributed.make_plan(layers, 1)
+        comm = kf.distributed.Communicator(plan)
+        a = kf.checkpoint.load_factor_dir(tmp / _label(config), like=init_state(layers), plan=plan)
+        b = kf.checkpoint.load_factor_dir(tmp / _label(config), like=init_state(layers))
         err_a = err_b = 0.0
         for s in steps[N:]:
             kw = dict(captures=s["caps"], update_inverses=SCHEDULES[include], **HYPER)
-            out, a = kf.update_distributed(a, s["grads"], plan=plan, comm=comm, **kw)
+            out, a = kf.distributed.update_distributed(a, s["grads"], plan=plan, comm=comm, **kw)
             err_a = max(err_a, max_diff(out, s["out"]))
             out, b = kf.update(b, s["grads"], **kw)
             err_b = max(err_b, max_diff(out, s["out"]))

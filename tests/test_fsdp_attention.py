@@ -24,7 +24,8 @@ from gloo import gloo_group, one_thread, record_errors, spawn
 from sharded import F64, GLOBAL_BATCH, LR, whole
 from torch import nn
 
-from kfac_func import DistributedStrategy, KFACPreconditioner
+from kfac_func import KFACPreconditioner
+from kfac_func.distributed import DistributedStrategy
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch without FSDP2

@@ -399,11 +399,11 @@ def test_factor_files_hold_the_reference_factors(
         ref = reference[dp]["state"]
         assert "layers" not in runs[0]["sd_keys"]  # the factors went to the files
         directory = runs[0]["factor_dir"]
-        manifest = kf.read_factor_manifest(directory)
+        manifest = kf.checkpoint.read_factor_manifest(directory)
         writers = {e["name"]: e["writer"] for e in manifest["layers"]}
         assert sorted(writers) == sorted(ref.layers)  # every layer of both stages
         assert set(writers.values()) != {0}, writers  # written by their owners
-        got = kf.load_factor_dir(directory, like=ref)
+        got = kf.checkpoint.load_factor_dir(directory, like=ref)
         assert got.step == STEPS
         worst = 0.0
         for lname, ls in ref.layers.items():

@@ -193,7 +193,7 @@ def _data2_model2(tmp: str) -> dict[str, Any]:
     try:
         files.load_state_dict(files.state_dict(include_factors=False))
         missing_file = ""
-    except kf.CheckpointFormatError as e:
+    except kf.checkpoint.CheckpointFormatError as e:
         missing_file = str(e)
     files.remove()
     return {

@@ -26,7 +26,9 @@ def _batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _matrix(table: kf.LayerTable, name: str, grads: dict[str, torch.Tensor]) -> torch.Tensor:
     spec = table[name]
-    return kf.grads_to_matrix(spec, grads[spec.weight], grads[spec.bias] if spec.bias else None)
+    return kf.blocks.grads_to_matrix(
+        spec, grads[spec.weight], grads[spec.bias] if spec.bias else None
+    )
 
 
 @pytest.mark.parametrize("mode", ["sgd", "adam"])
@@ -75,8 +77,8 @@ def test_adapter_distributed_step_and_checkpoints() -> None:
         model, scaling="fisher", inv_dtype=DT, damping=0.1, kl_clip=None, grafting="adam"
     )
     state = kf.init(table, factor_dtype=DT, inv_dtype=DT)
-    plan = kf.make_plan(table, 1)
-    comm = kf.Communicator(plan)
+    plan = kf.distributed.make_plan(table, 1)
+    comm = kf.distributed.Communicator(plan)
     dstate = kf.init(table, factor_dtype=DT, inv_dtype=DT)
     x, y = _batch(5)
     F.cross_entropy(model(x), y).backward()
@@ -86,7 +88,9 @@ def test_adapter_distributed_step_and_checkpoints() -> None:
     )
     kw = {"damping": 0.1, "kl_clip": None, "grafting": "adam"}
     out, state = kf.update(state, grads, captures=caps, **kw)  # type: ignore[arg-type]
-    dout, dstate = kf.update_distributed(dstate, grads, captures=caps, plan=plan, comm=comm, **kw)  # type: ignore[arg-type]
+    dout, dstate = kf.distributed.update_distributed(
+        dstate, grads, captures=caps, plan=plan, comm=comm, **kw
+    )  # type: ignore[arg-type]
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, out[n], rtol=1e-12, atol=1e-15)
         assert torch.equal(dout[n], out[n])

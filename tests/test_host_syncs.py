@@ -137,11 +137,11 @@ def test_update_distributed_one_rank_reads_the_device_once() -> None:
     params = dict(model.named_parameters())
     x, y = _batch(model)
     _, grads, caps = kf.capture(model, params, x, lambda out: F.cross_entropy(out, y))
-    plan = kf.make_plan(layers, world_size=1)
-    comm = kf.Communicator(plan)
-    _, state = kf.update_distributed(state, grads, plan=plan, comm=comm, captures=caps)
+    plan = kf.distributed.make_plan(layers, world_size=1)
+    comm = kf.distributed.Communicator(plan)
+    _, state = kf.distributed.update_distributed(state, grads, plan=plan, comm=comm, captures=caps)
     with SyncCount() as sc:
-        kf.update_distributed(
+        kf.distributed.update_distributed(
             state,
             grads,
             plan=plan,
@@ -187,7 +187,7 @@ def test_sync_free_update_reads_nothing(
     assert set(counts.values()) == {0}, counts
     assert not torch.equal(out["0.weight"], grads["0.weight"])
     with SyncCount() as sc:
-        kf.precondition_grads(state, grads, kl_clip=kl_clip, sync_free=True)
+        kf.step.precondition_grads(state, grads, kl_clip=kl_clip, sync_free=True)
     assert sc.count == 0
 
 
@@ -262,11 +262,13 @@ def test_sync_free_update_distributed_one_rank_reads_nothing() -> None:
     params = dict(model.named_parameters())
     x, y = _batch(model)
     _, grads, caps = kf.capture(model, params, x, lambda out: F.cross_entropy(out, y))
-    plan = kf.make_plan(layers, world_size=1)
-    comm = kf.Communicator(plan)
-    _, state = kf.update_distributed(kf.init(layers), grads, plan=plan, comm=comm, captures=caps)
+    plan = kf.distributed.make_plan(layers, world_size=1)
+    comm = kf.distributed.Communicator(plan)
+    _, state = kf.distributed.update_distributed(
+        kf.init(layers), grads, plan=plan, comm=comm, captures=caps
+    )
     with SyncCount() as sc:
-        kf.update_distributed(
+        kf.distributed.update_distributed(
             state,
             grads,
             plan=plan,

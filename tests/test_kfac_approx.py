@@ -81,8 +81,8 @@ def test_reduce_is_exact_for_a_deep_linear_network_with_averaged_outputs(
     _, grads, caps = kf.capture(
         model, params, x, lambda o: 0.5 * (o - t).pow(2).sum(), loss_reduction="sum"
     )
-    state = kf.accumulate_factors(kf.init(table, factor_dtype=DT), caps)
-    expand = kf.accumulate_factors(kf.init(kf.register(model), factor_dtype=DT), caps)
+    state = kf.step.accumulate_factors(kf.init(table, factor_dtype=DT), caps)
+    expand = kf.step.accumulate_factors(kf.init(kf.register(model), factor_dtype=DT), caps)
     for name in layers:
         ls = state.layers[name]
         dense = _dense_fisher(model, name, x, t)
@@ -159,7 +159,7 @@ def test_factors_equal_curvlinops(approx: str) -> None:
     _, _, caps = kf.capture(
         model, dict(model.named_parameters()), x, lambda o: F.cross_entropy(o, y)
     )
-    state = kf.accumulate_factors(kf.init(table, factor_dtype=DT), caps)
+    state = kf.step.accumulate_factors(kf.init(table, factor_dtype=DT), caps)
     for name in names:
         ls = state.layers[name]
         torch.testing.assert_close(ls.a_factor, op._input_covariances[name], rtol=1e-10, atol=1e-13)
@@ -190,5 +190,5 @@ def test_per_layer_choice_adapter_and_checkpoints() -> None:
     back = kf.state_from_dict(kf.state_to_dict(state), like=state)
     assert back.layers["fc1"].spec.option("kfac_approx") == "reduce"
     expand = kf.init(kf.register(model), factor_dtype=DT, inv_dtype=DT)
-    with pytest.raises(kf.CheckpointMismatchError, match="options"):
+    with pytest.raises(kf.checkpoint.CheckpointMismatchError, match="options"):
         kf.state_from_dict(kf.state_to_dict(state), like=expand)

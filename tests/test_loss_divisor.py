@@ -35,7 +35,7 @@ def test_capture_with_loss_divisor_matches_the_whole_window() -> None:
     x, y = _window()
     init = kf.init(kf.register(model), factor_dtype=DT)
     _, _, whole = kf.capture(model, params, x, lambda o: F.cross_entropy(o, y))
-    want = kf.accumulate_factors(init, whole)
+    want = kf.step.accumulate_factors(init, whole)
     for divisor, scale in ((K, 1.0), (1, K * K)):
         micro = []
         for xs, ys in zip(x.chunk(K), y.chunk(K)):
@@ -43,7 +43,7 @@ def test_capture_with_loss_divisor_matches_the_whole_window() -> None:
                 model, params, xs, lambda o, ys=ys: F.cross_entropy(o, ys) / K, loss_divisor=divisor
             )
             micro.append(caps)
-        got = kf.accumulate_factors(init, micro)
+        got = kf.step.accumulate_factors(init, micro)
         for (a, b), i in zip(zip(_factors(got), _factors(want)), range(4)):
             expect = b / scale if i % 2 else b  # G only
             torch.testing.assert_close(a, expect, rtol=1e-12, atol=1e-15)

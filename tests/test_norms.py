@@ -151,4 +151,4 @@ def test_bad_shapes_name_the_layer() -> None:
     with pytest.raises(ValueError, match="captured inputs but"):
         kf.blocks.call_grams(spec, [torch.zeros(2, 4)], [])
     with pytest.raises(TypeError, match="joint_grams"):
-        kf.a_factor(spec, [torch.zeros(2, 4)])
+        kf.core.a_factor(spec, [torch.zeros(2, 4)])

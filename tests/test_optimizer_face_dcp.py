@@ -165,7 +165,7 @@ def test_a_flipped_bit_in_a_factor_is_refused(tmp_path: Path) -> None:
 
     fresh, fresh_opt = setup("sgd")
     before = fresh_opt.preconditioner.state.layers["2"].a_factor.clone()
-    with pytest.raises(kf.CheckpointFormatError, match=r"'layers\.2\.A' does not match"):
+    with pytest.raises(kf.checkpoint.CheckpointFormatError, match=r"'layers\.2\.A' does not match"):
         load(fresh, fresh_opt, tmp_path / "ckpt")
     assert fresh_opt.preconditioner.steps == 0  # nothing of K-FAC was loaded
     assert torch.equal(fresh_opt.preconditioner.state.layers["2"].a_factor, before)

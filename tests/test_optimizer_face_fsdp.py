@@ -90,7 +90,7 @@ def build(kind: str, order: str, world: int) -> tuple[nn.Module, nn.Module, kf.K
     own layers' factors once the parameters are sharded)."""
     args = dict(KFAC_ARGS)
     if kind == "fsdp-mem":
-        kind, args["grad_worker_fraction"] = "fsdp", kf.DistributedStrategy.MEM_OPT
+        kind, args["grad_worker_fraction"] = "fsdp", kf.distributed.DistributedStrategy.MEM_OPT
     model = make_model(kind)
     if order == "before":
         opt = kf.KFAC(model, recipe="kfac-pytorch", **args)

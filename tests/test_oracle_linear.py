@@ -168,7 +168,7 @@ def kfac_state(
     _, grads, caps = kf.capture(
         model, plain_params(model), x, loss_fn, loss_reduction=reduction, **capture_kw
     )
-    state = kf.accumulate_factors(state, caps, factor_decay=factor_decay)
+    state = kf.step.accumulate_factors(state, caps, factor_decay=factor_decay)
     return state, grads, caps
 
 
@@ -211,7 +211,7 @@ def test_single_datum_kron_equals_dense_empirical_fisher(arch, loss, reduction, 
         assert_close(torch.kron(ls.g_factor, ls.a_factor), fisher, TOL_EXACT, f"layer {name}")
         # The library's gradient matrix uses the same flattening as the oracle.
         spec = ls.spec
-        m = kf.grads_to_matrix(spec, ref[spec.weight], ref[spec.bias] if spec.bias else None)
+        m = kf.blocks.grads_to_matrix(spec, ref[spec.weight], ref[spec.bias] if spec.bias else None)
         assert torch.equal(m.reshape(-1), v)
 
 
@@ -329,7 +329,7 @@ def test_kfac_pytorch_convention_from_plain_autograd(arch, shape, device):
         assert ls.factor_updates == 1
     # A second update folds the batch factor again: decay·old + (1 − decay)·batch.
     _, _, caps = kf.capture(model, plain_params(model), x, loss_fn)
-    twice = kf.accumulate_factors(state, caps, factor_decay=decay)
+    twice = kf.step.accumulate_factors(state, caps, factor_decay=decay)
     for name, r in zip(names, raw):
         spec = state.layers[name].spec
         a = with_ones(ins[name].detach().reshape(-1, spec.in_dim), spec.has_bias)
@@ -382,11 +382,11 @@ def test_eigen_preconditioning_equals_dense_solve(arch, outer_product, damping, 
     before = copy.deepcopy(grads)
     out, new = kf.update(state, grads, captures=caps, damping=damping, kl_clip=None)
     # The same via the stages, and precondition_grads on the decomposed state.
-    staged = kf.decompose(kf.accumulate_factors(state, caps), damping=damping)
-    out2 = kf.precondition_grads(staged, grads, damping=damping, kl_clip=None)
+    staged = kf.decompose(kf.step.accumulate_factors(state, caps), damping=damping)
+    out2 = kf.step.precondition_grads(staged, grads, damping=damping, kl_clip=None)
     for name in linear_names(model):
         ls = new.layers[name]
-        assert isinstance(ls.decomposition, kf.EigenDecomposition)
+        assert isinstance(ls.decomposition, kf.core.EigenDecomposition)
         assert (ls.decomposition.dgda is not None) == outer_product
         expected = dense_eigen_solution(new, before, name, damping)
         for got in (out, out2):
@@ -403,7 +403,7 @@ def test_inverse_preconditioning_equals_kron_of_damped_inverses(arch, damping, d
     )
     out, new = kf.update(state, grads, captures=caps, damping=damping, kl_clip=None)
     for name in linear_names(model):
-        assert isinstance(new.layers[name].decomposition, kf.InverseDecomposition)
+        assert isinstance(new.layers[name].decomposition, kf.core.InverseDecomposition)
         expected = dense_inverse_solution(new, grads, name, damping)
         err = rel_err(flat_layer(out, name), expected)
         assert err <= TOL_SOLVE, f"layer {name}: relative error {err:.3e}"
@@ -629,12 +629,12 @@ def test_update_is_pure(convention, method, outer_product, device):
     leaves, versions = _leaves_with_versions(tree)
     assert len(leaves) > 0
     kf.update(state, grads, captures=caps, damping=1e-2, kl_clip=1e-4)
-    kf.accumulate_factors(state, caps)
+    kf.step.accumulate_factors(state, caps)
     kf.decompose(state, damping=1e-2)
     with warnings.catch_warnings():
         # damped inverses keep their own damping (the same here); precondition_grads warns
         warnings.filterwarnings("ignore", "precondition_grads.damping", UserWarning)
-        kf.precondition_grads(state, grads, damping=1e-2, kl_clip=1e-4)
+        kf.step.precondition_grads(state, grads, damping=1e-2, kl_clip=1e-4)
     assert optree.tree_structure(tree) == optree.tree_structure(snapshot)
     after, versions_after = _leaves_with_versions(tree)
     assert versions_after == versions, "a leaf was modified in place"

@@ -202,8 +202,8 @@ def test_adapter_equals_update_and_resumes_from_checkpoints() -> None:
     assert [n for n, ls in pre.state.layers.items() if ls.spec.g_diagonal] == []  # two-sided
     table = kf.register(ref)
     state = kf.init(table, factor_dtype=F64, inv_dtype=F64)
-    plan = kf.make_plan(table, 1)
-    comm = kf.Communicator(plan)
+    plan = kf.distributed.make_plan(table, 1)
+    comm = kf.distributed.Communicator(plan)
     dstate = state
     params = {k: v.detach().clone() for k, v in ref.named_parameters()}
     kw = {
@@ -220,7 +220,7 @@ def test_adapter_equals_update_and_resumes_from_checkpoints() -> None:
         _, grads, caps = kf.capture(ref, params, x, lambda o, y=y: F.cross_entropy(o, y))
         every = step % 2 == 0
         out, state = kf.update(state, grads, captures=caps, update_inverses=every, **kw)
-        dout, dstate = kf.update_distributed(
+        dout, dstate = kf.distributed.update_distributed(
             dstate, grads, captures=caps, plan=plan, comm=comm, update_inverses=every, **kw
         )
         for n in out:

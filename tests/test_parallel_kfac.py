@@ -386,13 +386,13 @@ def test_factor_files_round_trip(
             assert c["files_sd"] == sorted(["steps", "settings", "constructed", *HYPER_KEYS])
             assert c["files_resume_diff"] == 0.0, c["files_resume_diff"]
         directory = results[0]["configs"][i]["factor_dir"]
-        manifest = kf.read_factor_manifest(directory)
+        manifest = kf.checkpoint.read_factor_manifest(directory)
         owners = results[0]["configs"][i]["owners"]
         _, model = TOPOLOGIES[world]
         for e in manifest["layers"]:
             d, m = owners[e["name"]]
             assert e["writer"] == d * model + m, e
-        got = kf.load_factor_dir(directory, like=ref)
+        got = kf.checkpoint.load_factor_dir(directory, like=ref)
         assert got.step == STEPS
         for name, ls in ref.layers.items():
             assert float((got.layers[name].a_factor - ls.a_factor).abs().max()) < TOL, name

@@ -207,8 +207,8 @@ def test_parallel_classes_are_checked() -> None:
 def test_preconditioner_takes_parallel_classes() -> None:
     model = nn.Sequential(TEColumnParallelLinear(4, 6), nn.Tanh(), RowParallelLinear(6, 2))
     with pytest.raises(ValueError, match="TEColumnParallelLinear"):
-        kf.ParallelKFACPreconditioner(model)
-    pre = kf.ParallelKFACPreconditioner(
+        kf.parallel.ParallelKFACPreconditioner(model)
+    pre = kf.parallel.ParallelKFACPreconditioner(
         model, parallel_classes={TEColumnParallelLinear: "column"}, damping=0.1
     )
     model(torch.randn(5, 4)).pow(2).mean().backward()

@@ -1,15 +1,15 @@
 """Behaviour that code written for kfac-pytorch 0.4.2 relies on.
 
-- ``allreduce_method`` (:class:`kfac_func.AllreduceMethod`): derived from
+- ``allreduce_method`` (:class:`kfac_func.distributed.AllreduceMethod`): derived from
   ``allreduce_bucket_cap_mb`` unless given; on 2 gloo ranks both methods give the same
   preconditioned gradients, ``ALLREDUCE`` with one collective per factor tensor.
-- :func:`kfac_func.exp_decay_factor_averaging`: its values and its checks.
+- :func:`kfac_func.step.exp_decay_factor_averaging`: its values and its checks.
 - ``DistributedStrategy.MEM_OPT`` on one process: kept, colocation forced with a warning;
   the eigenvalue outer product without colocation refused first.
-- :class:`kfac_func.GPTNeoXKFACPreconditioner` registers only the column- and
+- :class:`kfac_func.parallel.GPTNeoXKFACPreconditioner` registers only the column- and
   row-parallel linears unless ``include_plain_linear=True``.
 - one log line per registered layer at ``loglevel``, and the assignment line.
-- :class:`kfac_func.LambdaParamScheduler` warns once per interval it keeps at 1.
+- :class:`kfac_func.adapter.LambdaParamScheduler` warns once per interval it keeps at 1.
 """
 
 from __future__ import annotations
@@ -29,14 +29,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import kfac_func as kf
-from kfac_func import (
-    AllreduceMethod,
-    DistributedStrategy,
-    KFACPreconditioner,
-    LambdaParamScheduler,
-    exp_decay_factor_averaging,
-)
+from kfac_func import KFACPreconditioner
+from kfac_func.adapter import LambdaParamScheduler
+from kfac_func.distributed import AllreduceMethod, DistributedStrategy
 from kfac_func.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from kfac_func.step import exp_decay_factor_averaging
 
 F64 = torch.float64
 
@@ -182,7 +179,7 @@ def test_exp_decay_factor_averaging_drives_a_preconditioner() -> None:
     pre.step()  # decay 0.5 at step 2: the mean of the last two (equal) batches
     for n, ls in pre.state.layers.items():
         assert not torch.equal(ls.a_factor, first[n])
-    assert kf.exp_decay_factor_averaging is exp_decay_factor_averaging
+    assert kf.step.exp_decay_factor_averaging is exp_decay_factor_averaging
 
 
 # --------------------------------------------------------------------------- MEM_OPT
@@ -248,12 +245,12 @@ def test_mem_opt_rules_at_any_world_size() -> None:
     ]
     for world, fraction in cases:
         with pytest.warns(UserWarning, match="colocate_factors"):
-            plan = kf.make_plan(
+            plan = kf.distributed.make_plan(
                 layers, world, grad_worker_fraction=fraction, colocate_factors=False
             )
         assert plan.colocate_factors
         with pytest.raises(ValueError, match="colocate_factors must be True"):
-            kf.make_plan(
+            kf.distributed.make_plan(
                 layers,
                 world,
                 grad_worker_fraction=fraction,
@@ -312,7 +309,12 @@ def test_gpt_neox_registers_only_parallel_linears_by_default(
     assert list(pre.layers) == ["0", "1", "3", "4"]
     assert pre.splits == {"0": None, "1": "column", "3": "row", "4": None}
     # the parallel preconditioner itself keeps plain layers by default
-    assert list(kf.ParallelKFACPreconditioner(pipeline_stage()).layers) == ["0", "1", "3", "4"]
+    assert list(kf.parallel.ParallelKFACPreconditioner(pipeline_stage()).layers) == [
+        "0",
+        "1",
+        "3",
+        "4",
+    ]
 
 
 # --------------------------------------------------------------------------- logging

@@ -16,8 +16,8 @@ It then forms the dense curvature of each group and solves:
   or placeholder side) and ``s = (1/N) Σ_n (Qᵀ vec ∇W_n)²``; an embedding has no
   per-example rows and keeps K-FAC's eigenvalues ``s = diag(Qᵀ (G ⊗ A) Q)`` (as documented).
 
-Paths: :func:`kfac_func.update`, :func:`kfac_func.update_distributed` on one process, and
-:class:`kfac_func.KFACPreconditioner`.
+Paths: :func:`kfac_func.update`, :func:`kfac_func.distributed.update_distributed` on one
+process, and :class:`kfac_func.KFACPreconditioner`.
 """
 
 from __future__ import annotations
@@ -200,8 +200,10 @@ def _functional(case: Case, method: str, n: int, distributed: bool) -> torch.Ten
     )
     kw = {"captures": caps, "damping": LAM, "factor_decay": 0.95, "kl_clip": None}
     if distributed:
-        plan = kf.make_plan(table, 1)
-        out, _ = kf.update_distributed(state, grads, plan=plan, comm=kf.Communicator(plan), **kw)
+        plan = kf.distributed.make_plan(table, 1)
+        out, _ = kf.distributed.update_distributed(
+            state, grads, plan=plan, comm=kf.distributed.Communicator(plan), **kw
+        )
     else:
         out, _ = kf.update(state, grads, **kw)
     return _layer_out(case, out)

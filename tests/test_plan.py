@@ -364,7 +364,9 @@ def test_cost_functions_change_the_assignment() -> None:
 
     compute = make_plan(layers, 2, assignment_strategy="compute")
     assert compute == make_plan(layers, 2)  # the default
-    assert compute == make_plan(layers, 2, assignment_strategy=kf.AssignmentStrategy.COMPUTE)
+    assert compute == make_plan(
+        layers, 2, assignment_strategy=kf.distributed.AssignmentStrategy.COMPUTE
+    )
     # x -> 0 (1024); y -> 1 (432); z -> 1 (432 < 1024); w -> 1 (864 < 1024)
     assert owners(compute) == {"x": 0, "y": 1, "z": 1, "w": 1}
     assert compute.load == (2 * 512.0, 4 * 216.0 + 2 * 125.0)
@@ -374,7 +376,9 @@ def test_cost_functions_change_the_assignment() -> None:
     # x -> 0 (128); y -> 1 (72); z -> 1 (72 < 128); w -> 0 (128 < 144)
     assert owners(memory) == {"x": 0, "y": 1, "z": 1, "w": 0}
     assert memory.load == (128.0 + 50.0, 144.0)
-    assert memory == make_plan(layers, 2, assignment_strategy=kf.AssignmentStrategy.MEMORY)
+    assert memory == make_plan(
+        layers, 2, assignment_strategy=kf.distributed.AssignmentStrategy.MEMORY
+    )
 
     # a callable: every factor costs the same, so layers go round-robin in name order
     flat = make_plan(layers, 2, assignment_strategy=lambda n: 1.0)

@@ -45,8 +45,8 @@ def test_linear_update_matches_dense_formula(
     out, new = kf.update(state, grads, captures=caps, damping=damping, kl_clip=None)
     ls = new.layers[""]
     spec = ls.spec
-    vec = kf.grads_to_matrix(spec, grads["weight"], grads.get("bias")).reshape(-1)
-    got = kf.grads_to_matrix(spec, out["weight"], out.get("bias")).reshape(-1)
+    vec = kf.blocks.grads_to_matrix(spec, grads["weight"], grads.get("bias")).reshape(-1)
+    got = kf.blocks.grads_to_matrix(spec, out["weight"], out.get("bias")).reshape(-1)
     eye_a = torch.eye(spec.a_dim, dtype=torch.float64)
     eye_g = torch.eye(spec.g_dim, dtype=torch.float64)
     if method == "eigen":

@@ -83,7 +83,7 @@ def test_a_shifting_subclass_gets_the_factors_of_the_ids_it_looks_up() -> None:
     assert spec.kind == "recorded_embedding" and spec.factor_shapes == ((V + SHIFT,), (D, D))
     params = dict(model.named_parameters())
     _, _, caps = kf.capture(model, params, x, lambda o: _loss(o, y))
-    state = kf.accumulate_factors(kf.init(kf.register(model), factor_dtype=DT), caps)
+    state = kf.step.accumulate_factors(kf.init(kf.register(model), factor_dtype=DT), caps)
     ls = state.layers["emb"]
     n, t = x.shape
     counts = torch.bincount((x + SHIFT).reshape(-1), minlength=V + SHIFT).to(DT)

@@ -418,7 +418,7 @@ def unscale_captures(caps: kf.Captures, scale: float) -> kf.Captures:
     if scale == 1.0:
         return caps
     layers = {
-        name: kf.LayerCapture(lc.inputs, tuple(g / scale for g in lc.output_grads))
+        name: kf.captures.LayerCapture(lc.inputs, tuple(g / scale for g in lc.output_grads))
         for name, lc in caps.layers.items()
     }
     return kf.Captures(layers, caps.batch_size, caps.loss_scale)
@@ -515,7 +515,7 @@ def poison_factor(state: kf.KFACState, name: str, value: float) -> kf.KFACState:
     return state.replace(layers={**state.layers, name: ls.replace(a_factor=a)})
 
 
-def layer_snapshot(ls: kf.LayerState) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+def layer_snapshot(ls: kf.state.LayerState) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     return ls.a_factor.clone(), ls.g_factor.clone(), ls.factor_updates, ls.skipped_updates
 
 

@@ -83,7 +83,7 @@ def test_grads_must_be_a_mapping() -> None:
     with pytest.raises(TypeError, match=match):
         kf.update(state, None, captures=caps)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=match):
-        kf.precondition_grads(state, None)  # type: ignore[arg-type]
+        kf.step.precondition_grads(state, None)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------- explicit damping
@@ -91,7 +91,7 @@ def test_grads_must_be_a_mapping() -> None:
 
 def _decomposed(**init: Any) -> tuple[kf.KFACState, dict[str, torch.Tensor]]:
     state, grads, caps = _setup(**init)
-    state = kf.decompose(kf.accumulate_factors(state, caps), damping=1e-1)
+    state = kf.decompose(kf.step.accumulate_factors(state, caps), damping=1e-1)
     return state, grads
 
 
@@ -103,10 +103,10 @@ def test_explicit_damping_applies_to_precomputed_outer_product() -> None:
     assert with_outer.layers["0"].decomposition.dgda is not None  # type: ignore[union-attr]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        got = kf.precondition_grads(with_outer, grads, damping=1.0, kl_clip=None)
-        want = kf.precondition_grads(without, grads, damping=1.0, kl_clip=None)
-        stale = kf.precondition_grads(with_outer, grads, kl_clip=None)  # dgda's own
-        same = kf.precondition_grads(without, grads, damping=0.1, kl_clip=None)
+        got = kf.step.precondition_grads(with_outer, grads, damping=1.0, kl_clip=None)
+        want = kf.step.precondition_grads(without, grads, damping=1.0, kl_clip=None)
+        stale = kf.step.precondition_grads(with_outer, grads, kl_clip=None)  # dgda's own
+        same = kf.step.precondition_grads(without, grads, damping=0.1, kl_clip=None)
     for name in grads:
         torch.testing.assert_close(got[name], want[name])
         torch.testing.assert_close(stale[name], same[name])
@@ -116,10 +116,10 @@ def test_explicit_damping_applies_to_precomputed_outer_product() -> None:
 def test_explicit_damping_warns_for_inverses() -> None:
     state, grads = _decomposed(compute_method="inverse")
     with pytest.warns(UserWarning, match=r"damping=1\.0.*layers \['0', '2'\].*decompose again"):
-        out = kf.precondition_grads(state, grads, damping=1.0, kl_clip=None)
+        out = kf.step.precondition_grads(state, grads, damping=1.0, kl_clip=None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        default = kf.precondition_grads(state, grads, kl_clip=None)  # not given: no warning
+        default = kf.step.precondition_grads(state, grads, kl_clip=None)  # not given: no warning
     for name in grads:
         torch.testing.assert_close(out[name], default[name])
 

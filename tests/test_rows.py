@@ -46,7 +46,7 @@ def _wide(bias: bool = True, calls: int = 1) -> tuple[nn.Module, Any, Any, kf.Ca
     return model, x, grads, caps
 
 
-def _dense(ls: kf.LayerState, m: torch.Tensor, damping: float, method: str) -> torch.Tensor:
+def _dense(ls: kf.state.LayerState, m: torch.Tensor, damping: float, method: str) -> torch.Tensor:
     a, g = ls.a_factor, ls.g_factor
     if method == "eigen":
         k = torch.kron(g, a) + damping * torch.eye(a.shape[0] * g.shape[0], dtype=DT)
@@ -89,9 +89,9 @@ def test_rows_path_equals_dense_oracle(
     out, new = kf.update(state, grads, captures=caps, damping=damping, kl_clip=None)
     assert seen == ["rows"]  # fc (4·calls rows ≪ 20, 25); the 3-wide head stays dense
     ls = new.layers["fc"]
-    m = kf.grads_to_matrix(ls.spec, grads["fc.weight"], grads["fc.bias"] if bias else None)
+    m = kf.blocks.grads_to_matrix(ls.spec, grads["fc.weight"], grads["fc.bias"] if bias else None)
     expected = _dense(ls, m, damping, method)
-    got = kf.grads_to_matrix(ls.spec, out["fc.weight"], out["fc.bias"] if bias else None)
+    got = kf.blocks.grads_to_matrix(ls.spec, out["fc.weight"], out["fc.bias"] if bias else None)
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
 
 
@@ -108,8 +108,8 @@ def test_gradient_that_is_not_the_rows_product_takes_the_dense_path(
     out, new = kf.update(state, decayed, captures=caps, damping=0.05, kl_clip=None)
     assert seen == []
     ls = new.layers["fc"]
-    m = kf.grads_to_matrix(ls.spec, decayed["fc.weight"], decayed["fc.bias"])
-    got = kf.grads_to_matrix(ls.spec, out["fc.weight"], out["fc.bias"])
+    m = kf.blocks.grads_to_matrix(ls.spec, decayed["fc.weight"], decayed["fc.bias"])
+    got = kf.blocks.grads_to_matrix(ls.spec, out["fc.weight"], out["fc.bias"])
     torch.testing.assert_close(got, _dense(ls, m, 0.05, "eigen"), rtol=1e-9, atol=1e-12)
 
 

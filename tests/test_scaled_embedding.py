@@ -73,7 +73,7 @@ def test_factors_are_token_counts_and_the_scaled_output_gradient_gram() -> None:
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, V, (5, 6), generator=g), torch.randint(0, C, (5, 6), generator=g)
     _, _, caps = kf.capture(model, dict(model.named_parameters()), x, lambda o: _loss(o, y))
-    state = kf.accumulate_factors(kf.init(kf.register(model), factor_dtype=DT), caps)
+    state = kf.step.accumulate_factors(kf.init(kf.register(model), factor_dtype=DT), caps)
     ls = state.layers["emb"]
     n, t = x.shape
     counts = torch.bincount(x.reshape(-1), minlength=V).to(DT)
@@ -121,7 +121,7 @@ def test_the_adapter_equals_the_capture() -> None:
     _loss(model(x), y).backward()
     pre.step()
     _, _, caps = kf.capture(ref, dict(ref.named_parameters()), x, lambda o: _loss(o, y))
-    state = kf.accumulate_factors(kf.init(kf.register(ref), factor_dtype=DT), caps)
+    state = kf.step.accumulate_factors(kf.init(kf.register(ref), factor_dtype=DT), caps)
     for side in ("a_factor", "g_factor"):
         got, want = getattr(pre.state.layers["emb"], side), getattr(state.layers["emb"], side)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)

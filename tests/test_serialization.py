@@ -295,7 +295,7 @@ def test_wrong_model_lists_every_missing_extra_and_misshaped_layer() -> None:
             decoder=nn.Sequential(nn.Identity(), nn.Linear(3, 3)),  # missing from the file
         )
     )  # and no head.0: extra in the file
-    with pytest.raises(kf.CheckpointMismatchError) as info:
+    with pytest.raises(kf.checkpoint.CheckpointMismatchError) as info:
         kf.state_from_dict(d, like=_fresh(other))
     e = info.value
     assert isinstance(e, ValueError)
@@ -313,7 +313,7 @@ def test_wrong_model_lists_every_missing_extra_and_misshaped_layer() -> None:
 def test_wrong_dtype() -> None:
     d = kf.state_to_dict(_trained(), include_decompositions=True)
     # the whole checkpoint in another precision: config and every layer listed
-    with pytest.raises(kf.CheckpointMismatchError) as info:
+    with pytest.raises(kf.checkpoint.CheckpointMismatchError) as info:
         kf.state_from_dict(d, like=_fresh(_model(), factor_dtype=torch.float64))
     assert info.value.config == ["factor_dtype: 'float32' in the checkpoint, 'float64' in like"]
     assert sorted(info.value.mismatched) == ["encoder.0", "head.0"]
@@ -323,7 +323,7 @@ def test_wrong_dtype() -> None:
     # one tensor of another dtype than its metadata says
     d = dict(d)
     d["layers.head.0.decomposition.qg"] = d["layers.head.0.decomposition.qg"].double()
-    with pytest.raises(kf.CheckpointMismatchError) as info:
+    with pytest.raises(kf.checkpoint.CheckpointMismatchError) as info:
         kf.state_from_dict(d, like=_fresh(_model()))
     assert info.value.mismatched == {
         "head.0": ["decomposition.qg dtype torch.float64 in the checkpoint, torch.float32 in like"]
@@ -334,7 +334,7 @@ def test_different_convention_and_compute_method_in_one_error(tmp_path: Path) ->
     path = tmp_path / "kfac.safetensors"
     kf.save_state(_trained(), path)
     like = _fresh(_model(), convention="kfac-pytorch", compute_method="inverse")
-    with pytest.raises(kf.CheckpointMismatchError) as info:
+    with pytest.raises(kf.checkpoint.CheckpointMismatchError) as info:
         kf.load_state(path, like=like)
     assert info.value.config == [
         "convention: 'fisher' in the checkpoint, 'kfac-pytorch' in like",
@@ -355,7 +355,7 @@ def test_future_format_version(tmp_path: Path) -> None:
     d = _with_meta(kf.state_to_dict(_trained()), format_version=FORMAT_VERSION + 1)
     path = tmp_path / "future.safetensors"
     safetensors.torch.save_file(d, path)
-    with pytest.raises(kf.CheckpointFormatError) as info:
+    with pytest.raises(kf.checkpoint.CheckpointFormatError) as info:
         kf.load_state(path, like=_fresh(_model()))
     msg = str(info.value)
     assert f"format version {FORMAT_VERSION + 1}" in msg
@@ -370,7 +370,7 @@ def test_truncated_file(tmp_path: Path, suffix: str, cut: str) -> None:
     raw = path.read_bytes()
     keep = {"last byte": len(raw) - 1, "half": len(raw) // 2, "all but 3 bytes": 3}[cut]
     path.write_bytes(raw[:keep])
-    with pytest.raises(kf.CheckpointFormatError, match="truncated or corrupt") as info:
+    with pytest.raises(kf.checkpoint.CheckpointFormatError, match="truncated or corrupt") as info:
         kf.load_state(path, like=_fresh(_model()))
     assert str(path) in str(info.value)
 
@@ -379,7 +379,7 @@ def test_truncated_file(tmp_path: Path, suffix: str, cut: str) -> None:
 def test_garbage_file(tmp_path: Path, suffix: str) -> None:
     path = tmp_path / f"kfac{suffix}"
     path.write_bytes(bytes(range(256)) * 8)
-    with pytest.raises(kf.CheckpointFormatError) as info:
+    with pytest.raises(kf.checkpoint.CheckpointFormatError) as info:
         kf.load_state(path, like=_fresh(_model()))
     assert str(path) in str(info.value)
     with pytest.raises(FileNotFoundError):
@@ -389,27 +389,31 @@ def test_garbage_file(tmp_path: Path, suffix: str) -> None:
 def test_missing_or_malformed_metadata(tmp_path: Path) -> None:
     d = kf.state_to_dict(_trained())
     no_meta = {k: v for k, v in d.items() if k != META_KEY}
-    with pytest.raises(kf.CheckpointFormatError, match="no '__kfac_meta__' metadata"):
+    with pytest.raises(kf.checkpoint.CheckpointFormatError, match="no '__kfac_meta__' metadata"):
         kf.state_from_dict(no_meta, like=_fresh(_model()))
     for path in (tmp_path / "plain.safetensors", tmp_path / "plain.pt"):
         if path.suffix == ".pt":
             torch.save(no_meta, path)
         else:
             safetensors.torch.save_file(no_meta, path)
-        with pytest.raises(kf.CheckpointFormatError, match="metadata") as info:
+        with pytest.raises(kf.checkpoint.CheckpointFormatError, match="metadata") as info:
             kf.load_state(path, like=_fresh(_model()))
         assert str(path) in str(info.value)
-    with pytest.raises(kf.CheckpointFormatError, match="not valid UTF-8 JSON"):
+    with pytest.raises(kf.checkpoint.CheckpointFormatError, match="not valid UTF-8 JSON"):
         kf.state_from_dict(
             {**d, META_KEY: torch.tensor([1, 2], dtype=torch.uint8)}, like=_trained()
         )
-    with pytest.raises(kf.CheckpointFormatError, match="'step' has the wrong type"):
+    with pytest.raises(kf.checkpoint.CheckpointFormatError, match="'step' has the wrong type"):
         kf.state_from_dict(_with_meta(d, step="3"), like=_trained())
     # tensors and metadata disagree
     missing_tensor = {k: v for k, v in d.items() if k != "layers.head.0.g_factor"}
-    with pytest.raises(kf.CheckpointFormatError, match=r"missing: 'layers\.head\.0\.g_factor'"):
+    with pytest.raises(
+        kf.checkpoint.CheckpointFormatError, match=r"missing: 'layers\.head\.0\.g_factor'"
+    ):
         kf.state_from_dict(missing_tensor, like=_trained())
-    with pytest.raises(kf.CheckpointFormatError, match=r"unexpected keys: 'model\.weight'"):
+    with pytest.raises(
+        kf.checkpoint.CheckpointFormatError, match=r"unexpected keys: 'model\.weight'"
+    ):
         kf.state_from_dict({**d, "model.weight": torch.ones(1)}, like=_trained())
 
 

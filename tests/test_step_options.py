@@ -79,15 +79,15 @@ def test_one_options_value_runs_every_step_function() -> None:
     decomposed state equals update's directions."""
     state, grads, caps = _setup()
     opts = kf.StepOptions(damping=1e-2, kl_clip=1e-2, lr=0.2, grafting="sgd")
-    plan = kf.make_plan({n: ls.spec for n, ls in state.layers.items()}, world_size=1)
-    comm = kf.Communicator(plan)
+    plan = kf.distributed.make_plan({n: ls.spec for n, ls in state.layers.items()}, world_size=1)
+    comm = kf.distributed.Communicator(plan)
     out, new = kf.update(state, grads, captures=caps, options=opts)
-    out_d, new_d = kf.update_distributed(
+    out_d, new_d = kf.distributed.update_distributed(
         state, grads, captures=caps, plan=plan, comm=comm, options=opts
     )
     for k in out:
         torch.testing.assert_close(out_d[k], out[k], rtol=1e-12, atol=1e-14)
-    again = kf.precondition_grads(new.replace(step=state.step), grads, options=opts)
+    again = kf.step.precondition_grads(new.replace(step=state.step), grads, options=opts)
     for k in out:
         torch.testing.assert_close(again[k], out[k], rtol=1e-12, atol=1e-14)
     assert new_d.step == new.step == 1

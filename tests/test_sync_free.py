@@ -77,8 +77,8 @@ def test_equals_default_exactly_when_finite(
     # precondition_grads too (its own damping and kl_clip)
     lam = None if method == "inverse" else 1e-2  # inverses hold their damping
     _assert_equal(
-        kf.precondition_grads(state, grads, damping=lam, kl_clip=kl_clip),
-        kf.precondition_grads(state, grads, damping=lam, kl_clip=kl_clip, sync_free=True),
+        kf.step.precondition_grads(state, grads, damping=lam, kl_clip=kl_clip),
+        kf.step.precondition_grads(state, grads, damping=lam, kl_clip=kl_clip, sync_free=True),
     )
 
 
@@ -87,11 +87,11 @@ def test_equals_a_dense_float64_solve() -> None:
     state, grads, _ = _setup(dtype=torch.float64)
     got, _ = kf.update(state, grads, kl_clip=None, sync_free=True, **PRECONDITION_ONLY)
     for name, ls in state.layers.items():
-        m = kf.grads_to_matrix(ls.spec, grads[f"{name}.weight"], grads[f"{name}.bias"])
+        m = kf.blocks.grads_to_matrix(ls.spec, grads[f"{name}.weight"], grads[f"{name}.bias"])
         a, g = ls.a_factor, ls.g_factor
         big = torch.kron(g, a) + 1e-2 * torch.eye(a.shape[0] * g.shape[0], dtype=torch.float64)
         want = torch.linalg.solve(big, m.reshape(-1)).reshape(m.shape)
-        p = kf.grads_to_matrix(ls.spec, got[f"{name}.weight"], got[f"{name}.bias"])
+        p = kf.blocks.grads_to_matrix(ls.spec, got[f"{name}.weight"], got[f"{name}.bias"])
         torch.testing.assert_close(p, want, rtol=1e-9, atol=1e-12)
 
 
@@ -139,11 +139,11 @@ def test_skips_are_reported_once_by_report_and_not_by_a_sync_free_factor_update(
     for _ in range(3):
         _, state = kf.update(state, bad, sync_free=True, **PRECONDITION_ONLY)
     with pytest.warns(RuntimeWarning, match=r"layer '4'.* on 3 step\(s\)") as caught:
-        counts, state = kf.report_skipped(state)
+        counts, state = kf.step.report_skipped(state)
     assert counts == {"4": 3} and len(caught) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert kf.report_skipped(state)[0] == {}  # already reported
+        assert kf.step.report_skipped(state)[0] == {}  # already reported
     _, state = kf.update(state, bad, sync_free=True, **PRECONDITION_ONLY)
     # a factor update reads nothing either: the skip stays pending until reported
     with warnings.catch_warnings():
@@ -151,7 +151,7 @@ def test_skips_are_reported_once_by_report_and_not_by_a_sync_free_factor_update(
         _, state = kf.update(state, grads, captures=caps, damping=1e-2, sync_free=True)
     assert state.layers["4"].grad_skips_reported == 3
     with pytest.warns(RuntimeWarning, match=r"layer '4'.* on 1 step\(s\)"):
-        _, state = kf.report_skipped(state)
+        _, state = kf.step.report_skipped(state)
     assert int(state.layers["4"].grad_skips) == 4  # type: ignore[arg-type]
     assert state.layers["4"].grad_skips_reported == 4
     # a step that checks on the host reports what sync_free steps left
@@ -159,7 +159,7 @@ def test_skips_are_reported_once_by_report_and_not_by_a_sync_free_factor_update(
     with pytest.warns(RuntimeWarning, match=r"layer '4'.* on 1 step\(s\)"):
         _, state = kf.update(state, grads, **PRECONDITION_ONLY)
     with pytest.raises(TypeError, match="KFACState"):
-        kf.report_skipped({})  # type: ignore[arg-type]
+        kf.step.report_skipped({})  # type: ignore[arg-type]
 
 
 def test_adam_moment_keeps_its_value_on_a_skipped_step() -> None:
@@ -183,7 +183,7 @@ def test_counters_survive_save_and_load_and_old_files_load(tmp_path: Path) -> No
     _, state = kf.update(state, bad, sync_free=True, **PRECONDITION_ONLY)
     _, state = kf.update(state, bad, sync_free=True, **PRECONDITION_ONLY)
     with pytest.warns(RuntimeWarning):
-        _, state = kf.report_skipped(state)
+        _, state = kf.step.report_skipped(state)
     _, state = kf.update(state, bad, sync_free=True, **PRECONDITION_ONLY)
     like = kf.init(kf.register(_mlp()))
     kf.save_state(state, tmp_path / "s.safetensors")
@@ -193,7 +193,7 @@ def test_counters_survive_save_and_load_and_old_files_load(tmp_path: Path) -> No
         assert back.layers[name].grad_skips_reported == ls.grad_skips_reported
     assert int(back.layers["2"].grad_skips) == 3 and back.layers["2"].grad_skips_reported == 2  # type: ignore[arg-type]
     with pytest.warns(RuntimeWarning, match=r"on 1 step\(s\)"):
-        kf.report_skipped(back)
+        kf.step.report_skipped(back)
     # a file written before the counters existed: no keys, no metadata fields
     d = kf.state_to_dict(_setup()[0])
     meta = json.loads(bytes(d["__kfac_meta__"].tolist()).decode())
@@ -212,7 +212,7 @@ def test_bad_settings_are_refused() -> None:
         kf.update(state, grads, sync_free="yes", **PRECONDITION_ONLY)  # type: ignore[arg-type]
     short = {k: v for k, v in grads.items() if k != "2.bias"}
     with pytest.raises(ValueError, match=r"layer '2'.*'2\.bias'"):
-        kf.precondition_grads(state, short, sync_free=True)
+        kf.step.precondition_grads(state, short, sync_free=True)
     with pytest.raises(ValueError, match=r"layer '2'.*'2\.bias'"):
         kf.update(state, short, sync_free=True, **PRECONDITION_ONLY)
     with pytest.raises(ValueError, match="sync_free=True as well"):
@@ -223,17 +223,17 @@ def test_bad_settings_are_refused() -> None:
 
 def test_update_distributed_one_rank_equals_default() -> None:
     state, grads, _ = _setup()
-    plan = kf.make_plan(kf.register(_mlp()), world_size=1)
-    comm = kf.Communicator(plan)
+    plan = kf.distributed.make_plan(kf.register(_mlp()), world_size=1)
+    comm = kf.distributed.Communicator(plan)
     kw: dict[str, Any] = {"plan": plan, "comm": comm, **PRECONDITION_ONLY}
-    ref, _ = kf.update_distributed(state, grads, **kw)
-    got, _ = kf.update_distributed(state, grads, sync_free=True, **kw)
+    ref, _ = kf.distributed.update_distributed(state, grads, **kw)
+    got, _ = kf.distributed.update_distributed(state, grads, sync_free=True, **kw)
     _assert_equal(ref, got)
     bad = dict(grads)
     bad["0.bias"] = torch.full_like(grads["0.bias"], NAN)
     with pytest.warns(RuntimeWarning, match="layer '0'"):
-        ref, _ = kf.update_distributed(state, bad, **kw)
-    got, new = kf.update_distributed(state, bad, sync_free=True, **kw)
+        ref, _ = kf.distributed.update_distributed(state, bad, **kw)
+    got, new = kf.distributed.update_distributed(state, bad, sync_free=True, **kw)
     for k in got:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-12, atol=0, equal_nan=True)
     assert int(new.layers["0"].grad_skips) == 1  # type: ignore[arg-type]
@@ -296,21 +296,24 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         _, grads, caps = _setup()
         layers = kf.register(_mlp())
         results = {}
-        for strategy in (kf.DistributedStrategy.COMM_OPT, kf.DistributedStrategy.MEM_OPT):
-            plan = kf.make_plan(layers, world_size=world, grad_worker_fraction=strategy)
-            comm = kf.Communicator(plan)
-            _, s = kf.update_distributed(
+        for strategy in (
+            kf.distributed.DistributedStrategy.COMM_OPT,
+            kf.distributed.DistributedStrategy.MEM_OPT,
+        ):
+            plan = kf.distributed.make_plan(layers, world_size=world, grad_worker_fraction=strategy)
+            comm = kf.distributed.Communicator(plan)
+            _, s = kf.distributed.update_distributed(
                 kf.init(layers), grads, plan=plan, comm=comm, captures=caps, damping=1e-2
             )
             kw: dict[str, Any] = {"plan": plan, "comm": comm, **PRECONDITION_ONLY}
             bad = dict(grads)
             bad["4.weight"] = torch.full_like(grads["4.weight"], NAN)
-            ref, _ = kf.update_distributed(s, grads, **kw)
+            ref, _ = kf.distributed.update_distributed(s, grads, **kw)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                ref_bad, _ = kf.update_distributed(s, bad, **kw)
-            got, _ = kf.update_distributed(s, grads, sync_free=True, **kw)
-            got_bad, new = kf.update_distributed(s, bad, sync_free=True, **kw)
+                ref_bad, _ = kf.distributed.update_distributed(s, bad, **kw)
+            got, _ = kf.distributed.update_distributed(s, grads, sync_free=True, **kw)
+            got_bad, new = kf.distributed.update_distributed(s, bad, sync_free=True, **kw)
             skips = {
                 n: None if ls.grad_skips is None else int(ls.grad_skips)
                 for n, ls in new.layers.items()

@@ -77,7 +77,7 @@ def _factors(model: nn.Module, args, loss_fn, **init):
     state = kf.init(layers, factor_dtype=torch.float64, inv_dtype=torch.float64, **init)
     params = dict(model.named_parameters())
     _loss, grads, caps = kf.capture(model, params, args, loss_fn, layers=layers)
-    state = kf.accumulate_factors(state, caps)
+    state = kf.step.accumulate_factors(state, caps)
     return state, grads, caps
 
 
@@ -181,7 +181,7 @@ def test_combination_properties_on_a_real_model(convention: str, max_dim: int | 
         layers = kf.register(model, max_factor_dim=limit)
         state = kf.init(layers, convention=convention, factor_dtype=torch.float64)
         _, _, caps = kf.capture(model, dict(model.named_parameters()), ids, loss_fn)
-        return kf.accumulate_factors(state, caps, factor_decay=0.0)  # the batch's factors
+        return kf.step.accumulate_factors(state, caps, factor_decay=0.0)  # the batch's factors
 
     state = batch_factors(tied, max_dim)
     ustate = batch_factors(untied, max_dim or V - 1)  # the head's G (V) diagonal

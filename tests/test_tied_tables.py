@@ -109,7 +109,7 @@ def _factors(
     state = kf.init(layers, factor_dtype=F64, inv_dtype=F64)
     params = dict(model.named_parameters())
     _, grads, caps = kf.capture(model, params, args, loss_fn, layers=layers, kwargs=kwargs)
-    return kf.accumulate_factors(state, caps, factor_decay=0.0), grads, caps
+    return kf.step.accumulate_factors(state, caps, factor_decay=0.0), grads, caps
 
 
 def _tables_case(model: Tables) -> tuple[tuple[torch.Tensor, ...], Callable[..., torch.Tensor]]:

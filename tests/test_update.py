@@ -40,8 +40,8 @@ def _batch_factors(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     spec, cfg = state.layers[name].spec, state.config
     lc = caps.layers[name]
-    a = kf.a_factor(spec, lc.inputs, cfg.convention, cfg.factor_dtype)
-    g = kf.g_factor(
+    a = kf.core.a_factor(spec, lc.inputs, cfg.convention, cfg.factor_dtype)
+    g = kf.core.g_factor(
         spec,
         lc.output_grads,
         cfg.convention,
@@ -56,8 +56,8 @@ def _batch_factors(
 def test_running_average_and_initial_value(convention: str) -> None:
     _, state, _grads, caps = _setup(convention=convention)
     a, _g = _batch_factors(state, caps, "0")
-    s1 = kf.accumulate_factors(state, caps, factor_decay=0.9)
-    s2 = kf.accumulate_factors(s1, caps, factor_decay=0.9)
+    s1 = kf.step.accumulate_factors(state, caps, factor_decay=0.9)
+    s2 = kf.step.accumulate_factors(s1, caps, factor_decay=0.9)
     expect1 = a if convention == "fisher" else 0.9 * torch.eye(4, dtype=a.dtype) + 0.1 * a
     torch.testing.assert_close(s1.layers["0"].a_factor, expect1, rtol=1e-14, atol=0)
     torch.testing.assert_close(s2.layers["0"].a_factor, 0.9 * expect1 + 0.1 * a, rtol=1e-14, atol=0)
@@ -66,7 +66,7 @@ def test_running_average_and_initial_value(convention: str) -> None:
 
 def test_factor_decay_one_keeps_factors() -> None:
     _, state, _, caps = _setup(convention="kfac-pytorch")
-    s = kf.accumulate_factors(state, caps, factor_decay=1.0)
+    s = kf.step.accumulate_factors(state, caps, factor_decay=1.0)
     torch.testing.assert_close(s.layers["2"].g_factor, state.layers["2"].g_factor, rtol=0, atol=0)
 
 
@@ -141,9 +141,9 @@ def test_micro_batches_form_one_update(convention: str) -> None:
         return kf.capture(model, params, x[sl], lambda o: F.cross_entropy(o, y[sl]))[2]
 
     state = kf.init(kf.register(model), convention=convention, **F64)  # type: ignore[arg-type]
-    full = kf.accumulate_factors(state, cap(slice(0, 12)), factor_decay=0.5)
+    full = kf.step.accumulate_factors(state, cap(slice(0, 12)), factor_decay=0.5)
     halves = [cap(slice(0, 4)), cap(slice(4, 12))]
-    micro = kf.accumulate_factors(state, halves, factor_decay=0.5)
+    micro = kf.step.accumulate_factors(state, halves, factor_decay=0.5)
     assert micro.layers["0"].factor_updates == 1
     if convention == "fisher":
         # per-example weighting: the window equals the whole batch exactly
@@ -173,7 +173,7 @@ def test_low_precision_activations_accumulate_in_factor_dtype() -> None:
     out, new = kf.update(state, grads, captures=caps)
     ls = new.layers[""]
     assert ls.a_factor.dtype == torch.float32 and ls.g_factor.dtype == torch.float32
-    assert isinstance(ls.decomposition, kf.EigenDecomposition)
+    assert isinstance(ls.decomposition, kf.core.EigenDecomposition)
     assert ls.decomposition.qa.dtype == torch.float32
     assert out["weight"].dtype == torch.bfloat16
     exact = x.float()
@@ -185,7 +185,7 @@ def test_inverse_method_state() -> None:
     _, state, grads, caps = _setup(compute_method="inverse")
     _, new = kf.update(state, grads, captures=caps, damping=0.1)
     dec = new.layers["0"].decomposition
-    assert isinstance(dec, kf.InverseDecomposition)
+    assert isinstance(dec, kf.core.InverseDecomposition)
     eye = torch.eye(4, dtype=torch.float64)
     torch.testing.assert_close(
         dec.a_inv @ (new.layers["0"].a_factor + 0.1 * eye), eye, rtol=0, atol=1e-10
@@ -199,7 +199,7 @@ def _poison(caps: kf.Captures, name: str, field: str, value: float) -> kf.Captur
     lc = caps.layers[name]
     t = getattr(lc, field)[0].clone()
     t.view(-1)[0] = value
-    poisoned = kf.LayerCapture(
+    poisoned = kf.captures.LayerCapture(
         **{**{"inputs": lc.inputs, "output_grads": lc.output_grads}, field: (t,)}
     )
     return kf.Captures({**caps.layers, name: poisoned}, caps.batch_size, caps.loss_scale)
@@ -244,7 +244,9 @@ def test_shape_mismatches_name_layer_and_shapes() -> None:
     bad_caps = kf.Captures(
         {
             **caps.layers,
-            "0": kf.LayerCapture((torch.zeros(8, 7, dtype=torch.float64),), lc.output_grads),
+            "0": kf.captures.LayerCapture(
+                (torch.zeros(8, 7, dtype=torch.float64),), lc.output_grads
+            ),
         },
         caps.batch_size,
         caps.loss_scale,

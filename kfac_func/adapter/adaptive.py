@@ -1,7 +1,7 @@
 """The adaptive step on a module's own parameters, for the stateful preconditioners.
 
-:class:`AdaptiveStepper` holds the settings of :func:`kfac_func.adaptive_step` and
-:func:`kfac_func.adapt_damping`; its :meth:`~AdaptiveStepper.step` computes the update from
+:class:`AdaptiveStepper` holds the settings of :func:`kfac_func.step.adaptive_step` and
+:func:`kfac_func.step.adapt_damping`; its :meth:`~AdaptiveStepper.step` computes the update from
 the raw and the preconditioned gradients, adds it to the parameters in place, evaluates
 the caller's loss closure once when the damping is due for adaptation, and returns the
 new state. It owns no math: everything is in :mod:`kfac_func.step.adaptive`.
@@ -32,10 +32,10 @@ class AdaptiveStepper:
     Args:
         model: the module whose parameters are updated.
         loss, loss_reduction: the loss as a function of the model's output (see
-            :func:`kfac_func.curvature_gram`).
-        l2_reg, momentum, rtol, nonfinite: as in :func:`kfac_func.adaptive_step`.
+            :func:`kfac_func.step.curvature_gram`).
+        l2_reg, momentum, rtol, nonfinite: as in :func:`kfac_func.step.adaptive_step`.
         interval, damping_decay, min_damping, max_damping: as in
-            :func:`kfac_func.adapt_damping`.
+            :func:`kfac_func.step.adapt_damping`.
 
     Example:
         >>> import torch
@@ -46,7 +46,7 @@ class AdaptiveStepper:
         >>> model = nn.Linear(3, 2)
         >>> x, t = torch.randn(8, 3), torch.randn(8, 2)
         >>> loss_fn = lambda out: nn.functional.mse_loss(out, t)
-        >>> state = kf.init_adaptive(kf.init(kf.register(model)), damping=1.0)
+        >>> state = kf.step.init_adaptive(kf.init(kf.register(model)), damping=1.0)
         >>> stepper = AdaptiveStepper(model, loss="mse", interval=1)
         >>> params = dict(model.named_parameters())
         >>> loss, grads, caps = kf.capture(model, params, x, loss_fn)
@@ -99,7 +99,7 @@ class AdaptiveStepper:
         """One adaptive step: update the parameters named in ``directions`` in place.
 
         Args:
-            state: a state with an adaptive part (:func:`kfac_func.init_adaptive`).
+            state: a state with an adaptive part (:func:`kfac_func.step.init_adaptive`).
             grads: the raw gradients ``∇h`` of this batch, by parameter name.
             directions: the preconditioned gradients of :func:`kfac_func.update`.
             args, kwargs: the model's input for this batch.

@@ -132,7 +132,7 @@ class OptimizerStateMixin:
         none recomputed; the checksums of its tensors verified), then each base
         optimizer's. The group dicts stay the same objects. A ValueError (before anything
         changes) names a missing ``"kfac"`` part, a group structure that differs from this
-        optimizer's, or (a :class:`~kfac_func.CheckpointFormatError`) a K-FAC tensor that
+        optimizer's, or (a :class:`~kfac_func.checkpoint.CheckpointFormatError`) a K-FAC tensor that
         does not match its checksum. A top-level ``"kfac"`` (the format of earlier
         versions) is read too."""
         self._follow_parameters()

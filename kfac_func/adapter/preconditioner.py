@@ -3,7 +3,7 @@
 The hooks of :mod:`kfac_func.adapter.recording` collect each registered layer's
 statistics during the forward and backward passes. ``step()`` hands them
 to :func:`kfac_func.update` on one process (donating its state to it, see
-:meth:`KFACPreconditioner.step`) or to :func:`kfac_func.update_distributed` across
+:meth:`KFACPreconditioner.step`) or to :func:`kfac_func.distributed.update_distributed` across
 ranks, and rewrites ``.grad`` in place. The adapter owns no math and keeps one immutable
 :class:`KFACState`, exposed as :attr:`KFACPreconditioner.state`.
 """
@@ -73,7 +73,7 @@ class KFACPreconditioner(
     Call :meth:`step` after ``loss.backward()`` and before ``optimizer.step()``: it
     preconditions the ``.grad`` of the registered layers in place. Under DDP the work is
     spread over the ranks by a KAISA plan (:attr:`plan`), after the ranks checked that they
-    agree on it (:class:`kfac_func.RankMismatchError` otherwise). The arguments up to
+    agree on it (:class:`kfac_func.distributed.RankMismatchError` otherwise). The arguments up to
     ``loglevel`` are kfac-pytorch 0.4.2's, with its defaults and checks. Every
     hyperparameter may be a number or a ``step -> value`` callable.
 
@@ -87,7 +87,7 @@ class KFACPreconditioner(
         damping: Tikhonov damping λ >= 0 (with ``adaptive=``, the starting λ).
         factor_decay: the factors' running-average coefficient, in [0, 1] (0: the latest
             batch factors only; 1: frozen factors; see
-            :func:`kfac_func.exp_decay_factor_averaging`, whose first value is 0).
+            :func:`kfac_func.step.exp_decay_factor_averaging`, whose first value is 0).
         kl_clip: bound of the scale ``min(1, sqrt(kl_clip / |lr² Σ P ⊙ grad|))`` of the
             preconditioned gradients (> 0); None disables it.
         lr: the learning rate in the ``kl_clip`` scale (only there: keep it the
@@ -97,7 +97,8 @@ class KFACPreconditioner(
         allreduce_bucket_cap_mb: largest bucket (MB) of the factor all-reduces; 0: one
             collective per tensor.
         assignment_strategy: balance decompositions over ranks by ``COMPUTE`` (``n³``)
-            or ``MEMORY`` (``n²``) cost (an :class:`~kfac_func.AssignmentStrategy` or name).
+            or ``MEMORY`` (``n²``) cost (an
+            :class:`~kfac_func.distributed.AssignmentStrategy` or name).
         colocate_factors: decompose a layer's A and G on one rank; forced on, with a
             warning, for ``MEM_OPT``.
         compute_method: ``"eigen"``, ``"inverse"`` or ``"ekfac"`` (``scaling="fisher"``
@@ -105,7 +106,7 @@ class KFACPreconditioner(
         compute_eigenvalue_outer_product: eigen: precompute ``1 / (dg daᵀ + λ)``; needs
             ``colocate_factors``.
         grad_worker_fraction: fraction of ranks preconditioning each layer, in [0, 1] (0:
-            ``1/world``), or a :class:`~kfac_func.DistributedStrategy` (``COMM_OPT`` 1,
+            ``1/world``), or a :class:`~kfac_func.distributed.DistributedStrategy` (``COMM_OPT`` 1,
             ``HYBRID_OPT`` 0.5, ``MEM_OPT`` 1/world), kept as :attr:`distributed_strategy`.
         symmetry_aware: send only the upper triangle of symmetric factors.
         grad_scaler: a ``GradScaler`` or a ``() -> scale`` callable; the hooks unscale
@@ -149,11 +150,11 @@ class KFACPreconditioner(
             for the layers holding one weight matrix; the others take Adam's step in
             K-FAC's eigenbasis under ``eigenbasis_moments``, else are not registered (see
             :func:`~kfac_func.step.orthogonal.orthogonal_table`). None: K-FAC's step.
-        adaptive: an :class:`~kfac_func.AdaptiveStepper` of ``model`` (one process, plain
+        adaptive: an :class:`~kfac_func.adapter.AdaptiveStepper` of ``model`` (one process, plain
             parameters, ``kl_clip=None``): :meth:`step` then updates the parameters itself.
         allreduce_method: ``ALLREDUCE_BUCKETED`` or ``ALLREDUCE`` (an
-            :class:`~kfac_func.AllreduceMethod` or name); None: ``ALLREDUCE`` iff the cap
-            is 0.
+            :class:`~kfac_func.distributed.AllreduceMethod` or name); None: ``ALLREDUCE`` iff
+            the cap is 0.
         sync_free: step without reading the device on the host (finiteness decided by
             ``torch.where``; skipped layers and factor updates counted in the state and
             reported by :meth:`report_skipped`); see :mod:`kfac_func.step.sync_free`.
@@ -378,7 +379,7 @@ class KFACPreconditioner(
         through the model called on ``inputs``, and ``kwargs``), and it adapts the damping
         from ``loss`` (this batch's loss before the update) and ``loss_closure`` (the same
         batch's loss at the current parameters, called once every few steps): see
-        :func:`kfac_func.adaptive_step`. Step an optimizer only over the other parameters
+        :func:`kfac_func.step.adaptive_step`. Step an optimizer only over the other parameters
         then (:meth:`kfac_func.LayerTable.split_parameters`).
 
         On one process the state is donated to :func:`kfac_func.update` (``donate=True``),

@@ -1,7 +1,7 @@
 """The adapter's step without host synchronisation, and its compiled form.
 
 ``KFACPreconditioner(model, sync_free=True)`` passes ``sync_free=True`` to
-:func:`kfac_func.update` (and :func:`kfac_func.update_distributed`): on one process no
+:func:`kfac_func.update` (and :func:`kfac_func.distributed.update_distributed`): on one process no
 step reads anything on the host, whether it updates the factors, decomposes them or only
 preconditions (see :mod:`kfac_func.step.sync_free` and
 :mod:`kfac_func.step.decompose_groups`); layers whose gradients or batch factors held a
@@ -93,7 +93,7 @@ class SyncFreeMixin:
     def report_skipped(self) -> dict[str, int]:
         """Warn about the layers whose gradients were skipped (non-finite) since the last
         report and return ``{layer: steps skipped since then}`` (one host
-        synchronisation; see :func:`kfac_func.report_skipped`). Steps that update the
+        synchronisation; see :func:`kfac_func.step.report_skipped`). Steps that update the
         factors report by themselves."""
         counts, self._state = report_skipped(self._state)
         return counts

@@ -9,7 +9,7 @@
 Each layer file is an ordinary single-layer checkpoint of :mod:`kfac_func.checkpoint.state_files`
 (``save_state`` of ``state.replace(layers={name: layer_state})``: same format, same
 metadata, same atomic write), so every check of that module applies to it. Under a
-:class:`~kfac_func.Plan` the file of a layer is written by the layer's A owner, the one
+:class:`~kfac_func.distributed.Plan` the file of a layer is written by the layer's A owner, the one
 rank whose copy is current under every strategy (under ``MEM_OPT`` only the owner folds
 and decomposes a layer; under ``COMM_OPT``/``HYBRID_OPT`` every rank holds the averaged
 factors and the A owner is one of the layer's grad workers, so it holds the
@@ -37,7 +37,8 @@ reads every layer file (factor files are small next to a model, and every rank t
 holds the same, complete state and raises the same errors). With ``only_owned=True``,
 allowed under ``MEM_OPT`` only, a rank reads just the layers it owns and keeps ``like``'s
 entries for the others, which is exactly what an uninterrupted ``MEM_OPT`` run holds there
-(:func:`kfac_func.update_distributed` neither folds nor decomposes other ranks' layers);
+(:func:`kfac_func.distributed.update_distributed` neither folds nor decomposes other ranks'
+layers);
 under ``COMM_OPT``/``HYBRID_OPT`` every rank holds the averaged factors, so every rank must
 read every layer. Decompositions not in the files come back as ``None`` and the next
 update recomputes them from that step's factors, so resume on an inverse-update step or
@@ -135,9 +136,10 @@ def save_factor_dir(
         >>> layers = kf.register(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
         >>> state = kf.init(layers).replace(step=5)
         >>> with tempfile.TemporaryDirectory() as tmp:
-        ...     kf.save_factor_dir(state, tmp, plan=kf.make_plan(layers, world_size=1))
+        ...     plan = kf.distributed.make_plan(layers, world_size=1)
+        ...     kf.checkpoint.save_factor_dir(state, tmp, plan=plan)
         ...     print(sorted(os.listdir(tmp)))
-        ...     print(kf.load_factor_dir(tmp, like=kf.init(layers)).step)
+        ...     print(kf.checkpoint.load_factor_dir(tmp, like=kf.init(layers)).step)
         ['layer.0.safetensors', 'layer.2.safetensors', 'manifest.json']
         5
     """
@@ -268,14 +270,15 @@ def load_factor_dir(
         >>> state = kf.init(layers, factor_dtype=torch.float64)
         >>> state = state.replace(layers={n: ls.replace(a_factor=ls.a_factor + 1)
         ...                               for n, ls in state.layers.items()})
-        >>> plan2 = kf.make_plan(layers, world_size=2,
-        ...                      grad_worker_fraction=kf.DistributedStrategy.MEM_OPT)
+        >>> mem_opt = kf.distributed.DistributedStrategy.MEM_OPT
+        >>> plan2 = kf.distributed.make_plan(layers, world_size=2, grad_worker_fraction=mem_opt)
         >>> [plan2.layers[n].a_owner for n in layers]
         [1, 0]
         >>> with tempfile.TemporaryDirectory() as tmp:
-        ...     kf.save_factor_dir(state, tmp)
-        ...     mine = kf.load_factor_dir(tmp, like=kf.init(layers, factor_dtype=torch.float64),
-        ...                               plan=plan2, rank=1, only_owned=True)
+        ...     kf.checkpoint.save_factor_dir(state, tmp)
+        ...     like = kf.init(layers, factor_dtype=torch.float64)
+        ...     mine = kf.checkpoint.load_factor_dir(tmp, like=like, plan=plan2, rank=1,
+        ...                                          only_owned=True)
         >>> [float(mine.layers[n].a_factor[0, 0]) for n in layers]  # '0' read, '2' from like
         [1.0, 0.0]
     """

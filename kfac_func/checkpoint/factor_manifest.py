@@ -154,8 +154,8 @@ def read_factor_manifest(directory: PathLike) -> dict[str, Any]:
         >>> import kfac_func as kf
         >>> state = kf.init(kf.register(nn.Sequential(nn.Linear(3, 2))))
         >>> with tempfile.TemporaryDirectory() as tmp:
-        ...     kf.save_factor_dir(state, tmp)
-        ...     m = kf.read_factor_manifest(tmp)
+        ...     kf.checkpoint.save_factor_dir(state, tmp)
+        ...     m = kf.checkpoint.read_factor_manifest(tmp)
         >>> m["step"], m["world_size"], [(e["name"], e["file"]) for e in m["layers"]]
         (0, 1, [('0', 'layer.0.safetensors')])
     """

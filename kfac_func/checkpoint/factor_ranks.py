@@ -33,7 +33,7 @@ def _context(rank: int | None, *, any_rank: bool) -> tuple[bool, int, int]:
 
 def _check_plan(plan: Plan, names: Sequence[str], what: str) -> None:
     if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a kfac_func.Plan, got {type(plan).__name__}")
+        raise TypeError(f"plan must be a kfac_func.distributed.Plan, got {type(plan).__name__}")
     if set(plan.layers) != set(names):
         missing = sorted(set(names) - set(plan.layers))
         extra = sorted(set(plan.layers) - set(names))

@@ -1,4 +1,4 @@
-"""KAISA's factor and decomposition stages of :func:`kfac_func.update_distributed`
+"""KAISA's factor and decomposition stages of :func:`kfac_func.distributed.update_distributed`
 (composed in :mod:`kfac_func.distributed.step`).
 
 The stages of :mod:`kfac_func.step` and the factor decompositions do the math,

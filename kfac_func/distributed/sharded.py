@@ -1,4 +1,5 @@
-"""The preconditioning stage of :func:`kfac_func.update_distributed` for DTensor gradients.
+"""The preconditioning stage of :func:`kfac_func.distributed.update_distributed` for DTensor
+gradients.
 
 FSDP2 (``fully_shard``, also HSDP on a 2-D mesh) and tensor parallelism
 (``parallelize_module``) leave each rank a shard of every gradient, already averaged over
@@ -52,7 +53,8 @@ def release_unowned(state: KFACState, plan: Plan, rank: int, enable: bool = True
         >>> import kfac_func as kf
         >>> from torch import nn
         >>> layers = kf.register(nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2)))
-        >>> plan = kf.make_plan(layers, 2, grad_worker_fraction=kf.DistributedStrategy.MEM_OPT)
+        >>> mem_opt = kf.distributed.DistributedStrategy.MEM_OPT
+        >>> plan = kf.distributed.make_plan(layers, 2, grad_worker_fraction=mem_opt)
         >>> state = release_unowned(kf.init(layers), plan, rank=0)
         >>> sorted(n for n, ls in state.layers.items() if 0 in ls.a_factor.stride())
         ['1']

@@ -106,12 +106,13 @@ def update_distributed(
         >>> import kfac_func as kf
         >>> model = nn.Linear(3, 2)
         >>> layers = kf.register(model)
-        >>> plan = kf.make_plan(layers, world_size=1)
-        >>> comm = kf.Communicator(plan)  # no process group: one rank
+        >>> plan = kf.distributed.make_plan(layers, world_size=1)
+        >>> comm = kf.distributed.Communicator(plan)  # no process group: one rank
         >>> _, grads, caps = kf.capture(model, dict(model.named_parameters()),
         ...                             torch.randn(4, 3), lambda o: o.pow(2).mean())
-        >>> new_grads, state = kf.update_distributed(kf.init(layers), grads, captures=caps,
-        ...                                          plan=plan, comm=comm)
+        >>> new_grads, state = kf.distributed.update_distributed(
+        ...     kf.init(layers), grads, captures=caps, plan=plan, comm=comm
+        ... )
         >>> state.step
         1
     """

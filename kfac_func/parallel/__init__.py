@@ -2,4 +2,22 @@
 collectives over data- and model-parallel groups, :class:`ParallelKFACPreconditioner`
 and the GPT-NeoX (DeepSpeed pipeline) preconditioner. Builds on
 :mod:`kfac_func.adapter` and :mod:`kfac_func.distributed`.
+
+Example:
+    >>> from kfac_func.parallel import ParallelKFACPreconditioner
+    >>> ParallelKFACPreconditioner.__name__
+    'ParallelKFACPreconditioner'
 """
+
+from kfac_func.parallel.gpt_neox import ExperimentalFeatureWarning, GPTNeoXKFACPreconditioner
+from kfac_func.parallel.plan import ParallelPlan, make_parallel_plan, register_parallel
+from kfac_func.parallel.preconditioner import ParallelKFACPreconditioner
+
+__all__ = [
+    "ExperimentalFeatureWarning",
+    "GPTNeoXKFACPreconditioner",
+    "ParallelKFACPreconditioner",
+    "ParallelPlan",
+    "make_parallel_plan",
+    "register_parallel",
+]

@@ -3,7 +3,7 @@ across ranks, and the per-layer factor files of ``factor_checkpoint_dir``.
 
 ``state_dict`` gathers every layer of every pipeline stage from its owner;
 ``load_state_dict`` restores it on any rank. With ``factor_checkpoint_dir`` the factors go
-to one file per layer instead (:func:`kfac_func.save_factor_dir`), written by the layer's
+to one file per layer instead (:func:`kfac_func.checkpoint.save_factor_dir`), written by the layer's
 owner and read back by it.
 """
 
@@ -137,7 +137,7 @@ class ParallelCheckpointing(ParallelBase):
 
     def save_factors_to_dir(self) -> None:
         """Write one checkpoint file per layer (by its owner) and a manifest to
-        ``factor_checkpoint_dir`` (:func:`kfac_func.save_factor_dir`). A collective."""
+        ``factor_checkpoint_dir`` (:func:`kfac_func.checkpoint.save_factor_dir`). A collective."""
         if self.factor_checkpoint_dir is None:
             raise ValueError("factor_checkpoint_dir is None")
         save_factor_dir(

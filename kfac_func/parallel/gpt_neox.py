@@ -16,7 +16,7 @@ optimizer runs the preconditioner at exactly that point, on every rank::
     import deepspeed
     import torch
     from deepspeed.pipe import PipelineModule
-    from kfac_func import GPTNeoXKFACPreconditioner
+    from kfac_func.parallel import GPTNeoXKFACPreconditioner
 
     pipe = PipelineModule(layers, topology=topology, loss_fn=loss_fn)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)

@@ -18,7 +18,7 @@ described by the :class:`~kfac_func.blocks.LayerSpec` of the *full* (unsharded) 
 its factors have the full sizes.
 
 :func:`make_parallel_plan` gives each layer one *owner* among the stage peers,
-``(owner_data, owner_model)``, by the greedy balancing of :func:`kfac_func.make_plan`
+``(owner_data, owner_model)``, by the greedy balancing of :func:`kfac_func.distributed.make_plan`
 (one rank per grad-worker group, KAISA's ``MEM_OPT``): the owner folds and decomposes the
 layer's factors and preconditions its gradient. In every data-parallel replica ``d`` the
 rank ``(d, owner_model)`` is the layer's *primary*: the model-parallel ranks send it their
@@ -399,8 +399,9 @@ def make_parallel_plan(
     This is kfac-pytorch's GPT-NeoX assignment (one owner per layer, greedy by cost)
     with one difference: layers of equal cost are taken in ascending name order here, in
     descending order there, so two equal layers ``l1``, ``l2`` on two peers are owned
-    ``l1: 0, l2: 1`` here and ``l1: 1, l2: 0`` there (the order :func:`kfac_func.make_plan`
-    uses for every strategy; any fixed order balances the same load).
+    ``l1: 0, l2: 1`` here and ``l1: 1, l2: 0`` there (the order
+    :func:`kfac_func.distributed.make_plan` uses for every strategy; any fixed order balances
+    the same load).
 
     Example:
         >>> from kfac_func.blocks import LayerSpec
@@ -458,10 +459,10 @@ def make_parallel_plan(
 def global_plan(
     layers: Mapping[str, LayerSpec], owner_rank: Mapping[str, int], world_size: int
 ) -> Plan:
-    """The layers of every stage as one KAISA ``MEM_OPT`` :class:`~kfac_func.Plan` over the
-    whole world, each layer owned by its owner's global rank: the plan under which
-    :func:`kfac_func.save_factor_dir` writes each layer's file from its owner and
-    :func:`kfac_func.load_factor_dir` (``only_owned=True``) reads it back.
+    """The layers of every stage as one KAISA ``MEM_OPT`` :class:`~kfac_func.distributed.Plan`
+    over the whole world, each layer owned by its owner's global rank: the plan under which
+    :func:`kfac_func.checkpoint.save_factor_dir` writes each layer's file from its owner and
+    :func:`kfac_func.checkpoint.load_factor_dir` (``only_owned=True``) reads it back.
 
     Example:
         >>> from kfac_func.blocks import LayerSpec

@@ -77,8 +77,8 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         model_parallel_group: this rank's tensor (model) parallel group (None: none).
         pipeline_parallel_group: this rank's pipeline group; its rank is the stage.
         factor_checkpoint_dir: with it, :meth:`state_dict` writes the factors to one file
-            per layer there (:func:`kfac_func.save_factor_dir`; each written by the layer's
-            owner) and returns only the step and the hyperparameters, and
+            per layer there (:func:`kfac_func.checkpoint.save_factor_dir`; each written by
+            the layer's owner) and returns only the step and the hyperparameters, and
             :meth:`load_state_dict` reads them back.
         include_plain_linear: also register the supported layers that are not
             column- or row-parallel (``nn.Linear``, ...); True by default here, False in

@@ -58,7 +58,7 @@ def kl_clip_terms(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.T
 
 def kl_clip_from_terms(total: torch.Tensor, kl_clip: float, lr: float) -> torch.Tensor:
     """``min(1, sqrt(kl_clip / |lr² · total|))`` in float64 (1 when the total is zero), as
-    :func:`kfac_func.kl_clip_scale` computes it from the pairs of one process
+    :func:`kfac_func.core.kl_clip_scale` computes it from the pairs of one process
     (:func:`~kfac_func.core.preconditioning.kl_clip_scale_of_terms` of the one total).
 
     Example:

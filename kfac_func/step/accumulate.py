@@ -138,7 +138,7 @@ def settle_on_device(
 ) -> None:
     """:func:`settle_folds` without reading the host (``sync_free=True``): each layer whose
     batch factors held NaN/Inf counts the update in its ``factor_skips`` (a device
-    counter that :func:`kfac_func.report_skipped` reads, warns about and moves to
+    counter that :func:`kfac_func.step.report_skipped` reads, warns about and moves to
     ``skipped_updates``); a restarted running factor is not warned about."""
     for name, checks, before in pending:
         layers[name] = layers[name].replace(
@@ -264,7 +264,7 @@ def accumulate_factors(
         >>> state = kf.init(kf.register(model))
         >>> _, _, caps = kf.capture(model, dict(model.named_parameters()),
         ...                         torch.randn(4, 3), lambda out: out.sum())
-        >>> kf.accumulate_factors(state, caps).layers[""].factor_updates
+        >>> kf.step.accumulate_factors(state, caps).layers[""].factor_updates
         1
     """
     decay = resolve(factor_decay, state.step)

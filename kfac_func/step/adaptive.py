@@ -7,15 +7,15 @@ curvature ``C = JᵀHJ`` of the batch (see :mod:`kfac_func.core.quadratic`). The
 ``λ`` (also K-FAC's damping) is adapted by the Levenberg–Marquardt rule from how much of
 the predicted decrease the step achieved. One step of the functional loop::
 
-    state = kf.init_adaptive(kf.init(layers, convention="fisher"), damping=1.0)  # once
+    state = kf.step.init_adaptive(kf.init(layers, convention="fisher"), damping=1.0)  # once
     loss, grads, caps = kf.capture(model, params, x, loss_fn)
     directions, state = kf.update(state, grads, captures=caps,
                                   damping=state.adaptive.damping, kl_clip=None)
-    updates, state, info = kf.adaptive_step(state, params, grads, directions,
+    updates, state, info = kf.step.adaptive_step(state, params, grads, directions,
                                             model=model, args=x, loss="cross_entropy")
     params = {k: p + updates[k] for k, p in params.items()}
     new_loss = loss_fn(torch.func.functional_call(model, params, (x,)))  # same batch
-    state = kf.adapt_damping(state, new_loss, loss)
+    state = kf.step.adapt_damping(state, new_loss, loss)
 
 The products ``vᵀCw`` are exact (:func:`kfac_func.step.curvature.curvature_gram`). The
 model's ``λ`` matches the damping of K-FAC's curvature under the ``"fisher"`` convention
@@ -96,7 +96,7 @@ def _scalar(name: str, value: float | torch.Tensor) -> float:
 
 def _adaptive(state: KFACState) -> AdaptiveState:
     if state.adaptive is None:
-        raise ValueError("state has no adaptive part: start from kf.init_adaptive(state, ...)")
+        raise ValueError("state has no adaptive part: start from kf.step.init_adaptive(state, ...)")
     return state.adaptive
 
 
@@ -106,7 +106,7 @@ def init_adaptive(state: KFACState, *, damping: float) -> KFACState:
     Example:
         >>> import kfac_func as kf
         >>> from torch import nn
-        >>> state = kf.init_adaptive(kf.init(kf.register(nn.Linear(2, 2))), damping=1.0)
+        >>> state = kf.step.init_adaptive(kf.init(kf.register(nn.Linear(2, 2))), damping=1.0)
         >>> state.adaptive.damping, state.adaptive.previous
         (1.0, None)
     """
@@ -120,8 +120,8 @@ def damping_due(state: KFACState, *, interval: int = 5) -> bool:
     Example:
         >>> import kfac_func as kf
         >>> from torch import nn
-        >>> state = kf.init_adaptive(kf.init(kf.register(nn.Linear(2, 2))), damping=1.0)
-        >>> kf.damping_due(state.replace(adaptive=state.adaptive.replace(steps=5)))
+        >>> state = kf.step.init_adaptive(kf.init(kf.register(nn.Linear(2, 2))), damping=1.0)
+        >>> kf.step.damping_due(state.replace(adaptive=state.adaptive.replace(steps=5)))
         True
     """
     _check_interval(interval)
@@ -180,12 +180,12 @@ def adaptive_step(
         >>> model = nn.Linear(3, 2)
         >>> x, t = torch.randn(8, 3), torch.randint(0, 2, (8,))
         >>> loss_fn = lambda out: nn.functional.cross_entropy(out, t)
-        >>> state = kf.init_adaptive(kf.init(kf.register(model)), damping=1.0)
+        >>> state = kf.step.init_adaptive(kf.init(kf.register(model)), damping=1.0)
         >>> params = dict(model.named_parameters())
         >>> loss, grads, caps = kf.capture(model, params, x, loss_fn)
         >>> directions, state = kf.update(state, grads, captures=caps,
         ...                               damping=state.adaptive.damping, kl_clip=None)
-        >>> updates, state, info = kf.adaptive_step(state, params, grads, directions,
+        >>> updates, state, info = kf.step.adaptive_step(state, params, grads, directions,
         ...                                         model=model, args=x)
         >>> info.method, info.predicted < 0, state.adaptive.steps  # no δ yet: α only
         ('alpha', True, 1)
@@ -268,10 +268,10 @@ def adapt_damping(
     Example:
         >>> import kfac_func as kf
         >>> from torch import nn
-        >>> state = kf.init_adaptive(kf.init(kf.register(nn.Linear(2, 2))), damping=1.0)
+        >>> state = kf.step.init_adaptive(kf.init(kf.register(nn.Linear(2, 2))), damping=1.0)
         >>> # as adaptive_step leaves it: one step taken, a decrease of 1.0 predicted
         >>> ad = state.adaptive.replace(steps=1, alpha=1.0, mu=0.0, predicted=-1.0)
-        >>> new = kf.adapt_damping(state.replace(adaptive=ad), 0.1, 1.0, interval=1)
+        >>> new = kf.step.adapt_damping(state.replace(adaptive=ad), 0.1, 1.0, interval=1)
         >>> new.adaptive.rho, new.adaptive.damping  # ρ = 0.9 > 3/4: λ ← 0.95·λ
         (0.9, 0.95)
     """

@@ -64,7 +64,7 @@ def curvature_gram(
         >>> model = nn.Linear(3, 2, bias=False)
         >>> params = dict(model.named_parameters())
         >>> v = {"weight": torch.ones(2, 3)}
-        >>> g = kf.curvature_gram(model, params, torch.ones(4, 3), [v], loss="mse")
+        >>> g = kf.step.curvature_gram(model, params, torch.ones(4, 3), [v], loss="mse")
         >>> g  # Jv = 3 everywhere on 4×2 outputs, H = 2I/8: 8 · 9 · 2/8
         tensor([[18.]], dtype=torch.float64)
     """

@@ -140,8 +140,8 @@ def correct_eigenvalues(
         >>> state = kf.init(kf.register(model), compute_method="ekfac")
         >>> _, grads, caps = kf.capture(model, dict(model.named_parameters()),
         ...                             torch.randn(4, 3), lambda out: out.pow(2).mean())
-        >>> state = kf.decompose(kf.accumulate_factors(state, caps))
-        >>> kf.correct_eigenvalues(state, caps).layers[""].decomposition.scale.shape
+        >>> state = kf.decompose(kf.step.accumulate_factors(state, caps))
+        >>> kf.step.correct_eigenvalues(state, caps).layers[""].decomposition.scale.shape
         torch.Size([2, 4])
     """
     decay = resolve(factor_decay, state.step)

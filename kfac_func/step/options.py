@@ -1,7 +1,7 @@
 """`StepOptions`: every setting of a K-FAC step, as one frozen value.
 
-:func:`kfac_func.update`, :func:`kfac_func.update_distributed`,
-:func:`kfac_func.precondition_grads` and :class:`kfac_func.KFACPreconditioner` read their
+:func:`kfac_func.update`, :func:`kfac_func.distributed.update_distributed`,
+:func:`kfac_func.step.precondition_grads` and :class:`kfac_func.KFACPreconditioner` read their
 step settings from it (each stage the ones it uses). The functions take it as
 ``options=`` and any of its fields as keywords, which override it:
 
@@ -44,7 +44,7 @@ class StepOptions:
 
     Attributes:
         damping: Tikhonov damping λ. None: ``1e-3`` for a step that decomposes; for
-            :func:`kfac_func.precondition_grads` alone, the damping each decomposition
+            :func:`kfac_func.step.precondition_grads` alone, the damping each decomposition
             was made with (see there).
         factor_decay: running-average coefficient of the factors in [0, 1] (0: the
             batch factors replace the average).
@@ -56,7 +56,7 @@ class StepOptions:
             always decomposed once their factors hold data). Under
             ``compute_method="ekfac"`` the corrected eigenvalues are updated from the
             captures whenever the factors are (restarted in a basis computed this step;
-            see :func:`kfac_func.correct_eigenvalues`).
+            see :func:`kfac_func.step.correct_eigenvalues`).
         nonfinite: ``"skip"`` (warn, keep that layer's state, pass its gradient
             unchanged) or ``"raise"`` (:class:`kfac_func.NonFiniteError`) on NaN/Inf.
         grafting: ``"sgd"`` or ``"adam"``: each layer's preconditioned gradient takes the
@@ -104,7 +104,7 @@ class StepOptions:
             ``LayerState.usable``): no step kind reads anything on the host, and
             ``torch.compile(kfac_func.update, fullgraph=True)`` traces each whole. Skipped
             layers are counted in the state (``LayerState.grad_skips``) and warned about
-            by :func:`kfac_func.report_skipped` (or by the next step without
+            by :func:`kfac_func.step.report_skipped` (or by the next step without
             ``sync_free``). With every gradient and factor finite the results equal the
             default's dense path exactly (captured rows are not used). Needs
             ``nonfinite="skip"``. Under ``eigenbasis_moments`` a skipped step still counts

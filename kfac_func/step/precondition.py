@@ -92,7 +92,7 @@ def precondition_grads(
         >>> layers = kf.register(nn.Linear(1, 1))
         >>> state = kf.decompose(kf.init(layers, convention="kfac-pytorch"), damping=1.0)
         >>> g = {"weight": torch.ones(1, 1), "bias": torch.ones(1)}
-        >>> kf.precondition_grads(state, g, damping=1.0, kl_clip=None)["weight"]
+        >>> kf.step.precondition_grads(state, g, damping=1.0, kl_clip=None)["weight"]
         tensor([[0.5000]])
     """
     opts = step_options(options, _spelled_out(settings))

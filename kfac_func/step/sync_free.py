@@ -57,7 +57,7 @@ def check_sync_free(sync_free: bool, nonfinite: NonFinite) -> None:
         raise ValueError(
             "sync_free=True decides on the device and cannot raise on a non-finite "
             "gradient: use nonfinite='skip' (the skips are counted in the state and "
-            "reported by kfac_func.report_skipped)"
+            "reported by kfac_func.step.report_skipped)"
         )
 
 
@@ -304,7 +304,7 @@ def report_skipped(state: KFACState) -> tuple[dict[str, int], KFACState]:
         >>> import warnings
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")
-        ...     counts, state = kf.report_skipped(state)
+        ...     counts, state = kf.step.report_skipped(state)
         >>> counts, len(caught)
         ({'': 1}, 1)
     """
