@@ -1,4 +1,4 @@
-"""Which layers the grouped step computes together (:mod:`kfac_func.step.grouped`).
+"""Which layers the preconditioning stage computes together (:mod:`kfac_func.step.grouped`).
 
 Layers whose states and gradients have the same shapes, dtypes, kind and settings
 (:func:`group_key`) and the same moment count form a group; the tensors a group stacks

@@ -1,10 +1,10 @@
-"""One layer's preconditioning, the piece the per-layer and the grouped steps share.
+"""One layer's preconditioning: the function the preconditioning stage maps over a group.
 
 :func:`precondition_with` preconditions one checked layer's gradient matrix by its
 decomposition (:func:`precondition_layer`) or by its eigenbasis moments, then grafts it
-(:class:`Grafting`). It is a function of tensors with no host decision, so the grouped
-step (:mod:`kfac_func.step.grouped`) runs it over stacks of layers under
-:func:`torch.func.vmap`.
+(:class:`Grafting`). It is a function of tensors with no host decision, so the stage
+(:mod:`kfac_func.step.grouped`) runs it over stacks of layers under
+:func:`torch.func.vmap`, and on a lone layer as it is.
 """
 
 from __future__ import annotations
