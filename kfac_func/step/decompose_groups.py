@@ -73,9 +73,9 @@ _LINALG_ERROR: type[RuntimeError] = getattr(torch.linalg, "LinAlgError")  # noqa
 # one side's result: (eigenvectors or None, eigenvalues) or (inverse,), and its flag
 _Side = tuple[tuple[Any, ...], torch.Tensor]
 
-Made = dict[str, tuple[Decomposition, torch.Tensor]]
-"""``{layer: (new decomposition, finite)}``: both sides' results, and whether both came
-out finite (a 0-d bool tensor)."""
+Made = dict[str, tuple[Decomposition, torch.Tensor, torch.Tensor]]
+"""``{layer: (new decomposition, A finite, G finite)}``: both sides' results, and whether
+each came out finite (0-d bool tensors)."""
 
 
 def new_decompositions(
@@ -97,7 +97,7 @@ def new_decompositions(
         >>> import kfac_func as kf
         >>> state = kf.init(kf.register(nn.Linear(2, 2)), convention="kfac-pytorch")
         >>> made = new_decompositions(state.layers, [""], 0.1, state.config)
-        >>> made[""][0].da, made[""][1]
+        >>> made[""][0].da, made[""][1] & made[""][2]
         (tensor([1., 1., 1.]), tensor(True))
     """
     eigen = config.compute_method in ("eigen", "ekfac")
@@ -119,7 +119,7 @@ def new_decompositions(
             new = from_eigen(eig) if config.compute_method == "ekfac" else eig
         else:
             new = InverseDecomposition(ra[0], rg[0])
-        made[name] = (new, oka & okg)
+        made[name] = (new, oka, okg)
     return made
 
 
@@ -130,7 +130,7 @@ def select_on_device(
     finite, else its previous one, and its ``usable`` flag, decided on the device (see
     the module docstring); the layers of one layout selected together."""
     groups: dict[Hashable, list[str]] = {}
-    for name, (new, _) in made.items():
+    for name, (new, *_) in made.items():
         groups.setdefault(_select_key(layers[name], new), []).append(name)
     for names in groups.values():
         _select_group(layers, names, made, config)
@@ -184,8 +184,16 @@ def batched_eigenpairs(
         except RuntimeError:  # the factors get the checked path's retries
             continue
         del stack
-        flags = all_finite_rows(list(results)).all(dim=1)
-        found.append(([key for key, _ in members], results, flags))
+        q, d = results
+        # finite sums prove finite results (a sum that overflowed sends the factor the
+        # checked way, which decides exactly)
+        found.append(
+            (
+                [key for key, _ in members],
+                results,
+                torch.isfinite(q.flatten(1).sum(1) + d.flatten(1).sum(1)),
+            )
+        )
     if not found:
         return {}
     ok = iter(torch.cat([f.to(found[0][2].device) for *_, f in found]).tolist())  # one read
@@ -378,7 +386,7 @@ def _select_group(
     states = [layers[n] for n in names]
     first = states[0]
     news = [made[n][0] for n in names]
-    ok = stacked([made[n][1] for n in names])[0]
+    ok = stacked([made[n][1] for n in names])[0] & stacked([made[n][2] for n in names])[0]
     fresh = [stacked(list(ts))[0] for ts in zip(*(leaves_of(d) for d in news))]
     device = fresh[0].device
     if _same_layout(first, news[0]):
