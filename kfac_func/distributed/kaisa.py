@@ -46,8 +46,8 @@ from kfac_func.distributed.communicator import Communicator, Pending
 from kfac_func.distributed.plan import DistributedStrategy, Plan
 from kfac_func.distributed.reducer import OrderedReducer
 from kfac_func.state import KFACState, LayerState
-from kfac_func.step.accumulate import fold_checked
-from kfac_func.step.batch_factors import layer_batch_factors
+from kfac_func.step.accumulate import fold_layers
+from kfac_func.step.batch_factors import build_batch_factors, layer_stats
 from kfac_func.step.decompose import decomposition_failed
 from kfac_func.step.decompose_groups import batched_eigenpairs, needs_decomposition, warm_start
 from kfac_func.step.hyper import NonFinite, as_list
@@ -82,12 +82,10 @@ def local_batch_factors(
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
     """``{layer: (A, G, weight)}`` of this rank's captures (layers not called are absent)."""
     micro = as_list(captures)
-    out = {}
-    for name, ls in state.layers.items():
-        batch = layer_batch_factors(ls.spec, micro, state.config)
-        if batch is not None:
-            out[name] = batch
-    return out
+    specs = {name: ls.spec for name, ls in state.layers.items()}
+    return build_batch_factors(
+        specs, lambda name: layer_stats(specs[name], micro, state.config), state.config
+    )
 
 
 def start_factor_reduction(state: KFACState, plan: Plan, comm: Communicator) -> OrderedReducer:
@@ -141,23 +139,24 @@ def reduce_factors(
     it started already)."""
     cfg = state.config
     layers = dict(state.layers)
-    if comm.world_size == 1:  # nothing to average: fold the local factors as update() does
-        for name, (a, g, _) in local.items():
-            layers[name] = fold_checked(state.layers[name], a, g, decay, cfg, nonfinite)
-        return layers
-    reducer = reducer or start_factor_reduction(state, plan, comm)
-    for name in names:
-        if not reducer.offered(name):
-            offer_factors(reducer, state.layers[name], local.get(name))
-    sums = reducer.finish(lambda name: [])  # every layer was offered above
-    to_owner = plan.strategy is DistributedStrategy.MEM_OPT
-    for name in names:
-        if to_owner and comm.rank != plan.layers[name].a_owner:
-            continue  # only the owner receives (and needs) the sums
-        wa, wg, total = sums[name]
-        w = float(total[0])
-        if w != 0.0:
-            layers[name] = fold_checked(state.layers[name], wa / w, wg / w, decay, cfg, nonfinite)
+    batches: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = dict(local)
+    if comm.world_size > 1:
+        reducer = reducer or start_factor_reduction(state, plan, comm)
+        for name in names:
+            if not reducer.offered(name):
+                offer_factors(reducer, state.layers[name], local.get(name))
+        sums = reducer.finish(lambda name: [])  # every layer was offered above
+        to_owner = plan.strategy is DistributedStrategy.MEM_OPT
+        batches = {}
+        for name in names:
+            if to_owner and comm.rank != plan.layers[name].a_owner:
+                continue  # only the owner receives (and needs) the sums
+            wa, wg, total = sums[name]
+            w = float(total[0])
+            if w != 0.0:
+                batches[name] = (wa / w, wg / w, w)
+    # folded as update() folds them, the layers of one shape together
+    fold_layers(layers, lambda name, _: batches.pop(name, None), decay, cfg, nonfinite)
     return layers
 
 
