@@ -252,8 +252,11 @@ class HookRecorder(PreconditionerBase):
         if not (collect or keep):
             return out
         # tensor parallelism hands the hook a DTensor: its shards are gathered (over the
-        # mesh it came on, which also gathers a column-parallel output-gradient)
-        x, mesh = whole_input(args[0].detach())
+        # mesh it came on, which also gathers a column-parallel output-gradient); a plain
+        # tensor is taken as it is
+        x, mesh = args[0].detach(), None
+        if type(x) is not torch.Tensor:
+            x, mesh = whole_input(x)
         # a call inside the backward pass (a recomputation) counts once its
         # output-gradient arrives (see kfac_func.adapter.recompute)
         late = in_backward()
@@ -312,7 +315,9 @@ class HookRecorder(PreconditionerBase):
                     self._rows.setdefault(spec.name, []).append(pair)
                 if micro is not None:
                     self._count_call(spec, micro, late_input)
-            gy = whole_output_grad(spec, grad.detach(), mesh)
+            gy = grad.detach()
+            if mesh is not None or type(gy) is not torch.Tensor:
+                gy = whole_output_grad(spec, gy, mesh)
             if self.grad_scaler is not None:
                 # unscaled, as the gradients are when step() runs (after unscale_)
                 gy = gy.to(self.factor_dtype) / self._grad_scale()
