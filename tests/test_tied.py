@@ -373,3 +373,21 @@ def test_checkpoints_from_before_the_tie_still_load(tmp_path) -> None:
     with pytest.raises(ValueError, match="missing"):
         sd["layers"] = {}
         fresh.load_state_dict(sd)
+
+
+def test_wrapped_uses_are_named_as_the_model_names_them() -> None:
+    """Under FSDP2's activation checkpointing the tied layer's uses lose the wrappers'
+    ``_checkpoint_wrapped_module`` parts, as its name and parameters do."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    torch.manual_seed(0)
+    model = TiedLM()
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, nn.Embedding))
+    pre = kf.KFACPreconditioner(model)
+    plain = kf.KFACPreconditioner(TiedLM())
+    assert list(pre.layers) == list(plain.layers)
+    for name, spec in pre.layers.items():
+        assert spec.options == plain.layers[name].options, name
+        assert "_checkpoint_wrapped_module" not in repr(spec.options), spec.options

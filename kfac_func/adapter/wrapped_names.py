@@ -22,6 +22,21 @@ WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.",)
 """Module-name parts that wrappers insert (``torch.distributed.algorithms._checkpoint``)."""
 
 
+_NAMED = ("module", "tied", "tied_also")
+"""Options of a spec that hold module names: the layer's module, a tied layer's uses."""
+
+
+def _option(key: str, value: object) -> object:
+    """An option's value with the wrapper prefixes taken out of the module names it holds."""
+    if key not in _NAMED:
+        return value
+    if isinstance(value, str):
+        return _strip(value)
+    if isinstance(value, tuple) and all(isinstance(v, str) for v in value):
+        return tuple(_strip(v) for v in value)
+    return value
+
+
 def _strip(name: str) -> str:
     for prefix in WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
@@ -47,9 +62,7 @@ def unwrapped(table: LayerTable) -> LayerTable:
     """
 
     def spec(s: LayerSpec) -> LayerSpec:
-        options = tuple(
-            (k, _strip(v) if k == "module" and isinstance(v, str) else v) for k, v in s.options
-        )
+        options = tuple((k, _option(k, v)) for k, v in s.options)
         return dataclasses.replace(
             s,
             name=_strip(s.name),
