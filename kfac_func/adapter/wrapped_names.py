@@ -71,7 +71,7 @@ def unwrapped(table: LayerTable) -> LayerTable:
             options=options,
         )
 
-    names = [*table, *table.skipped]
+    names = [*table, *table.skipped, *(repr(s.options) for s in table.values())]
     if not any(p[:-1] in n for n in names for p in WRAPPER_PREFIXES):
         return table
     skipped = {_strip(n): why for n, why in table.skipped.items()}
