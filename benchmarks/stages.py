@@ -37,7 +37,7 @@ dict, and the stage functions return new tensors).
   finiteness checks).
 - ``decomposition: eigh``: ``step.decompose.decompose_layers`` (``grouped=True``: one
   batched ``eigh`` per shape, its checks, the precomputed ``1/(dg daᵀ + λ)``, the lone
-  factors one by one); ``of which the batched eighs``: ``step.decompose.batched_eigenpairs``,
+  factors one by one); ``of which the batched eighs``: ``step.decompose_groups.batched_eigenpairs``,
   the first thing that function calls; ``decomposition: QR refresh``: the same function
   with the state's ``eigenbasis_refresh="qr"`` (one warm-started power iteration + QR
   per factor, from the snapshot's eigenbases, factor by factor: refreshed sides are not
@@ -140,9 +140,9 @@ from kfac_func.state import KFACState, LayerState  # noqa: E402
 from kfac_func.step.accumulate import fold_layers  # noqa: E402
 from kfac_func.step.basis import basis_of, carry_moments, moment_bases  # noqa: E402
 from kfac_func.step.checks import layer_grads  # noqa: E402
-from kfac_func.step.decompose import (  # noqa: E402
+from kfac_func.step.decompose import decompose_layers  # noqa: E402
+from kfac_func.step.decompose_groups import (  # noqa: E402
     batched_eigenpairs,
-    decompose_layers,
     needs_decomposition,
 )
 from kfac_func.step.grouped import precondition_layers  # noqa: E402
@@ -306,7 +306,6 @@ class Bench:
                 lam,
                 config,
                 update_inverses=True,
-                batched_eigh=opts.batched_eigh,
                 eigh_device=None,
                 grouped=True,
             )
