@@ -20,12 +20,12 @@ from typing import Any, Literal
 import torch
 import torch.utils._pytree as torch_pytree
 from torch import nn
-from torch.func import functional_call
 
 from kfac_func.blocks import LayerSpec, register
 from kfac_func.blocks.checks import checking
 from kfac_func.blocks.examples import CallExamples
 from kfac_func.blocks.taps import Sites, call_sites, tap_hooks
+from kfac_func.core.functional import functional_call
 from kfac_func.core.pytree import register_dataclass
 
 __all__ = ["Captures", "LayerCapture", "capture"]

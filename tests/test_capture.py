@@ -255,3 +255,32 @@ def test_explicit_batch_size_and_sum_reduction() -> None:
         loss_reduction="sum",
     )
     assert (caps.batch_size, caps.loss_scale) == (5, 1.0)
+
+
+def test_a_module_under_two_names_keeps_its_parameters() -> None:
+    """torch.func.functional_call leaves a module reachable under two attribute names
+    holding the call's tensors; capture (and everything built on it) gives the module its
+    own parameters back, so that the model and its optimizer still share them."""
+
+    class Aliased(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.alias = self.lin
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.alias(torch.tanh(self.lin(x)))
+
+    torch.manual_seed(0)
+    model = Aliased()
+    own = dict(model.named_parameters())
+    other = {k: v.detach() + 1.0 for k, v in own.items()}
+    x = torch.randn(4, 3)
+    kf.capture(model, other, x, lambda out: out.pow(2).mean())
+    assert all(dict(model.named_parameters())[k] is p for k, p in own.items())
+    assert model.alias.weight is own["lin.weight"]
+    expected = model(x)
+    ones = {k: torch.ones_like(v) for k, v in other.items()}
+    kf.step.curvature_gram(model, other, x, [ones], loss="mse")
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+    assert isinstance(model.lin.weight, nn.Parameter)

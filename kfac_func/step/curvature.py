@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kfac_func.core.functional import functional_call
 from kfac_func.core.output_hessian import OutputLoss, Reduction, output_hvp
 from kfac_func.core.quadratic import inner
 

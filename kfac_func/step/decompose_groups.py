@@ -306,10 +306,6 @@ def _sides(
     # the largest stacks first, while the fewest results are held: the stage's peak is
     # what it holds plus the current stack's solver temporaries
     for members in sorted(groups.values(), key=lambda m: -len(m) * m[0][1].numel()):
-        if len(members) == 1:  # alone in its shape: as it is, without a stack
-            (key, factor), *_ = members
-            out[key] = _one(_dense(factor, damping, eigen, dtype, cdt, eigh_device))
-            continue
         stack = stacked([f for _, f in members])[0]
         results = _dense(stack, damping, eigen, dtype, cdt, eigh_device)
         del stack  # a copy of the factors, unless they were views of one stack already
