@@ -68,6 +68,7 @@ class _ShapesChanged(Exception):
 
 
 Shapes = dict[str, list[tuple[torch.Size, torch.dtype]]]
+Tensors = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]  # parameters, buffers
 
 # Output shapes per model and call signature, so the shape pass runs once per signature.
 _SHAPES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], Shapes]] = (
@@ -156,7 +157,7 @@ class _Calls:
 def _output_shapes(
     model: nn.Module,
     modules: Sites,
-    tensors: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
+    tensors: Tensors,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     *,
@@ -172,7 +173,7 @@ def _output_shapes(
     cache = _SHAPES.setdefault(model, {})
     if key is not None and not refresh and key in cache:
         return cache[key]
-    shapes = _measure_shapes(model, modules, tensors, args, kwargs)
+    shapes = _measure_shapes(model, modules, (tensors, args, kwargs))
     if key is not None:
         if len(cache) >= _MAX_SIGNATURES:
             cache.clear()
@@ -183,16 +184,15 @@ def _output_shapes(
 def _measure_shapes(
     model: nn.Module,
     modules: Sites,
-    tensors: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    inputs: tuple[Tensors, tuple[Any, ...], dict[str, Any]],
 ) -> Shapes:
+    """:func:`_output_shapes`'s measure of ``inputs``: ``(tensors, args, kwargs)``."""
 
     def to_meta(x: Any) -> Any:
         return x.to("meta") if isinstance(x, torch.Tensor) else x
 
     calls = _Calls(modules, None)
-    meta = torch_pytree.tree_map(to_meta, (tensors, args, kwargs))
+    meta = torch_pytree.tree_map(to_meta, inputs)
     try:
         with torch.no_grad():
             calls.run(modules, lambda: functional_call(model, meta[0], meta[1], meta[2]))
@@ -200,7 +200,7 @@ def _measure_shapes(
     except Exception:
         pass
     calls = _Calls(modules, None)
-    params, buffers = tensors
+    (params, buffers), args, kwargs = inputs
     cloned = {k: v.clone() for k, v in buffers.items()}
     devices = [t.device for t in params.values() if t.device.type == "cuda"][:1]
     with torch.no_grad(), torch.random.fork_rng(devices=devices):

@@ -78,10 +78,9 @@ class FallbackMixin(InspectionMixin):
         (what :class:`kfac_func.KFAC` moves to its other optimizer).
 
         Example:
-            >>> from torch import nn
             >>> import kfac_func as kf
-            >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-            >>> pre = kf.KFACPreconditioner(model)
+            >>> from torch import nn
+            >>> pre = kf.KFACPreconditioner(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
             >>> pre.demote({"1": "by hand"})
             >>> [tuple(p.shape) for p in pre.demoted_parameters]
             [(2, 4), (2,)]

@@ -393,8 +393,7 @@ class HookRecorder(PreconditionerBase):
     def remove(self) -> None:
         """Detach every hook and drop collected statistics (call it on every rank: a
         factor reduction already started in the hooks is completed and discarded)."""
-        for h in self._handles:
-            h.remove()
+        remove_handles(self._handles)
         self._handles = []
         self._watch_handles = []
         self._micro = []

@@ -8,7 +8,6 @@ from typing import Any
 
 __all__ = ["LambdaParamScheduler"]
 
-_PARAMS = ("factor_update_steps", "inv_update_steps", "damping", "factor_decay", "kl_clip", "lr")
 _INTS = ("factor_update_steps", "inv_update_steps")
 
 

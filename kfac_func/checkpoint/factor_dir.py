@@ -130,9 +130,8 @@ def save_factor_dir(
 
     Example:
         >>> import os, tempfile
-        >>> import torch
-        >>> from torch import nn
         >>> import kfac_func as kf
+        >>> from torch import nn
         >>> layers = kf.register(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
         >>> state = kf.init(layers).replace(step=5)
         >>> with tempfile.TemporaryDirectory() as tmp:

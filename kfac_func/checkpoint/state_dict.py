@@ -28,6 +28,7 @@ from kfac_func.blocks.tied import newly_tied
 from kfac_func.checkpoint.errors import CheckpointMismatchError, _names
 from kfac_func.checkpoint.state_format import (
     _CONFIG_FIELDS,
+    _OPTIONAL_TENSORS,
     _SPEC_DEFAULTS,
     _SPEC_FIELDS,
     META_KEY,
@@ -252,18 +253,13 @@ def _build_layer(
         cls = DECOMPOSITIONS[dec_meta["type"]]
         tensors = {f: get("decomposition", f) for f in dec_meta["tensors"]}
         decomposition = decomposition_from_fields(cls, tensors)
+    optional = {f: get(f) if entry.get(f) else None for f in _OPTIONAL_TENSORS}
     return LayerState(
         a_factor=get("a_factor"),
         g_factor=get("g_factor"),
-        graft_moment=get("graft_moment") if entry.get("graft_moment") else None,
-        basis_moment=get("basis_moment") if entry.get("basis_moment") else None,
-        basis_momentum=get("basis_momentum") if entry.get("basis_momentum") else None,
-        ortho_momentum=get("ortho_momentum") if entry.get("ortho_momentum") else None,
+        **optional,  # type: ignore[arg-type]
         moment_count=entry["moment_count"],
-        grad_skips=get("grad_skips") if entry.get("grad_skips") else None,
         grad_skips_reported=entry["grad_skips_reported"],
-        factor_skips=get("factor_skips") if entry.get("factor_skips") else None,
-        usable=get("usable") if entry.get("usable") else None,
         decomposition=decomposition,
         spec=ls.spec,
         factor_updates=entry["factor_updates"],

@@ -82,6 +82,8 @@ META_KEY = "__kfac_meta__"
 _FORMAT_NAME = "kfac_func.KFACState"
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(KFACConfig))
 _SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(LayerSpec))
+# the optional tensors of a layer, each flagged in its metadata entry
+_OPTIONAL_TENSORS = (*MOMENT_FIELDS, "grad_skips", "factor_skips", "usable")
 
 
 # --------------------------------------------------------------------------- encode
@@ -141,10 +143,7 @@ def _metadata(
                 "factor_updates": ls.factor_updates,
                 "skipped_updates": ls.skipped_updates,
                 "decomposition_failures": ls.decomposition_failures,
-                "graft_moment": ls.graft_moment is not None,
-                "basis_moment": ls.basis_moment is not None,
-                "basis_momentum": ls.basis_momentum is not None,
-                "ortho_momentum": ls.ortho_momentum is not None,
+                **{moment: getattr(ls, moment) is not None for moment in MOMENT_FIELDS},
                 "moment_count": ls.moment_count,
                 "grad_skips": ls.grad_skips is not None,
                 "grad_skips_reported": ls.grad_skips_reported,
@@ -304,24 +303,18 @@ def _decode_meta(d: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         seen.add(name)
         _get(entry, "factor_updates", int, f"layer {name!r} ")
         _get(entry, "skipped_updates", int, f"layer {name!r} ")
-        entry.setdefault("decomposition_failures", 0)  # files written before this counter
-        _get(entry, "decomposition_failures", int, f"layer {name!r} ")
-        entry.setdefault("graft_moment", False)  # files written before grafting
-        _get(entry, "graft_moment", bool, f"layer {name!r} ")
-        entry.setdefault("basis_moment", False)  # files written before eigenbasis moments
-        _get(entry, "basis_moment", bool, f"layer {name!r} ")
-        for moment in ("basis_momentum", "ortho_momentum"):
-            entry.setdefault(moment, False)
-            _get(entry, moment, bool, f"layer {name!r} ")
-        entry.setdefault("moment_count", 0)
-        _get(entry, "moment_count", int, f"layer {name!r} ")
-        entry.setdefault("grad_skips", False)  # files written before sync_free counters
-        _get(entry, "grad_skips", bool, f"layer {name!r} ")
-        entry.setdefault("grad_skips_reported", 0)
-        _get(entry, "grad_skips_reported", int, f"layer {name!r} ")
-        for flag in ("factor_skips", "usable"):  # files written before sync_free decisions
-            entry.setdefault(flag, False)
-            _get(entry, flag, bool, f"layer {name!r} ")
+        # fields that files written before them lack: their defaults
+        for field, default in (
+            ("decomposition_failures", 0),
+            *((flag, False) for flag in MOMENT_FIELDS),
+            ("moment_count", 0),
+            ("grad_skips", False),
+            ("grad_skips_reported", 0),
+            ("factor_skips", False),
+            ("usable", False),
+        ):
+            entry.setdefault(field, default)
+            _get(entry, field, type(default), f"layer {name!r} ")
         _get(entry, "spec", dict, f"layer {name!r} ")
         dec = entry.get("decomposition")
         if dec is not None:
@@ -346,14 +339,7 @@ def _expected_keys(meta: dict[str, Any]) -> list[str]:
     for entry in meta["layers"]:
         name = entry["name"]
         keys += [_layer_key(name, "a_factor"), _layer_key(name, "g_factor")]
-        for moment in (
-            *MOMENT_FIELDS,
-            "grad_skips",
-            "factor_skips",
-            "usable",
-        ):
-            if entry.get(moment):
-                keys.append(_layer_key(name, moment))
+        keys += [_layer_key(name, f) for f in _OPTIONAL_TENSORS if entry.get(f)]
         if entry.get("decomposition") is not None:
             keys += [
                 _layer_key(name, "decomposition", f) for f in entry["decomposition"]["tensors"]

@@ -35,7 +35,7 @@ from kfac_func.state import KFACState, LayerState
 from kfac_func.step.basis import BasisMoments
 from kfac_func.step.checks import layer_matrix
 from kfac_func.step.grouped import preconditioned_layers
-from kfac_func.step.hyper import Hyper, NonFinite, check_hyper, resolve
+from kfac_func.step.hyper import Hyper, NonFinite, clip_and_rate
 from kfac_func.step.layer_step import Grafting
 from kfac_func.step.orthogonal import Orthogonal
 
@@ -188,11 +188,7 @@ def precondition_sharded(
     preconditions go into ``changes``.
     """
     rank = comm.rank
-    clip = resolve(kl_clip, step) if kl_clip is not None else None
-    rate = resolve(lr, step)
-    check_hyper("lr", rate, lambda v: v >= 0, ">= 0")
-    if clip is not None:
-        check_hyper("kl_clip", clip, lambda v: v > 0, "> 0 (or None to disable)")
+    clip, rate = clip_and_rate(kl_clip, lr, step)
     whole: dict[str, list[torch.Tensor]] = {}
     for name in names:
         ps = layers[name].spec.param_names()

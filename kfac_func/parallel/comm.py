@@ -24,6 +24,7 @@ the same name, which is :func:`kfac_func.parallel.layers.gather_from_model_paral
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,9 +51,7 @@ def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 def _unflat(buf: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
     out, offset = [], 0
     for shape in shapes:
-        n = 1
-        for s in shape:
-            n *= s
+        n = math.prod(shape)
         out.append(buf[offset : offset + n].reshape(shape).clone())
         offset += n
     return out
@@ -264,21 +263,23 @@ class ParallelCommunicator:
 
     def reduce_data(self, tensors: Sequence[torch.Tensor], *, dst: int) -> list[torch.Tensor]:
         """Sums over the data-parallel ranks on ``dst``; other ranks get their inputs back."""
-        if self.dp_size == 1:
-            return list(tensors)
-        buf = _flat(tensors)
-        dist.reduce(buf, dst=self.dp_ranks[dst], group=self.dp_group)
-        if self.dp_rank != dst:
-            return list(tensors)
-        return _unflat(buf, [t.shape for t in tensors])
+        return self._over_data(dist.reduce, tensors, dst, root_receives=True)
 
     def broadcast_data(self, tensors: Sequence[torch.Tensor], *, src: int) -> list[torch.Tensor]:
         """``src``'s tensors on every data-parallel rank (others pass buffers of the shapes)."""
+        return self._over_data(dist.broadcast, tensors, src, root_receives=False)
+
+    def _over_data(
+        self, op: Any, tensors: Sequence[torch.Tensor], root: int, *, root_receives: bool
+    ) -> list[torch.Tensor]:
+        """``op`` (``dist.reduce`` or ``dist.broadcast``) of the packed ``tensors`` over the
+        data-parallel group, rooted at its position ``root``: the receiving ranks (``root``
+        if ``root_receives``, else the others) get the results, the rest their inputs."""
         if self.dp_size == 1:
             return list(tensors)
         buf = _flat(tensors)
-        dist.broadcast(buf, src=self.dp_ranks[src], group=self.dp_group)
-        if self.dp_rank == src:
+        op(buf, self.dp_ranks[root], group=self.dp_group)
+        if (self.dp_rank == root) != root_receives:
             return list(tensors)
         return _unflat(buf, [t.shape for t in tensors])
 

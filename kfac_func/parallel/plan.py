@@ -302,9 +302,9 @@ class ParallelPlan:
 
         Example:
             >>> from kfac_func.blocks import LayerSpec
-            >>> plan = make_parallel_plan({"fc": LayerSpec("fc", "linear", "fc.weight", None,
-            ...                                            4, 4)}, {"fc": "column"},
-            ...                           data_parallel_size=2, model_parallel_size=2)
+            >>> spec = LayerSpec("fc", "linear", "fc.weight", None, 4, 4)
+            >>> plan = make_parallel_plan({"fc": spec}, {"fc": "column"}, data_parallel_size=2,
+            ...                           model_parallel_size=2)
             >>> plan.grad_workers("fc")
             ((0, 0), (0, 1))
         """
@@ -319,9 +319,9 @@ class ParallelPlan:
 
         Example:
             >>> from kfac_func.blocks import LayerSpec
-            >>> plan = make_parallel_plan({"fc": LayerSpec("fc", "linear", "fc.weight", None,
-            ...                                            4, 4)}, {"fc": None},
-            ...                           data_parallel_size=3, model_parallel_size=1)
+            >>> specs = {"fc": LayerSpec("fc", "linear", "fc.weight", None, 4, 4)}
+            >>> plan = make_parallel_plan(specs, {"fc": None}, data_parallel_size=3,
+            ...                           model_parallel_size=1)
             >>> [plan.grad_source("fc", d, 0) for d in range(3)]
             [(0, 0), (0, 0), (0, 0)]
         """

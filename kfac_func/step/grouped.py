@@ -212,15 +212,13 @@ def preconditioned_layers(
 
     Example:
         >>> import torch
-        >>> from torch import nn
         >>> import kfac_func as kf
-        >>> model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
-        >>> state = kf.decompose(kf.init(kf.register(model), convention="kfac-pytorch"),
-        ...                      damping=1.0)
-        >>> grads = {k: torch.ones_like(p) for k, p in model.named_parameters()}
-        >>> out = preconditioned_layers(state.layers, grads, ["1"], 1.0, step=0,
-        ...                             nonfinite="skip")
-        >>> out["1"][0][:, -1], out["1"][1]
+        >>> layer = torch.nn.Linear(3, 3)
+        >>> state = kf.init(kf.register(layer), convention="kfac-pytorch")
+        >>> state = kf.decompose(state, damping=1.0)
+        >>> grads = {k: torch.ones_like(p) for k, p in layer.named_parameters()}
+        >>> out = preconditioned_layers(state.layers, grads, [""], 1.0, step=0, nonfinite="skip")
+        >>> out[""][0][:, -1], out[""][1]
         (tensor([0.5000, 0.5000, 0.5000]), tensor(True))
     """
     validate_grads(layers, grads)

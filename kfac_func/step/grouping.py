@@ -13,21 +13,12 @@ from typing import Any
 
 import torch
 
-from kfac_func.state import LayerState
+from kfac_func.state import MOMENT_FIELDS, LayerState
 from kfac_func.step.checks import layer_grads
 
 __all__ = ["GROUPED_FIELDS", "group_key", "plan_groups"]
 
-GROUPED_FIELDS = (
-    "decomposition",
-    "graft_moment",
-    "basis_moment",
-    "basis_momentum",
-    "ortho_momentum",
-    "ortho_power",
-    "grad_skips",
-    "usable",
-)
+GROUPED_FIELDS = ("decomposition", *MOMENT_FIELDS, "ortho_power", "grad_skips", "usable")
 """The fields of a :class:`~kfac_func.state.LayerState` that the preconditioning reads
 and that a group stacks (the factors are not read: only their dtype is)."""
 

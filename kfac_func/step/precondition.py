@@ -87,11 +87,10 @@ def precondition_grads(
 
     Example:
         >>> import torch
-        >>> from torch import nn
         >>> import kfac_func as kf
-        >>> layers = kf.register(nn.Linear(1, 1))
-        >>> state = kf.decompose(kf.init(layers, convention="kfac-pytorch"), damping=1.0)
+        >>> state = kf.init(kf.register(torch.nn.Linear(1, 1)), convention="kfac-pytorch")
         >>> g = {"weight": torch.ones(1, 1), "bias": torch.ones(1)}
+        >>> state = kf.decompose(state, damping=1.0)
         >>> kf.step.precondition_grads(state, g, damping=1.0, kl_clip=None)["weight"]
         tensor([[0.5000]])
     """
