@@ -48,10 +48,9 @@ def _entered(step: Callable[[], None]) -> dict[str, set[str]]:
     return seen
 
 
-def _adapter_step(**kwargs: Any) -> Callable[[], None]:
-    model = _model()
-    pre = kf.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, **kwargs)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def _stepper(model: nn.Module, opt: Any, before: Callable[[], None]) -> Callable[[], None]:
+    """A training step of ``model`` (``before`` runs between backward and ``opt.step()``),
+    taken once so that the traced step is not the first."""
     gen = torch.Generator().manual_seed(1)
 
     def step() -> None:
@@ -59,27 +58,22 @@ def _adapter_step(**kwargs: Any) -> Callable[[], None]:
         y = torch.randint(0, 4, (32,), generator=gen)
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
-        pre.step()
+        before()
         opt.step()
 
     step()
     return step
+
+
+def _adapter_step(**kwargs: Any) -> Callable[[], None]:
+    model = _model()
+    pre = kf.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, **kwargs)
+    return _stepper(model, torch.optim.SGD(model.parameters(), lr=0.1), pre.step)
 
 
 def _face_step() -> Callable[[], None]:
     model = _model()
-    opt = kf.KFAC(model, lr=1e-3)
-    gen = torch.Generator().manual_seed(1)
-
-    def step() -> None:
-        x = torch.randn(32, 8, generator=gen)
-        y = torch.randint(0, 4, (32,), generator=gen)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-
-    step()
-    return step
+    return _stepper(model, kf.KFAC(model, lr=1e-3), lambda: None)
 
 
 @pytest.mark.parametrize(
