@@ -55,7 +55,7 @@ import optimizers
 import race
 import race_report as rr
 import race_workloads as rw
-from stage_arithmetic import Muon32
+from stage_arithmetic import float32_muon
 from step_time import git_commit
 
 from kfac_func.core.orthogonal import FactorPowers, apply_powers, factor_powers, newton_schulz
@@ -70,15 +70,11 @@ NAMES = ("muon", "muon-fp32", *optimizers.ORTHOGONAL)
 
 def stepper(name: str, base: torch.nn.Module, w: rw.RaceWorkload) -> optimizers.Stepper:
     """The race's stepper of ``name`` on a copy of ``base`` (``muon-fp32``: Muon's, its
-    matrices' optimizer replaced by :class:`Muon32`)."""
+    matrices' optimizer replaced by ``stage_arithmetic.Muon32``)."""
     recipe = "muon" if name == "muon-fp32" else name
     st = optimizers.Stepper(recipe, copy.deepcopy(base), optimizers.LRS[recipe][0], w, 10**6)
     if name == "muon-fp32":
-        muon = st.opts[0]
-        st.opts[0] = Muon32([{"params": g["params"]} for g in muon.param_groups], **muon.defaults)
-        st.schedulers[0] = torch.optim.lr_scheduler.LambdaLR(
-            st.opts[0], st.schedulers[0].lr_lambdas[0]
-        )
+        float32_muon(st)
     return st
 
 

@@ -128,6 +128,16 @@ class Muon32(torch.optim.Muon):
         return loss
 
 
+def float32_muon(stepper: Any) -> None:
+    """Give a race stepper of Muon (``optimizers.Stepper("muon", ...)``) :class:`Muon32`
+    for its matrices, with the same parameter groups, settings and learning-rate schedule."""
+    muon = stepper.opts[0]
+    groups = [{"params": g["params"]} for g in muon.param_groups]
+    stepper.opts[0] = Muon32(groups, **muon.defaults)
+    schedule = stepper.schedulers[0].lr_lambdas[0]
+    stepper.schedulers[0] = torch.optim.lr_scheduler.LambdaLR(stepper.opts[0], schedule)
+
+
 def _muon_lr_scale(rule: str | None, rows: int, cols: int) -> float:
     """The factor ``torch.optim.Muon`` applies to the learning rate of a ``rows × cols``
     matrix under its ``adjust_lr_fn`` rule."""

@@ -122,9 +122,9 @@ from stage_arithmetic import (  # noqa: E402
     NS_STEPS,
     QR_MACS,
     Floor,
-    Muon32,
     bf16_flags,
     cube_macs,
+    float32_muon,
     matmul_macs,
     measure_rates,
     newton_schulz_macs,
@@ -217,12 +217,7 @@ class Bench:
                 recipe, copy.deepcopy(base), optimizers.LRS[recipe][0], w, 10**6
             )
             if name == "muon-fp32":
-                muon = st.opts[0]
-                groups = [{"params": g["params"]} for g in muon.param_groups]
-                st.opts[0] = Muon32(groups, **muon.defaults)
-                st.schedulers[0] = torch.optim.lr_scheduler.LambdaLR(
-                    st.opts[0], st.schedulers[0].lr_lambdas[0]
-                )
+                float32_muon(st)
             self.steppers[name] = st
         kfac = self.steppers[RECIPE]
         assert kfac.pre is not None
