@@ -178,12 +178,11 @@ def batched_eigenpairs(
     for members in groups.values():
         if len(members) < 2:
             continue
-        stack = stacked([f for _, f in members])[0]
-        try:
-            results = _dense(stack, 0.0, True, config.inv_dtype, cdt, eigh_device)
+        factors = [f for _, f in members]
+        try:  # the stack is handed over: _dense frees it as soon as it is read
+            results = _dense(stacked(factors)[0], 0.0, True, config.inv_dtype, cdt, eigh_device)
         except RuntimeError:  # the factors get the checked path's retries
             continue
-        del stack
         q, d = results
         # finite sums prove finite results (a sum that overflowed sends the factor the
         # checked way, which decides exactly)
@@ -306,9 +305,10 @@ def _sides(
     # the largest stacks first, while the fewest results are held: the stage's peak is
     # what it holds plus the current stack's solver temporaries
     for members in sorted(groups.values(), key=lambda m: -len(m) * m[0][1].numel()):
-        stack = stacked([f for _, f in members])[0]
-        results = _dense(stack, damping, eigen, dtype, cdt, eigh_device)
-        del stack  # a copy of the factors, unless they were views of one stack already
+        # the stack is handed over: _dense frees it as soon as it is read
+        results = _dense(
+            stacked([f for _, f in members])[0], damping, eigen, dtype, cdt, eigh_device
+        )
         flags = all_finite_rows(list(results)).all(dim=1).unbind(0)
         each = list(zip(*(r.unbind(0) for r in results)))
         for k, (key, _) in enumerate(members):
@@ -329,10 +329,12 @@ def _dense(
     :func:`~kfac_func.core.decomposition.damped_inverse` compute them (without checks)."""
     home = stack.device
     run_on = eigh_device if eigh_device is not None else home
+    f = stack.to(run_on if eigen else home, cdt)
+    del stack  # the caller hands over its only reference: freed before the copies below
     if eigen:
-        d, q = torch.linalg.eigh(stack.to(run_on, cdt))
+        d, q = torch.linalg.eigh(f)
+        del f
         return q.to(home, dtype).contiguous(), d.to(home, dtype).clamp(min=0.0)
-    f = stack.to(cdt)
     eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
     return (torch.linalg.inv(f + damping * eye).to(dtype).contiguous(),)
 
