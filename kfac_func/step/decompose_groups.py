@@ -1,24 +1,22 @@
 """The decompositions of a step computed on the device, the factors of one shape together.
 
-:func:`new_decompositions` decomposes the layers of a step without reading the device on
-the host, so that a decomposition step can run compiled and be captured whole:
+Two users of one device computation (``_dense`` over stacks of equal-shaped factors,
+in the dtypes of the checked one-layer decomposition,
+:func:`~kfac_func.step.decompose.redecompose`, so that every result equals its result
+when the factors are sound):
 
-- the factors of one shape are decomposed together (one batched ``eigh`` or inverse per
-  shape; a diagonal side is its clamped entries, a placeholder side ones, a side
-  refreshed by QR one power iteration), in the dtypes of the checked one-layer
-  decomposition (:func:`~kfac_func.step.decompose.redecompose`), so that every result
-  equals its result when the factors are sound;
-- each side comes with a 0-d bool tensor: whether it came out finite.
-
-What is done with those flags is the stage's choice
-(:func:`~kfac_func.step.decompose.decompose_layers`): the default mode reads them all at
-once and decomposes the few layers that failed again with the checked path's retries
-(float64, jitter) and warnings; ``sync_free`` never reads them: :func:`select_on_device`
-keeps each layer's previous decomposition where the new one is not finite
-(``torch.where``), and its ``usable`` flag (a 0-d bool tensor in the state) says whether
-its decomposition is applied: False while the layer's factors hold no data (every update
-skipped) or no decomposition of it came out finite; the preconditioning of ``sync_free``
-steps passes such a layer's gradient unchanged.
+- the default mode's :func:`batched_eigenpairs`: the eigenpairs of the factors that share
+  their shape with another, their finiteness read in one host synchronisation; every
+  other side (alone in its shape, diagonal, refreshed by QR, not finite) is left to the
+  checked path with its retries (float64, jitter) and warnings;
+- ``sync_free`` steps' :func:`new_decompositions`: every side on the device (a diagonal
+  side is its clamped entries, a placeholder side ones, a side refreshed by QR one power
+  iteration), each with a 0-d bool flag that is never read on the host:
+  :func:`select_on_device` keeps each layer's previous decomposition where the new one is
+  not finite (``torch.where``), and its ``usable`` flag (a 0-d bool tensor in the state)
+  says whether its decomposition is applied: False while the layer's factors hold no data
+  (every update skipped) or no decomposition of it came out finite; the preconditioning
+  of ``sync_free`` steps passes such a layer's gradient unchanged.
 
 The running factors are finite by construction (a batch factor with NaN/Inf is never
 folded in), so a non-finite result means an overflow of the storage dtype. An error
