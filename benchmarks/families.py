@@ -10,8 +10,8 @@ trained for two steps with the recommended recipe, called as Hugging Face trains
 Per family: whether it runs, the parameters preconditioned (after the steps: layers
 demoted on their first call or first step count as left to the other optimizer), the
 layers by kind, and the modules left to the other optimizer with their reasons; and the
-mixture-of-experts families at their configs' default sizes, registered on the meta
-device. Writes ``OUT.json`` and prints the table.
+mixture-of-experts families and Mamba at their configs' default sizes, registered on the
+meta device. Writes ``OUT.json`` and prints the table.
 
     python benchmarks/families.py            # about half a minute
 """
@@ -77,14 +77,15 @@ def family_row(family: str) -> dict[str, Any]:
 
 
 def full_size_row(family: str) -> dict[str, Any]:
-    """A mixture-of-experts family at its config's default size (Mixtral 8x7B's,
-    Qwen1.5-MoE-A2.7B's), built on the meta device and registered (no step: nothing is
+    """A family at its config's default size (Mixtral 8x7B's, Qwen1.5-MoE-A2.7B's, Mamba's
+    ``MambaConfig()``), built on the meta device and registered (no step: nothing is
     computed): the parameters of the layers registered."""
     import transformers as tr
 
     cls, config = {
         "Mixtral": (tr.MixtralForCausalLM, tr.MixtralConfig),
         "Qwen2-MoE": (tr.Qwen2MoeForCausalLM, tr.Qwen2MoeConfig),
+        "Mamba": (tr.MambaForCausalLM, tr.MambaConfig),
     }[family]
     with torch.device("meta"):
         model = cls(config())
@@ -144,7 +145,7 @@ def main() -> None:
         "damping=0.01)",
         "steps": STEPS,
         "families": rows,
-        "full_size": [full_size_row(f) for f in ("Mixtral", "Qwen2-MoE")],
+        "full_size": [full_size_row(f) for f in ("Mixtral", "Qwen2-MoE", "Mamba")],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")

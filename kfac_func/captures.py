@@ -24,7 +24,7 @@ from torch import nn
 from kfac_func.blocks import LayerSpec, register
 from kfac_func.blocks.checks import checking
 from kfac_func.blocks.examples import CallExamples
-from kfac_func.blocks.taps import Sites, call_sites, tap_hooks
+from kfac_func.blocks.taps import Sites, call_sites, tap_hooks, tapped
 from kfac_func.core.functional import functional_call
 from kfac_func.core.pytree import register_dataclass
 
@@ -143,7 +143,7 @@ class _Calls:
             return self.record(spec.name, x, out)
 
         for module, specs in sites.values():
-            if specs[0].block.taps:
+            if tapped(specs):
                 handles += tap_hooks(module, specs, lambda: site)
             else:
                 handles.append(module.register_forward_hook(self.hook(specs[0].name)))

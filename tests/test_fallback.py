@@ -24,7 +24,9 @@ DT = torch.float64
 
 class Net(nn.Module):
     """``unused`` is registered and never called; ``side``'s weight is used through
-    ``F.linear``, outside a call of ``side``."""
+    ``F.linear``, outside a call of ``side``, by a name the registration does not read
+    (``self.side.weight`` in the forward would feed the layer from this forward:
+    :mod:`kfac_func.blocks.used_weights`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -36,7 +38,8 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.fc1(x))
-        h = h + F.linear(h, self.side.weight, self.side.bias)
+        side = self.side
+        h = h + F.linear(h, side.weight, side.bias)
         return self.fc2(h)
 
 

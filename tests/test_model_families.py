@@ -13,8 +13,9 @@ calls: what K-FAC preconditions of each, and that nothing is preconditioned wron
   ``sqrt(d)``, tied to the head) is a scaled embedding, and its RMS norms (``1 + weight``)
   are known: every parameter is preconditioned, the tied layer's embedding rows are the
   gradients that reach the weight (float64, against autograd's gradient);
-- Mamba's ``conv1d`` and ``dt_proj`` weights are used through ``F.conv1d`` and ``@``:
-  after the first step without statistics they belong to AdamW, warned once;
+- Mamba's ``conv1d`` and ``dt_proj`` weights are used through ``F.conv1d`` and ``@`` in
+  the mixer's forward: their layers are fed by it (:mod:`kfac_func.blocks.used_weights`;
+  the factors against the modules called are in ``tests/test_used_weights.py``);
 - T5, OPT and Qwen2-MoE (flattened rows, a broadcast relative-position table) train with
   the recommended ``scaling="fisher"`` recipe.
 """
@@ -194,23 +195,28 @@ def test_gemma3_tied_rows_reproduce_the_shared_weights_gradient() -> None:
     torch.testing.assert_close(total, grads[spec.weight], rtol=1e-9, atol=1e-12)
 
 
-def test_mamba_parameters_used_outside_module_calls_go_to_adamw_after_one_warning() -> None:
+def test_mamba_conv1d_and_dt_proj_are_preconditioned_from_the_mixers_forward() -> None:
+    """The mixer applies ``conv1d`` with ``F.conv1d`` on its weight and ``dt_proj`` as
+    ``weight @ x``: both are fed by the mixer's forward (``dt_proj``'s weight alone, its
+    bias added in the scan goes to AdamW), without a warning (the old code warned that
+    they got no statistics and left them to AdamW)."""
     model, batch = _mamba()
     opt, caught = _train(model, batch, steps=3)
-    missing = [w for w in caught if issubclass(w.category, kf.MissingStatisticsWarning)]
-    assert len(missing) == 1, [str(w.message) for w in caught]
+    assert not caught, [str(w.message) for w in caught]
     mixer = "backbone.layers.0.mixer"
-    assert f"['{mixer}.conv1d', '{mixer}.dt_proj']" in str(missing[0].message)
     pre = opt.preconditioner
-    for name in (f"{mixer}.conv1d", f"{mixer}.dt_proj"):
-        assert name not in pre.layers and "no statistics" in pre.layers.skipped[name]
-        for p in model.get_submodule(name).parameters():
-            assert id(p) in _others(opt), name
     assert sorted(pre.layers) == [
-        f"{mixer}.in_proj", f"{mixer}.out_proj", f"{mixer}.x_proj", "backbone.layers.0.norm",
-        "backbone.norm_f", "lm_head",
+        f"{mixer}.conv1d", f"{mixer}.dt_proj", f"{mixer}.in_proj", f"{mixer}.out_proj",
+        f"{mixer}.x_proj", "backbone.layers.0.norm", "backbone.norm_f", "lm_head",
     ]  # fmt: skip
     assert all(ls.factor_updates == 3 for ls in pre.state.layers.values())
+    for name in (f"{mixer}.conv1d", f"{mixer}.dt_proj"):
+        ls = pre.state.layers[name]
+        assert pre.layers[name].module == mixer
+        assert all(bool(f.abs().sum() > 0) for f in (ls.a_factor, ls.g_factor)), name
+    assert {n for n, p in model.named_parameters() if id(p) in _others(opt)} == {
+        f"{mixer}.A_log", f"{mixer}.D", f"{mixer}.dt_proj.bias",
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("family", ["T5", "OPT", "Qwen2-MoE"])

@@ -28,7 +28,7 @@ from kfac_func.adapter.coverage import warn_uncollected, watch_gradients
 from kfac_func.adapter.recompute import in_backward
 from kfac_func.blocks import LayerSpec, LayerTable, Rows, call_grams, thinned_gram
 from kfac_func.blocks.examples import BatchSizeError, CallExamples
-from kfac_func.blocks.taps import Site, call_sites, tap_hooks
+from kfac_func.blocks.taps import Site, call_sites, tap_hooks, tapped
 from kfac_func.captures import Captures, LayerCapture
 from kfac_func.distributed.communicator import Communicator
 from kfac_func.distributed.dtensor import whole_input, whole_output_grad
@@ -130,7 +130,7 @@ class HookRecorder(PreconditionerBase):
 
         self._handles.append(self.model.register_forward_pre_hook(pre_hook))
         for module, specs in call_sites(self.model, self.layers).values():
-            if specs[0].block.taps:
+            if tapped(specs):
                 self._handles += tap_hooks(module, specs, site, wrap=opaque, refuse=refuse)
                 self._handles.append(eager_forward(module))
             else:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from kfac_func.blocks.spec import Gram, LayerSpec, shape_error
+from kfac_func.blocks.used_weights import WeightUseTap
 
 __all__ = ["JointBlock", "LayerBlock"]
 
@@ -237,8 +238,12 @@ class LayerBlock(ABC):
     ) -> AbstractContextManager[None]:
         """While entered (around ``module``'s forward), report each call of the layers in
         ``specs`` as ``site(spec, input, output)``, whose result replaces the output (only
-        if :attr:`taps`). A tap that is a :class:`~kfac_func.blocks.taps.OutputTap`
-        reports its call once the forward has returned, with the module's output."""
+        if :attr:`taps`, or for children whose weights their parent's forward uses: a
+        :class:`~kfac_func.blocks.used_weights.WeightUseTap`). A tap that is a
+        :class:`~kfac_func.blocks.taps.OutputTap` reports its call once the forward has
+        returned, with the module's output."""
+        if specs[0].option("used_by_parent"):
+            return WeightUseTap(module, specs, site)
         raise NotImplementedError(f"layer kind {self.kind!r} has no taps")
 
     def recompute(
@@ -281,6 +286,9 @@ class LayerBlock(ABC):
         """What the layer table says about the layer besides its factor shapes."""
         notes = [f"{spec.groups} groups"] if spec.groups > 1 else []
         notes += [f"diagonal {w}" for w, d in zip("AG", spec.diagonal) if d]
+        if spec.option("used_by_parent"):  # kfac_func.blocks.used_weights
+            bias = ", bias to the other optimizer" if spec.option("bias_apart") else ""
+            notes.append(f"weight used in the forward of {spec.module!r}{bias}")
         return notes + (["reduce"] if self.reduced(spec) else [])
 
     def reduced(self, spec: LayerSpec) -> bool:

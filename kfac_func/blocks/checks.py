@@ -23,6 +23,7 @@ checked here.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -44,6 +45,7 @@ __all__ = [
     "check_hooks",
     "checked_modules",
     "checking",
+    "forward_source",
     "overrides_forward",
 ]
 
@@ -176,6 +178,26 @@ def overrides_forward(module: nn.Module, base: tuple[type[nn.Module], ...]) -> b
     cls = type(module)
     owner = next((c for c in cls.__mro__ if c in base), None)
     return owner is None or cls.forward is not owner.forward
+
+
+_SOURCES: dict[type[nn.Module], str] = {}
+
+
+def forward_source(cls: type[nn.Module]) -> str:
+    """The source of ``cls.forward`` (through its decorators), or ``""`` where Python
+    has none (a class defined in a session, a compiled one); cached by class.
+
+    Example:
+        >>> from torch import nn
+        >>> "F.linear(input, self.weight, self.bias)" in forward_source(nn.Linear)
+        True
+    """
+    if cls not in _SOURCES:
+        try:
+            _SOURCES[cls] = inspect.getsource(inspect.unwrap(cls.forward))
+        except (OSError, TypeError):
+            _SOURCES[cls] = ""
+    return _SOURCES[cls]
 
 
 class CheckedModule(NamedTuple):

@@ -43,7 +43,6 @@ observed while its forward runs, the output-gradient being that of the logits.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -54,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac_func.blocks.base import JointBlock
+from kfac_func.blocks.checks import forward_source
 from kfac_func.blocks.linear import LinearBlock
 from kfac_func.blocks.registry import register_block
 from kfac_func.blocks.spec import Gram, LayerSpec
@@ -399,21 +399,10 @@ class RouterBlock(LinearBlock):
         return _router_tap(module, specs[0], site)
 
 
-_LINEAR_ON_WEIGHT: dict[str, bool] = {}
-
-
 def _linear_on_weight(cls: type[nn.Module]) -> bool:
-    """Whether ``cls.forward``'s source calls ``linear(<name>, self.weight)`` (cached by
-    class path)."""
-    key = f"{cls.__module__}.{cls.__qualname__}"
-    if key not in _LINEAR_ON_WEIGHT:
-        try:
-            source = inspect.getsource(cls.forward)
-        except (OSError, TypeError):
-            source = ""
-        pattern = r"\blinear\(\s*\w+\s*,\s*self\.weight\s*\)"
-        _LINEAR_ON_WEIGHT[key] = re.search(pattern, source) is not None
-    return _LINEAR_ON_WEIGHT[key]
+    """Whether ``cls.forward``'s source calls ``linear(<name>, self.weight)``."""
+    pattern = r"\blinear\(\s*\w+\s*,\s*self\.weight\s*\)"
+    return re.search(pattern, forward_source(cls)) is not None
 
 
 @contextlib.contextmanager

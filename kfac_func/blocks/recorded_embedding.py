@@ -29,8 +29,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import _C, nn
-from torch.overrides import TorchFunctionMode
+from torch import nn
 from torch.utils import _pytree as pytree
 
 from kfac_func.blocks.checks import overrides_forward
@@ -38,7 +37,7 @@ from kfac_func.blocks.embedding import EmbeddingBlock, embed_scale
 from kfac_func.blocks.mapped import class_path
 from kfac_func.blocks.registry import register_block
 from kfac_func.blocks.spec import LayerSpec
-from kfac_func.blocks.taps import OutputTap, RefusedCall
+from kfac_func.blocks.taps import ModeTap, RefusedCall, computes
 
 __all__ = ["RecordedEmbeddingBlock"]
 
@@ -91,7 +90,7 @@ class RecordedEmbeddingBlock(EmbeddingBlock):
         return _LookupTap(module, specs[0], site)
 
 
-class _LookupTap(TorchFunctionMode, OutputTap):
+class _LookupTap(ModeTap):
     """Records the ``F.embedding`` lookups of one module's weight, and its other uses,
     while entered (around one forward of the module)."""
 
@@ -125,29 +124,13 @@ class _LookupTap(TorchFunctionMode, OutputTap):
                 self.lookups.append((ids, out))
                 return out
         leaves = pytree.tree_leaves((args, kwargs))
-        if any(leaf is weight for leaf in leaves) and _computes(out):
+        if any(leaf is weight for leaf in leaves) and computes(out):
             self._problem(f"uses the weight otherwise (in {getattr(func, '__name__', func)})")
         return out
 
     def _problem(self, what: str) -> None:
         if what not in self.problems:
             self.problems.append(what)
-
-    def __exit__(self, *exc: object) -> None:
-        """Leave the mode stack wherever this mode is on it: the forward hooks of two
-        observers of one module (a preconditioner's and a capture's) leave their modes
-        in the order they entered them."""
-        stack = [_C._get_function_stack_at(i) for i in range(_C._len_torch_function_stack())]
-        if not any(mode is self for mode in stack):
-            return
-        above = []
-        while True:
-            mode = _C._pop_torch_function_stack()
-            if mode is self:
-                break
-            above.append(mode)
-        for mode in reversed(above):
-            _C._push_on_torch_function_stack(mode)
 
     def returned(self, out: Any) -> Any:
         why = self._why_not(out)
@@ -178,11 +161,6 @@ def _lookup(
     if not isinstance(ids, torch.Tensor):
         return None
     return ids, weight, named
-
-
-def _computes(out: Any) -> bool:
-    """Whether a function's result holds a tensor (reading a shape or a dtype does not)."""
-    return any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(out))
 
 
 def _message(spec: LayerSpec, module: nn.Module, why: str) -> str:

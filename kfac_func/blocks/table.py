@@ -30,6 +30,7 @@ from kfac_func.blocks.mapped import (
 from kfac_func.blocks.registry import blocks
 from kfac_func.blocks.spec import LayerSpec
 from kfac_func.blocks.tied import EMBEDDING_KINDS, tied_specs
+from kfac_func.blocks.used_weights import used_by_parent
 
 if TYPE_CHECKING:
     from kfac_func.blocks.base import LayerBlock
@@ -334,8 +335,12 @@ def register(
         own_params = list(module.parameters(recurse=False))
         if not own_params:
             continue
-        table = broadcast_table(name, module, modules.get(name.rpartition(".")[0]))
+        parent = name.rpartition(".")[0]
+        table = broadcast_table(name, module, modules.get(parent))
         result = table if table is not None else _specs_for(name, module, parsed)
+        if isinstance(result, list) and len(result) == 1:  # its weight used by the parent?
+            used = used_by_parent(result[0], module, parent, modules.get(parent))
+            result = result if used is None else used if isinstance(used, str) else [used]
         if isinstance(result, str):
             skipped[name] = result
             continue

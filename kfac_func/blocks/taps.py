@@ -12,12 +12,24 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from torch import nn
+from torch import _C, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from kfac_func.blocks.spec import LayerSpec
 
-__all__ = ["OutputTap", "RefusedCall", "Site", "Sites", "call_sites", "tap_hooks"]
+__all__ = [
+    "ModeTap",
+    "OutputTap",
+    "RefusedCall",
+    "Site",
+    "Sites",
+    "call_sites",
+    "computes",
+    "tap_hooks",
+    "tapped",
+]
 
 Site = Callable[[LayerSpec, torch.Tensor, torch.Tensor], torch.Tensor]
 """``site(layer, input, output) -> output`` for one call of a tapped layer."""
@@ -91,6 +103,46 @@ class OutputTap(AbstractContextManager[None]):
         raise NotImplementedError
 
 
+class ModeTap(TorchFunctionMode, OutputTap):
+    """An :class:`OutputTap` that sees every torch function the module's forward calls
+    (a ``torch.overrides.TorchFunctionMode``: :mod:`kfac_func.blocks.recorded_embedding`,
+    :mod:`kfac_func.blocks.used_weights`). It leaves the mode stack wherever it is on it:
+    the forward hooks of two observers of one module (a preconditioner's and a capture's)
+    leave their modes in the order they entered them."""
+
+    def __exit__(self, *exc: object) -> None:
+        stack = [_C._get_function_stack_at(i) for i in range(_C._len_torch_function_stack())]
+        if not any(mode is self for mode in stack):
+            return
+        above = []
+        while True:
+            mode = _C._pop_torch_function_stack()
+            if mode is self:
+                break
+            above.append(mode)
+        for mode in reversed(above):
+            _C._push_on_torch_function_stack(mode)
+
+
+def computes(out: Any) -> bool:
+    """Whether a function's result holds a tensor (reading a shape or a dtype does not).
+
+    Example:
+        >>> import torch
+        >>> computes(torch.ones(2).shape), computes((torch.ones(2), 3))
+        (False, True)
+    """
+    return any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(out))
+
+
+def tapped(specs: Sequence[LayerSpec]) -> bool:
+    """Whether the calls of the layers ``specs`` (of one call site, :func:`call_sites`)
+    are reported by a tap (:func:`tap_hooks`) rather than by a forward hook: a kind that
+    :attr:`~kfac_func.blocks.LayerBlock.taps`, or children whose weights their parent's
+    forward uses (:mod:`kfac_func.blocks.used_weights`)."""
+    return specs[0].block.taps or bool(specs[0].option("used_by_parent"))
+
+
 class _Interrupted(RuntimeError):
     """The module's forward raised: its tap is left without checking what it saw."""
 
@@ -108,9 +160,9 @@ def tap_hooks(
     forward hook whose result replaces the output. ``wrap`` is applied to the hooks (e.g.
     to keep them out of ``torch.compile``'s tracing). A tap that is an :class:`OutputTap`
     gets the module's output once left, and its result replaces the output; its
-    :class:`RefusedCall` is handed to ``refuse(layer, why)`` (and the module is not
-    tapped again), or without ``refuse`` raised as a ValueError that names the
-    ``skip_layers=`` leaving the layer out.
+    :class:`RefusedCall` is handed to ``refuse(layer, why)`` (the module's later
+    forwards are tapped for its other layers only), or without ``refuse`` raised as a
+    ValueError that names the ``skip_layers=`` leaving the layer out.
 
     Example:
         >>> import torch
@@ -132,19 +184,19 @@ def tap_hooks(
 
         return [module.register_forward_hook(wrap(after), with_kwargs=True)]
     open_taps: list[Any] = []
-    refused = False
+    refused: set[str] = set()
 
     def pre(mod: nn.Module, args: tuple[Any, ...]) -> None:
-        s = None if refused else site()
+        live = [spec for spec in specs if spec.name not in refused]
+        s = site() if live else None
         if s is None:
             open_taps.append(None)
             return
-        ctx = specs[0].block.tap(mod, specs, s)
+        ctx = specs[0].block.tap(mod, live, s)
         ctx.__enter__()
         open_taps.append(ctx)
 
     def post(mod: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
-        nonlocal refused
         ctx = open_taps.pop() if open_taps else None
         if ctx is None:
             return None
@@ -161,7 +213,7 @@ def tap_hooks(
             if refuse is None:
                 skip = "^" + re.escape(err.layer) + "$"
                 raise ValueError(f"{err}. Leave the layer out: skip_layers=[{skip!r}]") from None
-            refused = True
+            refused.add(err.layer)
             refuse(err.layer, str(err))
             return None
         return None if new is out else new
