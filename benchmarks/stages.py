@@ -329,15 +329,9 @@ class Bench:
         return precondition_layers(
             dict(s.layers),
             self.grads,
-            opts.damping_at(s.step),
+            opts.replace(sync_free=False).stage_settings(s.config.compute_method, s.step),
             kl_clip=opts.kl_clip,
             lr=opts.lr,
-            step=s.step,
-            nonfinite=opts.nonfinite,
-            sync_free=False,
-            rows=None,
-            grafting=opts.grafting_settings(),
-            basis_moments=opts.basis_settings(s.config.compute_method),
             changes={},
         )
 

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from kfac_func.blocks.spec import Gram, LayerSpec, shape_error
+from kfac_func.blocks.spec import CheckedCall, Gram, LayerSpec, shape_error
 from kfac_func.blocks.used_weights import WeightUseTap
 
 __all__ = ["JointBlock", "LayerBlock"]
@@ -195,27 +195,23 @@ class LayerBlock(ABC):
             return [(spec.module, spec, False)]
         return []
 
-    def mismatch_hint(
-        self,
-        spec: LayerSpec,
-        params: Mapping[str, torch.Tensor],
-        x: torch.Tensor,
-        got: torch.Tensor,
-        tol: float,
-    ) -> str | None:
-        """What a module computes differently from the kind, when a call's output ``got``
-        (float64) differs from :meth:`output` of ``x`` by more than ``tol``: by default,
-        a constant factor (``"it is 4 times what the kind computes"``), else None.
+    def mismatch_hint(self, spec: LayerSpec, call: CheckedCall) -> str | None:
+        """What a module computes differently from the kind, when a call's output
+        ``call.got`` (float64) differs from :meth:`output` of ``call.x`` by more than
+        ``call.tol``: by default, a constant factor (``"it is 4 times what the kind
+        computes"``), else None.
 
         Example:
             >>> import torch
             >>> from kfac_func.blocks import register
+            >>> from kfac_func.blocks.spec import CheckedCall
             >>> spec = register(torch.nn.Linear(2, 2, bias=False))[""]
             >>> w, x = {"weight": torch.eye(2, dtype=torch.float64)}, torch.ones(1, 2).double()
-            >>> spec.block.mismatch_hint(spec, w, x, 4 * x, 1e-9)
+            >>> spec.block.mismatch_hint(spec, CheckedCall(w, x, 4 * x, 1e-9))
             'it is 4 times what the kind computes'
         """
-        ref = self.output(spec, params, x)
+        got, tol = call.got, call.tol
+        ref = self.output(spec, call.params, call.x)
         den = float((ref * ref).sum())
         if den == 0.0:
             return None

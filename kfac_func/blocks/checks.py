@@ -27,15 +27,13 @@ import inspect
 import re
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from kfac_func.blocks.mapped import class_path, mapping_error
-
-if TYPE_CHECKING:
-    from kfac_func.blocks.spec import LayerSpec
+from kfac_func.blocks.spec import CheckedCall, LayerSpec
 
 __all__ = [
     "CheckedModule",
@@ -123,7 +121,7 @@ def _mismatch(
         f"{top_ref:.3g}; allowed {tol:.3g} in {dtype})"
     )
     with torch.autocast(xd.device.type, enabled=False):
-        hint = spec.block.mismatch_hint(spec, params, xd, got, tol)
+        hint = spec.block.mismatch_hint(spec, CheckedCall(params, xd, got, tol))
     if hint is not None:  # the mappings it suggests, for this class
         hint = hint.replace("kinds={cls:", f"kinds={{{type(module).__name__}:")
     return why, hint

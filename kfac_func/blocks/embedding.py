@@ -25,7 +25,7 @@ from kfac_func.blocks.base import LayerBlock
 from kfac_func.blocks.checks import overrides_forward
 from kfac_func.blocks.mapped import mapped_params, mapping_error
 from kfac_func.blocks.registry import register_block
-from kfac_func.blocks.spec import Gram, LayerSpec, row_gram, shape_error
+from kfac_func.blocks.spec import CheckedCall, Gram, LayerSpec, row_gram, shape_error
 
 __all__ = ["EmbeddingBlock", "embed_scale"]
 
@@ -130,20 +130,14 @@ class EmbeddingBlock(LayerBlock):
     def weight_shape(self, spec: LayerSpec) -> tuple[int, ...]:
         return (spec.in_dim, spec.out_dim)
 
-    def mismatch_hint(
-        self,
-        spec: LayerSpec,
-        params: Mapping[str, torch.Tensor],
-        x: torch.Tensor,
-        got: torch.Tensor,
-        tol: float,
-    ) -> str | None:
+    def mismatch_hint(self, spec: LayerSpec, call: CheckedCall) -> str | None:
         """A constant factor (a scaled embedding whose scale the kind was not told) is
         named with the mapping that tells it."""
-        hint = super().mismatch_hint(spec, params, x, got, tol)
+        hint = super().mismatch_hint(spec, call)
         if hint is None or spec.kind != "embedding":
             return hint
-        c = float((got * params["weight"][x]).sum()) / float(params["weight"][x].pow(2).sum())
+        rows = call.params["weight"][call.x]
+        c = float((call.got * rows).sum()) / float(rows.pow(2).sum())
         return (
             f"{hint} (a scaled embedding: map its class with kinds={{cls: "
             f"('scaled_embedding', {{'scale': {c:.6g}}})}}, or give it an embed_scale attribute)"

@@ -23,7 +23,7 @@ from torch import nn
 from kfac_func.blocks.mapped import mapped_params, mapping_error
 from kfac_func.blocks.registry import register_block
 from kfac_func.blocks.scale_shift import ScaleShiftBlock, normalise, resolved_eps
-from kfac_func.blocks.spec import LayerSpec, shape_error
+from kfac_func.blocks.spec import CheckedCall, LayerSpec, shape_error
 
 __all__ = ["LayerNormBlock", "RMSNormBlock"]
 
@@ -103,27 +103,23 @@ class _TrailingNorm(ScaleShiftBlock):
         scale = "weight" if not offset else f"({offset:g} + weight)"
         return f"{norm} * {scale}" + (" + bias" if spec.has_bias else "")
 
-    def mismatch_hint(
-        self,
-        spec: LayerSpec,
-        params: Mapping[str, torch.Tensor],
-        x: torch.Tensor,
-        got: torch.Tensor,
-        tol: float,
-    ) -> str | None:
+    def mismatch_hint(self, spec: LayerSpec, call: CheckedCall) -> str | None:
         """A norm that scales by ``1 + weight`` (Gemma's) is named with the mapping that
         tells the kind so."""
         if spec.option("offset") is None:
             shifted = dataclasses.replace(
                 spec, options=tuple(sorted({**dict(spec.options), "offset": 1.0}.items()))
             )
-            if float((self.output(shifted, params, x) - got).abs().max()) <= tol:
+            if (
+                float((self.output(shifted, call.params, call.x) - call.got).abs().max())
+                <= call.tol
+            ):
                 eps = spec.option("eps")
                 return (
                     f"the module computes {self.formula(shifted)}: map its class with "
                     f"kinds={{cls: ({self.kind!r}, {{'eps': {eps!r}, 'offset': 1.0}})}}"
                 )
-        return super().mismatch_hint(spec, params, x, got, tol)
+        return super().mismatch_hint(spec, call)
 
     def unit_rows(
         self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor

@@ -100,14 +100,9 @@ class _LookupTap(ModeTap):
         self.lookups: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.problems: list[str] = []
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: Mapping[str, Any] | None = None,
+    def called(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        kwargs = dict(kwargs or {})
         out = func(*args, **kwargs)
         # read at each call: the module's weight is the tensor its forward reads now
         # (torch.func's functional_call and FSDP put theirs in place before the forward)

@@ -8,7 +8,7 @@ computes from one call; :func:`row_gram` and :func:`shape_error` are shared by t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -19,7 +19,7 @@ from kfac_func.blocks.registry import block_of
 if TYPE_CHECKING:
     from kfac_func.blocks.base import LayerBlock
 
-__all__ = ["Gram", "LayerSpec", "Rows", "row_gram", "shape_error", "with_ones"]
+__all__ = ["CheckedCall", "Gram", "LayerSpec", "Rows", "row_gram", "shape_error", "with_ones"]
 
 Rows = Sequence[tuple[torch.Tensor, torch.Tensor]]
 """``[(input rows, output-gradient rows)]`` of a layer's calls (no bias column)."""
@@ -156,6 +156,17 @@ class LayerSpec:
 
     def param_names(self) -> tuple[str, ...]:
         return (self.weight,) if self.bias is None else (self.weight, self.bias)
+
+
+class CheckedCall(NamedTuple):
+    """One call of a module whose output differs from its kind's (see
+    :meth:`~kfac_func.blocks.base.LayerBlock.mismatch_hint`): the layer's parameters, the
+    call's input, the module's output in float64 and the difference allowed."""
+
+    params: Mapping[str, torch.Tensor]
+    x: torch.Tensor
+    got: torch.Tensor
+    tol: float
 
 
 class Gram(NamedTuple):

@@ -20,6 +20,7 @@ from torch.utils.hooks import RemovableHandle
 from kfac_func.blocks.spec import LayerSpec
 
 __all__ = [
+    "Kwargs",
     "ModeTap",
     "OutputTap",
     "RefusedCall",
@@ -34,6 +35,9 @@ __all__ = [
 Site = Callable[[LayerSpec, torch.Tensor, torch.Tensor], torch.Tensor]
 """``site(layer, input, output) -> output`` for one call of a tapped layer."""
 
+
+Kwargs = dict[str, Any]
+"""The keyword arguments of a torch function's call, seen by a :class:`ModeTap`."""
 
 Sites = Mapping[str, tuple[nn.Module, list[LayerSpec]]]
 """``{module name: (module, the layers its calls feed)}``."""
@@ -108,7 +112,23 @@ class ModeTap(TorchFunctionMode, OutputTap):
     (a ``torch.overrides.TorchFunctionMode``: :mod:`kfac_func.blocks.recorded_embedding`,
     :mod:`kfac_func.blocks.used_weights`). It leaves the mode stack wherever it is on it:
     the forward hooks of two observers of one module (a preconditioner's and a capture's)
-    leave their modes in the order they entered them."""
+    leave their modes in the order they entered them. :meth:`called` sees each call.
+    """
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        return self.called(func, args, dict(kwargs or {}))
+
+    def called(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """The result of ``func(*args, **kwargs)``, a torch function the forward calls."""
+        raise NotImplementedError
 
     def __exit__(self, *exc: object) -> None:
         stack = [_C._get_function_stack_at(i) for i in range(_C._len_torch_function_stack())]

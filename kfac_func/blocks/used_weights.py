@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -114,14 +114,9 @@ class WeightUseTap(ModeTap):
         self.problems: dict[str, str] = {}
         self.views: list[tuple[torch.Tensor, str]] = []  # views of the weights made so far
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: Mapping[str, Any] | None = None,
+    def called(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        kwargs = dict(kwargs or {})
         leaves = pytree.tree_leaves((args, kwargs))
         owners = {o for o in map(self._owner, leaves) if o is not None}
         if not owners:

@@ -32,12 +32,10 @@ from kfac_func.distributed.dtensor import (
 )
 from kfac_func.distributed.plan import DistributedStrategy, Plan
 from kfac_func.state import KFACState, LayerState
-from kfac_func.step.basis import BasisMoments
 from kfac_func.step.checks import layer_matrix
 from kfac_func.step.grouped import preconditioned_layers
-from kfac_func.step.hyper import Hyper, NonFinite, clip_and_rate
-from kfac_func.step.layer_step import Grafting
-from kfac_func.step.orthogonal import Orthogonal
+from kfac_func.step.hyper import Hyper, clip_and_rate
+from kfac_func.step.layer_step import StageSettings
 
 __all__ = ["owned_rows", "precondition_sharded", "release_unowned", "sharded_layouts"]
 
@@ -171,24 +169,19 @@ def precondition_sharded(
     names: Sequence[str],
     plan: Plan,
     comm: Communicator,
-    damping: float,
+    settings: StageSettings,
     kl_clip: Hyper | None,
     lr: Hyper,
-    step: int,
-    nonfinite: NonFinite,
-    grafting: Grafting | None,
-    basis_moments: BasisMoments | None,
     changes: dict[str, dict[str, object]],
-    orthogonal: Orthogonal | None = None,
 ) -> dict[str, torch.Tensor]:
     """The preconditioned gradients (DTensors like ``grads``'); see the module docstring.
 
     ``layers`` hold this step's decompositions (on the grad workers), ``layouts`` come
-    from :func:`sharded_layouts`; the new running moments of the layers a rank
-    preconditions go into ``changes``.
+    from :func:`sharded_layouts`, ``settings`` are the step's stage settings; the new
+    running moments of the layers a rank preconditions go into ``changes``.
     """
     rank = comm.rank
-    clip, rate = clip_and_rate(kl_clip, lr, step)
+    clip, rate = clip_and_rate(kl_clip, lr, settings.step)
     whole: dict[str, list[torch.Tensor]] = {}
     for name in names:
         ps = layers[name].spec.param_names()
@@ -203,16 +196,7 @@ def precondition_sharded(
     full = {p: t for name, ts in whole.items() for p, t in zip(layers[name].spec.param_names(), ts)}
     mine = [name for name in whole if layers[name].decomposition is not None]
     owned = preconditioned_layers(
-        {n: layers[n] for n in whole},
-        full,
-        mine,
-        damping,
-        step=step,
-        nonfinite=nonfinite,
-        grafting=grafting,
-        basis_moments=basis_moments,
-        changes=changes,
-        orthogonal=orthogonal,
+        {n: layers[n] for n in whole}, full, mine, settings, changes=changes
     )  # the finite layers only, warned about or raised as on one process
     done = {name: (p, layer_matrix(layers[name], full)) for name, (p, _) in owned.items()}
     scale = None

@@ -118,15 +118,13 @@ def update_distributed(
     """
     opts = step_options(options, settings)
     names = check_plan(state, plan)
-    graft_settings = opts.grafting_settings()
-    basis_settings = opts.basis_settings(state.config.compute_method)
-    ortho = opts.orthogonal_settings(state.config.compute_method)
     check_grads_mapping(grads)  # before any collective
     # DTensor gradients (FSDP2, tensor parallelism): placements checked before any other
     # collective; their preconditioning stage is kfac_func.distributed.sharded's
     layouts = sharded_layouts(state.layers, grads, names, comm) if has_dtensors(grads) else None
     step = state.step
-    lam = opts.damping_at(step)
+    stage = opts.stage_settings(state.config.compute_method, step)
+    lam = stage.damping
     state = _settled(state)
     factors_now = bool(resolve(opts.update_factors, step))
     layers, statistics, decay = _factor_stage(
@@ -135,12 +133,11 @@ def update_distributed(
     layers = _decomposition_stage(state, layers, names, plan, comm, opts, lam, statistics, decay)
     changes: Changes = {}
     if layouts is not None:  # DTensor gradients: see kfac_func.distributed.sharded
-        args = (lam, opts.kl_clip, opts.lr, step, opts.nonfinite, graft_settings)
         out = precondition_sharded(
-            layers, grads, layouts, names, plan, comm, *args, basis_settings, changes, ortho
+            layers, grads, layouts, names, plan, comm, stage, opts.kl_clip, opts.lr, changes
         )
         return out, _finished(state, layers, changes)
-    if basis_settings is not None or ortho is not None or opts.sync_free:
+    if stage.basis_moments is not None or stage.orthogonal is not None or opts.sync_free:
         rows = {}  # eigenbasis moments and orthogonal steps need the gradient matrix itself
     elif rows is None and captures is not None and comm.world_size == 1:
         rows = captured_rows(state, captures)
@@ -151,20 +148,7 @@ def update_distributed(
     ]
     # the layers this rank preconditions, group by group (validates every gradient
     # before any travels; the default mode's checks are read once, warned or raised)
-    owned = preconditioned_layers(
-        layers,
-        grads,
-        mine,
-        lam,
-        step=step,
-        nonfinite=opts.nonfinite,
-        sync_free=opts.sync_free,
-        rows=rows or {},
-        grafting=graft_settings,
-        basis_moments=basis_settings,
-        changes=changes,
-        orthogonal=ortho,
-    )
+    owned = preconditioned_layers(layers, grads, mine, stage, rows=rows or {}, changes=changes)
     received = _exchange(layers, grads, names, owned, plan, comm, opts.sync_free)
     # the default mode applies the layers that were preconditioned (read with the flags)
     selected = [

@@ -172,7 +172,7 @@ _L = TypeVar("_L", bound="_SplitLinear")
 class _SplitLinear(nn.Module):
     """What the two layers share: the sizes of the full layer, this rank's part of its
     weight (split on dimension :attr:`split_dim`) and bias, drawn as ``nn.Linear`` draws
-    the full layer or copied from one (:meth:`_from_dense`)."""
+    the full layer or copied from one (:meth:`from_dense`)."""
 
     split_dim: ClassVar[int]  # 0: the outputs (column-parallel); 1: the inputs (row)
     flag: ClassVar[str]  # the layer's own flag, shown by extra_repr
@@ -211,14 +211,24 @@ class _SplitLinear(nn.Module):
         return weight.narrow(self.split_dim, start, n), bias
 
     @classmethod
-    def _from_dense(cls: type[_L], linear: nn.Linear, **flags: Any) -> _L:
-        """This rank's part of ``linear`` (same values), built with the layer's ``flags``."""
+    def from_dense(cls: type[_L], linear: nn.Linear, **options: Any) -> _L:
+        """This rank's part of ``linear`` (the same values, split as the class splits),
+        built with the constructor's keyword ``options`` (``gather_output=`` or
+        ``input_is_parallel=``, ``skip_bias_add=``, ``group=``).
+
+        Example:
+            >>> import torch
+            >>> dense = torch.nn.Linear(4, 6)
+            >>> part = ColumnParallelLinear.from_dense(dense, gather_output=False)
+            >>> torch.equal(part.weight, dense.weight)  # one process: the whole layer
+            True
+        """
         layer = cls(
             linear.in_features,
             linear.out_features,
             linear.bias is not None,
             dtype=linear.weight.dtype,
-            **flags,
+            **options,
         )
         weight, bias = layer._part(linear.weight, linear.bias)
         with torch.no_grad():
@@ -278,20 +288,6 @@ class ColumnParallelLinear(_SplitLinear):
         self.gather_output = gather_output
         self.output_size_per_partition = int(self.weight.shape[0])
 
-    @classmethod
-    def from_dense(
-        cls,
-        linear: nn.Linear,
-        *,
-        gather_output: bool = True,
-        skip_bias_add: bool = False,
-        group: Group = None,
-    ) -> ColumnParallelLinear:
-        """This rank's part of ``linear`` (same values, split on the output dimension)."""
-        return cls._from_dense(
-            linear, gather_output=gather_output, skip_bias_add=skip_bias_add, group=group
-        )
-
     def forward(self, x: torch.Tensor) -> Any:
         x = copy_to_model_parallel_region(x, self.group)
         bias = None if self.skip_bias_add else self.bias
@@ -343,20 +339,6 @@ class RowParallelLinear(_SplitLinear):
         )
         self.input_is_parallel = input_is_parallel
         self.input_size_per_partition = int(self.weight.shape[1])
-
-    @classmethod
-    def from_dense(
-        cls,
-        linear: nn.Linear,
-        *,
-        input_is_parallel: bool = False,
-        skip_bias_add: bool = False,
-        group: Group = None,
-    ) -> RowParallelLinear:
-        """This rank's part of ``linear`` (same values, split on the input dimension)."""
-        return cls._from_dense(
-            linear, input_is_parallel=input_is_parallel, skip_bias_add=skip_bias_add, group=group
-        )
 
     def forward(self, x: torch.Tensor) -> Any:
         if not self.input_is_parallel:

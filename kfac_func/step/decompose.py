@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import MutableMapping
+from typing import Any
 
 import torch
 
@@ -234,23 +235,13 @@ def decompose_layer(
     )
 
 
-def redecompose(
-    ls: LayerState,
-    damping: float,
-    config: KFACConfig,
-    *,
-    eigh_device: torch.device | str | None = None,
-    eigenpairs: tuple[Eigenpair | None, Eigenpair | None] = (None, None),
-    dgda: torch.Tensor | None = None,
-) -> LayerState:
-    """The layer with a new decomposition (:func:`decompose_layer`'s, of its keywords);
-    if even the retries fail, the layer keeps its previous one (none before the first:
-    its gradient passes unchanged) and counts the failure, with a warning the first time."""
+def redecompose(ls: LayerState, damping: float, config: KFACConfig, **options: Any) -> LayerState:
+    """The layer with a new decomposition (:func:`decompose_layer`'s, with its keyword
+    ``options``); if even the retries fail, the layer keeps its previous one (none before
+    the first: its gradient passes unchanged) and counts the failure, with a warning the
+    first time."""
     try:
-        dec = decompose_layer(
-            ls, damping, config, eigh_device=eigh_device, eigenpairs=eigenpairs, dgda=dgda
-        )
-        return ls.replace(decomposition=dec)
+        return ls.replace(decomposition=decompose_layer(ls, damping, config, **options))
     except DecompositionError as err:
         return decomposition_failed(ls, str(err))
 

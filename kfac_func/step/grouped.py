@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.func import vmap
@@ -34,7 +34,6 @@ from kfac_func.core.factors import rows_match
 from kfac_func.core.preconditioning import kl_clip_scale_of_vector, kl_clip_term
 from kfac_func.core.stacks import stacked
 from kfac_func.state import LayerState
-from kfac_func.step.basis import BasisMoments
 from kfac_func.step.checks import layer_grads, rows_cheaper, validate_grads
 from kfac_func.step.grouping import GROUPED_FIELDS, leaves_of, plan_groups, rebuild
 from kfac_func.step.hyper import (
@@ -44,8 +43,7 @@ from kfac_func.step.hyper import (
     non_finite,
     take,
 )
-from kfac_func.step.layer_step import Grafting, precondition_with
-from kfac_func.step.orthogonal import Orthogonal
+from kfac_func.step.layer_step import StageSettings, precondition_with
 from kfac_func.step.sync_free import all_finite_tensor, count_skips, keep_where
 
 __all__ = ["precondition_layers", "preconditioned_layers"]
@@ -106,33 +104,28 @@ class _Unit:
 def precondition_layers(
     layers: Mapping[str, LayerState],
     grads: Mapping[str, torch.Tensor],
-    damping: float,
+    settings: StageSettings,
     *,
     kl_clip: Hyper | None,
     lr: Hyper,
-    step: int,
-    nonfinite: NonFinite,
-    sync_free: bool = False,
     rows: Mapping[str, Rows] | None = None,
     consume_rows: bool = False,
-    grafting: Grafting | None = None,
-    basis_moments: BasisMoments | None = None,
     changes: dict[str, dict[str, object]] | None = None,
-    orthogonal: Orthogonal | None = None,
     grouped: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """:func:`~kfac_func.precondition_grads` of ``layers`` with a resolved ``damping``,
-    computed group by group (see the module docstring; ``grouped=False``: one layer at a
-    time).
+    """:func:`~kfac_func.precondition_grads` of ``layers`` under the stage's ``settings``
+    (a resolved damping), computed group by group (see the module docstring;
+    ``grouped=False``: one layer at a time).
 
     In the default mode a layer whose gradients hold NaN/Inf passes them unchanged (warned
-    about, in the layers' order, or raised: ``nonfinite``), and a layer whose ``rows``
-    reproduce its gradient is preconditioned from them where that is cheaper; with
-    ``sync_free`` each layer's finiteness (and its decomposition's ``usable`` flag) selects
-    the result or the raw gradient on the device. With ``consume_rows``, each layer's
-    entry is removed from a mutable ``rows`` once taken. The new running moments of each
-    layer (Adam grafting, eigenbasis moments, orthogonal momenta; under ``sync_free`` the
-    ``grad_skips`` counter too) go into ``changes[layer]`` (for ``LayerState.replace``).
+    about, in the layers' order, or raised: ``settings.nonfinite``), and a layer whose
+    ``rows`` reproduce its gradient is preconditioned from them where that is cheaper;
+    with ``settings.sync_free`` each layer's finiteness (and its decomposition's
+    ``usable`` flag) selects the result or the raw gradient on the device. With
+    ``consume_rows``, each layer's entry is removed from a mutable ``rows`` once taken.
+    The new running moments of each layer (Adam grafting, eigenbasis moments, orthogonal
+    momenta; under ``sync_free`` the ``grad_skips`` counter too) go into
+    ``changes[layer]`` (for ``LayerState.replace``).
 
     Example:
         >>> import torch
@@ -142,21 +135,19 @@ def precondition_layers(
         >>> state = kf.decompose(kf.init(kf.register(model), convention="kfac-pytorch"),
         ...                      damping=1.0)
         >>> grads = {k: torch.ones_like(p) for k, p in model.named_parameters()}
-        >>> out = precondition_layers(state.layers, grads, 1.0, kl_clip=None, lr=0.1,
-        ...                           step=0, nonfinite="skip")
+        >>> out = precondition_layers(state.layers, grads, StageSettings(1.0, step=0),
+        ...                           kl_clip=None, lr=0.1)
         >>> out["1.bias"]
         tensor([0.5000, 0.5000, 0.5000])
     """
     validate_grads(layers, grads)
-    clip, rate = clip_and_rate(kl_clip, lr, step)
+    clip, rate = clip_and_rate(kl_clip, lr, settings.step)
     decomposed = [name for name, ls in layers.items() if ls.decomposition is not None]
     taken = {name: take(rows, name, consume_rows) for name in decomposed}
-    settings = _Settings(
-        damping, step, grafting, basis_moments, sync_free, clip is not None, orthogonal
+    units, kept, results = _compute(
+        layers, grads, decomposed, taken, settings, changes, clip is not None, grouped
     )
-    units, use_rows, results = _compute(
-        layers, grads, decomposed, taken, settings, nonfinite, grouped
-    )
+    sync_free = settings.sync_free
     terms = [res["term"].reshape(-1) for _, res in results] if clip is not None else []
     scale: torch.Tensor | None = None
     if clip is not None and terms:
@@ -179,10 +170,8 @@ def precondition_layers(
         ws = unit.per_layer(new[0])
         bs = unit.per_layer(new[1]) if len(new) > 1 else [None] * len(ws)
         for i, (name, ls) in enumerate(zip(unit.names, unit.states)):
-            if not sync_free and name not in use_rows:  # default mode: finite layers only
-                continue
-            ls.spec.block.write_grads(ls.spec, out, grads, ws[i], bs[i])
-        _record(unit, res, use_rows, settings, changes)
+            if name in kept:  # default mode: the finite layers only
+                ls.spec.block.write_grads(ls.spec, out, grads, ws[i], bs[i])
     return out
 
 
@@ -190,16 +179,10 @@ def preconditioned_layers(
     layers: Mapping[str, LayerState],
     grads: Mapping[str, torch.Tensor],
     names: Sequence[str],
-    damping: float,
+    settings: StageSettings,
     *,
-    step: int,
-    nonfinite: NonFinite,
-    sync_free: bool = False,
     rows: Mapping[str, Rows] | None = None,
-    grafting: Grafting | None = None,
-    basis_moments: BasisMoments | None = None,
     changes: dict[str, dict[str, object]] | None = None,
-    orthogonal: Orthogonal | None = None,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The preconditioned gradient matrices of the decomposed layers among ``names``,
     computed group by group, before the kl_clip scale: ``{layer: (P, finite)}`` with
@@ -217,23 +200,18 @@ def preconditioned_layers(
         >>> state = kf.init(kf.register(layer), convention="kfac-pytorch")
         >>> state = kf.decompose(state, damping=1.0)
         >>> grads = {k: torch.ones_like(p) for k, p in layer.named_parameters()}
-        >>> out = preconditioned_layers(state.layers, grads, [""], 1.0, step=0, nonfinite="skip")
+        >>> out = preconditioned_layers(state.layers, grads, [""], StageSettings(1.0, step=0))
         >>> out[""][0][:, -1], out[""][1]
         (tensor([0.5000, 0.5000, 0.5000]), tensor(True))
     """
     validate_grads(layers, grads)
     chosen = [n for n in names if layers[n].decomposition is not None]
     taken = {n: None if rows is None else rows.get(n) for n in chosen}
-    settings = _Settings(damping, step, grafting, basis_moments, sync_free, False, orthogonal)
-    _, use_rows, results = _compute(layers, grads, chosen, taken, settings, nonfinite)
+    _, kept, results = _compute(layers, grads, chosen, taken, settings, changes, False)
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for unit, res in results:
-        for name, p, finite in zip(
-            unit.names, unit.per_layer(res["p"]), unit.per_layer(res["select"])
-        ):
-            if sync_free or name in use_rows:
-                out[name] = (p, finite)
-        _record(unit, res, use_rows, settings, changes)
+        ps, flags = unit.per_layer(res["p"]), unit.per_layer(res["select"])
+        out.update((n, (p, f)) for n, p, f in zip(unit.names, ps, flags) if n in kept)
     return out
 
 
@@ -242,13 +220,17 @@ def _compute(
     grads: Mapping[str, torch.Tensor],
     names: Sequence[str],
     taken: Mapping[str, Rows | None],
-    settings: _Settings,
-    nonfinite: NonFinite,
+    settings: StageSettings,
+    changes: dict[str, dict[str, object]] | None,
+    kl_terms: bool,
     grouped: bool = True,
-) -> tuple[list[_Unit], dict[str, bool], list[tuple[_Unit, dict[str, Any]]]]:
+) -> tuple[list[_Unit], set[str], list[tuple[_Unit, dict[str, Any]]]]:
     """The units of ``names`` (decomposed layers; each alone unless ``grouped``), the
-    default mode's checks (``{finite layer: use its rows}``, see :func:`_check`) and each
-    unit's results of :func:`_stage`."""
+    layers whose results count (every one under ``sync_free``; in the default mode the
+    finite ones, see :func:`_check`) and each unit's results of :func:`_stage` (with their
+    kl_clip terms if ``kl_terms``); the changes of the counted layers' states go into
+    ``changes`` (:func:`_record`)."""
+    nonfinite = settings.nonfinite
     alone: list[str] = []
     if not settings.sync_free and settings.basis_moments is None and settings.orthogonal is None:
         alone = [n for n in names if rows_cheaper(layers[n].spec, taken.get(n))]
@@ -259,7 +241,7 @@ def _compute(
     for unit in units:
         name = unit.names[0]
         layer_rows = taken.get(name) if use_rows.get(name) else None
-        stage = functools.partial(_stage, settings, unit.first, layer_rows)
+        stage = functools.partial(_stage, settings, kl_terms, unit.first, layer_rows)
         if torch.compiler.is_compiling():
             # the step and the moments' count change from call to call, so they are
             # symbolic in a compiled step: handed to the vmapped function as tensors, which
@@ -272,24 +254,27 @@ def _compute(
         else:
             res = unit.run(stage, unit.m, unit.finite, unit.fields())
         results.append((unit, res))
-    return units, use_rows, results
+    kept = set(names) if settings.sync_free else set(use_rows)
+    for unit, res in results:
+        _record(unit, res, kept, settings, changes)
+    return units, kept, results
 
 
 def _record(
     unit: _Unit,
     res: Mapping[str, Any],
-    use_rows: Mapping[str, bool],
-    settings: _Settings,
+    kept: set[str],
+    settings: StageSettings,
     changes: dict[str, dict[str, object]] | None,
 ) -> None:
     """The changes of the unit's layer states into ``changes[layer]``: the new running
-    moments (default mode: of the finite layers only), the moments' count, and the
-    decompositions as views of the group's stack where they were stacked afresh."""
+    moments (of the ``kept`` layers only), the moments' count, and the decompositions as
+    views of the group's stack where they were stacked afresh."""
     if changes is None:
         return
     news = {k: unit.per_layer(v) for k, v in res["change"].items()}
     for i, (name, ls) in enumerate(zip(unit.names, unit.states)):
-        if not settings.sync_free and name not in use_rows:
+        if name not in kept:
             continue
         mine: dict[str, object] = {k: v[i] for k, v in news.items()}
         if unit.relaid is not None:  # the same values, as views of the group's stack
@@ -305,18 +290,9 @@ def _scalar(value: int, device: torch.device) -> torch.Tensor:
     return torch.scalar_tensor(value, dtype=torch.float64, device=device)
 
 
-class _Settings(NamedTuple):
-    damping: float
-    step: int
-    grafting: Grafting | None
-    basis_moments: BasisMoments | None
-    sync_free: bool
-    kl_clip: bool
-    orthogonal: Orthogonal | None
-
-
 def _stage(
-    settings: _Settings,
+    settings: StageSettings,
+    kl_terms: bool,
     first: LayerState,
     layer_rows: Rows | None,
     m: torch.Tensor,
@@ -334,17 +310,7 @@ def _stage(
     if count is not None:  # compiled: the counters as tensors (see the caller)
         ls = ls.replace(moment_count=count)
     mine: dict[str, dict[str, object]] = {}
-    p = precondition_with(
-        ls,
-        m,
-        settings.damping,
-        layer_rows,
-        step=settings.step if step is None else step,  # type: ignore[arg-type]
-        grafting=settings.grafting,
-        basis_moments=settings.basis_moments,
-        changes=mine,
-        orthogonal=settings.orthogonal,
-    )
+    p = precondition_with(ls, m, settings, layer_rows, mine, step)
     new = mine.get(ls.spec.name, {})
     change: dict[str, object] = {
         k: v for k, v in new.items() if isinstance(v, torch.Tensor) and k != "moment_count"
@@ -356,7 +322,7 @@ def _stage(
         change = keep_where(ls, change, select)
         change["grad_skips"] = count_skips(ls, finite)
     out: dict[str, Any] = {"p": p, "change": change, "select": select}
-    if settings.kl_clip:
+    if kl_terms:
         term = kl_clip_term(p, m)
         out["term"] = torch.where(select, term, torch.zeros_like(term))
     return out

@@ -20,10 +20,10 @@ from kfac_func.core.preconditioning import precondition, precondition_rows
 from kfac_func.state import LayerState
 from kfac_func.step.basis import BasisMoments, precondition_in_basis
 from kfac_func.step.checks import rows_cheaper
-from kfac_func.step.hyper import check_hyper
+from kfac_func.step.hyper import NonFinite, check_hyper
 from kfac_func.step.orthogonal import Orthogonal, precondition_orthogonal
 
-__all__ = ["Grafting", "graft", "precondition_layer", "precondition_with"]
+__all__ = ["Grafting", "StageSettings", "graft", "precondition_layer", "precondition_with"]
 
 
 class Grafting(NamedTuple):
@@ -65,23 +65,43 @@ def graft(
     p.mul_(scale.to(p.dtype))
 
 
+class StageSettings(NamedTuple):
+    """The preconditioning stage's settings for one step: the resolved damping, the step,
+    what non-finite gradients do (``"skip"``, ``"warn"``, ``"raise"``), whether the step
+    is sync-free (judged on the device), and the Adam grafting, eigenbasis moments and
+    orthogonalized step (None: off). Built once per step (see
+    :meth:`kfac_func.step.options.StepOptions.stage_settings`).
+
+    Example:
+        >>> StageSettings(0.01, step=3).sync_free
+        False
+    """
+
+    damping: float
+    step: int
+    nonfinite: NonFinite = "skip"
+    sync_free: bool = False
+    grafting: Grafting | None = None
+    basis_moments: BasisMoments | None = None
+    orthogonal: Orthogonal | None = None
+
+
 def precondition_with(
     ls: LayerState,
     m: torch.Tensor,
-    damping: float,
+    settings: StageSettings,
     rows: Rows | None,
-    *,
-    step: int,
-    grafting: Grafting | None,
-    basis_moments: BasisMoments | None,
     changes: dict[str, dict[str, object]] | None,
-    orthogonal: Orthogonal | None = None,
+    step: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One checked layer's preconditioned gradient matrix: its orthogonalized step when
-    ``orthogonal`` is given and the layer keeps an orthogonal momentum (see
+    ``settings.orthogonal`` is given and the layer keeps an orthogonal momentum (see
     :mod:`kfac_func.step.orthogonal`; not grafted), else by its decomposition
     (:func:`precondition_layer`) or by its eigenbasis moments, then grafted; the changes
-    of its state (running moments) go into ``changes[layer]``."""
+    of its state (running moments) go into ``changes[layer]``. ``step`` replaces
+    ``settings.step`` (a tensor in a compiled step)."""
+    orthogonal, grafting = settings.orthogonal, settings.grafting
+    basis_moments = settings.basis_moments
     if orthogonal is not None and ls.ortho_momentum is not None:
         p, new = precondition_orthogonal(ls, m, orthogonal)
         if changes is not None:
@@ -92,9 +112,9 @@ def precondition_with(
         if changes is not None:
             changes.setdefault(ls.spec.name, {}).update(new)
     else:
-        p = precondition_layer(ls, m, damping, rows, checked=True)
+        p = precondition_layer(ls, m, settings.damping, rows, checked=True)
     if grafting is not None:
-        graft(ls, p, m, grafting, step, changes)
+        graft(ls, p, m, grafting, settings.step if step is None else step, changes)  # type: ignore[arg-type]
     return p
 
 

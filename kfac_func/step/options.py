@@ -26,7 +26,7 @@ import torch
 from kfac_func.step.basis import BasisMoments
 from kfac_func.step.decompose import check_eigh_device
 from kfac_func.step.hyper import HYPER_CHECKS, Hyper, NonFinite, check_hyper, resolve
-from kfac_func.step.layer_step import Grafting
+from kfac_func.step.layer_step import Grafting, StageSettings
 from kfac_func.step.orthogonal import Orthogonal
 from kfac_func.step.sync_free import check_sync_free
 
@@ -193,6 +193,26 @@ class StepOptions:
                 f"{sorted(FIELDS)}"
             )
         return dataclasses.replace(self, **changes) if changes else self
+
+    def stage_settings(self, compute_method: str, step: int) -> StageSettings:
+        """The preconditioning stage's settings at ``step`` for a state of
+        ``compute_method``: the damping then, and the checked grafting, eigenbasis moments
+        and orthogonalized step.
+
+        Example:
+            >>> s = StepOptions(damping=0.01, eigenbasis_moments=True).stage_settings("eigen", 0)
+            >>> s.damping, s.basis_moments is not None, s.grafting
+            (0.01, True, None)
+        """
+        return StageSettings(
+            self.damping_at(step),
+            step,
+            self.nonfinite,
+            self.sync_free,
+            self.grafting_settings(),
+            self.basis_settings(compute_method),
+            self.orthogonal_settings(compute_method),
+        )
 
     def grafting_settings(self) -> Grafting | None:
         """The grafting of this step, checked (None: no grafting)."""

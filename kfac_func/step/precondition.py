@@ -95,33 +95,23 @@ def precondition_grads(
         tensor([[0.5000]])
     """
     opts = step_options(options, _spelled_out(settings))
-    damping, sync_free, nonfinite = opts.damping, opts.sync_free, opts.nonfinite
-    kl_clip, lr = opts.kl_clip, opts.lr
-    grafting = opts.grafting_settings()
-    basis_moments = opts.basis_settings(state.config.compute_method)
-    ortho = opts.orthogonal_settings(state.config.compute_method)
-    lam = opts.damping_at(state.step)
+    stage = opts.stage_settings(state.config.compute_method, state.step)
+    ortho = stage.orthogonal
     layers: Mapping[str, LayerState] = state.layers
     if ortho is not None:  # momenta from zero, powers where missing (update stores both)
         layers = dict(layers)
         prepare_layers(layers, orthogonal_layers(layers, ortho.skip), ortho, ())
-    if not sync_free:  # decompositions that sync_free steps judged on the device
+    if not stage.sync_free:  # decompositions that sync_free steps judged on the device
         layers = usable_only(layers)
-    if basis_moments is None and damping is not None:
-        layers = _damped_by(layers, lam)
+    if stage.basis_moments is None and opts.damping is not None:
+        layers = _damped_by(layers, stage.damping)
     return precondition_layers(
         layers,
         grads,
-        lam,
-        kl_clip=kl_clip,
-        lr=lr,
-        step=state.step,
-        nonfinite=nonfinite,
-        sync_free=sync_free,
-        rows=None if sync_free else rows,
-        grafting=grafting,
-        basis_moments=basis_moments,
-        orthogonal=ortho,
+        stage,
+        kl_clip=opts.kl_clip,
+        lr=opts.lr,
+        rows=None if stage.sync_free else rows,
         grouped=opts.grouped,
     )
 

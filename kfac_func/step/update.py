@@ -113,10 +113,9 @@ def update(
     """
     opts = step_options(options, settings)
     step, config = state.step, state.config
-    graft_settings = opts.grafting_settings()
-    basis_settings = opts.basis_settings(config.compute_method)
-    ortho = opts.orthogonal_settings(config.compute_method)
+    stage = opts.stage_settings(config.compute_method, step)
     sync_free, grouped, nonfinite = opts.sync_free, opts.grouped, opts.nonfinite
+    ortho = stage.orthogonal
     validate_grads(state.layers, grads)  # before anything changes, donated or not
     layers = state.layers if donate else dict(state.layers)
     if not sync_free:
@@ -146,7 +145,7 @@ def update(
             return take(batch_factors, name, donate)
 
         fold_layers(layers, batch_of, decay, config, nonfinite, sync_free, grouped)
-    lam = opts.damping_at(step)
+    lam = stage.damping
     before = moment_bases(layers)
     inverses_now = bool(resolve(opts.update_inverses, step))
     eigh_device = check_eigh_device(opts.eigh_device)
@@ -166,24 +165,18 @@ def update(
     if ortho is not None:  # the layers taking orthogonalized steps: momenta and powers
         prepare_layers(layers, orthogonal_layers(layers, ortho.skip), ortho, fresh)
     changes: dict[str, dict[str, object]] = {}
-    plain = basis_settings is None and ortho is None and not sync_free
+    plain = stage.basis_moments is None and ortho is None and not sync_free
     if rows is None and captures is not None and plain:
         rows = captured_rows(state, captures)  # the default mode's shortcut of Linear layers
     out = precondition_layers(
         layers,
         grads,
-        lam,
+        stage,
         kl_clip=opts.kl_clip,
         lr=opts.lr,
-        step=step,
-        nonfinite=nonfinite,
-        sync_free=sync_free,
         rows=rows,
         consume_rows=donate,
-        grafting=graft_settings,
-        basis_moments=basis_settings,
         changes=changes,
-        orthogonal=ortho,
         grouped=grouped,
     )
     for name, change in changes.items():  # the running moments (and skip counters)
