@@ -68,6 +68,29 @@ def test_registered_as_a_scaled_embedding() -> None:
     assert spec.factor_shapes == ((V,), (D, D))
 
 
+def test_on_the_meta_device_gemmas_number_beside_the_buffer_gives_the_scale() -> None:
+    """A model built on the meta device (before FSDP2 or a checkpoint fills it) has an
+    ``embed_scale`` buffer without a value; Gemma 3 keeps the number beside it
+    (``scalar_embed_scale``). Before, the embedding was not recognised there, and a tied
+    head was skipped with it."""
+
+    class GemmaLike(nn.Embedding):  # Gemma3TextScaledWordEmbedding's attributes
+        def __init__(self) -> None:
+            super().__init__(V, D)
+            self.scalar_embed_scale = S
+            self.embed_scale = nn.Buffer(torch.tensor(S), persistent=False)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(ids) * self.embed_scale.to(self.weight.dtype)
+
+    with torch.device("meta"):
+        model = nn.Sequential(GemmaLike(), nn.Linear(D, V, bias=False))
+    model[1].weight = model[0].weight  # tied, as Gemma's head
+    table = kf.register(model)
+    assert list(table) == ["1"] and not table.skipped
+    assert table["1"].kind == "tied" and table["1"].option("embedding_scale") == S
+
+
 def test_factors_are_token_counts_and_the_scaled_output_gradient_gram() -> None:
     model = Net()
     g = torch.Generator().manual_seed(1)

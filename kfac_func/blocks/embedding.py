@@ -32,8 +32,10 @@ __all__ = ["EmbeddingBlock", "embed_scale"]
 
 def embed_scale(module: nn.Module) -> float | None:
     """The scale of an embedding that multiplies its lookup by a constant, as Hugging Face
-    code writes it (Gemma's, BART's: an ``embed_scale`` number or 0-d tensor attribute),
-    or None (no such attribute, a scale of 1, or one that cannot be read).
+    code writes it (Gemma's, BART's: an ``embed_scale`` number or 0-d tensor attribute;
+    for a tensor on the meta device, a model built there before its weights exist, the
+    number Gemma 3 keeps beside it, ``scalar_embed_scale``), or None (no such attribute,
+    a scale of 1, or one that cannot be read).
 
     Example:
         >>> from torch import nn
@@ -45,6 +47,8 @@ def embed_scale(module: nn.Module) -> float | None:
         2.0
     """
     value = getattr(module, "embed_scale", None)
+    if isinstance(value, torch.Tensor) and value.device.type == "meta":
+        value = getattr(module, "scalar_embed_scale", None)
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.device.type == "meta" or value.is_complex():
             return None
