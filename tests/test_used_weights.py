@@ -175,6 +175,16 @@ REFUSED: dict[str, tuple[Callable[[Mixer, torch.Tensor, torch.Tensor], Any], str
 }
 
 
+def test_a_convolution_that_pads_otherwise_than_with_zeros_is_refused() -> None:
+    """A child convolution with ``padding_mode="reflect"`` pads before its convolution:
+    ``F.conv1d`` with its padding computes another map."""
+    model = Net(Mixer())
+    model.mixer.conv.padding_mode = "reflect"
+    x, y = _batch()
+    with pytest.raises(ValueError, match=r"layer 'mixer\.conv'.*otherwise \(in conv1d\)"):
+        kf.capture(model, dict(model.named_parameters()), x, lambda o: _loss(o, y))
+
+
 def _odd(forward: Callable[[Mixer, torch.Tensor, torch.Tensor], Any]) -> nn.Module:
     class Odd(Mixer):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,8 @@ call that computes the layer's map as the layer's call:
 
 - ``F.linear(x, weight, bias)`` and ``F.conv1d`` / ``F.conv2d`` with the child's weight
   (or a view of it of the weight's own shape, as ``squeeze(1).unsqueeze(1)`` gives), the
-  child's bias and the child's own stride, padding, dilation and groups: exactly the
-  child's call, and the child's kind's statistics;
+  child's bias and the child's own stride, padding, dilation and groups (a convolution
+  padding with zeros): exactly the child's call, and the child's kind's statistics;
 - ``weight @ x`` (a ``matmul`` with the weight on the left): the Linear map of the rows
   ``xᵀ`` without a bias, reported as ``(xᵀ, outᵀ)``. A product cannot take a bias, and
   the parent's later use of it is not seen, so the layer of a Linear child used this way
@@ -172,7 +172,8 @@ class WeightUseTap(ModeTap):
         weight, x = named.get("weight"), named.get("input")
         if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)):
             return None
-        if named.get("bias") is not child.bias or not _whole(weight, child):
+        bias = child.bias if spec.bias is not None else None  # the layer's (a product's: none)
+        if named.get("bias") is not bias or not _whole(weight, child):
             return None
         if spec.kind == "linear":
             return (
@@ -181,7 +182,7 @@ class WeightUseTap(ModeTap):
                 else None
             )
         conv, dims = _CONVS[spec.kind]
-        if func is not conv:
+        if func is not conv or child.padding_mode != "zeros":  # else it pads before the call
             return None
         for key in _CONV_ARGS:
             given, own = named.get(key, 1 if key != "padding" else 0), getattr(child, key)
