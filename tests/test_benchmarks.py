@@ -235,3 +235,22 @@ def test_step_ops_quick(tmp_path: Path) -> None:
         ops = {k: rows[f"K-FAC {v}: {k}"]["ops"][depths[0]] for k in ("precondition", "factors")}
         assert ops["factors"] > ops["precondition"], v
     assert "AdamW step (foreach)" in proc.stdout and "registered K-FAC layers" in proc.stdout
+
+
+def test_house_drawing(tmp_path: Path) -> None:
+    """The architecture page's pictures come from the imports: both files are drawn, and
+    the graph they draw has the arrows the code has (the stage imports the settings it
+    takes; blocks import no other package)."""
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import house_drawing
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    house_drawing.main(["--out-dir", str(tmp_path), "--suffix", "_t"])
+    assert (tmp_path / "house_t.png").stat().st_size > 0
+    assert (tmp_path / "house_step_t.png").stat().st_size > 0
+    deps = house_drawing.imports(ROOT)
+    assert "step.layer_step" in deps["step.grouped"] and "step.grouped" in deps["step.update"]
+    outside = {d.split(".")[0] for m, ds in deps.items() if m.startswith("blocks") for d in ds}
+    assert outside <= {"blocks"}, outside
