@@ -14,8 +14,9 @@ calls: what K-FAC preconditions of each, and that nothing is preconditioned wron
   are known: every parameter is preconditioned, the tied layer's embedding rows are the
   gradients that reach the weight (float64, against autograd's gradient);
 - Mamba's ``conv1d`` and ``dt_proj`` weights are used through ``F.conv1d`` and ``@`` in
-  the mixer's forward: their layers are fed by it (:mod:`kfac_func.blocks.used_weights`;
-  the factors against the modules called are in ``tests/test_used_weights.py``);
+  the mixer's forward, its ``D`` as a per-channel scale: their layers are fed by it
+  (:mod:`kfac_func.blocks.used_weights`; the factors against the modules called and the
+  scale's exact Fisher are in ``tests/test_used_weights.py``);
 - T5, OPT and Qwen2-MoE (flattened rows, a broadcast relative-position table) train with
   the recommended ``scaling="fisher"`` recipe.
 """
@@ -195,28 +196,30 @@ def test_gemma3_tied_rows_reproduce_the_shared_weights_gradient() -> None:
     torch.testing.assert_close(total, grads[spec.weight], rtol=1e-9, atol=1e-12)
 
 
-def test_mamba_conv1d_and_dt_proj_are_preconditioned_from_the_mixers_forward() -> None:
-    """The mixer applies ``conv1d`` with ``F.conv1d`` on its weight and ``dt_proj`` as
-    ``weight @ x``: both are fed by the mixer's forward (``dt_proj``'s weight alone, its
-    bias added in the scan goes to AdamW), without a warning (the old code warned that
-    they got no statistics and left them to AdamW)."""
+def test_mamba_conv1d_dt_proj_and_d_are_preconditioned_from_the_mixers_forward() -> None:
+    """The mixer applies ``conv1d`` with ``F.conv1d`` on its weight, ``dt_proj`` as
+    ``weight @ x`` with the bias added in the scan, and its own ``D`` as a per-channel
+    scale: all three are fed by the mixer's forward, without a warning (the old code
+    warned that ``conv1d`` and ``dt_proj`` got no statistics and left them and ``D`` to
+    AdamW); only ``A_log`` (inside ``exp``) goes to AdamW."""
     model, batch = _mamba()
     opt, caught = _train(model, batch, steps=3)
     assert not caught, [str(w.message) for w in caught]
     mixer = "backbone.layers.0.mixer"
     pre = opt.preconditioner
     assert sorted(pre.layers) == [
-        f"{mixer}.conv1d", f"{mixer}.dt_proj", f"{mixer}.in_proj", f"{mixer}.out_proj",
-        f"{mixer}.x_proj", "backbone.layers.0.norm", "backbone.norm_f", "lm_head",
+        f"{mixer}.D", f"{mixer}.conv1d", f"{mixer}.dt_proj", f"{mixer}.in_proj",
+        f"{mixer}.out_proj", f"{mixer}.x_proj", "backbone.layers.0.norm", "backbone.norm_f",
+        "lm_head",
     ]  # fmt: skip
     assert all(ls.factor_updates == 3 for ls in pre.state.layers.values())
-    for name in (f"{mixer}.conv1d", f"{mixer}.dt_proj"):
+    assert pre.layers[f"{mixer}.dt_proj"].bias == f"{mixer}.dt_proj.bias"
+    for name in (f"{mixer}.conv1d", f"{mixer}.dt_proj", f"{mixer}.D"):
         ls = pre.state.layers[name]
         assert pre.layers[name].module == mixer
         assert all(bool(f.abs().sum() > 0) for f in (ls.a_factor, ls.g_factor)), name
-    assert {n for n, p in model.named_parameters() if id(p) in _others(opt)} == {
-        f"{mixer}.A_log", f"{mixer}.D", f"{mixer}.dt_proj.bias",
-    }  # fmt: skip
+    others = {n for n, p in model.named_parameters() if id(p) in _others(opt)}
+    assert others == {f"{mixer}.A_log"}, others
 
 
 @pytest.mark.parametrize("family", ["T5", "OPT", "Qwen2-MoE"])

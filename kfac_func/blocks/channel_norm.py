@@ -1,6 +1,6 @@
-"""``nn.GroupNorm`` and ``nn.BatchNorm1d/2d/3d`` with an affine: one unit per channel
-(dimension 1 of the input), rows are every example and position (see
-:mod:`kfac_func.blocks.scale_shift`).
+"""``nn.GroupNorm`` and ``nn.BatchNorm1d/2d/3d`` with an affine, and a module's own
+per-channel scale (``y = x · s``: Mamba's ``D``): one unit per channel (dimension 1 of the
+input), rows are every example and position (see :mod:`kfac_func.blocks.scale_shift`).
 
 ``x̂`` is recomputed from the input: GroupNorm normalises each group of channels of one
 example, BatchNorm each channel over the batch and positions with the batch statistics
@@ -17,7 +17,7 @@ from kfac_func.blocks.registry import register_block
 from kfac_func.blocks.scale_shift import ScaleShiftBlock, normalise
 from kfac_func.blocks.spec import LayerSpec, shape_error
 
-__all__ = ["BatchNormBlock", "GroupNormBlock"]
+__all__ = ["BatchNormBlock", "ChannelScaleBlock", "GroupNormBlock"]
 
 
 def _channel_rows(spec: LayerSpec, t: torch.Tensor) -> torch.Tensor:
@@ -76,3 +76,55 @@ class BatchNormBlock(ScaleShiftBlock):
         dims = (0, *range(2, x.dim()))
         xhat = normalise(x, dims, spec.option("eps"), center=True)
         return _channel_rows(spec, xhat), _channel_rows(spec, r)
+
+
+@register_block
+class ChannelScaleBlock(ScaleShiftBlock):
+    """A one-dimensional parameter ``s`` of ``C`` entries that its module's forward uses as
+    a per-channel scale, ``y = x · s`` (Mamba's skip connection ``x · D``): the scale rows
+    of a norm whose normalised input is ``x`` itself. Registered for the parameters
+    :data:`~kfac_func.blocks.used_weights.OWN_SCALES` names, never by a module's class;
+    the call is the product found in the module's forward
+    (:class:`~kfac_func.blocks.used_weights.WeightUseTap`), channels on dimension 1.
+
+    Example:
+        >>> import torch
+        >>> spec = ChannelScaleBlock().own_spec("mixer", "D", torch.ones(3))
+        >>> spec.kind, spec.module, spec.factor_shapes
+        ('channel_scale', 'mixer', ((3, 1), (3, 1, 1)))
+    """
+
+    kind = "channel_scale"
+    module_types: tuple[type[nn.Module], ...] = ()
+
+    def matches(self, module: nn.Module) -> bool:
+        return False
+
+    def spec(self, name: str, module: nn.Module) -> LayerSpec | str:
+        return "a channel scale is a parameter of a module, not a module"
+
+    def own_spec(self, module: str, attr: str, scale: torch.Tensor) -> LayerSpec:
+        """The layer of ``module``'s parameter ``attr`` (``scale``, one entry per channel)."""
+        prefix = f"{module}." if module else ""
+        units = scale.numel()
+        options = {"module": module, "used_by_parent": True, "shape": (units,)}
+        return LayerSpec(
+            f"{prefix}{attr}",
+            self.kind,
+            f"{prefix}{attr}",
+            None,
+            units,
+            units,
+            groups=units,
+            diagonal=(True, False),
+            options=tuple(sorted(options.items())),
+        )
+
+    def notes(self, spec: LayerSpec) -> list[str]:
+        return [*super().notes(spec), f"a scale in the forward of {spec.module!r}"]
+
+    def unit_rows(
+        self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        _check(spec, x)
+        return _channel_rows(spec, x), _channel_rows(spec, r)

@@ -30,7 +30,7 @@ from kfac_func.blocks.mapped import (
 from kfac_func.blocks.registry import blocks
 from kfac_func.blocks.spec import LayerSpec
 from kfac_func.blocks.tied import EMBEDDING_KINDS, tied_specs
-from kfac_func.blocks.used_weights import used_by_parent
+from kfac_func.blocks.used_weights import own_scales, used_by_parent
 
 if TYPE_CHECKING:
     from kfac_func.blocks.base import LayerBlock
@@ -343,6 +343,12 @@ def register(
             result = result if used is None else used if isinstance(used, str) else [used]
         if isinstance(result, str):
             skipped[name] = result
+            scales = own_scales(name, module)  # parameters its forward uses as scales
+            specs += scales
+            if scales:
+                others = [n for n, p in module.named_parameters(recurse=False)]
+                left = [n for n in others if f"{name}.{n}" not in {s.name for s in scales}]
+                skipped[name] = f"{result} (of its parameters: {', '.join(left)})"
             continue
         if len(result) > 1 or result[0].name != name:
             skipped_prefixes.append(name)  # a module of several layers: children included

@@ -20,7 +20,6 @@ from torch.utils.hooks import RemovableHandle
 from kfac_func.blocks.spec import LayerSpec
 
 __all__ = [
-    "Kwargs",
     "ModeTap",
     "OutputTap",
     "RefusedCall",
@@ -35,9 +34,6 @@ __all__ = [
 Site = Callable[[LayerSpec, torch.Tensor, torch.Tensor], torch.Tensor]
 """``site(layer, input, output) -> output`` for one call of a tapped layer."""
 
-
-Kwargs = dict[str, Any]
-"""The keyword arguments of a torch function's call, seen by a :class:`ModeTap`."""
 
 Sites = Mapping[str, tuple[nn.Module, list[LayerSpec]]]
 """``{module name: (module, the layers its calls feed)}``."""
