@@ -258,8 +258,11 @@ class WeightUseTap(ModeTap):
         dimension of ``x``: ``x`` with that dimension moved to 1, and the moves."""
         if func not in _MULS or kwargs or len(args) != 2:
             return None
-        (s,) = [a for a in args if self._role(a) == (name, "weight")] or [None]
-        (x,) = [a for a in args if a is not s] or [None]
+        scales = [a for a in args if self._role(a) == (name, "weight")]
+        others = [a for a in args if self._role(a) != (name, "weight")]
+        if len(scales) != 1 or len(others) != 1:
+            return None
+        s, x = scales[0], others[0]
         if not (isinstance(x, torch.Tensor) and isinstance(s, torch.Tensor)) or x.dim() < 2:
             return None
         shape = (1,) * (x.dim() - s.dim()) + tuple(s.shape)
