@@ -106,19 +106,10 @@ class ChannelScaleBlock(ScaleShiftBlock):
     def own_spec(self, module: str, attr: str, scale: torch.Tensor) -> LayerSpec:
         """The layer of ``module``'s parameter ``attr`` (``scale``, one entry per channel)."""
         prefix = f"{module}." if module else ""
-        units = scale.numel()
-        options = {"module": module, "used_by_parent": True, "shape": (units,)}
-        return LayerSpec(
-            f"{prefix}{attr}",
-            self.kind,
-            f"{prefix}{attr}",
-            None,
-            units,
-            units,
-            groups=units,
-            diagonal=(True, False),
-            options=tuple(sorted(options.items())),
-        )
+        return self.unit_spec(
+            f"{prefix}{attr}", f"{prefix}{attr}", None, (scale.numel(),), module=module,
+            used_by_parent=True,
+        )  # fmt: skip
 
     def notes(self, spec: LayerSpec) -> list[str]:
         return [*super().notes(spec), f"a scale in the forward of {spec.module!r}"]

@@ -17,7 +17,9 @@ output-gradient together (:attr:`~kfac_func.blocks.base.LayerBlock.joint`). The 
 
 from __future__ import annotations
 
+import math
 from abc import abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -43,13 +45,20 @@ class ScaleShiftBlock(JointBlock):
         prefix = f"{name}." if name else ""
         bias = getattr(module, "bias", None)
         bias_name = f"{prefix}bias" if isinstance(bias, torch.Tensor) else None
-        units = weight.numel()
-        opts = {"shape": tuple(int(s) for s in weight.shape), **options}
+        return self.unit_spec(name, f"{prefix}weight", bias_name, weight.shape, **options)
+
+    def unit_spec(
+        self, name: str, weight: str, bias: str | None, shape: Sequence[int], **options: Any
+    ) -> LayerSpec:
+        """The layer ``name`` of the parameters ``weight`` (and ``bias``) of ``shape``, one
+        unit per entry."""
+        units = math.prod(shape)
+        opts = {"shape": tuple(int(s) for s in shape), **options}
         return LayerSpec(
             name,
             self.kind,
-            f"{prefix}weight",
-            bias_name,
+            weight,
+            bias,
             units,
             units,
             groups=units,
