@@ -287,6 +287,7 @@ def test_families_train_with_every_parameter_preconditioned(family: str) -> None
     opt = kf.KFAC(model, lr=1e-3, scaling="fisher", eigenbasis_moments=True, damping=0.01)
     with warnings.catch_warnings():
         warnings.simplefilter("error", kf.FallbackWarning)
+        warnings.filterwarnings("error", "mixture-of-experts layers")  # one micro-batch
         for step in range(2):
             opt.zero_grad()
             model(**batch(step)).loss.backward()
@@ -297,6 +298,24 @@ def test_families_train_with_every_parameter_preconditioned(family: str) -> None
     kinds = {s.kind for s in pre.layers.values()}
     assert {"moe", "router"} <= kinds
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_experts_pooled_over_micro_batches_are_warned_about_once() -> None:
+    """Two micro-batches before a step: each expert's A averages their per-expert means by
+    examples, exact only for equal routing shares; the preconditioner says so once (one
+    micro-batch per step says nothing: the test above)."""
+    model, batch = build("Mixtral")
+    opt = kf.KFAC(model, lr=1e-3, scaling="fisher", eigenbasis_moments=True, damping=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            opt.zero_grad()
+            for micro in range(2):
+                model(**batch(2 * step + micro)).loss.backward()
+            opt.step()
+    pooled = [w for w in caught if "pool the statistics" in str(w.message)]
+    assert len(pooled) == 1 and "2 micro-batches" in str(pooled[0].message)
+    assert "model.layers.0.mlp.experts" in str(pooled[0].message)
 
 
 class _Relu(nn.Module):

@@ -28,6 +28,7 @@ from kfac_func.adapter.coverage import warn_uncollected, watch_gradients
 from kfac_func.adapter.recompute import in_backward
 from kfac_func.blocks import LayerSpec, LayerTable, Rows, call_grams, thinned_gram
 from kfac_func.blocks.examples import BatchSizeError, CallExamples
+from kfac_func.blocks.moe import warn_pooled_experts
 from kfac_func.blocks.taps import Site, call_sites, tap_hooks, tapped
 from kfac_func.captures import Captures, LayerCapture
 from kfac_func.distributed.communicator import Communicator
@@ -71,6 +72,7 @@ class HookRecorder(PreconditionerBase):
     comm: Communicator
     factor_dtype: torch.dtype
     factor_rows: int | None = None
+    _experts_warned: bool = False
     _micro: list[_MicroBatch]
     _rows: dict[str, list[list[torch.Tensor | None]]]
     _handles: list[Any]
@@ -188,6 +190,12 @@ class HookRecorder(PreconditionerBase):
         eigenvalues; otherwise calls that disagree are no error."""
         self._drop_forward_only()
         self._micro = [mb for mb in self._micro if not mb.empty()]
+        pooled = len(self._micro) > 1 or self.comm.world_size > 1
+        if pooled and not self._experts_warned:  # kfac_func.blocks.moe: an approximation
+            experts = [name for name, spec in self.layers.items() if spec.kind == "moe"]
+            if experts:
+                self._experts_warned = True
+                warn_pooled_experts(experts, max(1, len(self._micro)), self.comm.world_size)
         required = self.scaling == "fisher" or self._ekfac
         for mb in self._micro:
             mb.batch_size = mb.examples.batch_size(required, _WHAT_TO_DO)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -58,7 +59,7 @@ from kfac_func.blocks.linear import LinearBlock
 from kfac_func.blocks.registry import register_block
 from kfac_func.blocks.spec import Gram, LayerSpec
 
-__all__ = ["ExpertsBlock", "RouterBlock"]
+__all__ = ["ExpertsBlock", "RouterBlock", "warn_pooled_experts"]
 
 Site = Callable[[LayerSpec, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -430,3 +431,30 @@ def _router_tap(module: nn.Module, spec: LayerSpec, site: Site) -> Iterator[None
             f"{seen} F.linear calls on its weight; K-FAC expects one (the router's logits). "
             "Leave it out with skip_layers=[...]"
         )
+
+
+def warn_pooled_experts(layers: Sequence[str], micro_batches: int, processes: int) -> None:
+    """Warn that the experts of ``layers`` pool the statistics of several micro-batches or
+    processes: each expert's A is then the micro-batches' (and processes') per-expert means
+    averaged by their examples, the mean over all of the expert's tokens only when each
+    routes it the same share of tokens (see the module docstring).
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_pooled_experts(["moe"], 2, 1)
+        >>> "2 micro-batches" in str(caught[0].message)
+        True
+    """
+    where = f"{micro_batches} micro-batches" + (
+        f" on {processes} processes" if processes > 1 else ""
+    )
+    warnings.warn(
+        f"mixture-of-experts layers {list(layers)} pool the statistics of {where}: each "
+        "expert's A is their per-expert means averaged by examples, which is the mean over "
+        "all of the expert's tokens only when each routes it the same share of tokens (one "
+        "micro-batch on one process makes no such approximation; warned once)",
+        UserWarning,
+        stacklevel=4,
+    )
