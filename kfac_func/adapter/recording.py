@@ -192,7 +192,7 @@ class HookRecorder(PreconditionerBase):
         self._micro = [mb for mb in self._micro if not mb.empty()]
         pooled = len(self._micro) > 1 or self.comm.world_size > 1
         if pooled and not self._experts_warned:  # kfac_func.blocks.moe: an approximation
-            experts = [name for name, spec in self.layers.items() if spec.kind == "moe"]
+            experts = [name for name, spec in self.layers.items() if not spec.block.pools_exactly]
             if experts:
                 self._experts_warned = True
                 warn_pooled_experts(experts, max(1, len(self._micro)), self.comm.world_size)

@@ -79,6 +79,12 @@ class LayerBlock(ABC):
     :class:`~kfac_func.blocks.taps.RefusedCall`), so that a module it recognises needs no
     first-call check (:mod:`kfac_func.blocks.checks`)."""
 
+    pools_exactly: ClassVar[bool] = True
+    """Whether the factors of several micro-batches or processes, averaged by their
+    examples, are those of their union. Not so for fused experts, each of whose A is a
+    mean over the tokens routed to it (:mod:`kfac_func.blocks.moe`): the preconditioners
+    warn once when a step pools them."""
+
     reducible: ClassVar[bool] = False
     """Whether the kind offers ``kfac_approx="reduce"`` (Eschenhagen et al., 2023): the
     inputs averaged and the output-gradients summed over the positions that share the

@@ -89,6 +89,7 @@ class ExpertsBlock(JointBlock):
     """
 
     kind = "moe"
+    pools_exactly = False
     orthogonalizable = True
     taps = True
     recomputes = True
