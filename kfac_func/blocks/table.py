@@ -346,9 +346,10 @@ def register(
             scales = own_scales(name, module)  # parameters its forward uses as scales
             specs += scales
             if scales:
-                others = [n for n, p in module.named_parameters(recurse=False)]
-                left = [n for n in others if f"{name}.{n}" not in {s.name for s in scales}]
-                skipped[name] = f"{result} (of its parameters: {', '.join(left)})"
+                taken = {s.weight for s in scales}
+                own = [n for n, _ in module.named_parameters(prefix=name, recurse=False)]
+                left = ", ".join(n.rpartition(".")[2] for n in own if n not in taken)
+                skipped[name] = f"{result} (of its parameters: {left})"
             continue
         if len(result) > 1 or result[0].name != name:
             skipped_prefixes.append(name)  # a module of several layers: children included
