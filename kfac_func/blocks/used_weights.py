@@ -186,9 +186,11 @@ class WeightUseTap(ModeTap):
     def called(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        roles = [r for r in map(self._role, pytree.tree_leaves((args, kwargs))) if r]
-        if not roles:
+        leaves = pytree.tree_leaves((args, kwargs))
+        tracked = [(leaf, r) for leaf, r in zip(leaves, map(self._role, leaves)) if r]
+        if not tracked:
             return func(*args, **kwargs)
+        roles = [r for _, r in tracked]
         params = [r for r in roles if r[1] != "product"]
         names = {name for name, _ in params}
         name = next(iter(names), "")
@@ -206,7 +208,7 @@ class WeightUseTap(ModeTap):
         if self._adds_bias(func, args, kwargs, roles, out):
             self.bias_added[roles[0][0]] += 1
             return out
-        if len(roles) == 1 and isinstance(out, torch.Tensor) and _follows(func, args, out):
+        if len(roles) == 1 and isinstance(out, torch.Tensor) and _follows(func, tracked[0][0], out):
             self.aliases.append((out, roles[0]))  # a view or a cast: no computation yet
         elif computes(out):
             what = getattr(func, "__name__", str(func))
@@ -221,10 +223,10 @@ class WeightUseTap(ModeTap):
         """``(input, the output in the layer's layout, and back)`` when the call computes
         the layer ``name``'s map (see the module docstring), else None."""
         child, spec = self.layers[name]
-        same = lambda t: t  # noqa: E731
-        weight = self._parameter(name, "weight")
         if spec.kind == _SCALE:
             return self._scaled(func, args, kwargs, name)
+        same = lambda t: t  # noqa: E731
+        weight = self._parameter(name, "weight")
         if spec.kind == "linear" and func in _MATMULS:
             if len(args) == 2 and not kwargs and _whole(args[0], weight):
                 x = args[1]
@@ -258,8 +260,9 @@ class WeightUseTap(ModeTap):
         dimension of ``x``: ``x`` with that dimension moved to 1, and the moves."""
         if func not in _MULS or kwargs or len(args) != 2:
             return None
-        scales = [a for a in args if self._role(a) == (name, "weight")]
-        others = [a for a in args if self._role(a) != (name, "weight")]
+        mine = [self._role(a) == (name, "weight") for a in args]
+        scales = [a for a, m in zip(args, mine) if m]
+        others = [a for a, m in zip(args, mine) if not m]
         if len(scales) != 1 or len(others) != 1:
             return None
         s, x = scales[0], others[0]
@@ -313,13 +316,11 @@ class WeightUseTap(ModeTap):
         return out
 
 
-def _follows(func: Callable[..., Any], args: tuple[Any, ...], out: torch.Tensor) -> bool:
-    """Whether ``out`` is a view (of the tensor in ``args``) or a dtype cast of it."""
+def _follows(func: Callable[..., Any], t: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether ``out`` is a view of ``t`` (of the tensor it views) or a dtype cast of it."""
     if out._base is not None:
-        return True
-    name = getattr(func, "__name__", "")
-    first = args[0] if args else None
-    return name in _CASTS and isinstance(first, torch.Tensor) and first.shape == out.shape
+        return out._base is (t if t._base is None else t._base)
+    return getattr(func, "__name__", "") in _CASTS and t.shape == out.shape
 
 
 def _whole(t: Any, w: torch.Tensor | None) -> bool:
