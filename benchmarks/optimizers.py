@@ -27,7 +27,9 @@ step, first and second moments, in K-FAC's eigenbasis — SOAP's update with K-F
 of its rows — every k-th position, scaled; on digits, whose calls have no positions, it
 is ``kfac-moments`` with batched eigendecompositions — and equal-shaped factors
 decomposed in one batched ``eigh``), ``kfac-moments-fresh`` (``kfac-moments`` on SOAP's
-schedule: factor statistics every step with decay 0.9 and eigenbases every 2 steps) and
+schedule: factor statistics every step with decay 0.9 and eigenbases every 2 steps),
+``kfac-moments-drift`` (``kfac-moments-fresh`` whose eigenbases are checked every step and
+decomposed anew where they drifted from their factors: ``refresh_drift``) and
 ``kfac-adaptive`` (no optimizer: the quadratic model's learning rate and momentum,
 Levenberg–Marquardt damping; its "learning rates" are the starting dampings). Every
 optimizer gets the same schedule (linear warm-up, cosine decay to 10 %), the same
@@ -91,6 +93,7 @@ LRS: dict[str, tuple[float, ...]] = {
     "kfac-moments": (7e-3, 1.4e-2),
     "kfac-moments-fast": (7e-3, 1.4e-2),
     "kfac-moments-fresh": (7e-3, 1.4e-2),
+    "kfac-moments-drift": (7e-3, 1.4e-2),
     "kfac-adaptive": (0.1, 1.0),  # the starting damping: no learning rate to sweep
     "kfac-muon": (0.02, 0.05),
     "kfac-muon-two-sided": (0.02, 0.05),
@@ -199,6 +202,11 @@ def _heavyball() -> Any | None:
     return heavyball
 
 
+DRIFT = 0.003
+"""``kfac-moments-drift``'s ``refresh_drift``: the smallest of the thresholds tried (0.003,
+0.01, 0.03) on ``lm`` at ``kfac-moments-fresh``'s tuned learning rate; it refreshed about
+as many bases per step as decompositions every 2 steps do."""
+
 KFAC = {
     # name: (compute method, SGD momentum, dampening, kl_clip, factor/inverse update
     # steps, factor decay, settings of the preconditioner)
@@ -243,6 +251,22 @@ KFAC = {
         (1, 2),
         0.9,
         {"eigenbasis_moments": True, "moment_beta2": 0.95, "moment_beta1": 0.9},
+    ),
+    # kfac-moments-fresh with each layer's eigenbases refreshed when they drift: checked
+    # every step, decomposed anew where A's or G's basis drifted past 0.003 (refresh_drift)
+    "kfac-moments-drift": (
+        "eigen",
+        0.0,
+        0.0,
+        None,
+        (1, 1),
+        0.9,
+        {
+            "eigenbasis_moments": True,
+            "moment_beta2": 0.95,
+            "moment_beta1": 0.9,
+            "refresh_drift": DRIFT,
+        },
     ),
     # the quadratic model's learning rate and momentum, adaptive damping ("lr": its start)
     "kfac-adaptive": ("eigen", 0.0, 0.0, None, (1, 5), 0.95, {}),

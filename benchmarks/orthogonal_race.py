@@ -40,6 +40,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +59,26 @@ RESULTS = ROOT / "benchmarks" / "results"
 WORKLOADS = ("lm", "lm4x", "gpt2", "digits")
 RECIPES = tuple(optimizers.ORTHOGONAL)
 COMPETITORS = ("adamw", "muon", "soap", rr.RECIPE)
-BENCHMARK = "orthogonal_race"
-MARKERS = ("<!-- orthogonal:start -->", "<!-- orthogonal:end -->")
-"""The comments around the table of ``docs/benchmarks.md`` that ``--tables`` rewrites."""
 PAGE = ROOT / "docs" / "benchmarks.md"
+
+
+@dataclass(frozen=True)
+class Challenge:
+    """Recipes raced against the committed race's tuned competitors: the results file's
+    name (``benchmark``, also the script's), the recipes, the comments around their table
+    in ``docs/benchmarks.md`` and the workloads."""
+
+    benchmark: str
+    recipes: tuple[str, ...]
+    markers: tuple[str, str]
+    workloads: tuple[str, ...] = WORKLOADS
+
+
+ORTHOGONAL_RACE = Challenge(
+    "orthogonal_race", RECIPES, ("<!-- orthogonal:start -->", "<!-- orthogonal:end -->")
+)
+MARKERS = ORTHOGONAL_RACE.markers
+"""The comments around the orthogonal recipes' table of ``docs/benchmarks.md``."""
 
 
 def competitor_runs(wname: str, w: rw.RaceWorkload, seeds: list[int]) -> list[dict[str, Any]]:
@@ -113,7 +130,7 @@ def _reach(r: dict[str, Any], c: str) -> str:
     )
 
 
-def render(doc: dict[str, Any]) -> str:
+def render(doc: dict[str, Any], challenge: Challenge = ORTHOGONAL_RACE) -> str:
     """The Markdown table of a results ``doc``."""
     runs = []
     for w, part in doc["workloads"].items():
@@ -122,9 +139,9 @@ def render(doc: dict[str, Any]) -> str:
             f"`{w}` seeds {', '.join(map(str, run['seeds']))}, CPU `{run['machine']['cpu']}`, "
             f"{run['machine']['threads']} thread(s), {rr.commit_phrase(run)}"
         )
+    name = challenge.benchmark
     lines = [
-        "Results: `benchmarks/results/orthogonal_race.json` "
-        "(`python benchmarks/orthogonal_race.py`).",
+        f"Results: `benchmarks/results/{name}.json` (`python benchmarks/{name}.py`).",
         "<!-- settings -->",
         "; ".join(runs) + ".",
         "",
@@ -145,12 +162,15 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_table(page: Path, results: Path) -> bool:
+def write_table(page: Path, results: Path, challenge: Challenge = ORTHOGONAL_RACE) -> bool:
     """Rewrite the block of ``page`` from ``results``; whether it changed."""
-    return rr.replace_block(page, MARKERS, render(json.loads(results.read_text())))
+    doc = json.loads(results.read_text())
+    return rr.replace_block(page, challenge.markers, render(doc, challenge))
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(
+    argv: list[str] | None = None, challenge: Challenge = ORTHOGONAL_RACE
+) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -158,13 +178,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--workloads",
         nargs="+",
-        choices=WORKLOADS,
-        default=list(WORKLOADS),
-        help="the workloads run (default: all four); the others already in the results "
-        "file are kept",
+        choices=challenge.workloads,
+        default=list(challenge.workloads),
+        help="the workloads run (default: all); the others already in the results file are kept",
     )
     p.add_argument(
-        "--recipes", nargs="+", choices=RECIPES, default=list(RECIPES), help="the recipes raced"
+        "--recipes",
+        nargs="+",
+        choices=challenge.recipes,
+        default=list(challenge.recipes),
+        help="the recipes raced",
     )
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="evaluation seeds")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
@@ -179,17 +202,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.seeds = args.seeds[:1]
     if args.out is None:
         folder = Path(tempfile.mkdtemp()) if args.quick else RESULTS
-        args.out = str(folder / f"{BENCHMARK}.json")
+        args.out = str(folder / f"{challenge.benchmark}.json")
     if args.quick and Path(args.out).resolve().parent == RESULTS.resolve():
         p.error("--quick results are a smoke test: not into benchmarks/results")
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, challenge: Challenge = ORTHOGONAL_RACE) -> int:
+    args = parse_args(argv, challenge)
+    name = challenge.benchmark
     if args.tables:
-        changed = write_table(PAGE, RESULTS / f"{BENCHMARK}.json")
-        print(f"{PAGE}: orthogonal race table {'rewritten' if changed else 'unchanged'}")
+        changed = write_table(PAGE, RESULTS / f"{name}.json", challenge)
+        print(f"{PAGE}: {name} table {'rewritten' if changed else 'unchanged'}")
         return 0
     started = time.perf_counter()
     checkout = git_commit(race.REWRITTEN)
@@ -222,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(previous)
     run = {
         "command": " ".join(
-            ["python", "benchmarks/orthogonal_race.py", *(sys.argv[1:] if argv is None else argv)]
+            ["python", f"benchmarks/{name}.py", *(sys.argv[1:] if argv is None else argv)]
         ),
         **checkout,
         "machine": info,
@@ -231,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     parts = {w: {**part, "run": run} for w, part in workloads.items()}
-    result = schedules.merged(out, parts, args.quick, benchmark=BENCHMARK, order=WORKLOADS)
+    result = schedules.merged(out, parts, args.quick, benchmark=name, order=challenge.workloads)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
     print(f"\nwrote {out} ({run['seconds']:.0f} s)")

@@ -45,6 +45,7 @@ class InspectionMixin(PreconditionerBase):
     moment_beta2: float
     moment_eps: float
     moment_beta1: float
+    refresh_drift: float | None
     orthogonal: Any
     sync_free: bool
     batched_eigh: bool
@@ -165,6 +166,7 @@ class InspectionMixin(PreconditionerBase):
             moment_beta2=self.moment_beta2,
             moment_eps=self.moment_eps,
             moment_beta1=self.moment_beta1,
+            refresh_drift=self.refresh_drift,
             **self._orthogonal_options(),
             sync_free=self.sync_free,
             batched_eigh=self.batched_eigh,

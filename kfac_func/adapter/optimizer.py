@@ -186,7 +186,9 @@ class KFAC(OptimizerStateMixin, torch.optim.Optimizer):
                     )
         if r.automatic:
             kfac_kwargs.setdefault("batched_eigh", True)
-            kfac_kwargs.setdefault("sync_free", _one_cuda_process(model))
+            # refresh_drift decides on the host
+            sync_free = _one_cuda_process(model) and kfac_kwargs.get("refresh_drift") is None
+            kfac_kwargs.setdefault("sync_free", sync_free)
             ortho = kfac_kwargs.get("orthogonal")
             if ortho is not None and ortho.dtype is None and _native_bf16(model):
                 kfac_kwargs["orthogonal"] = ortho._replace(dtype=torch.bfloat16)

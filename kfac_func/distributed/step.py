@@ -117,6 +117,11 @@ def update_distributed(
         1
     """
     opts = step_options(options, settings)
+    if opts.refresh_drift is not None:
+        raise ValueError(
+            "refresh_drift decides on one process which layers to decompose; "
+            "update_distributed decomposes on schedule: give refresh_drift=None"
+        )
     names = check_plan(state, plan)
     check_grads_mapping(grads)  # before any collective
     # DTensor gradients (FSDP2, tensor parallelism): placements checked before any other
