@@ -1,5 +1,6 @@
-"""``benchmarks/orthogonal_race.py``: its summary on synthetic runs, a quick run end to end
-(no timing checks), and the committed results file and docs table against its own runs."""
+"""``benchmarks/orthogonal_race.py`` and ``drift_race.py`` (its runner, other recipes): the
+summary on synthetic runs, quick runs end to end (no timing checks), and the committed
+results files and docs tables against their own runs."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import drift_race  # noqa: E402
 import orthogonal_race as ortho  # noqa: E402
 import race_report as rr  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "orthogonal_race.json"
+CHALLENGES = (ortho.ORTHOGONAL_RACE, drift_race.DRIFT_RACE)
 
 
 def run(name: str, seed: int, losses: tuple[float, ...], per_step: float, phase: str) -> dict:
@@ -85,15 +88,39 @@ def test_orthogonal_race_quick(tmp_path: Path) -> None:
     assert "| digits | kfac-muon |" in ortho.render(doc)
 
 
-def test_the_committed_results_and_the_docs_table_are_their_runs() -> None:
-    if not RESULTS.exists():
-        pytest.skip("no orthogonal race results committed yet")
-    doc = json.loads(RESULTS.read_text())
-    assert doc["quick"] is False
+@pytest.mark.slow
+def test_drift_race_quick(tmp_path: Path) -> None:
+    out = tmp_path / "drift_race.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "drift_race.py"), "--quick"]
+    proc = subprocess.run(
+        [*cmd, "--workloads", "lm", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,  # a hang guard only; the quick run takes seconds
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "drift_race" and list(doc["workloads"]) == ["lm"]
+    names = {r["name"] for r in doc["workloads"]["lm"]["summary"]}
+    assert names == {"kfac-moments-drift", *ortho.COMPETITORS}
+    table = ortho.render(doc, drift_race.DRIFT_RACE)
+    assert "| lm | kfac-moments-drift |" in table and "drift_race.json" in table
+
+
+@pytest.mark.parametrize("challenge", CHALLENGES, ids=lambda c: c.benchmark)
+def test_the_committed_results_and_the_docs_table_are_their_runs(
+    challenge: ortho.Challenge,
+) -> None:
+    results = ROOT / "benchmarks" / "results" / f"{challenge.benchmark}.json"
+    if not results.exists():
+        pytest.skip(f"no {challenge.benchmark} results committed yet")
+    doc = json.loads(results.read_text())
+    assert doc["quick"] is False and doc["benchmark"] == challenge.benchmark
     for w, part in doc["workloads"].items():
         assert json.loads(json.dumps(ortho.summarize(part["runs"]))) == part["summary"], w
-    block = rr.block_between(ortho.PAGE.read_text(), ortho.MARKERS)
-    assert block == ortho.render(doc)
+    block = rr.block_between(ortho.PAGE.read_text(), challenge.markers)
+    assert block == ortho.render(doc, challenge)
 
 
 STAGES = ROOT / "benchmarks" / "results" / "orthogonal_stages.json"
