@@ -2,10 +2,11 @@
 
 Every family of ``tests/fixture_families.py`` (GPT-NeoX, T5, ViT, Whisper, Gemma 3,
 Qwen2-MoE, Mixtral, Mamba, ModernBERT, Phi-3, OPT; tiny configs, random initialisation)
-trained for two steps with the recommended recipe, called as Hugging Face trains
-(``model(**batch).loss``, keyword arguments and labels):
+trained for two steps with the recommended recipe, ``kf.KFAC``'s defaults with no
+argument but the model, called as Hugging Face trains (``model(**batch).loss``, keyword
+arguments and labels):
 
-    kf.KFAC(model, lr=1e-3, scaling="fisher", eigenbasis_moments=True, damping=0.01)
+    kf.KFAC(model)
 
 Per family: whether it runs, the parameters preconditioned (after the steps: layers
 demoted on their first call or first step count as left to the other optimizer), the
@@ -53,7 +54,7 @@ def family_row(family: str) -> dict[str, Any]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            opt = kf.KFAC(model, lr=1e-3, scaling="fisher", eigenbasis_moments=True, damping=0.01)
+            opt = kf.KFAC(model)
             for step in range(STEPS):
                 opt.zero_grad()
                 model(**batch(step)).loss.backward()
@@ -172,8 +173,7 @@ def main() -> None:
     doc = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "recipe": "kf.KFAC(model, lr=1e-3, scaling='fisher', eigenbasis_moments=True, "
-        "damping=0.01)",
+        "recipe": "kf.KFAC(model)",
         "steps": STEPS,
         "families": rows,
         "full_size": [

@@ -7,7 +7,7 @@ model's arguments:
   batch of one: G came out ``N``-fold too small under ``scaling="fisher"``);
 - the G factor under ``"fisher"`` equals the per-example gradient covariance built here;
 - a layer on flattened rows (``(B·T, d)``, as OPT's MLP) takes the other layers' batch
-  size, and its factors equal the unflattened layer's (float64);
+  size, at a batch of one too, and its factors equal the unflattened layer's (float64);
 - layers that genuinely disagree (a sequence-first layer beside batch-first ones) raise a
   :class:`~kfac_func.blocks.examples.BatchSizeError` at ``step()`` naming those that
   disagree with the most common count (the others counted) and their input shapes, with
@@ -318,12 +318,16 @@ class SequenceFirst(nn.Module):
         return self.out(self.body(x).transpose(0, 1)).transpose(0, 1).reshape(-1, 3)
 
 
+@pytest.mark.parametrize("n", [B, 1])
 @pytest.mark.parametrize("moments", [False, True])
-def test_flattened_rows_give_the_factors_of_the_unflattened_layer(moments: bool) -> None:
+def test_flattened_rows_give_the_factors_of_the_unflattened_layer(moments: bool, n: int) -> None:
     """A flattened ``(B·T, d)`` input holds the rows of ``(B, T, d)``: under ``"fisher"`` the
     factors (and the preconditioned gradients) equal those of the same model without the
-    reshape, and the batch size is the other layer's ``B`` (the old code raised)."""
+    reshape, and the batch size is the other layer's ``B`` (the old code raised), also
+    at a batch of one, where the flattened layer sees ``(T, d)`` (the old code took
+    ``T`` examples: G ``T``-fold too small)."""
     x, y = _data("sequence")
+    x, y = x[:n], y[:n]
     got, want = {}, {}
     for flatten, out in ((True, got), (False, want)):
         torch.manual_seed(0)

@@ -435,13 +435,14 @@ def test_failed_decomposition_keeps_previous_on_every_rank(spawned: Any) -> None
 
 def _factor_elements(layers: kf.LayerTable, sym: bool) -> list[int]:
     """Elements sent per layer for one factor update, in the order of ``_reduce_factors``
-    (the plan's name order): A, G (upper triangles with ``sym``) and the layer's weight."""
+    (the plan's name order): A, G (upper triangles with ``sym``) and the layer's weights
+    (its examples, and the rows its A averages: one per group for routed experts)."""
     out = []
     for spec in (layers[name] for name in sorted(layers)):
         sides = [
             spec.groups * (n * (n + 1) // 2 if sym else n * n) for n in (spec.a_dim, spec.g_dim)
         ]
-        out.append(sum(sides) + 1)
+        out.append(sum(sides) + 1 + (spec.groups if spec.block.routed else 1))
     return out
 
 

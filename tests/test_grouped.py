@@ -368,8 +368,9 @@ def test_batch_factors_built_together_equal_each_layers_own() -> None:
     got = build_batch_factors(specs, stats_of, config)
     assert sorted(asked) == sorted(stats)  # each layer's statistics asked for once
     assert sorted(got) == sorted(set(stats) - {"unseen"})
-    for name, (a, g, w) in got.items():
+    for name, (a, g, w, rows) in got.items():
         ref = factors_from_stats(name, stats[name], config)
         assert ref is not None
-        assert torch.equal(a, ref[0]) and torch.equal(g, ref[1]) and w == ref[2], name
+        assert torch.equal(a, ref.a) and torch.equal(g, ref.g) and w == ref.weight, name
+        assert rows == ref.rows, name
     assert got["a"][0]._base is got["c"][0]._base  # one stack

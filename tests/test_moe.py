@@ -13,6 +13,8 @@ router as a Linear, against oracles built here by hand in float64:
 - the model called by keyword gives the factors of the positional call;
 - an ``nn.ModuleList`` of Linear experts (the older layout) gives the same factors, expert
   by expert, as Linear layers on their routed rows;
+- two micro-batches, and DDP on 2 processes, that route different shares of their tokens
+  to each expert give the factors of the whole batch on one process;
 - Mixtral and Qwen2-MoE train with every parameter preconditioned, under the recommended
   recipe; a module that computes something else is an error naming it; layouts the kind
   does not compute are skipped with their reason.
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import copy
 import warnings
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +38,7 @@ from kfac_func.step.grouping import plan_groups
 
 transformers = pytest.importorskip("transformers")
 from fixture_families import build  # noqa: E402
+from gloo import gloo_group, one_thread, record_errors, spawn  # noqa: E402
 
 F64 = torch.float64
 N, T, D, E, K, I_ = 3, 5, 6, 4, 2, 3
@@ -287,7 +292,6 @@ def test_families_train_with_every_parameter_preconditioned(family: str) -> None
     opt = kf.KFAC(model, lr=1e-3, scaling="fisher", eigenbasis_moments=True, damping=0.01)
     with warnings.catch_warnings():
         warnings.simplefilter("error", kf.FallbackWarning)
-        warnings.filterwarnings("error", "mixture-of-experts layers")  # one micro-batch
         for step in range(2):
             opt.zero_grad()
             model(**batch(step)).loss.backward()
@@ -300,22 +304,107 @@ def test_families_train_with_every_parameter_preconditioned(family: str) -> None
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_experts_pooled_over_micro_batches_are_warned_about_once() -> None:
-    """Two micro-batches before a step: each expert's A averages their per-expert means by
-    examples, exact only for equal routing shares; the preconditioner says so once (one
-    micro-batch per step says nothing: the test above)."""
-    model, batch = build("Mixtral")
-    opt = kf.KFAC(model, lr=1e-3, scaling="fisher", eigenbasis_moments=True, damping=0.01)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(2):
-            opt.zero_grad()
-            for micro in range(2):
-                model(**batch(2 * step + micro)).loss.backward()
-            opt.step()
-    pooled = [w for w in caught if "pool the statistics" in str(w.message)]
-    assert len(pooled) == 1 and "2 micro-batches" in str(pooled[0].message)
-    assert "model.layers.0.mlp.experts" in str(pooled[0].message)
+def _routed_share(caps: kf.Captures) -> torch.Tensor:
+    """Each expert's share of the rows routed in ``caps`` (the experts' ids ride in the
+    last column of the gate-up projection's recorded input)."""
+    ids = caps.layers["moe.experts.gate_up_proj"].inputs[0][:, -1].round().long()
+    counts = torch.bincount(ids, minlength=E).to(F64)
+    return counts / counts.sum()
+
+
+def test_experts_pooled_over_micro_batches_equal_the_whole_batch() -> None:
+    """Two micro-batches that route different shares of their tokens to each expert:
+    each expert's A is its mean over all of its rows, as for the whole batch (the
+    functional accumulation and the adapter's, float64); pooling the micro-batches'
+    per-expert means by examples would weight them wrongly."""
+    x, y = _data(n=4)
+    net = _net()
+    table = kf.register(net)
+    params = dict(net.named_parameters())
+
+    def cap(sl: slice) -> kf.Captures:
+        return kf.capture(net, params, (x[sl],), lambda o: _loss(o, y[sl]), layers=table)[2]
+
+    state = kf.init(table, convention="fisher", factor_dtype=F64, inv_dtype=F64)
+    full = kf.step.accumulate_factors(state, cap(slice(0, 4)), factor_decay=0.5)
+    halves = [cap(slice(0, 2)), cap(slice(2, 4))]
+    assert (_routed_share(halves[0]) - _routed_share(halves[1])).abs().max() > 0.05
+    micro = kf.step.accumulate_factors(state, halves, factor_decay=0.5)
+    got = kf.KFACPreconditioner(
+        copy.deepcopy(net), scaling="fisher", accumulation_steps=2, loss_divisor=2
+    )
+    for sl in (slice(0, 2), slice(2, 4)):  # the adapter: two backward passes, one step
+        (_loss(got.model(x[sl]), y[sl]) / 2).backward()
+    got.step()
+    for name, ls in full.layers.items():
+        for side in ("a_factor", "g_factor"):
+            want = getattr(ls, side)
+            for pooled in (micro.layers[name], got.state.layers[name]):
+                torch.testing.assert_close(
+                    getattr(pooled, side), want, rtol=1e-12, atol=1e-14, msg=f"{name} {side}"
+                )
+
+
+DDP_STEPS = 2
+
+
+def _ddp_run(rank: int | None) -> dict[str, Any]:
+    """The adapter on DDP's rank ``rank`` (its half of each global batch of 4 examples),
+    or on one process with the whole batch (None): SGD steps on the preconditioned
+    gradients; the factors and those gradients."""
+    net = _net()
+    model: nn.Module = net if rank is None else nn.parallel.DistributedDataParallel(net)
+    pre = kf.KFACPreconditioner(
+        model, scaling="fisher", factor_dtype=F64, inv_dtype=F64, damping=0.01, lr=0.1
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    for step in range(DDP_STEPS):
+        x, y = _data(n=4, seed=10 + step)
+        if rank is not None:
+            x, y = x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]
+        opt.zero_grad()
+        _loss(model(x), y).backward()
+        pre.step()
+        grads.append(
+            {n.removeprefix("module."): p.grad.clone() for n, p in model.named_parameters()}
+        )
+        opt.step()
+    layers = pre.state_dict()["layers"]
+    factors = {
+        n.removeprefix("module."): (e["A"].clone(), e["G"].clone()) for n, e in layers.items()
+    }
+    return {"factors": factors, "grads": grads}
+
+
+def _ddp_worker(rank: int, world: int, tmp: str) -> None:
+    with (
+        gloo_group(rank, world, tmp, timeout=timedelta(seconds=60)),
+        record_errors(Path(tmp, f"rank{rank}.error")),
+    ):
+        torch.save(_ddp_run(rank), Path(tmp, f"rank{rank}.pt"))
+
+
+def test_ddp_on_two_processes_equals_one_process(tmp_path: Path) -> None:
+    """DDP on 2 gloo processes, each with half of every global batch (routing different
+    shares of its tokens to each expert), against one process with the whole batch: the
+    experts' factors (rank 0's state dict holds the global ones) and the preconditioned
+    gradients on both ranks, float64."""
+    spawn(_ddp_worker, 2, tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    with one_thread():
+        want = _ddp_run(None)
+    assert any(k.startswith("moe.experts") for k in want["factors"])
+    for key, (a, g) in want["factors"].items():
+        got_a, got_g = ranks[0]["factors"][key]
+        torch.testing.assert_close(got_a, a, rtol=1e-10, atol=1e-13, msg=f"{key} A")
+        torch.testing.assert_close(got_g, g, rtol=1e-10, atol=1e-13, msg=f"{key} G")
+    for r in ranks:
+        for step, (got, ref) in enumerate(zip(r["grads"], want["grads"])):
+            for n, gr in ref.items():
+                torch.testing.assert_close(
+                    got[n], gr, rtol=1e-9, atol=1e-12, msg=f"step {step} {n}"
+                )
 
 
 class _Relu(nn.Module):

@@ -28,7 +28,6 @@ from kfac_func.adapter.coverage import warn_uncollected, watch_gradients
 from kfac_func.adapter.recompute import in_backward
 from kfac_func.blocks import LayerSpec, LayerTable, Rows, call_grams, thinned_gram
 from kfac_func.blocks.examples import BatchSizeError, CallExamples
-from kfac_func.blocks.moe import warn_pooled_experts
 from kfac_func.blocks.taps import Site, call_sites, tap_hooks, tapped
 from kfac_func.captures import Captures, LayerCapture
 from kfac_func.distributed.communicator import Communicator
@@ -36,7 +35,12 @@ from kfac_func.distributed.dtensor import whole_input, whole_output_grad
 from kfac_func.distributed.kaisa import offer_factors, start_factor_reduction
 from kfac_func.distributed.plan import Plan
 from kfac_func.distributed.reducer import OrderedReducer
-from kfac_func.step.batch_factors import MicroBatchStats, build_batch_factors, factors_from_stats
+from kfac_func.step.batch_factors import (
+    LayerFactors,
+    MicroBatchStats,
+    build_batch_factors,
+    factors_from_stats,
+)
 from kfac_func.step.checks import rows_cheaper_count
 
 __all__ = ["HookRecorder", "remove_handles"]
@@ -72,7 +76,6 @@ class HookRecorder(PreconditionerBase):
     comm: Communicator
     factor_dtype: torch.dtype
     factor_rows: int | None = None
-    _experts_warned: bool = False
     _micro: list[_MicroBatch]
     _rows: dict[str, list[list[torch.Tensor | None]]]
     _handles: list[Any]
@@ -190,12 +193,6 @@ class HookRecorder(PreconditionerBase):
         eigenvalues; otherwise calls that disagree are no error."""
         self._drop_forward_only()
         self._micro = [mb for mb in self._micro if not mb.empty()]
-        pooled = len(self._micro) > 1 or self.comm.world_size > 1
-        if pooled and not self._experts_warned:  # kfac_func.blocks.moe: an approximation
-            experts = [name for name, spec in self.layers.items() if not spec.block.pools_exactly]
-            if experts:
-                self._experts_warned = True
-                warn_pooled_experts(experts, max(1, len(self._micro)), self.comm.world_size)
         required = self.scaling == "fisher" or self._ekfac
         for mb in self._micro:
             mb.batch_size = mb.examples.batch_size(required, _WHAT_TO_DO)
@@ -414,9 +411,7 @@ class HookRecorder(PreconditionerBase):
             self._reducer.finish(lambda name: [])
             self._reducer = None
 
-    def _layer_factors(
-        self, name: str, spec: LayerSpec
-    ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    def _layer_factors(self, name: str, spec: LayerSpec) -> LayerFactors | None:
         return factors_from_stats(name, self._layer_stats(name, spec), self._state.config)
 
     def _layer_stats(self, name: str, spec: LayerSpec) -> list[MicroBatchStats]:
@@ -431,7 +426,7 @@ class HookRecorder(PreconditionerBase):
             stats.append(MicroBatchStats(a, g, mb.batch_size, self._loss_scale(mb.batch_size)))
         return stats
 
-    def _batch_factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    def _batch_factors(self) -> dict[str, LayerFactors]:
         """Local factors of the layers whose reduction has not started in the hooks.
 
         Takes the statistics out of the micro-batches: each layer's are dropped once its

@@ -79,11 +79,11 @@ class LayerBlock(ABC):
     :class:`~kfac_func.blocks.taps.RefusedCall`), so that a module it recognises needs no
     first-call check (:mod:`kfac_func.blocks.checks`)."""
 
-    pools_exactly: ClassVar[bool] = True
-    """Whether the factors of several micro-batches or processes, averaged by their
-    examples, are those of their union. Not so for fused experts, each of whose A is a
-    mean over the tokens routed to it (:mod:`kfac_func.blocks.moe`): the preconditioners
-    warn once when a step pools them."""
+    routed: ClassVar[bool] = False
+    """Whether each group of the layer's stacked factors sees only the rows routed to it
+    (a mixture's experts, :mod:`kfac_func.blocks.moe`): its A Grams carry the rows of
+    each group (:class:`~kfac_func.blocks.spec.Gram`), and windows of several ranks are
+    pooled group by group."""
 
     reducible: ClassVar[bool] = False
     """Whether the kind offers ``kfac_approx="reduce"`` (Eschenhagen et al., 2023): the

@@ -22,9 +22,12 @@ batch size is what they say together:
   :meth:`CallExamples.batch_size` raises :class:`BatchSizeError`, naming the layers that
   disagree with the most common count.
 
-Known limitation: with every call on rows alone, calls that disagree are an error; and
-a flattening layer at a batch of one (``(T, d)`` beside ``(1, T, d)``) says ``T`` while
-the others say 1, and ``T`` is taken.
+A batch of one example is told apart from a batch of ``T`` broadcast over: when every
+call that says a number says 1 and the calls on rows alone count as many rows as one of
+those calls holds (``(T, d)`` beside ``(1, T, d)``: the flattened rows of the one
+example), the batch size is 1.
+
+Known limitation: with every call on rows alone, calls that disagree are an error.
 """
 
 from __future__ import annotations
@@ -82,6 +85,8 @@ class CallExamples:
     """The counts above 1 said so far (kept as calls are added: asked on every call)."""
     many_rows: set[int] = field(default_factory=set)
     """The same of calls on rows alone."""
+    one_rows: set[int] = field(default_factory=set)
+    """The rows held by the calls that say one example (a batch of one's rows)."""
 
     def add(self, spec: LayerSpec, x: torch.Tensor) -> None:
         """Record one call of ``spec`` on the input ``x``."""
@@ -94,6 +99,8 @@ class CallExamples:
         self.said.setdefault(spec.name, {}).setdefault(n, tuple(x.shape))
         if n is not None and n != 1:
             self.many.add(n)
+        elif n == 1:  # ids count each entry as a row, features the entries of a row
+            self.one_rows.add(x.numel() if not x.is_floating_point() else x.shape[:-1].numel())
 
     def known(self) -> int | None:
         """The number of examples the calls so far agree on, if one above 1 (else None:
@@ -128,8 +135,8 @@ class CallExamples:
                     "cannot tell the batch size: its registered layers' inputs hold "
                     f"different numbers of examples: {_disagreeing(said)}. {what_to_do}."
                 )
-            if counts and said is self.said and not self.many_rows:
-                return 1
+            if counts and said is self.said and self.many_rows <= self.one_rows:
+                return 1  # no rows beside, or the rows of the one example
         if any(1 in ns for ns in self.rows.values()):
             return 1
         if not required:

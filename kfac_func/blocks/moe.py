@@ -19,10 +19,11 @@ convention, ``A_e = Σ_{t→e} a aᵀ / n_e`` averages the expert's ``n_e`` inpu
 examples, as a Linear's over its positions: for a batch of one token, ``G_e ⊗ A_e`` is the
 expert's Fisher block. The output-gradient of the down projection is the gradient of ``y``,
 which carries the routing weight: ``∂L/∂y_t = w_te · ∂L/∂out_t``. An expert that no token
-reached has ``A_e = 0`` and ``G_e = 0`` in that batch (its gradient is zero). Several
-micro-batches (or processes) average their per-expert means weighted by their examples,
-as for every layer: the mean over all of an expert's rows only when each routes it the
-same share of rows.
+reached has ``A_e = 0`` and ``G_e = 0`` in that batch (its gradient is zero). The A
+statistics carry each expert's row count, so that several micro-batches (or processes)
+pool each expert's A weighted by the rows routed to it there: ``A_e`` is the mean over
+all of the expert's rows in the window, however they fall into micro-batches and ranks
+(G, a sum over each example's rows, pools by examples as every layer's).
 
 The module's forward (a loop over experts, ``torch._grouped_mm``, batched matmuls: the
 ``experts_implementation`` of the config) is not observed from inside. While statistics
@@ -45,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -59,7 +59,7 @@ from kfac_func.blocks.linear import LinearBlock
 from kfac_func.blocks.registry import register_block
 from kfac_func.blocks.spec import Gram, LayerSpec
 
-__all__ = ["ExpertsBlock", "RouterBlock", "warn_pooled_experts"]
+__all__ = ["ExpertsBlock", "RouterBlock"]
 
 Site = Callable[[LayerSpec, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -89,7 +89,7 @@ class ExpertsBlock(JointBlock):
     """
 
     kind = "moe"
-    pools_exactly = False
+    routed = True
     orthogonalizable = True
     taps = True
     recomputes = True
@@ -142,8 +142,8 @@ class ExpertsBlock(JointBlock):
     ) -> tuple[Gram, Gram]:
         """Per-expert statistics of one call: ``x`` holds the routed rows sorted by expert
         with the expert of each row as a last column, ``r`` their output-gradients. The A
-        Gram of expert ``e`` is scaled by ``S / n_e`` (``S`` rows in all), so that the
-        convention's division by ``S`` leaves each expert's mean over its own rows.
+        Gram carries each expert's row count (``groups``), its factor being each expert's
+        mean over its own rows (:func:`~kfac_func.core.factors.mean_over_rows`).
 
         Example:
             >>> import torch
@@ -151,8 +151,8 @@ class ExpertsBlock(JointBlock):
             >>> spec = register(_example())["gate_up_proj"]
             >>> x = torch.tensor([[1.0, 0, 0, 0, 0, 0, 0], [3, 0, 0, 0, 0, 0, 2]])
             >>> a, g = spec.block.joint_grams(spec, x, torch.ones(2, 6), torch.float64)
-            >>> a.gram[[0, 2], 0, 0] / a.rows, g.gram[[0, 1, 2], 0, 0]
-            (tensor([1., 9.], dtype=torch.float64), tensor([1., 0., 1.], dtype=torch.float64))
+            >>> a.gram[[0, 2], 0, 0].tolist(), a.groups.tolist(), g.gram[:3, 0, 0].tolist()
+            ([1.0, 9.0], [1.0, 0.0, 1.0, 0.0], [1.0, 0.0, 1.0])
         """
         e = spec.groups
         ids = x[:, -1].round().long()
@@ -170,9 +170,9 @@ class ExpertsBlock(JointBlock):
         g = r.new_zeros(e, r.shape[1], r.shape[1])
         for k, (xe, ge) in enumerate(zip(torch.split(rows, sizes), torch.split(r, sizes))):
             if sizes[k]:
-                a[k] = (xe.T @ xe) * (total / sizes[k])
+                a[k] = xe.T @ xe
                 g[k] = ge.T @ ge
-        return Gram(a, total, 1), Gram(g, total, 1)
+        return Gram(a, total, 1, groups=counts.to(dtype)), Gram(g, total, 1)
 
     def recompute(
         self,
@@ -432,30 +432,3 @@ def _router_tap(module: nn.Module, spec: LayerSpec, site: Site) -> Iterator[None
             f"{seen} F.linear calls on its weight; K-FAC expects one (the router's logits). "
             "Leave it out with skip_layers=[...]"
         )
-
-
-def warn_pooled_experts(layers: Sequence[str], micro_batches: int, processes: int) -> None:
-    """Warn that the experts of ``layers`` pool the statistics of several micro-batches or
-    processes: each expert's A is then the micro-batches' (and processes') per-expert means
-    averaged by their examples, the mean over all of the expert's tokens only when each
-    routes it the same share of tokens (see the module docstring).
-
-    Example:
-        >>> import warnings
-        >>> with warnings.catch_warnings(record=True) as caught:
-        ...     warnings.simplefilter("always")
-        ...     warn_pooled_experts(["moe"], 2, 1)
-        >>> "2 micro-batches" in str(caught[0].message)
-        True
-    """
-    where = f"{micro_batches} micro-batches" + (
-        f" on {processes} processes" if processes > 1 else ""
-    )
-    warnings.warn(
-        f"mixture-of-experts layers {list(layers)} pool the statistics of {where}: each "
-        "expert's A is their per-expert means averaged by examples, which is the mean over "
-        "all of the expert's tokens only when each routes it the same share of tokens (one "
-        "micro-batch on one process makes no such approximation; warned once)",
-        UserWarning,
-        stacklevel=4,
-    )

@@ -172,12 +172,15 @@ class CheckedCall(NamedTuple):
 class Gram(NamedTuple):
     """Unscaled statistics of one call: ``Σ rowsᵀrows`` (only its diagonal ``Σ rows²`` when
     ``diagonal``), its row count, rows per example that stem from space. Factors are scaled
-    sums of these (see :mod:`kfac_func.core.conventions`)."""
+    sums of these (see :mod:`kfac_func.core.conventions`). ``groups``, for statistics
+    stacked by a group that each row is routed to (a mixture's experts), holds the rows of
+    each group: the factor is then each group's mean over its own rows."""
 
     gram: torch.Tensor
     rows: int
     spatial: int
     diagonal: bool = False
+    groups: torch.Tensor | None = None
 
     def scaled(self, factor: float) -> Gram:
         """The statistics of ``factor`` times as many rows like these (the Gram and the
@@ -186,9 +189,12 @@ class Gram(NamedTuple):
         Example:
             >>> Gram(torch.ones(2, 2), 4, 1).scaled(2.0)
             Gram(gram=tensor([[2., 2.],
-                    [2., 2.]]), rows=8, spatial=1, diagonal=False)
+                    [2., 2.]]), rows=8, spatial=1, diagonal=False, groups=None)
         """
-        return Gram(self.gram * factor, round(self.rows * factor), self.spatial, self.diagonal)
+        groups = None if self.groups is None else self.groups * factor
+        return Gram(
+            self.gram * factor, round(self.rows * factor), self.spatial, self.diagonal, groups
+        )
 
 
 def thin_positions(x: torch.Tensor, budget: int, offset: int) -> tuple[torch.Tensor, float]:

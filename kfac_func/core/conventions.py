@@ -125,7 +125,9 @@ def micro_batch_weights(convention: Convention, batch_sizes: Sequence[int]) -> l
     """Weights that combine per-micro-batch factors of one accumulation window.
 
     ``"fisher"`` weights by examples (the window's per-example average); ``"kfac-pytorch"``
-    averages the micro-batch covariances equally.
+    averages the micro-batch covariances equally. (``"fisher"``'s A is not combined so:
+    it is the mean over all of the window's rows, see
+    :func:`~kfac_func.core.factors.mean_over_rows`.)
     """
     if convention == "fisher":
         total = sum(batch_sizes)

@@ -20,6 +20,7 @@ __all__ = [
     "a_factor",
     "factor_from_grams",
     "g_factor",
+    "mean_over_rows",
     "rows_match",
     "rows_reproduce",
     "symmetrize",
@@ -44,7 +45,10 @@ def factor_from_grams(
     loss_scale: float | None = None,
 ) -> torch.Tensor:
     """A factor from the per-call Grams of one batch: A without ``batch_size``/``loss_scale``,
-    G with them. Diagonal Grams make a diagonal factor (not symmetrised: it is a vector)."""
+    G with them. Diagonal Grams make a diagonal factor (not symmetrised: it is a vector).
+    Grams that carry ``groups`` make each group's mean (:func:`mean_over_rows`)."""
+    if grams[0].groups is not None:
+        return mean_over_rows(grams)[0]
     rows, spatial = [g.rows for g in grams], [g.spatial for g in grams]
     if batch_size is None or loss_scale is None:
         scales = a_scales(convention, rows, spatial)
@@ -55,6 +59,46 @@ def factor_from_grams(
     for g, k in zip(grams[1:], scales[1:]):
         total.add_(g.gram, alpha=k)
     return total if grams[0].diagonal else symmetrize(total)
+
+
+def mean_over_rows(grams: Sequence[Gram]) -> tuple[torch.Tensor, float | torch.Tensor]:
+    """``Σ Gram / Σ rows``: the mean of ``rowᵀrow`` over every row of ``grams`` (the calls
+    of one micro-batch or of several), and the rows it averages, its weight when it is
+    pooled with other such means. For Grams that carry ``groups`` (statistics stacked by
+    the group each row was routed to) the mean is each group's over its own rows (0 for a
+    group that got none) and the rows are a tensor, one entry per group.
+
+    The ``"fisher"`` convention's A factor (:func:`~kfac_func.core.conventions.a_scales`):
+    pooling such means weighted by their rows is the mean over all the rows, whatever
+    share of them each micro-batch or rank holds.
+
+    Example:
+        >>> import torch
+        >>> from kfac_func.blocks import Gram
+        >>> mean_over_rows([Gram(torch.eye(2), 4, 1), Gram(3 * torch.eye(2), 4, 1)])
+        (tensor([[0.5000, 0.0000],
+                [0.0000, 0.5000]]), 8.0)
+        >>> per_expert = Gram(torch.stack([torch.eye(1), 6 * torch.eye(1), torch.zeros(1, 1)]),
+        ...                   5, 1, groups=torch.tensor([2.0, 3.0, 0.0]))
+        >>> mean_over_rows([per_expert])[0].flatten()
+        tensor([0.5000, 2.0000, 0.0000])
+    """
+    first = grams[0]
+    if first.groups is None:
+        n = sum(g.rows for g in grams)
+        total = first.gram * (1.0 / n)  # as a_scales("fisher") scales each call
+        for g in grams[1:]:
+            total.add_(g.gram, alpha=1.0 / n)
+        return (total if first.diagonal else symmetrize(total)), float(n)
+    rows = first.groups.to(first.gram.dtype)
+    total = first.gram.clone()
+    for g in grams[1:]:
+        assert g.groups is not None
+        total.add_(g.gram)
+        rows = rows + g.groups.to(rows.dtype)
+    inverse = torch.where(rows > 0, rows.reciprocal(), 0.0)
+    total.mul_(inverse.reshape(-1, *([1] * (total.dim() - 1))))
+    return (total if first.diagonal else symmetrize(total)), rows
 
 
 def a_factor(

@@ -47,7 +47,13 @@ from kfac_func.distributed.plan import DistributedStrategy, Plan
 from kfac_func.distributed.reducer import OrderedReducer
 from kfac_func.state import KFACState, LayerState
 from kfac_func.step.accumulate import fold_layers
-from kfac_func.step.batch_factors import build_batch_factors, layer_stats
+from kfac_func.step.batch_factors import (
+    LayerFactors,
+    build_batch_factors,
+    from_pooled,
+    layer_stats,
+    pooling_terms,
+)
 from kfac_func.step.decompose import decomposition_failed
 from kfac_func.step.decompose_groups import batched_eigenpairs, needs_decomposition, warm_start
 from kfac_func.step.hyper import NonFinite, as_list
@@ -74,13 +80,13 @@ def check_plan(state: KFACState, plan: Plan) -> list[str]:
     return list(plan.layers)
 
 
-BatchFactors = Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]
+BatchFactors = Mapping[str, LayerFactors]
 
 
 def local_batch_factors(
     state: KFACState, captures: Captures | Sequence[Captures]
-) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
-    """``{layer: (A, G, weight)}`` of this rank's captures (layers not called are absent)."""
+) -> dict[str, LayerFactors]:
+    """``{layer: LayerFactors}`` of this rank's captures (layers not called are absent)."""
     micro = as_list(captures)
     specs = {name: ls.spec for name, ls in state.layers.items()}
     return build_batch_factors(
@@ -89,7 +95,8 @@ def local_batch_factors(
 
 
 def start_factor_reduction(state: KFACState, plan: Plan, comm: Communicator) -> OrderedReducer:
-    """An in-order reduction of every layer's ``[w·A, w·G, w]`` (layers in plan order).
+    """An in-order reduction of every layer's :func:`~kfac_func.step.batch_factors.pooling_terms`
+    (layers in plan order).
 
     Offer a layer with :func:`offer_factors` as soon as its window is complete (the
     adapter does so from autograd hooks, overlapping communication with the backward
@@ -103,25 +110,15 @@ def start_factor_reduction(state: KFACState, plan: Plan, comm: Communicator) -> 
     return OrderedReducer(comm, order, symmetric=[True, True, False], dst=dst)
 
 
-def offer_factors(
-    reducer: OrderedReducer,
-    ls: LayerState,
-    batch: tuple[torch.Tensor, torch.Tensor, float] | None,
-) -> None:
+def offer_factors(reducer: OrderedReducer, ls: LayerState, batch: LayerFactors | None) -> None:
     """Offer one layer's local batch factors (None: not called here, contributes nothing)."""
     symmetric = [not ls.spec.a_diagonal, not ls.spec.g_diagonal, False]
-    if batch is None:
-        zero = torch.zeros(1, dtype=ls.a_factor.dtype, device=ls.a_factor.device)
-        if ls.spec.block.stacked_uses:  # a tied layer's batch factors stack its uses
-            za, zg = stacked_like(ls.a_factor, ls.g_factor)
-        else:
-            za, zg = torch.zeros_like(ls.a_factor), torch.zeros_like(ls.g_factor)
-        zeros = [za, zg, zero]
-        reducer.ready(ls.spec.name, zeros, symmetric)
-        return
-    a, g, w = batch
-    weight = torch.full((1,), w, dtype=a.dtype, device=a.device)
-    reducer.ready(ls.spec.name, [w * a, w * g, weight], symmetric)
+    zeros = None
+    if batch is None and ls.spec.block.stacked_uses:  # a tied layer's stack its uses
+        zeros = stacked_like(ls.a_factor, ls.g_factor)
+    elif batch is None:
+        zeros = (torch.zeros_like(ls.a_factor), torch.zeros_like(ls.g_factor))
+    reducer.ready(ls.spec.name, pooling_terms(ls.spec, batch, zeros), symmetric)
 
 
 def reduce_factors(
@@ -139,7 +136,7 @@ def reduce_factors(
     it started already)."""
     cfg = state.config
     layers = dict(state.layers)
-    batches: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = dict(local)
+    batches: dict[str, LayerFactors] = dict(local)
     if comm.world_size > 1:
         reducer = reducer or start_factor_reduction(state, plan, comm)
         for name in names:
@@ -151,10 +148,9 @@ def reduce_factors(
         for name in names:
             if to_owner and comm.rank != plan.layers[name].a_owner:
                 continue  # only the owner receives (and needs) the sums
-            wa, wg, total = sums[name]
-            w = float(total[0])
-            if w != 0.0:
-                batches[name] = (wa / w, wg / w, w)
+            pooled = from_pooled(sums[name])
+            if pooled is not None:
+                batches[name] = pooled
     # folded as update() folds them, the layers of one shape together
     fold_layers(layers, lambda name, _: batches.pop(name, None), decay, cfg, nonfinite)
     return layers

@@ -82,7 +82,7 @@ def update_distributed(
     rank returns the same preconditioned gradients. Arguments are those of
     :func:`kfac_func.update` (the settings: :class:`kfac_func.StepOptions`, as
     ``options=`` or keywords), plus the plan and its :class:`Communicator`, and
-    ``batch_factors`` (``{layer: (A, G, weight)}`` of this rank, as from
+    ``batch_factors`` (``{layer: LayerFactors}`` of this rank, as from
     :func:`local_batch_factors`) for callers that built the factors already (the hooks of
     the stateful adapter) instead of ``captures``, ``factor_reducer`` (from
     :func:`start_factor_reduction`) holding layers whose reduction already started, and

@@ -21,7 +21,13 @@ from kfac_func.parallel.base import MicroBatchRecord, ParallelBase
 from kfac_func.parallel.shards import kl_clip_from_terms, kl_clip_terms
 from kfac_func.state import LayerState
 from kfac_func.step.accumulate import fold_checked
-from kfac_func.step.batch_factors import MicroBatchStats, factors_from_stats
+from kfac_func.step.batch_factors import (
+    LayerFactors,
+    MicroBatchStats,
+    factors_from_stats,
+    from_pooled,
+    pooling_terms,
+)
 from kfac_func.step.checks import grads_finite
 from kfac_func.step.decompose import decompose_layer
 from kfac_func.step.decompose_groups import needs_decomposition
@@ -34,9 +40,7 @@ class ParallelStep(ParallelBase):
 
     # --- step --------------------------------------------------------------------
 
-    def _local_factors(
-        self, micro: list[MicroBatchRecord]
-    ) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    def _local_factors(self, micro: list[MicroBatchRecord]) -> dict[str, LayerFactors]:
         """This replica's batch factors of the full layers, on each layer's primary."""
         cfg = self._state.config
         out = {}
@@ -73,7 +77,7 @@ class ParallelStep(ParallelBase):
     def _fold(
         self,
         layers: dict[str, LayerState],
-        local: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]],
+        local: Mapping[str, LayerFactors],
     ) -> dict[str, LayerState]:
         """Sum the replicas' factors on the owners and fold them into the running averages."""
         cfg = self._state.config
@@ -82,18 +86,16 @@ class ParallelStep(ParallelBase):
             if not self._primary(name):
                 continue
             lp = self.plan.layers[name]
-            if name in local:
-                a, g, w = local[name]
-                sent = [w * a, w * g, torch.full((1,), w, dtype=a.dtype, device=a.device)]
-            else:
-                zero = torch.zeros(1, dtype=ls.a_factor.dtype, device=ls.a_factor.device)
-                sent = [torch.zeros_like(ls.a_factor), torch.zeros_like(ls.g_factor), zero]
-            wa, wg, total = self.comm.reduce_data(sent, dst=lp.owner_data)
+            zeros = None
+            if name not in local:
+                zeros = (torch.zeros_like(ls.a_factor), torch.zeros_like(ls.g_factor))
+            sent = pooling_terms(ls.spec, local.get(name), zeros)
+            sums = self.comm.reduce_data(sent, dst=lp.owner_data)
             if not self._owner(name):
                 continue
-            w = float(total[0])
-            if w != 0.0:
-                layers[name] = fold_checked(ls, wa / w, wg / w, decay, cfg, "skip")
+            pooled = from_pooled(sums)
+            if pooled is not None:
+                layers[name] = fold_checked(ls, pooled.a, pooled.g, decay, cfg, "skip")
         return layers
 
     def _layer_grads(self, spec: LayerSpec) -> tuple[torch.Tensor, torch.Tensor | None]:

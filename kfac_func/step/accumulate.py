@@ -440,7 +440,7 @@ def _rows(flags: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def _key(ls: LayerState, batch: LayerFactors, config: KFACConfig) -> Hashable | None:
     """What layers must share to be folded together; a tied layer's stacked uses, or
     factors on another device than the batch's, fold alone (None)."""
-    a, g, _ = batch
+    a, g = batch[0], batch[1]
     alone = (
         ls.spec.block.stacked_uses
         or a.dim() != ls.a_factor.dim()

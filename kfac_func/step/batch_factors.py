@@ -20,7 +20,7 @@ import torch
 from kfac_func.blocks import Gram, LayerSpec, call_grams
 from kfac_func.captures import Captures
 from kfac_func.core.conventions import a_scales, g_scales, micro_batch_weights
-from kfac_func.core.factors import factor_from_grams, symmetrize
+from kfac_func.core.factors import factor_from_grams, mean_over_rows, symmetrize
 from kfac_func.core.stacks import stacked
 from kfac_func.core.tied_factors import is_tied, tied_batch_factors
 from kfac_func.state import KFACConfig
@@ -30,13 +30,24 @@ __all__ = [
     "MicroBatchStats",
     "build_batch_factors",
     "factors_from_stats",
+    "from_pooled",
     "layer_batch_factors",
     "layer_stats",
+    "pooling_terms",
 ]
 
 
-LayerFactors = tuple[torch.Tensor, torch.Tensor, float]
-"""One layer's batch factors ``(A, G, weight)`` (see :func:`factors_from_stats`)."""
+class LayerFactors(NamedTuple):
+    """One layer's batch factors and what they count for when the windows of several ranks
+    are averaged (:func:`pooling_terms`): G by ``weight`` (the window's examples under
+    ``"fisher"``, else 1), A by ``rows``, the rows it averages (a number, or a tensor of
+    one entry per group for per-group means: a mixture's experts); None: A by ``weight``
+    too. One process uses neither."""
+
+    a: torch.Tensor
+    g: torch.Tensor
+    weight: float
+    rows: float | torch.Tensor | None = None
 
 
 class MicroBatchStats(NamedTuple):
@@ -51,16 +62,23 @@ class MicroBatchStats(NamedTuple):
 
 def factors_from_stats(
     name: str, micro_batches: Sequence[MicroBatchStats], config: KFACConfig
-) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """A, G and weight of one accumulation window for one layer; None if it saw nothing.
+) -> LayerFactors | None:
+    """A, G and weights of one accumulation window for one layer; None if it saw nothing.
 
-    The weight is what the window counts for when windows of several ranks are averaged
-    (see :func:`kfac_func.core.conventions.micro_batch_weights`).
+    G averages the micro-batches' factors by
+    :func:`~kfac_func.core.conventions.micro_batch_weights`. A, under ``"fisher"`` and for
+    per-group statistics (a mixture's experts) under either convention, is the mean over
+    every row of the window (:func:`~kfac_func.core.factors.mean_over_rows`), so that it
+    does not depend on how the rows fall into micro-batches; a tied layer's, and A under
+    ``"kfac-pytorch"``, average the micro-batches' as G does.
     """
     seen = [m for m in micro_batches if m.a]
     if not seen:
         return None
     sizes = [m.batch_size for m in seen]
+    by_rows = not any(is_tied(m.a) for m in seen) and (
+        config.convention == "fisher" or seen[0].a[0].groups is not None
+    )
     a_sum: torch.Tensor | None = None
     g_sum: torch.Tensor | None = None
     for w, m in zip(micro_batch_weights(config.convention, sizes), seen):
@@ -68,27 +86,33 @@ def factors_from_stats(
             raise ValueError(
                 f"layer {name!r}: {len(m.a)} captured inputs but {len(m.g)} output-gradients"
             )
+        a: torch.Tensor | None
         if is_tied(m.a):  # an embedding and a head sharing one weight
             a, g = tied_batch_factors(
                 m.a, m.g, config.convention, batch_size=m.batch_size, loss_scale=m.loss_scale
             )
         else:
-            a = factor_from_grams(m.a, config.convention)
+            a = None if by_rows else factor_from_grams(m.a, config.convention)
             g = factor_from_grams(
                 m.g, config.convention, batch_size=m.batch_size, loss_scale=m.loss_scale
             )
-        if a_sum is None or g_sum is None:  # the first: no copy when its weight is 1
-            a_sum, g_sum = (a, g) if w == 1 else (w * a, w * g)
+        if g_sum is None:  # the first: no copy when its weight is 1
+            a_sum, g_sum = (a, g) if w == 1 else (None if a is None else w * a, w * g)
         else:
-            a_sum.add_(a, alpha=w)  # our own temporaries: accumulate in place
+            if a is not None and a_sum is not None:  # our own temporaries: in place
+                a_sum.add_(a, alpha=w)
             g_sum.add_(g, alpha=w)
+    rows = None
+    if by_rows:
+        a_sum, rows = mean_over_rows([x for m in seen for x in m.a])
     assert a_sum is not None and g_sum is not None
-    return a_sum, g_sum, float(sum(sizes)) if config.convention == "fisher" else 1.0
+    weight = float(sum(sizes)) if config.convention == "fisher" else 1.0
+    return LayerFactors(a_sum, g_sum, weight, rows)
 
 
 def layer_batch_factors(
     spec: LayerSpec, micro_batches: Sequence[Captures], config: KFACConfig
-) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+) -> LayerFactors | None:
     """:func:`factors_from_stats` of captures (one per micro-batch)."""
     return factors_from_stats(spec.name, layer_stats(spec, micro_batches, config), config)
 
@@ -112,7 +136,7 @@ def build_batch_factors(
     stats_of: Callable[[str], Sequence[MicroBatchStats]],
     config: KFACConfig,
 ) -> dict[str, LayerFactors]:
-    """``{layer: (A, G, weight)}`` as :func:`factors_from_stats`
+    """``{layer: LayerFactors}`` as :func:`factors_from_stats`
     makes them from each layer's statistics ``stats_of(layer)``, for the layers of
     ``specs``, those of one shape together (see the module docstring); layers that saw
     nothing are left out. The statistics are asked for group by group, and a group's are
@@ -142,7 +166,7 @@ def build_batch_factors(
             micro = stats_of(name)
             seen = [m for m in micro if m.a]
             one = len(seen) == 1 and len(seen[0].a) == 1 and len(seen[0].g) == 1
-            if len(names) == 1 or not one or is_tied(seen[0].a):
+            if len(names) == 1 or not one or is_tied(seen[0].a) or seen[0].a[0].groups is not None:
                 found = factors_from_stats(name, micro, config)
                 if found is not None:
                     out[name] = found
@@ -164,15 +188,73 @@ def build_batch_factors(
                 continue
             a_stack = _scaled([x[1] for x in members], [x[2] for x in members])
             g_stack = _scaled([x[3] for x in members], [x[4] for x in members])
-            for (name, *_, m), fa, fg in zip(members, a_stack.unbind(0), g_stack.unbind(0)):
-                out[name] = (fa, fg, _weight(m, config))
+            for (name, a, *_, m), fa, fg in zip(members, a_stack.unbind(0), g_stack.unbind(0)):
+                out[name] = _one_call(fa, fg, a, m, config)
         del groups
     return out
 
 
-def _weight(m: MicroBatchStats, config: KFACConfig) -> float:
-    """What a window of this one micro-batch counts for (as :func:`factors_from_stats`)."""
-    return float(m.batch_size) if config.convention == "fisher" else 1.0
+def _one_call(
+    a: torch.Tensor, g: torch.Tensor, gram: Gram, m: MicroBatchStats, config: KFACConfig
+) -> LayerFactors:
+    """The batch factors ``a, g`` of a window of one call, with the weights
+    :func:`factors_from_stats` gives them."""
+    if config.convention == "fisher":
+        return LayerFactors(a, g, float(m.batch_size), float(gram.rows))
+    return LayerFactors(a, g, 1.0)
+
+
+def pooling_terms(
+    spec: LayerSpec,
+    batch: LayerFactors | None,
+    zeros: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """``[rows·A, weight·G, (weight, rows…)]``: what one rank contributes to the sums over
+    ranks that :func:`from_pooled` turns into the pooled batch factors (``rows`` per group
+    for per-group means). A rank that did not call the layer (``batch`` None) contributes
+    ``zeros`` (tensors shaped as its batch factors) and zero weights.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from kfac_func.blocks import register
+        >>> spec = register(nn.Linear(1, 1, bias=False))[""]
+        >>> terms = pooling_terms(spec, LayerFactors(torch.ones(1, 1), torch.ones(1, 1), 2.0, 6.0))
+        >>> [t.flatten().tolist() for t in terms]
+        [[6.0], [2.0], [2.0, 6.0]]
+    """
+    if batch is None:
+        assert zeros is not None
+        za, zg = zeros
+        size = 1 + (spec.groups if spec.block.routed else 1)
+        return [za, zg, torch.zeros(size, dtype=za.dtype, device=za.device)]
+    a, g, w, rows = LayerFactors(*batch)
+    weight = torch.full((1,), w, dtype=a.dtype, device=a.device)
+    if isinstance(rows, torch.Tensor):
+        weighted = a * rows.to(a.dtype).reshape(-1, *([1] * (a.dim() - 1)))
+        return [weighted, w * g, torch.cat([weight, rows.to(a.dtype)])]
+    n = w if rows is None else rows
+    return [n * a, w * g, torch.cat([weight, weight.new_full((1,), n)])]
+
+
+def from_pooled(terms: Sequence[torch.Tensor]) -> LayerFactors | None:
+    """The batch factors pooled over ranks from the sums of their :func:`pooling_terms`;
+    None when no rank saw the layer.
+
+    Example:
+        >>> import torch
+        >>> sums = [torch.full((1, 1), 9.0), torch.full((1, 1), 4.0), torch.tensor([4.0, 9.0])]
+        >>> from_pooled(sums)[:2]
+        (tensor([[1.]]), tensor([[1.]]))
+    """
+    wa, wg, weights = terms
+    w = float(weights[0])  # one read: whether any rank saw the layer
+    if w == 0.0:
+        return None
+    rows = weights[1:]
+    inverse = torch.where(rows > 0, rows.reciprocal(), 0.0)
+    a = wa * inverse.reshape(-1, *([1] * (wa.dim() - 1))) if rows.numel() > 1 else wa / rows
+    return LayerFactors(a, wg / w, w, rows if rows.numel() > 1 else None)
 
 
 def _scaled(grams: Sequence[Gram], scales: Sequence[float]) -> torch.Tensor:
