@@ -209,7 +209,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--quick", action="store_true", help="smoke test: tiny models, one seed")
-    p.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
+    p.add_argument(
+        "--sizes", nargs="+", choices=list(SIZES), default=list(SIZES), help="the sizes run"
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="evaluation seeds")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--out", default=None, help="the JSON written (default: the results file)")

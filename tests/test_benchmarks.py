@@ -10,21 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from scripts import ROOT, run_benchmark
 
 
 def _run_quick(script: str) -> subprocess.CompletedProcess[str]:
     """Run ``benchmarks/<script> --quick``; it must exit 0."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,  # a hang guard only; the script takes seconds
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
+    return run_benchmark(script, "--quick")
 
 
 @pytest.mark.slow
@@ -121,20 +112,7 @@ def test_optimizers_quick() -> None:
 @pytest.mark.slow
 def test_tied_lm_quick(tmp_path: Path) -> None:
     """The tied-weight benchmark runs both variants and writes its CSV."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "tied_lm.py"),
-            "--quick",
-            "--out",
-            str(tmp_path / "tied"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_benchmark("tied_lm.py", "--quick", "--out", str(tmp_path / "tied"))
     rows = list(csv.DictReader((tmp_path / "tied.csv").open()))
     assert {r["variant"] for r in rows} == {"tied", "skip"}
     # the skip variant leaves the shared weight to AdamW: fewer K-FAC parameters
@@ -154,14 +132,7 @@ def test_compile_model_quick() -> None:
 def test_real_models_coverage_table(tmp_path: Path) -> None:
     """The coverage table of the fixture models: every parameter preconditioned."""
     pytest.importorskip("transformers")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "real_models.py"), "--out", str(tmp_path / "c")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_benchmark("real_models.py", "--out", str(tmp_path / "c"))
     rows = list(csv.DictReader((tmp_path / "c.csv").open()))
     assert {r["model"] for r in rows} >= {"gpt2", "llama", "llama-tied", "bert", "nanogpt"}
     for r in rows:
@@ -174,16 +145,8 @@ def test_families_table(tmp_path: Path) -> None:
     positions from their recorded lookup) are preconditioned whole."""
     pytest.importorskip("transformers")
     out = tmp_path / "families.json"
-    script = ROOT / "benchmarks" / "families.py"
     families = ["T5", "OPT", "Qwen2-MoE", "Mixtral"]
-    proc = subprocess.run(
-        [sys.executable, str(script), "--out", str(out), "--families", *families],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_benchmark("families.py", "--out", str(out), "--families", *families)
     rows = {r["family"]: r for r in json.loads(out.read_text())["families"]}
     assert all(rows[f]["runs"] for f in families), rows
     for family in ("Qwen2-MoE", "Mixtral"):
@@ -199,14 +162,7 @@ def test_step_ops_quick(tmp_path: Path) -> None:
     """The step-ops benchmark's JSON has every row, positive operation counts at every
     depth, and times for every row that is timed without compilation."""
     out = tmp_path / "step_ops.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "step_ops.py"), "--quick", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_benchmark("step_ops.py", "--quick", "--out", str(out))
     result = json.loads(out.read_text())
     depths = [str(d) for d in result["depths"]]
     assert len(depths) == 2 and result["commit"] and result["machine"]["threads"] == 1

@@ -5,18 +5,17 @@ results files and docs tables against their own runs."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from scripts import ROOT, run_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import drift_race  # noqa: E402
-import orthogonal_race as ortho  # noqa: E402
-import race_report as rr  # noqa: E402
+import drift_race
+import orthogonal_race as ortho
+import race_report as rr
 
 RESULTS = ROOT / "benchmarks" / "results" / "orthogonal_race.json"
 CHALLENGES = (ortho.ORTHOGONAL_RACE, drift_race.DRIFT_RACE)
@@ -64,23 +63,7 @@ def test_the_summary_reads_evaluation_runs_and_steps_against_muons() -> None:
 @pytest.mark.slow
 def test_orthogonal_race_quick(tmp_path: Path) -> None:
     out = tmp_path / "orthogonal_race.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "orthogonal_race.py"),
-            "--quick",
-            "--workloads",
-            "lm",
-            "digits",
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,  # a hang guard only; the quick run takes seconds
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_benchmark("orthogonal_race.py", "--quick", "--workloads", "lm", "digits", "--out", str(out))
     doc = json.loads(out.read_text())
     assert doc["quick"] is True and list(doc["workloads"]) == ["lm", "digits"]
     names = {r["name"] for r in doc["workloads"]["lm"]["summary"]}
@@ -91,15 +74,7 @@ def test_orthogonal_race_quick(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_drift_race_quick(tmp_path: Path) -> None:
     out = tmp_path / "drift_race.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "drift_race.py"), "--quick"]
-    proc = subprocess.run(
-        [*cmd, "--workloads", "lm", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,  # a hang guard only; the quick run takes seconds
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_benchmark("drift_race.py", "--quick", "--workloads", "lm", "--out", str(out))
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "drift_race" and list(doc["workloads"]) == ["lm"]
     names = {r["name"] for r in doc["workloads"]["lm"]["summary"]}
@@ -131,22 +106,7 @@ def test_orthogonal_stages_quick(tmp_path: Path) -> None:
     import orthogonal_stages
 
     out = tmp_path / "orthogonal_stages.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "orthogonal_stages.py"),
-            "--quick",
-            "--workloads",
-            "lm",
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,  # a hang guard only
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_benchmark("orthogonal_stages.py", "--quick", "--workloads", "lm", "--out", str(out))
     doc = json.loads(out.read_text())
     rows = {r["name"]: r for r in doc["workloads"]["lm"]["rows"]}
     assert set(rows) == set(orthogonal_stages.NAMES) and rows["muon"]["to_muon"] == 1.0

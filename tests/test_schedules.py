@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from scripts import run_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -61,14 +61,7 @@ def test_the_schedules_replace_only_the_schedule() -> None:
 @pytest.mark.slow
 def test_schedules_quick(tmp_path: Path) -> None:
     out = tmp_path / "schedules.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "schedules.py"), "--quick", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,  # a hang guard only; the quick run takes seconds
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_benchmark("schedules.py", "--quick", "--out", str(out))
     doc = json.loads(out.read_text())
     assert doc["quick"] is True and set(doc["workloads"]) == set(schedules.WORKLOADS)
     names = {r["name"] for r in doc["workloads"]["lm"]["summary"]}

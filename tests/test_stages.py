@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from scripts import run_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -47,14 +47,7 @@ OTHERS = [
 @pytest.mark.slow
 def test_stages_quick(tmp_path: Path) -> None:
     out = tmp_path / "stages.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "stages.py"), "--quick", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,  # a hang guard only; the script takes seconds
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_benchmark("stages.py", "--quick", "--out", str(out))
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "stages" and doc["quick"] is True
     assert doc["commit"] and isinstance(doc["dirty"], bool)
