@@ -52,6 +52,7 @@ from kfac_func.state import KFACState
 from kfac_func.step.adaptive import AdaptiveInfo, init_adaptive
 from kfac_func.step.basis import BasisMoments
 from kfac_func.step.decompose import check_eigh_device
+from kfac_func.step.drift import one_process_only
 from kfac_func.step.layer_step import Grafting
 from kfac_func.step.options import StepOptions
 from kfac_func.step.orthogonal import Orthogonal, orthogonal_table
@@ -298,10 +299,7 @@ class KFACPreconditioner(
         )
         check_adaptive(adaptive, model, kl_clip, comm_world)
         if refresh_drift is not None and comm_world > 1:
-            raise ValueError(
-                f"refresh_drift decides on one process which layers to decompose; this is "
-                f"one of {comm_world} processes: give refresh_drift=None"
-            )
+            raise one_process_only(f"this is one of {comm_world} processes")
         self.colocate_factors = self.plan.colocate_factors
         self.grad_worker_fraction = self.plan.grad_worker_fraction
         # a strategy asked by name is kept (MEM_OPT on one rank, whose plan is also

@@ -25,7 +25,7 @@ import torch
 from kfac_func.core.decomposition import EigenDecomposition
 from kfac_func.state import LayerState
 
-__all__ = ["DRIFT_COLUMNS", "basis_drift", "drifted_layers"]
+__all__ = ["DRIFT_COLUMNS", "basis_drift", "drifted_layers", "one_process_only"]
 
 DRIFT_COLUMNS = 16
 """The leading eigenbasis columns whose drift is measured (all of a narrower factor)."""
@@ -94,3 +94,18 @@ def drifted_layers(
     drifts = dict(zip(measured, torch.stack(list(measured.values())).tolist())) if measured else {}
     # not (d <= threshold): a NaN drift refreshes its layer
     return [n for n in names if n not in drifts or not drifts[n] <= threshold]
+
+
+def one_process_only(where: str) -> ValueError:
+    """The error for ``refresh_drift`` given to a step of several processes, ``where``
+    saying which (the adapter's constructor and :func:`kfac_func.update_distributed` each
+    refuse it before any collective).
+
+    Example:
+        >>> str(one_process_only("this is one of 2 processes")).split("; ")[1]
+        'this is one of 2 processes: give refresh_drift=None'
+    """
+    return ValueError(
+        "refresh_drift decides on one process which layers to decompose; "
+        f"{where}: give refresh_drift=None"
+    )
