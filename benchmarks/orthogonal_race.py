@@ -219,18 +219,12 @@ def main(argv: list[str] | None = None, challenge: Challenge = ORTHOGONAL_RACE) 
     checkout = git_commit(race.REWRITTEN)
     previous = torch.get_num_threads()
     torch.set_num_threads(args.threads)
-    tuning = argparse.Namespace(
-        optimizers=args.recipes,
-        lr_points=2 if args.quick else rw.LR_POINTS,
-        refine_points=1 if args.quick else rw.REFINE_POINTS,
-        tuning_seed=0,
-        eval_seeds=args.seeds,
+    tuning = race.tuning_budget(
+        args.recipes,
+        args.seeds,
+        2 if args.quick else rw.LR_POINTS,
+        1 if args.quick else rw.REFINE_POINTS,
     )
-
-    def log(r: dict[str, Any]) -> None:
-        final = rr.final_loss(r["rows"])
-        print(f"  {r['optimizer']:22s} {r['phase']} lr {r['lr']:<8g} {r['settings']} "
-              f"seed {r['seed']}: {final:.4f} ({r['wall_seconds']:.1f} s)", flush=True)  # fmt: skip
 
     workloads: dict[str, Any] = {}
     try:
@@ -238,7 +232,7 @@ def main(argv: list[str] | None = None, challenge: Challenge = ORTHOGONAL_RACE) 
         print(f"torch {info['torch']} | {info['cpu']} | threads {args.threads}", flush=True)
         for wname in args.workloads:
             w = rw.WORKLOADS[wname](args.quick)
-            runs = race.race(w, tuning, log) + competitor_runs(wname, w, args.seeds)
+            runs = race.race(w, tuning, race.print_run) + competitor_runs(wname, w, args.seeds)
             rows = summarize(runs)
             print_table(wname, rows)
             workloads[wname] = {"description": w.description, "summary": rows, "runs": runs}

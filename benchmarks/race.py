@@ -109,6 +109,27 @@ def run_once(
     }
 
 
+def tuning_budget(
+    optimizers: list[str], eval_seeds: list[int], lr_points: int, refine_points: int
+) -> argparse.Namespace:
+    """The settings :func:`race` reads: the optimizers, their grid and refinement sizes,
+    tuning seed 0 and the evaluation seeds."""
+    return argparse.Namespace(
+        optimizers=optimizers,
+        lr_points=lr_points,
+        refine_points=refine_points,
+        tuning_seed=0,
+        eval_seeds=eval_seeds,
+    )
+
+
+def print_run(r: dict[str, Any]) -> None:
+    """One run's line: optimizer, phase, setting, seed, final test loss, wall seconds."""
+    final = race_report.final_loss(r["rows"])
+    print(f"  {r['optimizer']:22s} {r['phase']} lr {r['lr']:<8g} {r['settings']} "
+          f"seed {r['seed']}: {final:.4f} ({r['wall_seconds']:.1f} s)", flush=True)  # fmt: skip
+
+
 def race(w: rw.RaceWorkload, args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
     """Every run of the workload: each optimizer's grid on the tuning seed, then its best
     setting on the evaluation seeds."""

@@ -83,25 +83,15 @@ def parameters(w: rw.RaceWorkload) -> int:
 
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
     """Every size of ``args.sizes``: its runs (tuning and evaluation) and summary rows."""
-    tuning = argparse.Namespace(
-        optimizers=list(OPTIMIZERS),
-        lr_points=2 if args.quick else LR_POINTS,
-        refine_points=REFINE_POINTS,
-        tuning_seed=0,
-        eval_seeds=args.seeds,
-    )
-
-    def log(r: dict[str, Any]) -> None:
-        final = rr.final_loss(r["rows"])
-        print(f"  {r['optimizer']:20s} {r['phase']} lr {r['lr']:<8g} seed {r['seed']}: "
-              f"{final:.4f} ({r['wall_seconds']:.1f} s)", flush=True)  # fmt: skip
+    lr_points = 2 if args.quick else LR_POINTS
+    tuning = race.tuning_budget(list(OPTIMIZERS), args.seeds, lr_points, REFINE_POINTS)
 
     parts: dict[str, Any] = {}
     for size in args.sizes:
         started = time.perf_counter()
         w = workload(size, args.quick)
         print(f"{size}: {w.description}", flush=True)
-        runs = race.race(w, tuning, log)
+        runs = race.race(w, tuning, race.print_run)
         rows = challenge.summarize(runs)
         challenge.print_table(size, rows)
         d_model, blocks = SIZES[size]
