@@ -20,6 +20,7 @@ __all__ = [
     "a_factor",
     "factor_from_grams",
     "g_factor",
+    "group_means",
     "mean_over_rows",
     "rows_match",
     "rows_reproduce",
@@ -96,9 +97,21 @@ def mean_over_rows(grams: Sequence[Gram]) -> tuple[torch.Tensor, float | torch.T
         assert g.groups is not None
         total.add_(g.gram)
         rows = rows + g.groups.to(rows.dtype)
-    inverse = torch.where(rows > 0, rows.reciprocal(), 0.0)
-    total.mul_(inverse.reshape(-1, *([1] * (total.dim() - 1))))
+    total = group_means(total, rows)
     return (total if first.diagonal else symmetrize(total)), rows
+
+
+def group_means(sums: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``sums`` (stacked by group on the leading dimension) divided by each group's
+    ``rows``; 0 for a group without rows.
+
+    Example:
+        >>> group_means(torch.tensor([[4.0], [9.0]]), torch.tensor([2.0, 0.0]))
+        tensor([[2.],
+                [0.]])
+    """
+    inverse = torch.where(rows > 0, rows.reciprocal(), 0.0)
+    return sums * inverse.reshape(-1, *([1] * (sums.dim() - 1)))
 
 
 def a_factor(

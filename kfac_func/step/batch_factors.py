@@ -20,7 +20,7 @@ import torch
 from kfac_func.blocks import Gram, LayerSpec, call_grams
 from kfac_func.captures import Captures
 from kfac_func.core.conventions import a_scales, g_scales, micro_batch_weights
-from kfac_func.core.factors import factor_from_grams, mean_over_rows, symmetrize
+from kfac_func.core.factors import factor_from_grams, group_means, mean_over_rows, symmetrize
 from kfac_func.core.stacks import stacked
 from kfac_func.core.tied_factors import is_tied, tied_batch_factors
 from kfac_func.state import KFACConfig
@@ -229,12 +229,13 @@ def pooling_terms(
         size = 1 + (spec.groups if spec.block.routed else 1)
         return [za, zg, torch.zeros(size, dtype=za.dtype, device=za.device)]
     a, g, w, rows = LayerFactors(*batch)
-    weight = torch.full((1,), w, dtype=a.dtype, device=a.device)
     if isinstance(rows, torch.Tensor):
-        weighted = a * rows.to(a.dtype).reshape(-1, *([1] * (a.dim() - 1)))
-        return [weighted, w * g, torch.cat([weight, rows.to(a.dtype)])]
+        rows = rows.to(a.dtype)
+        weight = torch.full((1,), w, dtype=a.dtype, device=a.device)
+        weighted = a * rows.reshape(-1, *([1] * (a.dim() - 1)))
+        return [weighted, w * g, torch.cat([weight, rows])]
     n = w if rows is None else rows
-    return [n * a, w * g, torch.cat([weight, weight.new_full((1,), n)])]
+    return [n * a, w * g, torch.tensor([w, n], dtype=a.dtype, device=a.device)]
 
 
 def from_pooled(terms: Sequence[torch.Tensor]) -> LayerFactors | None:
@@ -252,9 +253,9 @@ def from_pooled(terms: Sequence[torch.Tensor]) -> LayerFactors | None:
     if w == 0.0:
         return None
     rows = weights[1:]
-    inverse = torch.where(rows > 0, rows.reciprocal(), 0.0)
-    a = wa * inverse.reshape(-1, *([1] * (wa.dim() - 1))) if rows.numel() > 1 else wa / rows
-    return LayerFactors(a, wg / w, w, rows if rows.numel() > 1 else None)
+    if rows.numel() == 1:
+        return LayerFactors(wa / rows, wg / w, w)
+    return LayerFactors(group_means(wa, rows), wg / w, w, rows)
 
 
 def _scaled(grams: Sequence[Gram], scales: Sequence[float]) -> torch.Tensor:
