@@ -1,10 +1,12 @@
 """The three preconditioner classes share one description of kfac-pytorch's arguments.
 
-:meth:`kfac_func.adapter.arguments.KFACArguments._set_arguments` names, checks and stores
-them; each constructor keeps an explicit signature and hands them over by name. These tests
-hold the signatures to that description: every shared argument is accepted with
-kfac-pytorch's default, but where a class documents another one, and the GPT-NeoX
-preconditioner takes exactly the parallel preconditioner's arguments.
+:class:`kfac_func.adapter.arguments.SharedArguments` names and types them,
+:data:`~kfac_func.adapter.arguments.KFAC_PYTORCH_DEFAULTS` gives their defaults; each
+constructor takes them as ``**shared`` and shows them in its signature. These tests hold
+the signatures to that description: every shared argument is accepted with kfac-pytorch's
+default, but where a class documents another one, a misspelt keyword is refused as Python
+refuses it, and the GPT-NeoX preconditioner takes exactly the parallel preconditioner's
+arguments.
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ import inspect
 import pytest
 from torch import nn
 
-from kfac_func.adapter.arguments import KFACArguments, arguments_of
+from kfac_func.adapter.arguments import KFAC_PYTORCH_DEFAULTS, SharedArguments
 from kfac_func.adapter.preconditioner import KFACPreconditioner
 from kfac_func.parallel.gpt_neox import GPTNeoXKFACPreconditioner
 from kfac_func.parallel.layers import ColumnParallelLinear
 from kfac_func.parallel.preconditioner import ParallelKFACPreconditioner
 
-SHARED = [n for n in inspect.signature(KFACArguments._set_arguments).parameters if n != "self"]
+SHARED = ["model", *SharedArguments.__annotations__]
 # the defaults a class documents as other than KFACPreconditioner's
 OTHER_DEFAULTS: dict[type, dict[str, object]] = {
     KFACPreconditioner: {},
@@ -35,9 +37,6 @@ def test_each_constructor_takes_the_shared_arguments_with_their_defaults(cls: ty
     params = inspect.signature(cls).parameters
     assert next(iter(params)) == "model"
     for name in SHARED:
-        if name not in params:  # the model-parallel classes have no allreduce_method
-            assert name == "allreduce_method" and cls is not KFACPreconditioner
-            continue
         want = OTHER_DEFAULTS[cls].get(name, reference[name].default)
         assert params[name].default == want, (cls.__name__, name)
         if name != "model":
@@ -63,8 +62,15 @@ def test_a_constructor_hands_every_shared_argument_over() -> None:
     assert list(pre.layers) == ["0"]
 
 
-def test_arguments_of_takes_the_named_parameters_only() -> None:
-    def build(model: object, *, damping: float = 0.1) -> None: ...
+def test_every_shared_argument_has_a_default() -> None:
+    assert list(KFAC_PYTORCH_DEFAULTS) == list(SharedArguments.__annotations__)
 
-    given = {"self": object(), "model": "m", "damping": 0.5, "other": 1}
-    assert arguments_of(build, given) == {"model": "m", "damping": 0.5}
+
+@pytest.mark.parametrize(
+    "cls", [KFACPreconditioner, ParallelKFACPreconditioner], ids=lambda c: c.__name__
+)
+def test_a_misspelt_keyword_is_refused_naming_the_class(cls: type) -> None:
+    model = nn.Sequential(ColumnParallelLinear(4, 6), nn.Linear(6, 2))
+    refused = rf"{cls.__name__}\(\) got an unexpected keyword argument 'dampnig'"
+    with pytest.raises(TypeError, match=refused):
+        cls(model, dampnig=0.1)

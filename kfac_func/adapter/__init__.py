@@ -6,7 +6,8 @@ no math.
 
 :class:`KFAC`, :class:`KFACPreconditioner` and their recipes and warnings are also at the
 top level (``kf.KFAC``, ...); :class:`LambdaParamScheduler` and :class:`AdaptiveStepper`
-are here.
+and the keywords every preconditioner class shares, :class:`SharedArguments` with their
+defaults :data:`KFAC_PYTORCH_DEFAULTS`, are here.
 
 Example:
     >>> from torch import nn
@@ -19,6 +20,7 @@ Example:
 """
 
 from kfac_func.adapter.adaptive import AdaptiveStepper
+from kfac_func.adapter.arguments import KFAC_PYTORCH_DEFAULTS, SharedArguments
 from kfac_func.adapter.coverage import MissingStatisticsWarning
 from kfac_func.adapter.fallback import FallbackWarning
 from kfac_func.adapter.optimizer import KFAC
@@ -28,6 +30,7 @@ from kfac_func.adapter.scheduler import LambdaParamScheduler
 
 __all__ = [
     "KFAC",
+    "KFAC_PYTORCH_DEFAULTS",
     "RECIPES",
     "AdaptiveStepper",
     "ComputeMethod",
@@ -36,4 +39,5 @@ __all__ = [
     "LambdaParamScheduler",
     "MissingStatisticsWarning",
     "Recipe",
+    "SharedArguments",
 ]

@@ -1,15 +1,15 @@
 """kfac-pytorch's preconditioner arguments, described once for every preconditioner class.
 
-:meth:`KFACArguments._set_arguments` is the one description of the keyword arguments that
+:class:`SharedArguments` lists the keyword arguments that
 :class:`~kfac_func.adapter.preconditioner.KFACPreconditioner`,
 :class:`~kfac_func.parallel.preconditioner.ParallelKFACPreconditioner` and
-:class:`~kfac_func.parallel.gpt_neox.GPTNeoXKFACPreconditioner` share: their names, how
-they are checked (numbers may also be ``step -> value`` callables) and the attributes they
-are stored as. Each constructor keeps its explicit signature (what ``inspect.signature``,
-type checkers and the API reference read) and hands its arguments over by name with
-:func:`arguments_of`; their documentation is :class:`KFACPreconditioner`'s ``Args``, to
-which the other two refer. ``HYPER`` names the hyperparameters that are saved in state
-dicts and printed.
+:class:`~kfac_func.parallel.gpt_neox.GPTNeoXKFACPreconditioner` share (their names, types
+and documentation), :data:`KFAC_PYTORCH_DEFAULTS` their defaults. Each constructor takes
+them as ``**shared: Unpack[SharedArguments]`` (what type checkers read), shows them in its
+signature with :func:`shares_arguments` (what ``inspect.signature`` and ``help`` read),
+and hands them to :meth:`KFACArguments._set_arguments`, which checks them (numbers may
+also be ``step -> value`` callables) and stores them as attributes. ``HYPER`` names the
+hyperparameters that are saved in state dicts and printed.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ import enum
 import inspect
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypedDict, TypeVar
 
 import torch
 from torch import nn
 
 from kfac_func.blocks import LayerSpec
+from kfac_func.blocks.mapped import KindMap
 from kfac_func.captures import check_loss_divisor
 from kfac_func.core.conventions import CONVENTIONS, convention_argument
 from kfac_func.distributed.communicator import AllreduceMethod
@@ -32,19 +33,22 @@ from kfac_func.state import KFACState, init
 
 __all__ = [
     "HYPER",
+    "KFAC_PYTORCH_DEFAULTS",
     "ComputeMethod",
     "FloatOrFn",
     "IntOrFn",
     "KFACArguments",
     "PreconditionerBase",
-    "arguments_of",
+    "SharedArguments",
     "check_bucket_cap",
     "log_registered",
     "parse_enum",
+    "shares_arguments",
 ]
 
 IntOrFn = int | Callable[[int], int]
 FloatOrFn = float | Callable[[int], float]
+Init = TypeVar("Init", bound=Callable[..., None])
 
 HYPER = (
     "factor_update_steps",
@@ -74,23 +78,6 @@ def parse_enum(cls: type[enum.Enum], value: Any, arg: str) -> Any:
         return cls[value.upper()]
     names = ", ".join(m.lower() for m in cls.__members__)
     raise ValueError(f"{arg} must be one of {names} (or {cls.__name__}), got {value!r}")
-
-
-def arguments_of(function: Callable[..., Any], given: Mapping[str, Any]) -> dict[str, Any]:
-    """The entries of ``given`` (a constructor's ``locals()``) that name parameters of
-    ``function``: a constructor hands the arguments it shares with ``function`` over by
-    name, so that their list is written once, in ``function``'s signature.
-
-    Example:
-        >>> def build(a: int, *, b: int = 2) -> int:
-        ...     return a + b
-        >>> def wrapper(a: int, b: int = 5, c: int = 0) -> int:
-        ...     return build(**arguments_of(build, locals()))
-        >>> wrapper(1)
-        6
-    """
-    names = inspect.signature(function).parameters
-    return {name: given[name] for name in names if name in given and name != "self"}
 
 
 def check_bucket_cap(cap: float) -> None:
@@ -158,11 +145,65 @@ def _check_number(name: str, value: Any, ok: Callable[[float], bool], expected: 
         raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
-class KFACArguments:
-    """kfac-pytorch's preconditioner arguments, validated and stored as attributes (numbers
-    may also be ``step -> value`` callables); shared by the preconditioner classes."""
+class SharedArguments(TypedDict, total=False):
+    """The keyword arguments that :class:`~kfac_func.KFACPreconditioner`,
+    :class:`~kfac_func.parallel.ParallelKFACPreconditioner` and
+    :class:`~kfac_func.parallel.GPTNeoXKFACPreconditioner` share: kfac-pytorch 0.4.2's, with
+    its defaults (:data:`KFAC_PYTORCH_DEFAULTS`, which a class may change where it says so),
+    and ours that every class takes. Each hyperparameter may be a number or a
+    ``step -> value`` callable.
 
-    model: nn.Module
+    Attributes:
+        factor_update_steps: collect statistics on steps ``k % factor_update_steps == 0``.
+        inv_update_steps: recompute the decompositions every this many steps.
+        damping: Tikhonov damping λ >= 0 (with ``adaptive=``, the starting λ).
+        factor_decay: the factors' running-average coefficient, in [0, 1] (0: the latest
+            batch factors only; 1: frozen factors; see
+            :func:`kfac_func.step.exp_decay_factor_averaging`, whose first value is 0).
+        kl_clip: bound of the scale ``min(1, sqrt(kl_clip / |lr² Σ P ⊙ grad|))`` of the
+            preconditioned gradients (> 0); None disables it.
+        lr: the learning rate in the ``kl_clip`` scale (only there: keep it the
+            optimizer's, e.g. ``lambda k: optimizer.param_groups[0]["lr"]``).
+        accumulation_steps: micro-batches (forward/backward passes) per optimizer step;
+            a window's statistics form one factor update.
+        allreduce_bucket_cap_mb: largest bucket (MB) of the factor all-reduces; 0: one
+            collective per tensor.
+        assignment_strategy: balance decompositions over ranks by ``COMPUTE`` (``n³``)
+            or ``MEMORY`` (``n²``) cost (an
+            :class:`~kfac_func.distributed.AssignmentStrategy` or name).
+        compute_method: ``"eigen"``, ``"inverse"`` or ``"ekfac"`` (``scaling="fisher"``
+            only), or a :class:`ComputeMethod`.
+        compute_eigenvalue_outer_product: eigen: precompute ``1 / (dg daᵀ + λ)``; needs
+            ``colocate_factors``.
+        symmetry_aware: send only the upper triangle of symmetric factors.
+        grad_scaler: a ``GradScaler`` or a ``() -> scale`` callable; the hooks unscale
+            the output-gradients with it (call ``scaler.unscale_`` before ``step()``).
+        factor_dtype: the factors' dtype (None: the weights' promoted to at least
+            float32; kfac-pytorch uses the autocast dtype).
+        inv_dtype: the dtype decompositions are stored in.
+        skip_layers: regexes searched in module names and class names; matches are not
+            registered.
+        update_factors_in_hook: build each call's statistics in the hooks (and, on several
+            ranks, start the factor all-reduces in the backward pass) instead of keeping
+            the raw tensors until ``step()``; the results are the same.
+        loglevel: the :mod:`logging` level of the construction report on the
+            ``"kfac_func"`` logger: a ``Registered name="...": ...`` line per layer, the
+            layer table and the layer assignments (DEBUG: silent unless shown).
+        scaling: the factors' convention, ``"kfac-pytorch"`` (None, the default:
+            hyperparameters carry over) or ``"fisher"`` (for new models); see
+            :mod:`kfac_func.core.conventions`. ``convention=`` (the functional API's name)
+            is an alias; both given and different: a ValueError.
+        convention: ``scaling``'s alias.
+        loss_reduction: ``"mean"`` or ``"sum"``, how the loss reduces the batch.
+        loss_divisor: what the loss was divided by besides (``k`` for ``loss / k`` over
+            ``k`` accumulated micro-batches); None: 1 (the GPT-NeoX preconditioner's
+            default, None, is ``accumulation_steps``).
+        kinds: ``{module class: kind}`` (or ``{cls: (kind, {"eps": ...})}``) for the
+            model's own classes that compute a registered kind, e.g. ``{LlamaRMSNorm:
+            "rms_norm"}`` (see :func:`kfac_func.register`); each mapped module's first
+            call is checked against the kind's computation.
+    """
+
     factor_update_steps: IntOrFn
     inv_update_steps: IntOrFn
     damping: FloatOrFn
@@ -171,110 +212,172 @@ class KFACArguments:
     lr: FloatOrFn
     accumulation_steps: int
     allreduce_bucket_cap_mb: float
-    allreduce_method: AllreduceMethod
-    assignment_strategy: AssignmentStrategy
-    compute_method: ComputeMethod
+    assignment_strategy: AssignmentStrategy | str
+    compute_method: ComputeMethod | str
     compute_eigenvalue_outer_product: bool
     symmetry_aware: bool
     grad_scaler: Any
+    factor_dtype: torch.dtype | None
     inv_dtype: torch.dtype
-    skip_layers: list[str]
+    skip_layers: list[str] | None
     update_factors_in_hook: bool
     loglevel: int
-    scaling: str
+    scaling: str | None
+    convention: str | None
     loss_reduction: str
-    loss_divisor: float
+    loss_divisor: float | None
+    kinds: KindMap | None
 
+
+KFAC_PYTORCH_DEFAULTS: SharedArguments = {
+    "factor_update_steps": 1,
+    "inv_update_steps": 1,
+    "damping": 0.001,
+    "factor_decay": 0.95,
+    "kl_clip": 0.001,
+    "lr": 0.1,
+    "accumulation_steps": 1,
+    "allreduce_bucket_cap_mb": 25.0,
+    "assignment_strategy": AssignmentStrategy.COMPUTE,
+    "compute_method": ComputeMethod.EIGEN,
+    "compute_eigenvalue_outer_product": True,
+    "symmetry_aware": False,
+    "grad_scaler": None,
+    "factor_dtype": None,
+    "inv_dtype": torch.float32,
+    "skip_layers": None,
+    "update_factors_in_hook": True,
+    "loglevel": logging.DEBUG,
+    "scaling": None,
+    "convention": None,
+    "loss_reduction": "mean",
+    "loss_divisor": 1.0,
+    "kinds": None,
+}
+"""The defaults of :class:`SharedArguments`: kfac-pytorch 0.4.2's, and ours."""
+
+
+def shares_arguments(
+    defaults: Mapping[str, Any] | None = None, described: type = SharedArguments
+) -> Callable[[Init], Init]:
+    """A constructor taking ``**shared: Unpack[described]`` (:class:`SharedArguments`, or
+    a TypedDict extending it) shows them in its signature (``inspect.signature``,
+    ``help``): keyword-only, with the defaults of :data:`KFAC_PYTORCH_DEFAULTS` or, for
+    the names in ``defaults``, the class's own (every name ``described`` adds needs one).
+
+    Example:
+        >>> class Demo(KFACArguments):
+        ...     @shares_arguments({"damping": 0.5})
+        ...     def __init__(self, model: nn.Module, **shared: Any) -> None:
+        ...         self._set_arguments(model, shared, {"damping": 0.5})
+        >>> inspect.signature(Demo).parameters["damping"]
+        <Parameter "damping: 'FloatOrFn' = 0.5">
+        >>> Demo(nn.Linear(2, 2), kl_clip=None).kl_clip is None
+        True
+    """
+    chosen = {**KFAC_PYTORCH_DEFAULTS, **(defaults or {})}
+    # the annotations as written (this module postpones them: ForwardRefs)
+    kinds = {k: getattr(v, "__forward_arg__", v) for k, v in described.__annotations__.items()}
+
+    def decorate(init: Init) -> Init:
+        own = list(inspect.signature(init).parameters.values())
+        keyword = inspect.Parameter.KEYWORD_ONLY
+        shared = [
+            inspect.Parameter(k, keyword, default=chosen[k], annotation=v) for k, v in kinds.items()
+        ]
+        keep = [p for p in own if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        init.__signature__ = inspect.Signature([*keep, *shared])  # type: ignore[attr-defined]
+        return init
+
+    return decorate
+
+
+class KFACArguments:
+    """kfac-pytorch's preconditioner arguments (:class:`SharedArguments`), validated and
+    stored as attributes; shared by the preconditioner classes."""
+
+    # the attributes' types are those _set_arguments stores
     def _set_arguments(
         self,
         model: nn.Module,
-        *,
-        factor_update_steps: IntOrFn,
-        inv_update_steps: IntOrFn,
-        damping: FloatOrFn,
-        factor_decay: FloatOrFn,
-        kl_clip: FloatOrFn | None,
-        lr: FloatOrFn,
-        accumulation_steps: int,
-        allreduce_bucket_cap_mb: float,
-        assignment_strategy: AssignmentStrategy | str,
-        compute_method: ComputeMethod | str,
-        compute_eigenvalue_outer_product: bool,
-        symmetry_aware: bool,
-        grad_scaler: Any,
-        inv_dtype: torch.dtype,
-        skip_layers: list[str] | None,
-        update_factors_in_hook: bool,
-        loglevel: int,
-        scaling: str | None,
-        loss_reduction: str,
-        loss_divisor: float = 1.0,
+        given: SharedArguments,
+        defaults: SharedArguments | None = None,
         allreduce_method: AllreduceMethod | str | None = None,
-        convention: str | None = None,
-    ) -> None:
-        """Check and store the shared arguments: this signature is their one list (the
-        constructors hand them over with :func:`arguments_of`), documented in
-        :class:`~kfac_func.adapter.preconditioner.KFACPreconditioner`'s ``Args``."""
+    ) -> SharedArguments:
+        """Check and store the shared arguments ``given`` to the constructor, the others
+        taking ``defaults`` (the class's own, as :func:`shares_arguments` shows them) or
+        kfac-pytorch's; returns them all. A name that is not a shared argument is a
+        TypeError naming the class, as Python's own."""
+        for name in given:
+            if name not in SharedArguments.__annotations__:
+                raise TypeError(
+                    f"{type(self).__name__}() got an unexpected keyword argument {name!r}"
+                )
+        a: SharedArguments = {**KFAC_PYTORCH_DEFAULTS, **(defaults or {}), **given}
         # scaling= is the preconditioners' name, convention= the functional API's
-        scaling = convention_argument(convention, scaling, default="kfac-pytorch")
-        check_bucket_cap(allreduce_bucket_cap_mb)
+        scaling = convention_argument(a["convention"], a["scaling"], default="kfac-pytorch")
+        cap = a["allreduce_bucket_cap_mb"]
+        check_bucket_cap(cap)
         reduce_method: AllreduceMethod = (
-            AllreduceMethod.for_bucket_cap(allreduce_bucket_cap_mb)
+            AllreduceMethod.for_bucket_cap(cap)
             if allreduce_method is None
             else parse_enum(AllreduceMethod, allreduce_method, "allreduce_method")
         )
-        if reduce_method is AllreduceMethod.ALLREDUCE_BUCKETED and allreduce_bucket_cap_mb == 0:
+        if reduce_method is AllreduceMethod.ALLREDUCE_BUCKETED and cap == 0:
             raise ValueError(
                 "allreduce_method=ALLREDUCE_BUCKETED needs allreduce_bucket_cap_mb > 0 "
                 "(a cap of 0 means one collective per tensor: ALLREDUCE)"
             )
-        method = parse_enum(ComputeMethod, compute_method, "compute_method")
-        strategy = parse_enum(AssignmentStrategy, assignment_strategy, "assignment_strategy")
+        method = parse_enum(ComputeMethod, a["compute_method"], "compute_method")
+        strategy = parse_enum(AssignmentStrategy, a["assignment_strategy"], "assignment_strategy")
         for name, value in (
-            ("factor_update_steps", factor_update_steps),
-            ("inv_update_steps", inv_update_steps),
-            ("accumulation_steps", accumulation_steps),
+            ("factor_update_steps", a["factor_update_steps"]),
+            ("inv_update_steps", a["inv_update_steps"]),
+            ("accumulation_steps", a["accumulation_steps"]),
         ):
             _check_number(name, value, lambda v: int(v) == v and v > 0, "a positive int")
-        _check_number("damping", damping, lambda v: v >= 0, ">= 0")
+        _check_number("damping", a["damping"], lambda v: v >= 0, ">= 0")
         # [0, 1] as in kfac_func.update: 0 keeps only the latest batch factors (the first
         # value exp_decay_factor_averaging gives), 1 freezes the factors
-        _check_number("factor_decay", factor_decay, lambda v: 0 <= v <= 1, "in [0, 1]")
-        _check_number("lr", lr, lambda v: v >= 0, ">= 0")
-        if kl_clip is not None:
-            _check_number("kl_clip", kl_clip, lambda v: v > 0, "> 0 (or None to disable)")
+        _check_number("factor_decay", a["factor_decay"], lambda v: 0 <= v <= 1, "in [0, 1]")
+        _check_number("lr", a["lr"], lambda v: v >= 0, ">= 0")
+        if a["kl_clip"] is not None:
+            _check_number("kl_clip", a["kl_clip"], lambda v: v > 0, "> 0 (or None to disable)")
         if scaling not in CONVENTIONS:
             raise ValueError(f"scaling must be one of {CONVENTIONS}, got {scaling!r}")
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        check_loss_divisor(loss_divisor)
+        if a["loss_reduction"] not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {a['loss_reduction']!r}")
+        divisor = 1.0 if a["loss_divisor"] is None else a["loss_divisor"]
+        check_loss_divisor(divisor)
 
         self.model = model
-        self.factor_update_steps = factor_update_steps
-        self.inv_update_steps = inv_update_steps
-        self.damping = damping
-        self.factor_decay = factor_decay
-        self.kl_clip = kl_clip
-        self.lr = lr
-        self.accumulation_steps = accumulation_steps
-        self.allreduce_bucket_cap_mb = allreduce_bucket_cap_mb
+        self.factor_update_steps = a["factor_update_steps"]
+        self.inv_update_steps = a["inv_update_steps"]
+        self.damping = a["damping"]
+        self.factor_decay = a["factor_decay"]
+        self.kl_clip = a["kl_clip"]
+        self.lr = a["lr"]
+        self.accumulation_steps = a["accumulation_steps"]
+        self.allreduce_bucket_cap_mb = cap
         self.allreduce_method = reduce_method
         self.assignment_strategy = strategy
         self.compute_method = method
-        self.compute_eigenvalue_outer_product = compute_eigenvalue_outer_product
-        self.symmetry_aware = symmetry_aware
-        self.grad_scaler = grad_scaler
-        self.inv_dtype = inv_dtype
-        self.skip_layers = [] if skip_layers is None else list(skip_layers)
-        self.update_factors_in_hook = update_factors_in_hook
-        self.loglevel = loglevel
+        self.compute_eigenvalue_outer_product = a["compute_eigenvalue_outer_product"]
+        self.symmetry_aware = a["symmetry_aware"]
+        self.grad_scaler = a["grad_scaler"]
+        self.inv_dtype = a["inv_dtype"]
+        skip = a["skip_layers"]
+        self.skip_layers = [] if skip is None else list(skip)
+        self.update_factors_in_hook = a["update_factors_in_hook"]
+        self.loglevel = a["loglevel"]
         self.scaling = scaling
-        self.loss_reduction = loss_reduction
-        self.loss_divisor = float(loss_divisor)
+        self.loss_reduction = a["loss_reduction"]
+        self.loss_divisor = float(divisor)
         # the hyperparameters as constructed (a scheduler moves them later): a state dict
         # records them, so that loading it into the same construction replaces nothing
         # the constructor chose
         self._constructed = {k: getattr(self, k) for k in HYPER}
+        return a
 
     @property
     def _bucket_cap_mb(self) -> float:

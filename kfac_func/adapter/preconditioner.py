@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from torch import nn
@@ -22,10 +22,9 @@ from kfac_func.adapter.adaptive import AdaptiveStepper, check_adaptive
 from kfac_func.adapter.arguments import (
     HYPER,
     ComputeMethod,
-    FloatOrFn,
-    IntOrFn,
-    arguments_of,
+    SharedArguments,
     log_registered,
+    shares_arguments,
 )
 from kfac_func.adapter.checkpointing import StateDictMixin
 from kfac_func.adapter.compiled import uncompiled
@@ -37,7 +36,6 @@ from kfac_func.adapter.recording import HookRecorder
 from kfac_func.adapter.sync_free import SyncFreeMixin
 from kfac_func.adapter.wrapped_names import unwrapped
 from kfac_func.blocks import register
-from kfac_func.blocks.mapped import KindMap
 from kfac_func.blocks.table import no_layers_error
 from kfac_func.distributed.communicator import AllreduceMethod, Communicator
 from kfac_func.distributed.dtensor import (
@@ -45,7 +43,7 @@ from kfac_func.distributed.dtensor import (
     describe_parameters,
     is_dtensor,
 )
-from kfac_func.distributed.plan import AssignmentStrategy, DistributedStrategy, make_plan
+from kfac_func.distributed.plan import DistributedStrategy, make_plan
 from kfac_func.distributed.sharded import release_unowned
 from kfac_func.distributed.step import update_distributed
 from kfac_func.state import KFACState
@@ -75,72 +73,28 @@ class KFACPreconditioner(
     Call :meth:`step` after ``loss.backward()`` and before ``optimizer.step()``: it
     preconditions the ``.grad`` of the registered layers in place. Under DDP the work is
     spread over the ranks by a KAISA plan (:attr:`plan`), after the ranks checked that they
-    agree on it (:class:`kfac_func.distributed.RankMismatchError` otherwise). The arguments up to
-    ``loglevel`` are kfac-pytorch 0.4.2's, with its defaults and checks. Every
-    hyperparameter may be a number or a ``step -> value`` callable.
+    agree on it (:class:`kfac_func.distributed.RankMismatchError` otherwise). It takes
+    kfac-pytorch 0.4.2's arguments, with its defaults and checks, and the others that every
+    preconditioner class takes: the keywords of
+    :class:`~kfac_func.adapter.SharedArguments` (``**shared``), documented there.
+    Every hyperparameter may be a number or a ``step -> value`` callable. Its own:
 
     Args:
         model: the module (under DDP, its wrapper); its layers are registered with
             :func:`kfac_func.register` (``print(pre.layers)``). ``torch.compile(model)``
             may be passed, or compiled later: the layers are those of the eager module,
             with its names (see :mod:`kfac_func.adapter.compiled`).
-        factor_update_steps: collect statistics on steps ``k % factor_update_steps == 0``.
-        inv_update_steps: recompute the decompositions every this many steps.
-        damping: Tikhonov damping λ >= 0 (with ``adaptive=``, the starting λ).
-        factor_decay: the factors' running-average coefficient, in [0, 1] (0: the latest
-            batch factors only; 1: frozen factors; see
-            :func:`kfac_func.step.exp_decay_factor_averaging`, whose first value is 0).
-        kl_clip: bound of the scale ``min(1, sqrt(kl_clip / |lr² Σ P ⊙ grad|))`` of the
-            preconditioned gradients (> 0); None disables it.
-        lr: the learning rate in the ``kl_clip`` scale (only there: keep it the
-            optimizer's, e.g. ``lambda k: optimizer.param_groups[0]["lr"]``).
-        accumulation_steps: micro-batches (forward/backward passes) per optimizer step;
-            a window's statistics form one factor update.
-        allreduce_bucket_cap_mb: largest bucket (MB) of the factor all-reduces; 0: one
-            collective per tensor.
-        assignment_strategy: balance decompositions over ranks by ``COMPUTE`` (``n³``)
-            or ``MEMORY`` (``n²``) cost (an
-            :class:`~kfac_func.distributed.AssignmentStrategy` or name).
         colocate_factors: decompose a layer's A and G on one rank; forced on, with a
             warning, for ``MEM_OPT``.
-        compute_method: ``"eigen"``, ``"inverse"`` or ``"ekfac"`` (``scaling="fisher"``
-            only), or a :class:`ComputeMethod`.
-        compute_eigenvalue_outer_product: eigen: precompute ``1 / (dg daᵀ + λ)``; needs
-            ``colocate_factors``.
         grad_worker_fraction: fraction of ranks preconditioning each layer, in [0, 1] (0:
             ``1/world``), or a :class:`~kfac_func.distributed.DistributedStrategy` (``COMM_OPT`` 1,
             ``HYBRID_OPT`` 0.5, ``MEM_OPT`` 1/world), kept as :attr:`distributed_strategy`.
-        symmetry_aware: send only the upper triangle of symmetric factors.
-        grad_scaler: a ``GradScaler`` or a ``() -> scale`` callable; the hooks unscale
-            the output-gradients with it (call ``scaler.unscale_`` before :meth:`step`).
-        factor_dtype: the factors' dtype (default: the weights' promoted to at least
-            float32; kfac-pytorch uses the autocast dtype).
-        inv_dtype: the dtype decompositions are stored in.
-        skip_layers: regexes searched in module names and class names; matches are not
-            registered.
-        update_factors_in_hook: build each call's statistics in the hooks (and, on several
-            ranks, start the factor all-reduces in the backward pass) instead of keeping
-            the raw tensors until :meth:`step`; the results are the same.
-        loglevel: the :mod:`logging` level of the construction report on the
-            ``"kfac_func"`` logger: a ``Registered name="...": ...`` line per layer, the
-            layer table and the KAISA assignment (DEBUG: silent unless shown).
-        scaling: the factors' convention, ``"kfac-pytorch"`` (the default: hyperparameters
-            carry over) or ``"fisher"`` (for new models); see
-            :mod:`kfac_func.core.conventions`. ``convention=`` (the functional API's name)
-            is an alias; both given and different: a ValueError.
-        loss_reduction: ``"mean"`` or ``"sum"``, how the loss reduces the batch.
-        loss_divisor: what the loss was divided by besides (``k`` for ``loss / k`` over
-            ``k`` accumulated micro-batches).
         collective_timeout: a ``timedelta`` bounding each collective (None: the group's).
         eigenbasis_refresh: ``"eigh"``, or ``"qr"`` (one warm-started QR iteration per
             refresh after the first; see :func:`kfac_func.core.decomposition.refresh_eigh`).
         max_factor_dim: factor sides wider than this keep only their diagonal.
         kfac_approx: ``"expand"`` or ``"reduce"`` for weight-sharing layers, or
             ``{regex: approx}`` (see :func:`kfac_func.register`).
-        kinds: ``{module class: kind}`` (or ``{cls: (kind, {"eps": ...})}``) for the
-            model's own classes that compute a registered kind, e.g. ``{LlamaRMSNorm:
-            "rms_norm"}`` (see :func:`kfac_func.register`); each mapped module's first
-            call is checked against the kind's computation.
         grafting: None, ``"sgd"`` or ``"adam"``: each layer's step takes that optimizer's
             norm.
         graft_beta2, graft_eps: Adam grafting's ``β₂`` and ``ε``.
@@ -182,7 +136,8 @@ class KFACPreconditioner(
     Raises:
         ValueError: an argument out of range (named), no layer to precondition, or a
             combination kfac-pytorch refuses.
-        TypeError: a hyperparameter that is neither a number nor a callable.
+        TypeError: a hyperparameter that is neither a number nor a callable, or a
+            keyword that is not an argument.
 
     Example:
         >>> import torch
@@ -199,33 +154,13 @@ class KFACPreconditioner(
         1
     """
 
+    @shares_arguments()
     def __init__(
         self,
         model: nn.Module,
         *,
-        factor_update_steps: IntOrFn = 1,
-        inv_update_steps: IntOrFn = 1,
-        damping: FloatOrFn = 0.001,
-        factor_decay: FloatOrFn = 0.95,
-        kl_clip: FloatOrFn | None = 0.001,
-        lr: FloatOrFn = 0.1,
-        accumulation_steps: int = 1,
-        allreduce_bucket_cap_mb: float = 25.0,
-        assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
         colocate_factors: bool = True,
-        compute_method: ComputeMethod | str = ComputeMethod.EIGEN,
-        compute_eigenvalue_outer_product: bool = True,
         grad_worker_fraction: DistributedStrategy | float = DistributedStrategy.COMM_OPT,
-        symmetry_aware: bool = False,
-        grad_scaler: Any = None,
-        factor_dtype: torch.dtype | None = None,
-        inv_dtype: torch.dtype = torch.float32,
-        skip_layers: list[str] | None = None,
-        update_factors_in_hook: bool = True,
-        loglevel: int = logging.DEBUG,
-        scaling: str | None = None,
-        loss_reduction: str = "mean",
-        loss_divisor: float = 1.0,
         collective_timeout: timedelta | None = None,
         eigenbasis_refresh: str = "eigh",
         max_factor_dim: int | None = None,
@@ -247,19 +182,18 @@ class KFACPreconditioner(
         eigh_device: torch.device | str | None = None,
         grouped: bool = True,
         factor_rows: int | None = None,
-        kinds: KindMap | None = None,
-        convention: str | None = None,
+        **shared: Unpack[SharedArguments],
     ) -> None:
         model = uncompiled(model)  # layers named as in the eager model
         self._set_sync_free(sync_free, compile, grouped)
         self.batched_eigh, self.eigh_device = batched_eigh, check_eigh_device(eigh_device)
-        self.factor_rows = check_factor_rows(factor_rows, update_factors_in_hook)
-        self._set_arguments(**arguments_of(self._set_arguments, locals()))  # checked, stored
+        a = self._set_arguments(model, shared, allreduce_method=allreduce_method)
+        self.factor_rows = check_factor_rows(factor_rows, self.update_factors_in_hook)
 
         # named as the model's state dict names them (no checkpoint_wrapper prefixes)
         table = register(
             model, self.skip_layers, max_factor_dim=max_factor_dim, kfac_approx=kfac_approx,
-            kinds=kinds,
+            kinds=a["kinds"],
         )  # fmt: skip
         self.layers = unwrapped(table)
         method = self.compute_method.name.lower()
@@ -286,7 +220,7 @@ class KFACPreconditioner(
             raise no_layers_error(self.layers, type(model).__name__)
         check_packed_parameters(model, self.layers)  # the same on every rank: no collective
         weight = model.get_parameter(next(iter(self.layers.values())).weight)
-        self.factor_dtype = factor_dtype or torch.promote_types(weight.dtype, torch.float32)
+        self.factor_dtype = a["factor_dtype"] or torch.promote_types(weight.dtype, torch.float32)
         comm_world = Communicator.current_world_size()
         self.plan = make_plan(
             self.layers,
@@ -295,9 +229,9 @@ class KFACPreconditioner(
             assignment_strategy=self.assignment_strategy,
             colocate_factors=colocate_factors,
             compute_method=self.compute_method.name.lower(),
-            compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
+            compute_eigenvalue_outer_product=self.compute_eigenvalue_outer_product,
         )
-        check_adaptive(adaptive, model, kl_clip, comm_world)
+        check_adaptive(adaptive, model, self.kl_clip, comm_world)
         if refresh_drift is not None and comm_world > 1:
             raise one_process_only(f"this is one of {comm_world} processes")
         self.colocate_factors = self.plan.colocate_factors
@@ -310,12 +244,13 @@ class KFACPreconditioner(
             else self.plan.strategy
         )
         # every rank must agree on these, or its collectives would not match the others'
-        agreed = ("accumulation_steps", "scaling", "loss_reduction", "loss_divisor", "factor_dtype")
+        agreed = (
+            *("accumulation_steps", "scaling", "loss_reduction", "loss_divisor"),
+            *("factor_dtype", "inv_dtype", "symmetry_aware"),
+        )
         settings = {k: getattr(self, k) for k in (*HYPER, *agreed)}
         settings.update(
             bucket_cap_mb=self._bucket_cap_mb,
-            inv_dtype=inv_dtype,
-            symmetry_aware=symmetry_aware,
             eigenbasis_refresh=eigenbasis_refresh,
             max_factor_dim=max_factor_dim,
             kfac_approx=kfac_approx,
@@ -329,7 +264,7 @@ class KFACPreconditioner(
         self.comm = Communicator(
             self.plan,
             bucket_cap_mb=self._bucket_cap_mb,
-            symmetry_aware=symmetry_aware,
+            symmetry_aware=self.symmetry_aware,
             settings=settings,
             timeout=collective_timeout,
         )
@@ -340,7 +275,7 @@ class KFACPreconditioner(
         self.last_adaptive: AdaptiveInfo | None = None
         """What the latest adaptive step computed (learning rate, momentum, model change)."""
         if adaptive is not None:
-            self._state = init_adaptive(self._state, damping=float(self._value(damping)))
+            self._state = init_adaptive(self._state, damping=float(self._value(self.damping)))
         self._micro = []
         self._rows = {}
         self._handles = []
@@ -350,14 +285,14 @@ class KFACPreconditioner(
         self._damping_checked = False
         # with several ranks and update_factors_in_hook, each layer's factor reduction
         # starts in the backward pass, overlapping communication with computation
-        self._stream = update_factors_in_hook and self.comm.world_size > 1 and not self._ekfac
+        self._stream = self.update_factors_in_hook and self.comm.world_size > 1 and not self._ekfac
         self._reducer = None
         self._init_fallback()
         self._register_hooks()
         self._handles += self._check_hooks(model)  # first calls (kfac_func.blocks.checks)
-        log_registered(logger, loglevel, model, self.layers)
-        logger.log(loglevel, "K-FAC registered layers:\n%s", self.layers)
-        logger.log(loglevel, "K-FAC layer assignments: %s", self.plan)
+        log_registered(logger, self.loglevel, model, self.layers)
+        logger.log(self.loglevel, "K-FAC registered layers:\n%s", self.layers)
+        logger.log(self.loglevel, "K-FAC layer assignments: %s", self.plan)
 
     @property
     def state(self) -> KFACState:

@@ -11,11 +11,17 @@ Example:
 
 from kfac_func.parallel.gpt_neox import ExperimentalFeatureWarning, GPTNeoXKFACPreconditioner
 from kfac_func.parallel.plan import ParallelPlan, make_parallel_plan, register_parallel
-from kfac_func.parallel.preconditioner import ParallelKFACPreconditioner
+from kfac_func.parallel.preconditioner import (
+    PARALLEL_DEFAULTS,
+    ParallelArguments,
+    ParallelKFACPreconditioner,
+)
 
 __all__ = [
+    "PARALLEL_DEFAULTS",
     "ExperimentalFeatureWarning",
     "GPTNeoXKFACPreconditioner",
+    "ParallelArguments",
     "ParallelKFACPreconditioner",
     "ParallelPlan",
     "make_parallel_plan",

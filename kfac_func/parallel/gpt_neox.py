@@ -45,25 +45,22 @@ tied layers are untested.
 
 from __future__ import annotations
 
-import logging
 import warnings
-from typing import Any
+from typing import Unpack
 
-import torch
 from torch import nn
 
 from kfac_func.adapter.arguments import (
     ComputeMethod,
-    FloatOrFn,
-    IntOrFn,
-    arguments_of,
     check_bucket_cap,
     parse_enum,
+    shares_arguments,
 )
-from kfac_func.blocks.mapped import KindMap
-from kfac_func.distributed.plan import AssignmentStrategy
-from kfac_func.parallel.preconditioner import ParallelKFACPreconditioner
-from kfac_func.parallel.splits import ParallelClasses
+from kfac_func.parallel.preconditioner import (
+    PARALLEL_DEFAULTS,
+    ParallelArguments,
+    ParallelKFACPreconditioner,
+)
 
 __all__ = ["ExperimentalFeatureWarning", "GPTNeoXKFACPreconditioner"]
 
@@ -95,24 +92,20 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
     :meth:`state_dict` and :meth:`load_state_dict`, at the same point (they are
     collectives). Warns :class:`ExperimentalFeatureWarning` at construction.
 
-    The arguments are :class:`~kfac_func.parallel.preconditioner.ParallelKFACPreconditioner`'s,
-    in kfac-pytorch's GPT-NeoX order, with its defaults (those shared with
-    :class:`kfac_func.KFACPreconditioner` are documented there) but for ``loss_divisor`` and
-    ``include_plain_linear``. ``accumulation_steps`` is DeepSpeed's
-    ``gradient_accumulation_steps``; the ``kl_clip`` sum runs over every layer of every
-    stage. Here:
+    The arguments are :class:`~kfac_func.parallel.preconditioner.ParallelKFACPreconditioner`'s
+    (the keywords of :class:`~kfac_func.parallel.ParallelArguments`,
+    ``**arguments``, are documented there), with its defaults but for ``loss_divisor`` and
+    ``include_plain_linear``. The process groups not given are the module's DeepSpeed
+    grid's data-parallel, slice-parallel and pipeline groups (none without a grid); the
+    pipeline group's rank is the stage. ``compute_method`` must be eigen (the default;
+    ValueError otherwise, as in kfac-pytorch). ``accumulation_steps`` is DeepSpeed's
+    ``gradient_accumulation_steps``, and ``loss_divisor``, what the backpropagated loss was
+    divided by besides the reduction, is by default (None) ``accumulation_steps``, since
+    DeepSpeed's engine backpropagates the loss divided by its gradient accumulation steps.
+    The ``kl_clip`` sum runs over every layer of every stage. Here:
 
     Args:
         model: the ``deepspeed.pipe.PipelineModule`` (this rank's stage of it).
-        compute_method: must be eigen (the default; ValueError otherwise, as in
-            kfac-pytorch).
-        data_parallel_group, model_parallel_group, pipeline_parallel_group: this rank's
-            groups (None: the module's DeepSpeed grid's data-parallel, slice-parallel and
-            pipeline groups, or none without a grid); the pipeline group's rank is the
-            stage.
-        loss_divisor: what the backpropagated loss was divided by besides the reduction;
-            None (default): ``accumulation_steps``, since DeepSpeed's engine
-            backpropagates the loss divided by its gradient accumulation steps.
         include_plain_linear: False (default, as kfac-pytorch): register only the
             column- and row-parallel linears; True: also the pipeline's other supported
             layers (``nn.Linear`` projections and heads, ...).
@@ -127,39 +120,13 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
             to precondition. The messages begin as kfac-pytorch's do.
     """
 
+    @shares_arguments({**PARALLEL_DEFAULTS, "loss_divisor": None}, ParallelArguments)
     def __init__(
         self,
         model: nn.Module,
         *,
-        factor_update_steps: IntOrFn = 1,
-        inv_update_steps: IntOrFn = 1,
-        damping: FloatOrFn = 0.001,
-        factor_decay: FloatOrFn = 0.95,
-        kl_clip: FloatOrFn | None = 0.001,
-        lr: FloatOrFn = 0.1,
-        accumulation_steps: int = 1,
-        allreduce_bucket_cap_mb: float = 25.0,
-        assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
-        compute_method: ComputeMethod | str = ComputeMethod.EIGEN,
-        compute_eigenvalue_outer_product: bool = False,
-        symmetry_aware: bool = False,
-        data_parallel_group: Any = None,
-        model_parallel_group: Any = None,
-        pipeline_parallel_group: Any = None,
-        grad_scaler: Any = None,
-        factor_dtype: torch.dtype | None = None,
-        inv_dtype: torch.dtype = torch.float32,
-        factor_checkpoint_dir: str | None = None,
-        skip_layers: list[str] | None = None,
-        update_factors_in_hook: bool = True,
-        loglevel: int = logging.DEBUG,
-        scaling: str | None = None,
-        loss_reduction: str = "mean",
-        loss_divisor: float | None = None,
         include_plain_linear: bool = False,
-        kinds: KindMap | None = None,
-        convention: str | None = None,
-        parallel_classes: ParallelClasses | None = None,
+        **arguments: Unpack[ParallelArguments],
     ) -> None:
         pipeline_module = _pipeline_module()
         # kfac-pytorch's wording, which users and tests match
@@ -173,7 +140,8 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
                 "model must be an instance of deepspeed.pipe.PipelineModule. "
                 f"Got an instance of {type(model)}."
             )
-        check_bucket_cap(allreduce_bucket_cap_mb)  # before compute_method's, as kfac-pytorch
+        check_bucket_cap(arguments.get("allreduce_bucket_cap_mb", 25.0))  # as kfac-pytorch: first
+        compute_method = arguments.get("compute_method", ComputeMethod.EIGEN)
         method = parse_enum(ComputeMethod, compute_method, "compute_method")
         if method is ComputeMethod.INVERSE:
             raise ValueError(
@@ -186,14 +154,13 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
                 "GPTNeoXKFACPreconditioner computes eigendecompositions"
             )
         grid = getattr(model, "_grid", None)
-        if grid is not None:
-            if data_parallel_group is None:
-                data_parallel_group = grid.get_data_parallel_group()
-            if model_parallel_group is None:
-                model_parallel_group = grid.get_slice_parallel_group()
-            if pipeline_parallel_group is None:
-                pipeline_parallel_group = grid.get_pipe_parallel_group()
-        compute_method = method  # eigen, checked above
-        if loss_divisor is None:  # DeepSpeed's engine backpropagates loss / its accumulation
-            loss_divisor = accumulation_steps
-        super().__init__(**arguments_of(super().__init__, locals()))
+        if grid is not None:  # the groups not given are the grid's
+            if arguments.get("data_parallel_group") is None:
+                arguments["data_parallel_group"] = grid.get_data_parallel_group()
+            if arguments.get("model_parallel_group") is None:
+                arguments["model_parallel_group"] = grid.get_slice_parallel_group()
+            if arguments.get("pipeline_parallel_group") is None:
+                arguments["pipeline_parallel_group"] = grid.get_pipe_parallel_group()
+        if arguments.get("loss_divisor") is None:  # DeepSpeed's engine backpropagates loss / k
+            arguments["loss_divisor"] = arguments.get("accumulation_steps", 1)
+        super().__init__(model, include_plain_linear=include_plain_linear, **arguments)

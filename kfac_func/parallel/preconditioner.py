@@ -34,21 +34,18 @@ questions of :mod:`kfac_func.parallel.base`.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Unpack
 
 import torch
 from torch import nn
 
 from kfac_func.adapter.arguments import (
     ComputeMethod,
-    FloatOrFn,
-    IntOrFn,
-    arguments_of,
+    SharedArguments,
     log_registered,
+    shares_arguments,
 )
 from kfac_func.blocks.checks import check_hooks
-from kfac_func.blocks.mapped import KindMap
-from kfac_func.distributed.plan import AssignmentStrategy
 from kfac_func.parallel.base import Group
 from kfac_func.parallel.checkpointing import ParallelCheckpointing
 from kfac_func.parallel.comm import ParallelCommunicator
@@ -57,37 +54,66 @@ from kfac_func.parallel.recording import ParallelHookRecorder
 from kfac_func.parallel.splits import ParallelClasses
 from kfac_func.parallel.stepping import ParallelStep
 
-__all__ = ["ParallelKFACPreconditioner"]
+__all__ = ["PARALLEL_DEFAULTS", "ParallelArguments", "ParallelKFACPreconditioner"]
 
 logger = logging.getLogger("kfac_func")
 
 
-class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelCheckpointing):
-    """K-FAC preconditioner for one pipeline stage of a data × model-parallel model.
+class ParallelArguments(SharedArguments, total=False):
+    """The keyword arguments of both model-parallel preconditioners: those of
+    :class:`~kfac_func.adapter.SharedArguments` and these.
 
-    The arguments it shares with :class:`kfac_func.KFACPreconditioner` are kfac-pytorch's,
-    documented there, with the same defaults but ``compute_eigenvalue_outer_product=False``
-    (as kfac-pytorch's GPT-NeoX preconditioner); ``allreduce_bucket_cap_mb`` and
-    ``symmetry_aware`` are accepted for compatibility (each collective here carries one
-    layer's tensors); the ``loglevel`` report covers this stage and names the global and
-    pipeline rank. It adds:
-
-    Args:
+    Attributes:
         data_parallel_group: this rank's data-parallel group (None: no data parallelism).
         model_parallel_group: this rank's tensor (model) parallel group (None: none).
         pipeline_parallel_group: this rank's pipeline group; its rank is the stage.
-        factor_checkpoint_dir: with it, :meth:`state_dict` writes the factors to one file
+        factor_checkpoint_dir: with it, ``state_dict()`` writes the factors to one file
             per layer there (:func:`kfac_func.checkpoint.save_factor_dir`; each written by
             the layer's owner) and returns only the step and the hyperparameters, and
-            :meth:`load_state_dict` reads them back.
-        include_plain_linear: also register the supported layers that are not
-            column- or row-parallel (``nn.Linear``, ...); True by default here, False in
-            :class:`~kfac_func.parallel.gpt_neox.GPTNeoXKFACPreconditioner`.
+            ``load_state_dict()`` reads them back.
         parallel_classes: ``{module class or class name: "column" | "row" | None}`` for
             tensor-parallel linears whose class is not named ``ColumnParallelLinear`` /
             ``RowParallelLinear`` (Transformer Engine's, ...; see
             :func:`~kfac_func.parallel.plan.register_parallel`); a module that looks
             tensor-parallel but is neither raises a ValueError.
+    """
+
+    data_parallel_group: Group
+    model_parallel_group: Group
+    pipeline_parallel_group: Group
+    factor_checkpoint_dir: str | None
+    parallel_classes: ParallelClasses | None
+
+
+PARALLEL_DEFAULTS: ParallelArguments = {
+    "compute_eigenvalue_outer_product": False,
+    "data_parallel_group": None,
+    "model_parallel_group": None,
+    "pipeline_parallel_group": None,
+    "factor_checkpoint_dir": None,
+    "parallel_classes": None,
+}
+"""The defaults of :class:`ParallelArguments` where they are not kfac-pytorch's
+preconditioner's (its ``compute_eigenvalue_outer_product``: False, as kfac-pytorch's
+GPT-NeoX preconditioner's)."""
+
+
+class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelCheckpointing):
+    """K-FAC preconditioner for one pipeline stage of a data × model-parallel model.
+
+    It takes the keywords of :class:`ParallelArguments` (``**arguments``, documented
+    there): the process groups, and those of
+    :class:`~kfac_func.adapter.SharedArguments` with their defaults but
+    ``compute_eigenvalue_outer_product=False`` (:data:`PARALLEL_DEFAULTS`, as kfac-pytorch's
+    GPT-NeoX preconditioner); ``allreduce_bucket_cap_mb`` and
+    ``symmetry_aware`` are accepted for compatibility (each collective here carries one
+    layer's tensors); the ``loglevel`` report covers this stage and names the global and
+    pipeline rank. Its own:
+
+    Args:
+        include_plain_linear: also register the supported layers that are not
+            column- or row-parallel (``nn.Linear``, ...); True by default here, False in
+            :class:`~kfac_func.parallel.gpt_neox.GPTNeoXKFACPreconditioner`.
 
     Every rank of the world constructs it at the same point, and calls :meth:`step`,
     :meth:`state_dict` and :meth:`load_state_dict` together (they are collectives).
@@ -106,41 +132,20 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         (1, {'0': 'column', '2': 'row'})
     """
 
+    @shares_arguments(PARALLEL_DEFAULTS, ParallelArguments)
     def __init__(
         self,
         model: nn.Module,
         *,
-        data_parallel_group: Group = None,
-        model_parallel_group: Group = None,
-        pipeline_parallel_group: Group = None,
-        factor_update_steps: IntOrFn = 1,
-        inv_update_steps: IntOrFn = 1,
-        damping: FloatOrFn = 0.001,
-        factor_decay: FloatOrFn = 0.95,
-        kl_clip: FloatOrFn | None = 0.001,
-        lr: FloatOrFn = 0.1,
-        accumulation_steps: int = 1,
-        allreduce_bucket_cap_mb: float = 25.0,
-        assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
-        compute_method: ComputeMethod | str = ComputeMethod.EIGEN,
-        compute_eigenvalue_outer_product: bool = False,
-        symmetry_aware: bool = False,
-        grad_scaler: Any = None,
-        factor_dtype: torch.dtype | None = None,
-        inv_dtype: torch.dtype = torch.float32,
-        factor_checkpoint_dir: str | None = None,
-        skip_layers: list[str] | None = None,
-        update_factors_in_hook: bool = True,
-        loglevel: int = logging.DEBUG,
-        scaling: str | None = None,
-        loss_reduction: str = "mean",
-        loss_divisor: float = 1.0,
         include_plain_linear: bool = True,
-        kinds: KindMap | None = None,
-        convention: str | None = None,
-        parallel_classes: ParallelClasses | None = None,
+        **arguments: Unpack[ParallelArguments],
     ) -> None:
-        self._set_arguments(**arguments_of(self._set_arguments, locals()))  # checked, stored
+        data_parallel_group = arguments.pop("data_parallel_group", None)
+        model_parallel_group = arguments.pop("model_parallel_group", None)
+        pipeline_parallel_group = arguments.pop("pipeline_parallel_group", None)
+        factor_checkpoint_dir = arguments.pop("factor_checkpoint_dir", None)
+        parallel_classes = arguments.pop("parallel_classes", None)
+        a = self._set_arguments(model, arguments, PARALLEL_DEFAULTS)
         if self.compute_method is ComputeMethod.EKFAC:
             raise ValueError(
                 "compute_method='ekfac' is not supported by the model-parallel "
@@ -160,7 +165,7 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
             self.comm.mp_size,
             self.skip_layers,
             include_plain=include_plain_linear,
-            kinds=kinds,
+            kinds=a["kinds"],
             parallel_classes=parallel_classes,
         )
         self.plan = make_parallel_plan(
@@ -173,7 +178,7 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         )
         params = [model.get_parameter(s.weight) for s in self.layers.values()]
         weight = params[0] if params else next(model.parameters(), torch.empty(0))
-        self.factor_dtype = factor_dtype or torch.promote_types(weight.dtype, torch.float32)
+        self.factor_dtype = a["factor_dtype"] or torch.promote_types(weight.dtype, torch.float32)
         # a pipeline stage may hold no preconditioned layer
         self._state = self._first_state(weight.device, allow_empty=True)
         self._directory()
@@ -182,9 +187,11 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         self._register_hooks()
         self._handles += check_hooks(model, self.layers)  # first calls of kinds= modules
         where = f" on global-rank={self.comm.rank} and pipeline-rank={self.stage}"
-        log_registered(logger, loglevel, model, self.layers, where)
-        logger.log(loglevel, "K-FAC registered layers (stage %d):\n%s", self.stage, self.layers)
-        logger.log(loglevel, "K-FAC layer assignments: %s", self.plan)
+        log_registered(logger, self.loglevel, model, self.layers, where)
+        logger.log(
+            self.loglevel, "K-FAC registered layers (stage %d):\n%s", self.stage, self.layers
+        )
+        logger.log(self.loglevel, "K-FAC layer assignments: %s", self.plan)
 
     def _directory(self) -> None:
         """Learn every rank's stage, coordinates and layers (one object all-gather)."""
