@@ -109,6 +109,81 @@ def derive_lr(results: Path, beta2: float = 0.95) -> tuple[float, dict[str, dict
     return float(min(worst, key=lambda lr: worst[lr])), fractions
 
 
+ONE_RATE = ("adamw", "muon", "soap", TUNED)
+"""The optimizers whose one-learning-rate reach :func:`one_rate` measures."""
+ONE_RATE_MARKERS = ("<!-- one-rate:start -->", "<!-- one-rate:end -->")
+
+
+def one_rate(docs: list[dict[str, Any]], optimizer: str) -> dict[str, Any]:
+    """How far one learning rate carries ``optimizer`` over the race's workloads (``docs``:
+    their race results), by its tuning runs: a rate *reaches* a workload when its final
+    test loss on the tuning seed (the best over the second knob's settings) exceeds the
+    tuned rate's, on the same seed, by no more than the spread (max − min) of the tuned
+    evaluation runs' finals. Over the rates that every workload's grid tried, returns the
+    one reaching most workloads (the smaller on a tie), those workloads, and the count of
+    every rate.
+
+    Example:
+        >>> def doc(w, finals, spread):
+        ...     tune = [{"optimizer": "o", "phase": "tune", "lr": lr, "settings": {},
+        ...              "rows": [{"test_loss": v}]} for lr, v in finals.items()]
+        ...     ev = [{"optimizer": "o", "phase": "eval", "lr": 0.1, "settings": {}, "seed": i,
+        ...            "rows": [{"test_loss": 1.0 + spread * i}]} for i in range(2)]
+        ...     return {"workload": w, "runs": tune + ev}
+        >>> r = one_rate([doc("a", {0.1: 1.0, 0.2: 1.05}, 0.1),
+        ...               doc("b", {0.1: 1.3, 0.2: 1.0}, 0.1)], "o")
+        >>> r["lr"], r["reached"], r["counts"]
+        (0.2, ['a', 'b'], {'0.1': 1, '0.2': 2})
+    """
+    at: dict[str, dict[float, float]] = {}
+    spread: dict[str, float] = {}
+    for doc in docs:
+        finals: dict[float, float] = {}
+        for r in doc["runs"]:
+            if r["optimizer"] == optimizer and r["phase"] == "tune":
+                v = rr.final_loss(r["rows"])
+                finals[r["lr"]] = min(v, finals.get(r["lr"], v))
+        ev = evaluation(doc, optimizer)
+        at[doc["workload"]], spread[doc["workload"]] = finals, max(ev) - min(ev)
+    rates = sorted(set.intersection(*(set(f) for f in at.values())))
+
+    def reached(lr: float) -> list[str]:
+        return [w for w, f in at.items() if f[lr] - min(f.values()) <= spread[w]]
+
+    best = max(rates, key=lambda lr: (len(reached(lr)), -lr))
+    counts = {f"{lr:g}": len(reached(lr)) for lr in rates}
+    return {"lr": best, "reached": reached(best), "counts": counts}
+
+
+def race_docs(results: Path) -> list[dict[str, Any]]:
+    """The race results files in ``results``, in the race's order of workloads."""
+    docs = [json.loads((results / f"race_{w}.json").read_text()) for w in rw.WORKLOADS]
+    return [d for d in docs if d.get("benchmark") == "race"]
+
+
+def render_one_rate(results: Path) -> str:
+    """The Markdown table of :func:`one_rate` for every optimizer of :data:`ONE_RATE`."""
+    docs = race_docs(results)
+    lines = [
+        "From the race's tuning runs (`benchmarks/results/race_<workload>.json`, "
+        f"{', '.join(d['workload'] for d in docs)}).",
+        "",
+        "| optimizer | its tuned rates | one rate reaching most | workloads it reaches | "
+        "reached per rate |",
+        "|---|---|---|---|---|",
+    ]
+    for name in ONE_RATE:
+        r = one_rate(docs, name)
+        tuned = sorted({next(x["lr"] for x in d["runs"] if x["optimizer"] == name and
+                             x["phase"] == "eval") for d in docs})  # fmt: skip
+        per = ", ".join(f"{lr}: {n}" for lr, n in r["counts"].items())
+        lines.append(
+            f"| {name} | {tuned[0]:g}–{tuned[-1]:g} | {r['lr']:g} | "
+            f"{len(r['reached'])} of {len(docs)} ({', '.join(r['reached'])}) | {per} |"
+        )
+    return "\n".join(lines)
+
+
 def run_workload(name: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
     """Train ``kf.KFAC(model)`` on workload ``name`` on each evaluation seed."""
     w = rw.WORKLOADS[name](args.quick)
@@ -175,20 +250,21 @@ def render(doc: dict[str, Any]) -> str:
 
 
 def write_table(page: Path, results: Path) -> bool:
-    """Rewrite the block between :data:`MARKERS` of ``page`` from ``results``; whether it
-    changed."""
+    """Rewrite the blocks between :data:`MARKERS` and :data:`ONE_RATE_MARKERS` of ``page``
+    from ``results``; whether they changed."""
     doc = json.loads((results / FILE).read_text())
     if doc.get("quick"):
         raise ValueError(f"{results / FILE}: results of --quick are not for the docs")
-    text = page.read_text()
-    start, end = MARKERS
-    if start not in text or end not in text:
-        raise ValueError(f"{page}: no {start} ... {end} block")
-    i = text.index(start) + len(start)
-    j = text.index(end, i)
-    old, new = text[i:j].strip("\n"), render(doc)
-    page.write_text(f"{text[:i]}\n{new}\n{text[j:]}")
-    return new != old
+    changed = False
+    for (start, end), new in ((MARKERS, render(doc)), (ONE_RATE_MARKERS, render_one_rate(results))):
+        text = page.read_text()
+        if start not in text or end not in text:
+            raise ValueError(f"{page}: no {start} ... {end} block")
+        i = text.index(start) + len(start)
+        j = text.index(end, i)
+        changed |= new != text[i:j].strip("\n")
+        page.write_text(f"{text[:i]}\n{new}\n{text[j:]}")
+    return changed
 
 
 def merge(folders: list[Path]) -> dict[str, Any]:

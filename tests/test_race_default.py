@@ -71,3 +71,13 @@ def test_the_docs_table_is_the_committed_results() -> None:
     missing = [n for _, n in quoted_numbers(block) if not appears(n, values)]
     assert not missing
     assert [w["workload"] for w in doc["workloads"]] == list(rd.rw.WORKLOADS)
+
+
+def test_the_one_rate_table_is_the_committed_race_results() -> None:
+    """The table of how far one learning rate carries each optimizer equals what
+    ``--tables`` renders from the committed race results."""
+    if len(rd.race_docs(RESULTS)) != len(rd.rw.WORKLOADS):
+        pytest.skip("not every workload's race results are committed")
+    start, end = rd.ONE_RATE_MARKERS
+    block = PAGE.read_text().split(start + "\n", 1)[1].split("\n" + end, 1)[0]
+    assert block == rd.render_one_rate(RESULTS), "stale: python benchmarks/race_default.py --tables"
