@@ -193,6 +193,8 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     assert result.returncode == 0, log
     assert "WARNING" not in log, log
     reference = (tmp_path / "api" / "adapter" / "index.html").read_text(encoding="utf-8")
-    for argument in ("loglevel", "grad_worker_fraction", "allreduce_method"):
+    for argument in ("grad_worker_fraction", "allreduce_method"):  # the adapter's own
         assert f"<code>{argument}</code>" in reference, argument
+    for argument in ("loglevel", "damping", "kinds"):  # those every preconditioner shares
+        assert f'title="kfac_func.adapter.SharedArguments.{argument}"' in reference, argument
     assert (tmp_path / "assets" / "results" / "convergence.png").is_file()
