@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any, Unpack
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -54,6 +54,9 @@ from kfac_func.step.drift import one_process_only
 from kfac_func.step.layer_step import Grafting
 from kfac_func.step.options import StepOptions
 from kfac_func.step.orthogonal import Orthogonal, orthogonal_table
+
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11's; annotations are not evaluated
+    from typing import Unpack
 
 __all__ = ["AllreduceMethod", "ComputeMethod", "KFACPreconditioner"]
 

@@ -46,7 +46,7 @@ tied layers are untested.
 from __future__ import annotations
 
 import warnings
-from typing import Unpack
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -61,6 +61,9 @@ from kfac_func.parallel.preconditioner import (
     ParallelArguments,
     ParallelKFACPreconditioner,
 )
+
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11's; annotations are not evaluated
+    from typing import Unpack
 
 __all__ = ["ExperimentalFeatureWarning", "GPTNeoXKFACPreconditioner"]
 

@@ -34,7 +34,7 @@ questions of :mod:`kfac_func.parallel.base`.
 from __future__ import annotations
 
 import logging
-from typing import Unpack
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -53,6 +53,9 @@ from kfac_func.parallel.plan import global_plan, make_parallel_plan, register_pa
 from kfac_func.parallel.recording import ParallelHookRecorder
 from kfac_func.parallel.splits import ParallelClasses
 from kfac_func.parallel.stepping import ParallelStep
+
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11's; annotations are not evaluated
+    from typing import Unpack
 
 __all__ = ["PARALLEL_DEFAULTS", "ParallelArguments", "ParallelKFACPreconditioner"]
 
