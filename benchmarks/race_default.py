@@ -174,8 +174,12 @@ def render_one_rate(results: Path) -> str:
     ]
     for name in ONE_RATE:
         r = one_rate(docs, name)
-        tuned = sorted({next(x["lr"] for x in d["runs"] if x["optimizer"] == name and
-                             x["phase"] == "eval") for d in docs})  # fmt: skip
+        tuned = sorted(
+            x["lr"]
+            for d in docs
+            for x in d["runs"]
+            if (x["optimizer"], x["phase"]) == (name, "eval")
+        )
         per = ", ".join(f"{lr}: {n}" for lr, n in r["counts"].items())
         lines.append(
             f"| {name} | {tuned[0]:g}–{tuned[-1]:g} | {r['lr']:g} | "
