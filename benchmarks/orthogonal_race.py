@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,11 +199,7 @@ def parse_args(
     args = p.parse_args(argv)
     if args.quick:
         args.seeds = args.seeds[:1]
-    if args.out is None:
-        folder = Path(tempfile.mkdtemp()) if args.quick else RESULTS
-        args.out = str(folder / f"{challenge.benchmark}.json")
-    if args.quick and Path(args.out).resolve().parent == RESULTS.resolve():
-        p.error("--quick results are a smoke test: not into benchmarks/results")
+    rr.settle_out(args, RESULTS, f"{challenge.benchmark}.json", p.error)
     return args
 
 

@@ -259,16 +259,8 @@ def write_table(page: Path, results: Path) -> bool:
     doc = json.loads((results / FILE).read_text())
     if doc.get("quick"):
         raise ValueError(f"{results / FILE}: results of --quick are not for the docs")
-    changed = False
-    for (start, end), new in ((MARKERS, render(doc)), (ONE_RATE_MARKERS, render_one_rate(results))):
-        text = page.read_text()
-        if start not in text or end not in text:
-            raise ValueError(f"{page}: no {start} ... {end} block")
-        i = text.index(start) + len(start)
-        j = text.index(end, i)
-        changed |= new != text[i:j].strip("\n")
-        page.write_text(f"{text[:i]}\n{new}\n{text[j:]}")
-    return changed
+    changed = rr.replace_block(page, MARKERS, render(doc))
+    return rr.replace_block(page, ONE_RATE_MARKERS, render_one_rate(results)) or changed
 
 
 def merge(folders: list[Path]) -> dict[str, Any]:

@@ -20,11 +20,13 @@ Rules
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
 import statistics
-from collections.abc import Iterable, Sequence
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
 from decimal import ROUND_HALF_EVEN, Decimal
 from pathlib import Path
 from typing import Any
@@ -436,6 +438,26 @@ def replace_block(page: Path, marks: tuple[str, str], new: str) -> bool:
     before = f"{start}\n{old}\n{end}" if old else f"{start}\n{end}"
     page.write_text(text.replace(before, f"{start}\n{new}\n{end}"))
     return new != old
+
+
+def settle_out(
+    args: argparse.Namespace, results: Path, name: str, error: Callable[[str], Any]
+) -> None:
+    """Set ``args.out`` when it was not given: the file ``name`` in ``results`` (the
+    committed results), or with ``--quick`` in a temporary folder; refuse quick results
+    written into ``results`` (``error``: the parser's ``error``).
+
+    Example:
+        >>> args = argparse.Namespace(quick=False, out=None)
+        >>> settle_out(args, Path("benchmarks/results"), "x.json", print)
+        >>> args.out
+        'benchmarks/results/x.json'
+    """
+    if args.out is None:
+        folder = Path(tempfile.mkdtemp()) if args.quick else results
+        args.out = str(folder / name)
+    if args.quick and Path(args.out).resolve().parent == results.resolve():
+        error("--quick results are a smoke test: not into benchmarks/results")
 
 
 def markers(workload: str) -> tuple[str, str]:

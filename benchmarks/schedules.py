@@ -37,7 +37,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -225,11 +224,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.seeds = args.seeds[:1]
-    if args.out is None:
-        folder = Path(tempfile.mkdtemp()) if args.quick else RESULTS
-        args.out = str(folder / "schedules.json")
-    if args.quick and Path(args.out).resolve().parent == RESULTS.resolve():
-        p.error("--quick results are a smoke test: not into benchmarks/results")
+    rr.settle_out(args, RESULTS, "schedules.json", p.error)
     return args
 
 

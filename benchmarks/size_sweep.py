@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -211,11 +210,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.argv = sys.argv[1:] if argv is None else argv
     if args.quick:
         args.seeds = args.seeds[:1]
-    if args.out is None:
-        folder = Path(tempfile.mkdtemp()) if args.quick else RESULTS
-        args.out = str(folder / f"{BENCHMARK}.json")
-    if args.quick and Path(args.out).resolve().parent == RESULTS.resolve():
-        p.error("--quick results are a smoke test: not into benchmarks/results")
+    rr.settle_out(args, RESULTS, f"{BENCHMARK}.json", p.error)
     return args
 
 

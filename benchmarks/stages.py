@@ -102,7 +102,6 @@ import dataclasses
 import json
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -116,6 +115,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # this checkout's kfac_func
 import optimizers  # noqa: E402
 import race  # noqa: E402
+import race_report as rr  # noqa: E402
 import race_workloads as rw  # noqa: E402
 from stage_arithmetic import (  # noqa: E402
     EIGH_MACS,
@@ -744,11 +744,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.reps, args.warmup = 2, 1
-    if args.out is None:
-        folder = Path(tempfile.mkdtemp()) if args.quick else RESULTS
-        args.out = str(folder / "stages.json")
-    if args.quick and Path(args.out).resolve().parent == RESULTS.resolve():
-        p.error("--quick results are a smoke test: not into benchmarks/results")
+    rr.settle_out(args, RESULTS, "stages.json", p.error)
     if args.reps < 1 or args.warmup < 1 or args.threads < 1:
         p.error("--reps, --warmup and --threads must be >= 1")
     return args
