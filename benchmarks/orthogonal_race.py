@@ -131,13 +131,7 @@ def _reach(r: dict[str, Any], c: str) -> str:
 
 def render(doc: dict[str, Any], challenge: Challenge = ORTHOGONAL_RACE) -> str:
     """The Markdown table of a results ``doc``."""
-    runs = []
-    for w, part in doc["workloads"].items():
-        run = part["run"]
-        runs.append(
-            f"`{w}` seeds {', '.join(map(str, run['seeds']))}, CPU `{run['machine']['cpu']}`, "
-            f"{run['machine']['threads']} thread(s), {rr.commit_phrase(run)}"
-        )
+    runs = [rr.run_phrase(w, part["run"]) for w, part in doc["workloads"].items()]
     name = challenge.benchmark
     lines = [
         f"Results: `benchmarks/results/{name}.json` (`python benchmarks/{name}.py`).",

@@ -244,6 +244,21 @@ def rounded(x: float, places: int) -> str:
     return str(Decimal(str(x)).quantize(q, rounding=ROUND_HALF_EVEN))
 
 
+def run_phrase(label: str, run: dict[str, Any]) -> str:
+    """How one run of a results document reads in the docs: its label, seeds, CPU, threads
+    and commit.
+
+    Example:
+        >>> run = {"seeds": [1, 2], "machine": {"cpu": "X", "threads": 1}, "commit": "0123456789ab"}
+        >>> run_phrase("lm", run)
+        '`lm` seeds 1, 2, CPU `X`, 1 thread(s), commit `0123456789`'
+    """
+    return (
+        f"`{label}` seeds {', '.join(map(str, run['seeds']))}, CPU `{run['machine']['cpu']}`, "
+        f"{run['machine']['threads']} thread(s), {commit_phrase(run)}"
+    )
+
+
 def commit_phrase(doc: dict[str, Any]) -> str:
     """How a results document's commit reads in the docs (``dirty``: said).
 

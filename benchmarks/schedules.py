@@ -149,13 +149,7 @@ def render(doc: dict[str, Any]) -> str:
     """The Markdown table of a results ``doc``: per workload and schedule, the final test
     loss (mean, min–max), the milliseconds per step, and the seconds to Muon's and SOAP's
     final loss with the ratio to their whole run."""
-    runs = []
-    for w, part in doc["workloads"].items():
-        run = part.get("run", doc)
-        runs.append(
-            f"`{w}` seeds {', '.join(map(str, run['seeds']))}, CPU `{run['machine']['cpu']}`, "
-            f"{run['machine']['threads']} thread(s), {rr.commit_phrase(run)}"
-        )
+    runs = [rr.run_phrase(w, part.get("run", doc)) for w, part in doc["workloads"].items()]
     lines = [
         "Results: `benchmarks/results/schedules.json` (`python benchmarks/schedules.py`).",
         "<!-- settings -->",

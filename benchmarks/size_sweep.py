@@ -114,13 +114,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
 
 def render(doc: dict[str, Any]) -> str:
     """The Markdown table of a results ``doc``."""
-    runs = []
-    for size, part in doc["workloads"].items():
-        run = part["run"]
-        runs.append(
-            f"`{size}` seeds {', '.join(map(str, run['seeds']))}, CPU `{run['machine']['cpu']}`, "
-            f"{run['machine']['threads']} thread(s), {rr.commit_phrase(run)}"
-        )
+    runs = [rr.run_phrase(size, part["run"]) for size, part in doc["workloads"].items()]
     lines = [
         f"Results: `benchmarks/results/{BENCHMARK}.json` (`python benchmarks/{BENCHMARK}.py`).",
         "<!-- settings -->",
