@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -210,6 +210,38 @@ class AdaptiveState:
     def replace(self, **changes: object) -> AdaptiveState:
         """A copy with ``changes`` applied."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    @classmethod
+    def restored(
+        cls, fields: Mapping[str, Any], previous: dict[str, torch.Tensor] | None
+    ) -> AdaptiveState:
+        """The state that saved ``fields`` (numbers, None where unset, ``history`` as
+        sequences of an :class:`AdaptiveRecord`'s fields), with the tensors ``previous``.
+
+        Example:
+            >>> saved = {"damping": 0.1, "steps": 1, "history": [[1, 0.1, 1, 0, -2, None]]}
+            >>> AdaptiveState.restored(saved, None).history
+            (AdaptiveRecord(steps=1, damping=0.1, alpha=1.0, mu=0.0, predicted=-2.0, rho=None),)
+        """
+
+        def number(v: Any) -> float | None:
+            return None if v is None else float(v)
+
+        return cls(
+            damping=float(fields["damping"]),
+            previous=previous,
+            steps=int(fields.get("steps", 0)),
+            alpha=number(fields.get("alpha")),
+            mu=number(fields.get("mu")),
+            predicted=number(fields.get("predicted")),
+            rho=number(fields.get("rho")),
+            history=tuple(
+                AdaptiveRecord(
+                    int(r[0]), float(r[1]), float(r[2]), float(r[3]), float(r[4]), number(r[5])
+                )
+                for r in fields.get("history", ())
+            ),
+        )
 
 
 @dataclass(frozen=True)

@@ -94,14 +94,16 @@ def check_bucket_cap(cap: float) -> None:
 
 
 def log_registered(
-    logger: logging.Logger,
     level: int,
     model: nn.Module,
     layers: Mapping[str, LayerSpec],
+    plan: object,
     where: str = "",
+    title: str = "K-FAC registered layers",
 ) -> None:
-    """Log one line per registered layer, ``Registered name="fc1": ...`` at ``level``
-    (``where`` is appended, e.g. the pipeline stage).
+    """Log to the ``"kfac_func"`` logger at ``level``: one line per registered layer,
+    ``Registered name="fc1": ...`` (``where`` appended, e.g. the pipeline stage), then the
+    layer table under ``title``, then the ``plan``'s assignments.
 
     Example:
         >>> from kfac_func.blocks import register
@@ -110,13 +112,19 @@ def log_registered(
         >>> class Keep(logging.Handler):
         ...     def emit(self, record: logging.LogRecord) -> None:
         ...         seen.append(record.getMessage())
-        >>> log = logging.getLogger("kfac_func.demo")
-        >>> log.addHandler(Keep())
+        >>> log, keep = logging.getLogger("kfac_func"), Keep()
+        >>> log.addHandler(keep)
+        >>> level = log.level
         >>> log.setLevel(logging.INFO)
-        >>> log_registered(log, logging.INFO, model, register(model))
-        >>> seen
-        ['Registered name="0": Linear, linear, A 4x4, G 2x2']
+        >>> log_registered(logging.INFO, model, register(model), "one rank")
+        >>> log.removeHandler(keep)
+        >>> log.setLevel(level)
+        >>> for line in (seen[0], seen[-1]):
+        ...     print(line)
+        Registered name="0": Linear, linear, A 4x4, G 2x2
+        K-FAC layer assignments: one rank
     """
+    logger = logging.getLogger("kfac_func")
     for name, spec in layers.items():
         module = type(model.get_submodule(spec.module)).__name__
         sides = ("x".join(map(str, shape)) for shape in spec.factor_shapes)
@@ -129,6 +137,8 @@ def log_registered(
             *sides,
             where,
         )
+    logger.log(level, "%s:\n%s", title, layers)
+    logger.log(level, "K-FAC layer assignments: %s", plan)
 
 
 def _check_number(name: str, value: Any, ok: Callable[[float], bool], expected: str) -> None:

@@ -39,7 +39,6 @@ from kfac_func.distributed.plan import DistributedStrategy, Plan
 from kfac_func.distributed.sharded import release_unowned
 from kfac_func.state import (
     MOMENT_FIELDS,
-    AdaptiveRecord,
     AdaptiveState,
     KFACConfig,
     KFACState,
@@ -162,12 +161,10 @@ def _adaptive_from(
         )
     if entry is None:
         return current
-    fields = dict(entry)
-    previous = fields.get("previous")
+    previous = entry.get("previous")
     if previous is not None:
-        fields["previous"] = {k: v.to(device, copy=True) for k, v in previous.items()}
-    fields["history"] = tuple(AdaptiveRecord(*r) for r in fields.get("history", ()))
-    return AdaptiveState(**fields)
+        previous = {k: v.to(device, copy=True) for k, v in previous.items()}
+    return AdaptiveState.restored(entry, previous)
 
 
 def _own_copies(tree: dict[str, Any]) -> dict[str, Any]:

@@ -10,13 +10,13 @@ ranks, and rewrites ``.grad`` in place. The adapter owns no math and keeps one i
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import Unpack  # typing.Unpack is Python 3.11's
 
 from kfac_func.adapter.adaptive import AdaptiveStepper, check_adaptive
 from kfac_func.adapter.arguments import (
@@ -55,12 +55,7 @@ from kfac_func.step.layer_step import Grafting
 from kfac_func.step.options import StepOptions
 from kfac_func.step.orthogonal import Orthogonal, orthogonal_table
 
-if TYPE_CHECKING:  # typing.Unpack is Python 3.11's; annotations are not evaluated
-    from typing import Unpack
-
 __all__ = ["AllreduceMethod", "ComputeMethod", "KFACPreconditioner"]
-
-logger = logging.getLogger("kfac_func")
 
 
 class KFACPreconditioner(
@@ -293,9 +288,7 @@ class KFACPreconditioner(
         self._init_fallback()
         self._register_hooks()
         self._handles += self._check_hooks(model)  # first calls (kfac_func.blocks.checks)
-        log_registered(logger, self.loglevel, model, self.layers)
-        logger.log(self.loglevel, "K-FAC registered layers:\n%s", self.layers)
-        logger.log(self.loglevel, "K-FAC layer assignments: %s", self.plan)
+        log_registered(self.loglevel, model, self.layers, self.plan)
 
     @property
     def state(self) -> KFACState:

@@ -44,7 +44,7 @@ from kfac_func.checkpoint.state_format import (
     _metadata,
 )
 from kfac_func.core.decomposition import DECOMPOSITIONS, decomposition_from_fields
-from kfac_func.state import MOMENT_FIELDS, AdaptiveRecord, AdaptiveState, KFACState, LayerState
+from kfac_func.state import MOMENT_FIELDS, AdaptiveState, KFACState, LayerState
 
 __all__ = [
     "state_from_dict",
@@ -208,22 +208,7 @@ def _build_adaptive(
             for n in meta["previous"]
         }
 
-    def opt(v: Any) -> float | None:
-        return None if v is None else float(v)
-
-    return AdaptiveState(
-        damping=float(meta["damping"]),
-        previous=previous,
-        steps=meta["steps"],
-        alpha=opt(meta["alpha"]),
-        mu=opt(meta["mu"]),
-        predicted=opt(meta["predicted"]),
-        rho=opt(meta["rho"]),
-        history=tuple(
-            AdaptiveRecord(r[0], float(r[1]), float(r[2]), float(r[3]), float(r[4]), opt(r[5]))
-            for r in meta["history"]
-        ),
-    )
+    return AdaptiveState.restored(meta, previous)
 
 
 def _contiguous_strides(shape: Sequence[int]) -> list[int]:

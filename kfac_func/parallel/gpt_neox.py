@@ -46,9 +46,9 @@ tied layers are untested.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
 
 from torch import nn
+from typing_extensions import Unpack  # typing.Unpack is Python 3.11's
 
 from kfac_func.adapter.arguments import (
     ComputeMethod,
@@ -61,9 +61,6 @@ from kfac_func.parallel.preconditioner import (
     ParallelArguments,
     ParallelKFACPreconditioner,
 )
-
-if TYPE_CHECKING:  # typing.Unpack is Python 3.11's; annotations are not evaluated
-    from typing import Unpack
 
 __all__ = ["ExperimentalFeatureWarning", "GPTNeoXKFACPreconditioner"]
 

@@ -33,11 +33,9 @@ questions of :mod:`kfac_func.parallel.base`.
 
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
+from typing_extensions import Unpack  # typing.Unpack is Python 3.11's
 
 from kfac_func.adapter.arguments import (
     ComputeMethod,
@@ -54,12 +52,7 @@ from kfac_func.parallel.recording import ParallelHookRecorder
 from kfac_func.parallel.splits import ParallelClasses
 from kfac_func.parallel.stepping import ParallelStep
 
-if TYPE_CHECKING:  # typing.Unpack is Python 3.11's; annotations are not evaluated
-    from typing import Unpack
-
 __all__ = ["PARALLEL_DEFAULTS", "ParallelArguments", "ParallelKFACPreconditioner"]
-
-logger = logging.getLogger("kfac_func")
 
 
 class ParallelArguments(SharedArguments, total=False):
@@ -190,11 +183,8 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         self._register_hooks()
         self._handles += check_hooks(model, self.layers)  # first calls of kinds= modules
         where = f" on global-rank={self.comm.rank} and pipeline-rank={self.stage}"
-        log_registered(logger, self.loglevel, model, self.layers, where)
-        logger.log(
-            self.loglevel, "K-FAC registered layers (stage %d):\n%s", self.stage, self.layers
-        )
-        logger.log(self.loglevel, "K-FAC layer assignments: %s", self.plan)
+        title = f"K-FAC registered layers (stage {self.stage})"
+        log_registered(self.loglevel, model, self.layers, self.plan, where, title)
 
     def _directory(self) -> None:
         """Learn every rank's stage, coordinates and layers (one object all-gather)."""
