@@ -29,7 +29,10 @@ is ``kfac-moments`` with batched eigendecompositions — and equal-shaped factor
 decomposed in one batched ``eigh``), ``kfac-moments-fresh`` (``kfac-moments`` on SOAP's
 schedule: factor statistics every step with decay 0.9 and eigenbases every 2 steps),
 ``kfac-moments-drift`` (``kfac-moments-fresh`` whose eigenbases are checked every step and
-decomposed anew where they drifted from their factors: ``refresh_drift``) and
+decomposed anew where they drifted from their factors: ``refresh_drift``),
+``kfac-moments-wide`` (``kfac-moments-fresh`` whose layers with a factor side wider than
+512 take Muon's orthogonalized step on K-FAC's curvature instead, that side diagonal:
+``Orthogonal(wider_than=512)``) and
 ``kfac-adaptive`` (no optimizer: the quadratic model's learning rate and momentum,
 Levenberg–Marquardt damping; its "learning rates" are the starting dampings). Every
 optimizer gets the same schedule (linear warm-up, cosine decay to 10 %), the same
@@ -94,6 +97,7 @@ LRS: dict[str, tuple[float, ...]] = {
     "kfac-moments-fast": (7e-3, 1.4e-2),
     "kfac-moments-fresh": (7e-3, 1.4e-2),
     "kfac-moments-drift": (7e-3, 1.4e-2),
+    "kfac-moments-wide": (7e-3, 1.4e-2),
     "kfac-adaptive": (0.1, 1.0),  # the starting damping: no learning rate to sweep
     "kfac-muon": (0.02, 0.05),
     "kfac-muon-two-sided": (0.02, 0.05),
@@ -207,6 +211,19 @@ DRIFT = 0.003
 0.01, 0.03) on ``lm`` at ``kfac-moments-fresh``'s tuned learning rate; it refreshed about
 as many bases per step as decompositions every 2 steps do."""
 
+WIDE = kf.Orthogonal(
+    powers=(0.5, 0.5),
+    wider_than=512,
+    dtype=torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None,
+)
+"""``kfac-moments-wide``'s orthogonalized step: the layers with a factor side wider than 512
+(the race's wide MLP layers, the autoencoder's pixel-wide ones, the CNN's hidden layer)
+take it, that side kept diagonal and both sides' damped powers ``-1/2`` before the
+Newton–Schulz iteration (bfloat16 where this CPU multiplies it natively, as Muon's).
+Tried at ``kfac-moments-fresh``'s tuned rate on ``lm4x``'s tuning seed before the race:
+powers ``(0.5, 0.5)`` ended at 1.8711, ``(0.5, 0)`` 1.8990, ``(0, 0.5)`` 1.8913,
+``(0.25, 0.25)`` 1.9061, the fresh recipe 1.8621."""
+
 KFAC = {
     # name: (compute method, SGD momentum, dampening, kl_clip, factor/inverse update
     # steps, factor decay, settings of the preconditioner)
@@ -266,6 +283,22 @@ KFAC = {
             "moment_beta2": 0.95,
             "moment_beta1": 0.9,
             "refresh_drift": DRIFT,
+        },
+    ),
+    # kfac-moments-fresh with the layers that have a side wider than 512 on the
+    # orthogonalized step, that side diagonal: no eigh, no Gram of the wide sides
+    "kfac-moments-wide": (
+        "eigen",
+        0.0,
+        0.0,
+        None,
+        (1, 2),
+        0.9,
+        {
+            "eigenbasis_moments": True,
+            "moment_beta2": 0.95,
+            "moment_beta1": 0.9,
+            "orthogonal": WIDE,
         },
     ),
     # the quadratic model's learning rate and momentum, adaptive damping ("lr": its start)

@@ -104,6 +104,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "one-sided-newton": {"ortho_powers": (1.0, 0.0), "grouped": False},
     "two-sided": {"ortho_powers": (0.25, 0.25), "sync_free": True},
     "kfac-head": {"ortho_powers": (0.5, 0.0), "ortho_skip": "head", "eigenbasis_moments": True},
+    # the layers with a side wider than 24 (the MLPs', a packed projection's): that side
+    # diagonal, the narrow one whole; the others on Adam's step in the eigenbasis
+    "wide": {"ortho_powers": (0.5, 0.5), "ortho_wider_than": 24, "eigenbasis_moments": True},
 }
 
 
@@ -113,13 +116,19 @@ def test_steps_equal_the_float64_reference_on_fixture_models(name: str, setting:
     pytest.importorskip("transformers")
     fx: Fixture = FIXTURES[name]
     s = {"orthogonal": True, "kl_clip": None, "damping": 0.01, **SETTINGS[setting]}
-    o = Orthogonal(s["ortho_powers"], skip=s.get("ortho_skip"))
+    o = Orthogonal(
+        s["ortho_powers"], skip=s.get("ortho_skip"), wider_than=s.get("ortho_wider_than")
+    )
     model = fx.build(F64)
     table = kf.register(model, **({} if fx.kinds is None else {"kinds": fx.kinds}))
     table = orthogonal_table(table, o, others=True)
     state = kf.init(table, factor_dtype=F64, inv_dtype=F64)
-    names = orthogonal_layers(state.layers, o.skip)
-    assert names and (o.skip is None or len(names) < len(state.layers))
+    names = orthogonal_layers(state.layers, o)
+    assert names and (o.skip is o.wider_than is None or len(names) < len(state.layers))
+    for n in names if o.wider_than is not None else ():  # the wide sides are diagonal
+        ls = state.layers[n]
+        wide = (ls.spec.a_dim > o.wider_than, ls.spec.g_dim > o.wider_than)
+        assert any(wide) and wide == (ls.a_factor.dim() == 1, ls.g_factor.dim() == 1), n
     params = {k: v.detach() for k, v in model.named_parameters()}
     seen: list[dict[str, torch.Tensor]] = []
     for step in range(3):
@@ -160,15 +169,14 @@ ORTHO = Orthogonal(powers=(0.25, 0.25), skip=r"(^|\.)5$")  # DDP names it module
 def _adapter(model: nn.Module, **kw: Any) -> kf.KFACPreconditioner:
     return kf.KFACPreconditioner(
         model,
+        **{"orthogonal": ORTHO, **kw},
         scaling="fisher",
         kl_clip=None,
         damping=0.01,
         inv_update_steps=2,
-        orthogonal=ORTHO,
         eigenbasis_moments=True,
         factor_dtype=F64,
         inv_dtype=F64,
-        **kw,
     )
 
 
@@ -246,6 +254,42 @@ def test_adapter_equals_update_and_resumes_from_checkpoints() -> None:
     for a, b in zip(want, again):
         for n in a:
             torch.testing.assert_close(a[n], b[n], rtol=1e-12, atol=1e-15)
+
+
+def test_wider_than_steps_the_wide_layers_and_leaves_the_rest_exact() -> None:
+    """``wider_than=12``: the two layers with a 13-wide side (their A) take the
+    orthogonalized step with that side diagonal, as on the functional path with
+    ``max_factor_dim=12``; the first layer (7 × 12) keeps Adam's step in its eigenbasis.
+    Wider than every layer, the option leaves the eigenbasis-moment steps bit for bit."""
+    wide = Orthogonal(powers=(0.5, 0.5), wider_than=12)
+    model, ref = _model(), _model()
+    pre = _adapter(model, orthogonal=wide)
+    assert [pre.layers[n].diagonal for n in ("0", "3", "5")] == [
+        (False, False),
+        (True, False),
+        (True, False),
+    ]
+    table = kf.register(ref, max_factor_dim=12)
+    state = kf.init(table, factor_dtype=F64, inv_dtype=F64)
+    params = {k: v.detach().clone() for k, v in ref.named_parameters()}
+    kw = {"kl_clip": None, "damping": 0.01, "eigenbasis_moments": True, "orthogonal": True}
+    got = _train(model, pre, range(3))
+    for step in range(3):
+        x, y = _batch(step)
+        _, grads, caps = kf.capture(ref, params, x, lambda o, y=y: F.cross_entropy(o, y))
+        out, state = kf.update(
+            state, grads, captures=caps, update_inverses=step % 2 == 0,
+            ortho_powers=(0.5, 0.5), ortho_wider_than=12, **kw,
+        )  # fmt: skip
+        for n in out:
+            torch.testing.assert_close(got[step][n], out[n], rtol=1e-12, atol=1e-15)
+        params = {k: v.add(out[k], alpha=-0.05) for k, v in params.items()}
+    assert [n for n, ls in state.layers.items() if ls.ortho_momentum is not None] == ["3", "5"]
+    assert state.layers["0"].basis_moment is not None
+    plain, narrow = _model(), _model()
+    want = _train(plain, _adapter(plain, orthogonal=None), range(3))
+    got = _train(narrow, _adapter(narrow, orthogonal=wide._replace(wider_than=13)), range(3))
+    assert all(torch.equal(a[n], b[n]) for a, b in zip(want, got) for n in a)
 
 
 def test_recipes_of_the_optimizer_face() -> None:

@@ -188,6 +188,7 @@ class InspectionMixin(PreconditionerBase):
             "ortho_steps": o.steps,
             "ortho_skip": o.skip,
             "ortho_dtype": o.dtype,
+            "ortho_wider_than": o.wider_than,
         }
 
     def __repr__(self) -> str:

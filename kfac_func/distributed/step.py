@@ -234,7 +234,7 @@ def _decomposition_stage(
     ortho = opts.orthogonal_settings(state.config.compute_method)
     if ortho is not None:  # the layers this rank steps orthogonally: momenta and powers
         workers = {n: layers[n] for n in names if comm.rank in plan.layers[n].grad_workers}
-        prepare_layers(layers, orthogonal_layers(workers, ortho.skip), ortho, fresh)
+        prepare_layers(layers, orthogonal_layers(workers, ortho), ortho, fresh)
     if state.config.compute_method == "ekfac" and statistics is not None:
         dtype = state.config.inv_dtype
         reduce_scales(layers, names, statistics, plan, comm, dtype, decay, opts.nonfinite, fresh)

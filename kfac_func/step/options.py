@@ -96,6 +96,10 @@ class StepOptions:
             factors').
         ortho_skip: a regular expression of the layer names that do not take the
             orthogonalized step (a head kept on K-FAC's own step); None: none.
+        ortho_wider_than: None, or only the layers with a factor side wider than this
+            take the orthogonalized step (register those sides diagonal:
+            :func:`kfac_func.register`'s ``max_factor_dim``); the others take the step's
+            other preconditioning.
         sync_free: decide on the device (see :mod:`kfac_func.step.sync_free`): each
             layer's gradient is checked for NaN/Inf there and ``torch.where`` selects its
             preconditioned or its raw gradient; the kl_clip scale stays a tensor. On one
@@ -164,6 +168,7 @@ class StepOptions:
     ortho_steps: int = 5
     ortho_skip: str | None = None
     ortho_dtype: torch.dtype | None = None
+    ortho_wider_than: int | None = None
     sync_free: bool = False
     refresh_drift: float | None = None
     batched_eigh: bool = False
@@ -256,6 +261,7 @@ class StepOptions:
             self.ortho_steps,
             self.ortho_skip,
             self.ortho_dtype,
+            self.ortho_wider_than,
         )
         return settings.check(compute_method)
 

@@ -3,7 +3,8 @@ preconditioning. The math is in :mod:`kfac_func.core.orthogonal`.
 
 A layer takes the orthogonalized step when its kind holds one weight matrix
 (:attr:`kfac_func.blocks.LayerBlock.orthogonalizable`: linear layers, convolutions,
-attention projections, experts) and its name does not match ``ortho_skip``. It keeps its
+attention projections, experts), its name does not match ``ortho_skip`` and, with
+``ortho_wider_than``, one of its factor sides is wider than that. It keeps its
 momentum in ``LayerState.ortho_momentum`` (in the layer's own coordinates, so that a new
 eigenbasis needs no carrying), which also marks it, and its damped factor powers in
 ``LayerState.ortho_power`` (recomputed when the layer is decomposed). The other layers
@@ -50,6 +51,11 @@ class Orthogonal(NamedTuple):
         dtype: the dtype of the Newton–Schulz iteration (``torch.bfloat16``, as Muon's,
             where the hardware multiplies it natively: about twice as fast); None: the
             factors'.
+        wider_than: None, or only the layers with a factor side wider than this take the
+            orthogonalized step, each such side kept as its diagonal
+            (:func:`orthogonal_table`; register with ``max_factor_dim`` on the functional
+            path): K-FAC's full factor on a layer's narrow side, the orthogonalization on
+            its wide side, where an eigendecomposition costs the most.
     """
 
     powers: tuple[float, float] = (0.5, 0.0)
@@ -58,6 +64,7 @@ class Orthogonal(NamedTuple):
     steps: int = 5
     skip: str | None = None
     dtype: torch.dtype | None = None
+    wider_than: int | None = None
 
     def check(self, compute_method: str) -> Orthogonal:
         """This, validated for a state of ``compute_method`` (a ValueError names the bad
@@ -87,6 +94,9 @@ class Orthogonal(NamedTuple):
             raise ValueError(f"ortho_steps must be a positive int, got {self.steps!r}")
         if self.skip is not None:
             re.compile(self.skip)
+        w = self.wider_than
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"ortho_wider_than must be a positive int or None, got {w!r}")
         if self.dtype is not None and not (
             isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point
         ):
@@ -96,60 +106,74 @@ class Orthogonal(NamedTuple):
         return self
 
 
-def _orthogonal(spec: LayerSpec, rx: re.Pattern[str] | None) -> bool:
-    """Whether the layer of ``spec`` takes the orthogonalized step under ``rx``."""
-    return spec.block.orthogonalizable and (rx is None or rx.search(spec.name) is None)
+def _orthogonal(spec: LayerSpec, rx: re.Pattern[str] | None, wider_than: int | None) -> bool:
+    """Whether the layer of ``spec`` takes the orthogonalized step under the ``skip``
+    pattern ``rx`` and ``wider_than``."""
+    return (
+        spec.block.orthogonalizable
+        and (rx is None or rx.search(spec.name) is None)
+        and (wider_than is None or max(spec.a_dim, spec.g_dim) > wider_than)
+    )
 
 
 def orthogonal_table(table: LayerTable, settings: Orthogonal, *, others: bool) -> LayerTable:
-    """``table`` made ready for orthogonalized steps under ``settings``: with one-sided
-    powers (``(p, 0)``) the G factor of every layer taking them (as
-    :func:`orthogonal_layers` chooses them) is kept as its diagonal (the step does not use
-    G, and a diagonal one costs ``rows × d_out`` to build instead of ``rows × d_out²``,
-    and nothing to decompose); without ``others`` the other layers are moved to
+    """``table`` made ready for orthogonalized steps under ``settings``. Of every layer
+    taking them (as :func:`orthogonal_layers` chooses them), a side the step does not use
+    (G under one-sided powers ``(p, 0)``) and a side wider than ``settings.wider_than``
+    are kept as their diagonals: one costs ``rows × d`` to build instead of ``rows × d²``,
+    and nothing to decompose. Without ``others`` the other layers are moved to
     ``table.skipped`` (their parameters are left to another optimizer, as Muon leaves
     embeddings, norms and the head to AdamW).
 
     Example:
         >>> from torch import nn
         >>> import kfac_func as kf
-        >>> model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+        >>> model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3), nn.Linear(3, 8))
         >>> table = orthogonal_table(kf.register(model), Orthogonal(), others=False)
         >>> table["0"].factor_shapes, table.skipped["1"]
         (((5, 5), (3,)), 'takes no orthogonalized step (left to the other optimizer)')
+        >>> wide = Orthogonal(powers=(0.5, 0.5), wider_than=6)
+        >>> table = orthogonal_table(kf.register(model), wide, others=True)
+        >>> table["0"].factor_shapes, table["2"].factor_shapes
+        (((5, 5), (3, 3)), ((4, 4), (8,)))
     """
     rx = None if settings.skip is None else re.compile(settings.skip)
-    one_sided = settings.powers[1] == 0
+    one_sided, w = settings.powers[1] == 0, settings.wider_than
     specs, skipped = [], dict(table.skipped)
     for s in table.values():
-        if not _orthogonal(s, rx):
+        if not _orthogonal(s, rx, w):
             if others:
                 specs.append(s)
             else:
                 skipped[s.name] = "takes no orthogonalized step (left to the other optimizer)"
-        elif one_sided and not s.g_diagonal:
-            specs.append(dataclasses.replace(s, diagonal=(s.a_diagonal, True)))
-        else:
-            specs.append(s)
+            continue
+        diagonal = (
+            s.a_diagonal or (w is not None and s.a_dim > w),
+            s.g_diagonal or one_sided or (w is not None and s.g_dim > w),
+        )
+        specs.append(s if diagonal == s.diagonal else dataclasses.replace(s, diagonal=diagonal))
     return LayerTable(specs, skipped, model_name=table.model_name)
 
 
-def orthogonal_layers(layers: Mapping[str, LayerState], skip: str | None) -> list[str]:
-    """The names of ``layers`` that take the orthogonalized step: those whose kind can
-    (:attr:`~kfac_func.blocks.LayerBlock.orthogonalizable`) and whose name ``skip`` (a
-    regular expression, ``re.search``) does not match.
+def orthogonal_layers(layers: Mapping[str, LayerState], settings: Orthogonal) -> list[str]:
+    """The names of ``layers`` that take the orthogonalized step under ``settings``: those
+    whose kind can (:attr:`~kfac_func.blocks.LayerBlock.orthogonalizable`), whose name
+    ``settings.skip`` (a regular expression, ``re.search``) does not match and, with
+    ``settings.wider_than``, with a factor side wider than that.
 
     Example:
         >>> import torch
         >>> from torch import nn
         >>> import kfac_func as kf
-        >>> model = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 4), nn.Linear(4, 5))
+        >>> model = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 4), nn.Linear(4, 6))
         >>> state = kf.init(kf.register(model))
-        >>> orthogonal_layers(state.layers, skip=r"^2$")
+        >>> orthogonal_layers(state.layers, Orthogonal(skip=r"^2$"))
         ['1']
+        >>> orthogonal_layers(state.layers, Orthogonal(wider_than=5))
+        ['2']
     """
-    rx = None if skip is None else re.compile(skip)
-    return [name for name, ls in layers.items() if _orthogonal(ls.spec, rx)]
+    rx = None if settings.skip is None else re.compile(settings.skip)
+    return [name for name, ls in layers.items() if _orthogonal(ls.spec, rx, settings.wider_than)]
 
 
 def prepare_layers(

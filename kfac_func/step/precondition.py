@@ -100,7 +100,7 @@ def precondition_grads(
     layers: Mapping[str, LayerState] = state.layers
     if ortho is not None:  # momenta from zero, powers where missing (update stores both)
         layers = dict(layers)
-        prepare_layers(layers, orthogonal_layers(layers, ortho.skip), ortho, ())
+        prepare_layers(layers, orthogonal_layers(layers, ortho), ortho, ())
     if not stage.sync_free:  # decompositions that sync_free steps judged on the device
         layers = usable_only(layers)
     if stage.basis_moments is None and opts.damping is not None:

@@ -165,7 +165,7 @@ def update(
         # EKFAC: this step's per-example moments in the current eigenbases
         update_scales(layers, micro, decay, nonfinite, fresh, sync_free)
     if ortho is not None:  # the layers taking orthogonalized steps: momenta and powers
-        prepare_layers(layers, orthogonal_layers(layers, ortho.skip), ortho, fresh)
+        prepare_layers(layers, orthogonal_layers(layers, ortho), ortho, fresh)
     changes: dict[str, dict[str, object]] = {}
     plain = stage.basis_moments is None and ortho is None and not sync_free
     if rows is None and captures is not None and plain:
