@@ -31,7 +31,7 @@ schedule: factor statistics every step with decay 0.9 and eigenbases every 2 ste
 ``kfac-moments-drift`` (``kfac-moments-fresh`` whose eigenbases are checked every step and
 decomposed anew where they drifted from their factors: ``refresh_drift``),
 ``kfac-moments-wide`` (``kfac-moments-fresh`` whose layers with a factor side wider than
-512 take Muon's orthogonalized step on K-FAC's curvature instead, that side diagonal:
+512 take Muon's orthogonalized step on K-FAC's input curvature instead:
 ``Orthogonal(wider_than=512)``) and
 ``kfac-adaptive`` (no optimizer: the quadratic model's learning rate and momentum,
 Levenberg–Marquardt damping; its "learning rates" are the starting dampings). Every
@@ -212,17 +212,15 @@ DRIFT = 0.003
 as many bases per step as decompositions every 2 steps do."""
 
 WIDE = kf.Orthogonal(
-    powers=(0.5, 0.5),
+    powers=(0.5, 0.0),
     wider_than=512,
     dtype=torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None,
 )
 """``kfac-moments-wide``'s orthogonalized step: the layers with a factor side wider than 512
 (the race's wide MLP layers, the autoencoder's pixel-wide ones, the CNN's hidden layer)
-take it, that side kept diagonal and both sides' damped powers ``-1/2`` before the
-Newton–Schulz iteration (bfloat16 where this CPU multiplies it natively, as Muon's).
-Tried at ``kfac-moments-fresh``'s tuned rate on ``lm4x``'s tuning seed before the race:
-powers ``(0.5, 0.5)`` ended at 1.8711, ``(0.5, 0)`` 1.8990, ``(0, 0.5)`` 1.8913,
-``(0.25, 0.25)`` 1.9061, the fresh recipe 1.8621."""
+take it, one-sided as the orthogonal recipes' (``(A + δI)^(-1/2)`` before the
+Newton–Schulz iteration, G kept diagonal), in bfloat16 where this CPU multiplies it
+natively, as Muon's."""
 
 KFAC = {
     # name: (compute method, SGD momentum, dampening, kl_clip, factor/inverse update
@@ -286,7 +284,7 @@ KFAC = {
         },
     ),
     # kfac-moments-fresh with the layers that have a side wider than 512 on the
-    # orthogonalized step, that side diagonal: no eigh, no Gram of the wide sides
+    # orthogonalized step: no Gram and no eigh of their G factors
     "kfac-moments-wide": (
         "eigen",
         0.0,

@@ -6,9 +6,9 @@ statistics every step, every eigenbasis decomposed anew every 2 steps) spends mo
 wide model's step on the wide sides of its layers: on ``lm4x`` the four MLPs' 768-wide
 factors are 8 of 108 factors and about 80 % of the ``eigh`` time, and their Gram matrices
 the largest part of the statistics. ``kfac-moments-wide`` (``optimizers.WIDE``) gives the
-layers with a factor side wider than 512 Muon's orthogonalized step on K-FAC's curvature
-(``Orthogonal(wider_than=512)``, :mod:`kfac_func.step.orthogonal`): that side kept as its
-diagonal (no Gram, no ``eigh``), the narrow side's factor whole. The other layers keep the
+layers with a factor side wider than 512 Muon's orthogonalized step on K-FAC's input
+curvature (``Orthogonal(wider_than=512)``, :mod:`kfac_func.step.orthogonal`, one-sided:
+their G factors diagonal, no Gram and no ``eigh`` of them). The other layers keep the
 recommended step; a model without such a side steps exactly as the recommended recipe
 (``tests/test_orthogonal.py``), so the race runs the workloads that have one: ``lm4x``,
 the autoencoder (its 784-pixel layers) and the CNN (its 512-input hidden layer).

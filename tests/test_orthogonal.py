@@ -104,9 +104,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "one-sided-newton": {"ortho_powers": (1.0, 0.0), "grouped": False},
     "two-sided": {"ortho_powers": (0.25, 0.25), "sync_free": True},
     "kfac-head": {"ortho_powers": (0.5, 0.0), "ortho_skip": "head", "eigenbasis_moments": True},
-    # the layers with a side wider than 24 (the MLPs', a packed projection's): that side
-    # diagonal, the narrow one whole; the others on Adam's step in the eigenbasis
-    "wide": {"ortho_powers": (0.5, 0.5), "ortho_wider_than": 24, "eigenbasis_moments": True},
+    # the layers with a side wider than 24 (the MLPs', a packed projection's); the others
+    # on Adam's step in the eigenbasis
+    "wide": {"ortho_powers": (0.5, 0.0), "ortho_wider_than": 24, "eigenbasis_moments": True},
 }
 
 
@@ -125,10 +125,10 @@ def test_steps_equal_the_float64_reference_on_fixture_models(name: str, setting:
     state = kf.init(table, factor_dtype=F64, inv_dtype=F64)
     names = orthogonal_layers(state.layers, o)
     assert names and (o.skip is o.wider_than is None or len(names) < len(state.layers))
-    for n in names if o.wider_than is not None else ():  # the wide sides are diagonal
-        ls = state.layers[n]
-        wide = (ls.spec.a_dim > o.wider_than, ls.spec.g_dim > o.wider_than)
-        assert any(wide) and wide == (ls.a_factor.dim() == 1, ls.g_factor.dim() == 1), n
+    if o.wider_than is not None:  # the layers with a wide side, and only those
+        wide = [n for n, ls in state.layers.items() if ls.spec.block.orthogonalizable]
+        wide = [n for n in wide if max(table[n].a_dim, table[n].g_dim) > o.wider_than]
+        assert names == wide
     params = {k: v.detach() for k, v in model.named_parameters()}
     seen: list[dict[str, torch.Tensor]] = []
     for step in range(3):
@@ -257,19 +257,19 @@ def test_adapter_equals_update_and_resumes_from_checkpoints() -> None:
 
 
 def test_wider_than_steps_the_wide_layers_and_leaves_the_rest_exact() -> None:
-    """``wider_than=12``: the two layers with a 13-wide side (their A) take the
-    orthogonalized step with that side diagonal, as on the functional path with
-    ``max_factor_dim=12``; the first layer (7 × 12) keeps Adam's step in its eigenbasis.
-    Wider than every layer, the option leaves the eigenbasis-moment steps bit for bit."""
-    wide = Orthogonal(powers=(0.5, 0.5), wider_than=12)
+    """``wider_than=12``: the two layers with a 13-wide side (their A) take the one-sided
+    orthogonalized step (their G diagonal), as on the functional path; the first layer
+    (7 × 12) keeps Adam's step in its eigenbasis. Wider than every layer, the option
+    leaves the eigenbasis-moment steps bit for bit."""
+    wide = Orthogonal(powers=(0.5, 0.0), wider_than=12)
     model, ref = _model(), _model()
     pre = _adapter(model, orthogonal=wide)
     assert [pre.layers[n].diagonal for n in ("0", "3", "5")] == [
         (False, False),
-        (True, False),
-        (True, False),
+        (False, True),
+        (False, True),
     ]
-    table = kf.register(ref, max_factor_dim=12)
+    table = orthogonal_table(kf.register(ref), wide, others=True)
     state = kf.init(table, factor_dtype=F64, inv_dtype=F64)
     params = {k: v.detach().clone() for k, v in ref.named_parameters()}
     kw = {"kl_clip": None, "damping": 0.01, "eigenbasis_moments": True, "orthogonal": True}
@@ -279,7 +279,7 @@ def test_wider_than_steps_the_wide_layers_and_leaves_the_rest_exact() -> None:
         _, grads, caps = kf.capture(ref, params, x, lambda o, y=y: F.cross_entropy(o, y))
         out, state = kf.update(
             state, grads, captures=caps, update_inverses=step % 2 == 0,
-            ortho_powers=(0.5, 0.5), ortho_wider_than=12, **kw,
+            ortho_powers=(0.5, 0.0), ortho_wider_than=12, **kw,
         )  # fmt: skip
         for n in out:
             torch.testing.assert_close(got[step][n], out[n], rtol=1e-12, atol=1e-15)

@@ -97,9 +97,8 @@ class StepOptions:
         ortho_skip: a regular expression of the layer names that do not take the
             orthogonalized step (a head kept on K-FAC's own step); None: none.
         ortho_wider_than: None, or only the layers with a factor side wider than this
-            take the orthogonalized step (register those sides diagonal:
-            :func:`kfac_func.register`'s ``max_factor_dim``); the others take the step's
-            other preconditioning.
+            take the orthogonalized step; the others take the step's other
+            preconditioning.
         sync_free: decide on the device (see :mod:`kfac_func.step.sync_free`): each
             layer's gradient is checked for NaN/Inf there and ``torch.where`` selects its
             preconditioned or its raw gradient; the kl_clip scale stays a tensor. On one

@@ -52,10 +52,8 @@ class Orthogonal(NamedTuple):
             where the hardware multiplies it natively: about twice as fast); None: the
             factors'.
         wider_than: None, or only the layers with a factor side wider than this take the
-            orthogonalized step, each such side kept as its diagonal
-            (:func:`orthogonal_table`; register with ``max_factor_dim`` on the functional
-            path): K-FAC's full factor on a layer's narrow side, the orthogonalization on
-            its wide side, where an eigendecomposition costs the most.
+            orthogonalized step: Muon's step where K-FAC's would decompose the widest
+            factors, K-FAC's own step (or AdamW) on the narrow layers.
     """
 
     powers: tuple[float, float] = (0.5, 0.0)
@@ -117,11 +115,11 @@ def _orthogonal(spec: LayerSpec, rx: re.Pattern[str] | None, wider_than: int | N
 
 
 def orthogonal_table(table: LayerTable, settings: Orthogonal, *, others: bool) -> LayerTable:
-    """``table`` made ready for orthogonalized steps under ``settings``. Of every layer
-    taking them (as :func:`orthogonal_layers` chooses them), a side the step does not use
-    (G under one-sided powers ``(p, 0)``) and a side wider than ``settings.wider_than``
-    are kept as their diagonals: one costs ``rows × d`` to build instead of ``rows × d²``,
-    and nothing to decompose. Without ``others`` the other layers are moved to
+    """``table`` made ready for orthogonalized steps under ``settings``: with one-sided
+    powers (``(p, 0)``) the G factor of every layer taking them (as
+    :func:`orthogonal_layers` chooses them) is kept as its diagonal (the step does not use
+    G, and a diagonal one costs ``rows × d_out`` to build instead of ``rows × d_out²``,
+    and nothing to decompose); without ``others`` the other layers are moved to
     ``table.skipped`` (their parameters are left to another optimizer, as Muon leaves
     embeddings, norms and the head to AdamW).
 
@@ -132,26 +130,23 @@ def orthogonal_table(table: LayerTable, settings: Orthogonal, *, others: bool) -
         >>> table = orthogonal_table(kf.register(model), Orthogonal(), others=False)
         >>> table["0"].factor_shapes, table.skipped["1"]
         (((5, 5), (3,)), 'takes no orthogonalized step (left to the other optimizer)')
-        >>> wide = Orthogonal(powers=(0.5, 0.5), wider_than=6)
-        >>> table = orthogonal_table(kf.register(model), wide, others=True)
-        >>> table["0"].factor_shapes, table["2"].factor_shapes
+        >>> table = orthogonal_table(kf.register(model), Orthogonal(wider_than=6), others=True)
+        >>> table["0"].factor_shapes, table["2"].factor_shapes  # only "2" is wider than 6
         (((5, 5), (3, 3)), ((4, 4), (8,)))
     """
     rx = None if settings.skip is None else re.compile(settings.skip)
-    one_sided, w = settings.powers[1] == 0, settings.wider_than
+    one_sided = settings.powers[1] == 0
     specs, skipped = [], dict(table.skipped)
     for s in table.values():
-        if not _orthogonal(s, rx, w):
+        if not _orthogonal(s, rx, settings.wider_than):
             if others:
                 specs.append(s)
             else:
                 skipped[s.name] = "takes no orthogonalized step (left to the other optimizer)"
-            continue
-        diagonal = (
-            s.a_diagonal or (w is not None and s.a_dim > w),
-            s.g_diagonal or one_sided or (w is not None and s.g_dim > w),
-        )
-        specs.append(s if diagonal == s.diagonal else dataclasses.replace(s, diagonal=diagonal))
+        elif one_sided and not s.g_diagonal:
+            specs.append(dataclasses.replace(s, diagonal=(s.a_diagonal, True)))
+        else:
+            specs.append(s)
     return LayerTable(specs, skipped, model_name=table.model_name)
 
 
