@@ -78,6 +78,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from race_report import first_reach  # noqa: E402
+from stage_arithmetic import Muon32  # noqa: E402
 from step_time import cpu_model, load_example  # noqa: E402
 
 import kfac_func as kf  # noqa: E402
@@ -211,10 +212,19 @@ DRIFT = 0.003
 0.01, 0.03) on ``lm`` at ``kfac-moments-fresh``'s tuned learning rate; it refreshed about
 as many bases per step as decompositions every 2 steps do."""
 
+NATIVE_BF16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+"""Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX). Where it does not,
+Muon's Newton–Schulz iteration runs in float32 (``stage_arithmetic.Muon32``): emulated
+bfloat16 products are many times slower than float32's, and a race against them would
+time the emulation, not Muon."""
+
+MUON_PRECISION = "bfloat16" if NATIVE_BF16 else "float32"
+"""The dtype of the race's Muon iterations on this CPU (named in every results file)."""
+
 WIDE = kf.Orthogonal(
     powers=(0.5, 0.0),
     wider_than=512,
-    dtype=torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None,
+    dtype=torch.bfloat16 if NATIVE_BF16 else None,
 )
 """``kfac-moments-wide``'s orthogonalized step: the layers with a factor side wider than 512
 (the race's wide MLP layers, the autoencoder's pixel-wide ones, the CNN's hidden layer)
@@ -365,7 +375,9 @@ class Stepper:
             ids = {id(p) for p in hidden}
             rest = [p for p in params if id(p) not in ids]
             self.opts = [
-                torch.optim.Muon(hidden, lr=lr, **{"adjust_lr_fn": "match_rms_adamw", **s}),
+                (torch.optim.Muon if NATIVE_BF16 else Muon32)(
+                    hidden, lr=lr, **{"adjust_lr_fn": "match_rms_adamw", **s}
+                ),
                 torch.optim.AdamW(rest, lr=LRS["adamw"][-1], weight_decay=0.0),
             ]
         else:

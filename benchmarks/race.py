@@ -186,6 +186,7 @@ def machine(threads: int) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "kfac_func": kf.__version__,
+        "muon_newton_schulz": optimizers.MUON_PRECISION,
     }
     # heavyball has no __version__: its installed distribution's
     info["heavyball"] = _version("heavyball") if optimizers._heavyball() is not None else None

@@ -245,17 +245,23 @@ def rounded(x: float, places: int) -> str:
 
 
 def run_phrase(label: str, run: dict[str, Any]) -> str:
-    """How one run of a results document reads in the docs: its label, seeds, CPU, threads
-    and commit.
+    """How one run of a results document reads in the docs: its label, seeds, CPU, threads,
+    the dtype of Muon's iteration where the run names it, and commit.
 
     Example:
         >>> run = {"seeds": [1, 2], "machine": {"cpu": "X", "threads": 1}, "commit": "0123456789ab"}
         >>> run_phrase("lm", run)
         '`lm` seeds 1, 2, CPU `X`, 1 thread(s), commit `0123456789`'
+        >>> run["machine"]["muon_newton_schulz"] = "float32"
+        >>> run_phrase("lm", run)
+        '`lm` seeds 1, 2, CPU `X`, 1 thread(s), Muon in float32, commit `0123456789`'
     """
+    machine = run["machine"]
+    muon = machine.get("muon_newton_schulz")
     return (
-        f"`{label}` seeds {', '.join(map(str, run['seeds']))}, CPU `{run['machine']['cpu']}`, "
-        f"{run['machine']['threads']} thread(s), {commit_phrase(run)}"
+        f"`{label}` seeds {', '.join(map(str, run['seeds']))}, CPU `{machine['cpu']}`, "
+        f"{machine['threads']} thread(s), {f'Muon in {muon}, ' if muon else ''}"
+        f"{commit_phrase(run)}"
     )
 
 

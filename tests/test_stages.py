@@ -154,6 +154,25 @@ def test_muon32_steps_as_torch_muon_but_in_float32() -> None:
     assert torch.allclose(mine, ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_the_race_times_muon_in_float32_where_bfloat16_is_emulated(
+    monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """The race's Muon iterates in bfloat16 (``torch.optim.Muon``) only where the CPU
+    multiplies it natively; elsewhere in float32 (:class:`sa.Muon32`), and the results
+    name which."""
+    import optimizers
+    import race
+    import race_workloads as rw
+
+    monkeypatch.setattr(optimizers, "NATIVE_BF16", native)
+    monkeypatch.setattr(optimizers, "MUON_PRECISION", "bfloat16" if native else "float32")
+    w = rw.WORKLOADS["digits"](True)
+    stepper = optimizers.Stepper("muon", w.make(), 0.02, w, 10)
+    assert type(stepper.opts[0]) is (torch.optim.Muon if native else sa.Muon32)
+    assert race.machine(1)["muon_newton_schulz"] == ("bfloat16" if native else "float32")
+
+
 def test_the_docs_stage_table_is_the_committed_results() -> None:
     """``docs/performance.md``'s stage table is what ``benchmarks/stages_report.py``
     renders from ``benchmarks/results/stages.json``; run it after a new run."""
