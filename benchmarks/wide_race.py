@@ -4,7 +4,7 @@ Muon, SOAP, AdamW and the recommended recipe itself.
 The recommended recipe (``kfac-moments-fresh``: Adam's step in K-FAC's eigenbasis, factor
 statistics every step, every eigenbasis decomposed anew every 2 steps) spends most of a
 wide model's step on the wide sides of its layers: on ``lm4x`` the four MLPs' 768-wide
-factors are 8 of 108 factors and about 80 % of the ``eigh`` time, and their Gram matrices
+factors are 8 of its 61 matrix factors and about 80 % of the ``eigh`` time, and their Grams
 the largest part of the statistics. ``kfac-moments-wide`` (``optimizers.WIDE``) gives the
 layers with a factor side wider than 512 Muon's orthogonalized step on K-FAC's input
 curvature (``Orthogonal(wider_than=512)``, :mod:`kfac_func.step.orthogonal`, one-sided:
