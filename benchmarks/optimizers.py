@@ -232,6 +232,10 @@ take it, one-sided as the orthogonal recipes' (``(A + δI)^(-1/2)`` before the
 Newton–Schulz iteration, G kept diagonal), in bfloat16 where this CPU multiplies it
 natively, as Muon's."""
 
+MOMENTS = {"eigenbasis_moments": True, "moment_beta2": 0.95, "moment_beta1": 0.9}
+"""The eigenbasis-moment settings of the ``kfac-moments-fresh`` family (Adam's step in
+K-FAC's eigenbasis, β₁ 0.9 and β₂ 0.95, as SOAP's)."""
+
 KFAC = {
     # name: (compute method, SGD momentum, dampening, kl_clip, factor/inverse update
     # steps, factor decay, settings of the preconditioner)
@@ -268,15 +272,7 @@ KFAC = {
     ),
     # SOAP's schedule (statistics of every step, a short running average, the eigenbases
     # two steps old at most): a stale eigenbasis is what kept kfac-moments behind SOAP
-    "kfac-moments-fresh": (
-        "eigen",
-        0.0,
-        0.0,
-        None,
-        (1, 2),
-        0.9,
-        {"eigenbasis_moments": True, "moment_beta2": 0.95, "moment_beta1": 0.9},
-    ),
+    "kfac-moments-fresh": ("eigen", 0.0, 0.0, None, (1, 2), 0.9, MOMENTS),
     # kfac-moments-fresh with each layer's eigenbases refreshed when they drift: checked
     # every step, decomposed anew where A's or G's basis drifted past 0.003 (refresh_drift)
     "kfac-moments-drift": (
@@ -286,29 +282,11 @@ KFAC = {
         None,
         (1, 1),
         0.9,
-        {
-            "eigenbasis_moments": True,
-            "moment_beta2": 0.95,
-            "moment_beta1": 0.9,
-            "refresh_drift": DRIFT,
-        },
+        {**MOMENTS, "refresh_drift": DRIFT},
     ),
     # kfac-moments-fresh with the layers that have a side wider than 512 on the
     # orthogonalized step: no Gram and no eigh of their G factors
-    "kfac-moments-wide": (
-        "eigen",
-        0.0,
-        0.0,
-        None,
-        (1, 2),
-        0.9,
-        {
-            "eigenbasis_moments": True,
-            "moment_beta2": 0.95,
-            "moment_beta1": 0.9,
-            "orthogonal": WIDE,
-        },
-    ),
+    "kfac-moments-wide": ("eigen", 0.0, 0.0, None, (1, 2), 0.9, {**MOMENTS, "orthogonal": WIDE}),
     # the quadratic model's learning rate and momentum, adaptive damping ("lr": its start)
     "kfac-adaptive": ("eigen", 0.0, 0.0, None, (1, 5), 0.95, {}),
 }
