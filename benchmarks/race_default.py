@@ -39,8 +39,11 @@ import kfac_func as kf
 ROOT = Path(__file__).resolve().parents[1]
 DOCS_PAGE = ROOT / "docs" / "benchmarks.md"
 FILE = "race_default.json"
-TUNED = "kfac-moments-fresh"
-"""The race's row of the same recipe, tuned (learning rate and second-moment decay)."""
+TUNED = rr.RECIPE
+"""The race's row of the same recipe, tuned (learning rate and second-moment decay): its
+runs are ``wide_race.json``'s on the workloads with a layer side wider than 512 and, on the
+others, the race's runs of ``kfac-moments-fresh``, which it equals there (see
+:func:`race_docs`)."""
 MARKERS = ("<!-- race-default:start -->", "<!-- race-default:end -->")
 
 
@@ -88,10 +91,7 @@ def derive_lr(results: Path, beta2: float = 0.95) -> tuple[float, dict[str, dict
         >>> lr, fractions = derive_lr(RESULTS)  # doctest: +SKIP
     """
     fractions: dict[str, dict[str, float]] = {}
-    for path in sorted(results.glob("race_*.json")):
-        doc = json.loads(path.read_text())
-        if doc.get("benchmark") != "race":
-            continue
+    for doc in race_docs(results):
         tune = [r for r in doc["runs"] if r["phase"] == "tune"]
         mine = [r for r in tune if r["optimizer"] == TUNED]
         best = min(rr.final_loss(r["rows"]) for r in mine)
@@ -156,9 +156,19 @@ def one_rate(docs: list[dict[str, Any]], optimizer: str) -> dict[str, Any]:
 
 
 def race_docs(results: Path) -> list[dict[str, Any]]:
-    """The race results files in ``results``, in the race's order of workloads."""
-    docs = [json.loads((results / f"race_{w}.json").read_text()) for w in rw.WORKLOADS]
-    return [d for d in docs if d.get("benchmark") == "race"]
+    """The race results files in ``results`` (those present), in the race's order of
+    workloads, each with the runs of :data:`TUNED` (``race_report.recipe_docs``'s) added
+    where the file does not race it."""
+    tuned = {d["workload"]: d["runs"] for d in rr.recipe_docs(results, list(rw.WORKLOADS))}
+    docs = []
+    for w in rw.WORKLOADS:
+        path = results / f"race_{w}.json"
+        doc = json.loads(path.read_text()) if path.exists() else {}
+        if doc.get("benchmark") != "race":
+            continue
+        mine = [r for r in tuned.get(w, []) if r["optimizer"] == TUNED]
+        docs.append({**doc, "runs": doc["runs"] + mine})
+    return docs
 
 
 def render_one_rate(results: Path) -> str:
@@ -210,9 +220,9 @@ def run_workload(name: str, args: argparse.Namespace, log: Any) -> dict[str, Any
         )
         log(name, runs[-1])
     out: dict[str, Any] = {"workload": name, "steps": w.steps, "runs": runs}
-    race_file = Path(args.race_results) / f"race_{name}.json"
-    if race_file.exists() and not args.quick:
-        race_doc = json.loads(race_file.read_text())
+    found = [d for d in race_docs(Path(args.race_results)) if d["workload"] == name]
+    if found and not args.quick:
+        race_doc = found[0]
         finals = [rr.final_loss(r["rows"]) for r in runs]
         out["race_commit"] = race_doc.get("commit")
         out["tuned_lr"] = next(
@@ -236,7 +246,7 @@ def render(doc: dict[str, Any]) -> str:
         "and the tuned recipe's finals are the race's evaluation runs.",
         "",
         "| workload | steps | `kf.KFAC(model)` final | min–max | AdamW tuned | min–max | "
-        "vs AdamW | kfac-moments-fresh tuned | min–max | its lr | vs tuned |",
+        f"vs AdamW | {TUNED} tuned | min–max | its lr | vs tuned |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for wl in doc["workloads"]:

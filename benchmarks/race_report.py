@@ -44,8 +44,15 @@ raced): the yardstick of fewest-steps records."""
 SOAP = "soap"
 """The other competitor whose final test loss is a target where it raced."""
 
-RECIPE = "kfac-moments-fresh"
+RECIPE = "kfac-moments-wide"
 """The K-FAC recipe of the headline (``kf.KFAC``'s recommended recipe)."""
+NARROW = "kfac-moments-fresh"
+"""What :data:`RECIPE` is exactly on a model with no factor side wider than 512
+(``tests/test_orthogonal.py``): the race files' runs of it stand for :data:`RECIPE`'s on
+those workloads (:func:`recipe_docs`)."""
+WIDE_FILE = "wide_race.json"
+"""The results of ``wide_race.py``: :data:`RECIPE` raced, with AdamW, Muon and SOAP in the
+same run, on the workloads with a side wider than 512."""
 
 TIE_RULE = (
     "tie: the min-max ranges of the final test loss over the evaluation seeds overlap; "
@@ -356,7 +363,7 @@ def headline(docs: Sequence[dict[str, Any]], recipe: str = RECIPE) -> list[dict[
         ...     "steps": 2, "rows": [{"step": i, "seconds": 2.0 * i, "test_loss": x}
         ...                          for i, x in enumerate(losses)]}
         >>> doc = {"workload": "w", "runs": [run("adamw", [3, 2, 1.5]),
-        ...                                  run("kfac-moments-fresh", [3, 1.4, 1.0])]}
+        ...                                  run("kfac-moments-wide", [3, 1.4, 1.0])]}
         >>> row = headline([doc])[0]
         >>> row["competitor"], row["kfac_seconds"], row["competitor_seconds"], row["ratio"]
         ('adamw', 2.0, 4.0, 0.5)
@@ -394,7 +401,9 @@ def render_headline(rows: Sequence[dict[str, Any]], recipe: str = RECIPE) -> str
     """The Markdown table of :func:`headline`'s ``rows``."""
     lines = [
         f"Time to target of `{recipe}`: `benchmarks/results/race_headline.json` (written by "
-        "`python benchmarks/race.py --tables` from the race's results files).",
+        "`python benchmarks/race.py --tables` from the race's results files: "
+        f"`{WIDE_FILE}` on the workloads it raced, elsewhere the race's `{NARROW}`, which "
+        "is the same recipe there).",
         "",
         f"| workload | competitor | its final | its run: s | steps | {recipe}: s to it | "
         "steps | ratio of seconds |",
@@ -418,17 +427,38 @@ HEADLINE = ("<!-- race-headline:start -->", "<!-- race-headline:end -->")
 """The comments around the headline table in the docs page."""
 
 
-def write_headline(page: Path, results: Path) -> bool:
-    """Write ``results/race_headline.json`` from the race's results files and the
-    headline table of ``page`` between :data:`HEADLINE`'s comments; returns whether the
-    table changed."""
+def recipe_docs(results: Path, workloads: Sequence[str]) -> list[dict[str, Any]]:
+    """The runs of :data:`RECIPE` beside its competitors', per workload of ``workloads``
+    that has them, in that order: :data:`WIDE_FILE`'s where it raced the workload (every
+    optimizer of that entry ran in one process), else the race file's, with
+    :data:`NARROW`'s runs under :data:`RECIPE`'s name.
+
+    Example:
+        >>> recipe_docs(Path("/nonexistent"), ["lm"])
+        []
+    """
+    wide_path = results / WIDE_FILE
+    wide = json.loads(wide_path.read_text())["workloads"] if wide_path.exists() else {}
     docs = []
-    for workload in blocks_of(page.read_text()):  # the page's order
+    for workload in workloads:
+        if workload in wide:
+            docs.append({"workload": workload, "runs": wide[workload]["runs"]})
+            continue
         path = results / f"race_{workload}.json"
         doc = json.loads(path.read_text()) if path.exists() else {}
         if doc.get("benchmark") == "race" and not doc.get("quick"):
-            docs.append(doc)
-    rows = headline(docs)
+            runs = [
+                {**r, "optimizer": RECIPE} if r["optimizer"] == NARROW else r for r in doc["runs"]
+            ]
+            docs.append({**doc, "runs": runs})
+    return docs
+
+
+def write_headline(page: Path, results: Path) -> bool:
+    """Write ``results/race_headline.json`` from :func:`recipe_docs` (the page's order of
+    workloads) and the headline table of ``page`` between :data:`HEADLINE`'s comments;
+    returns whether the table changed."""
+    rows = headline(recipe_docs(results, list(blocks_of(page.read_text()))))
     (results / "race_headline.json").write_text(
         json.dumps({"benchmark": "race_headline", "recipe": RECIPE, "rows": rows}, indent=1) + "\n"
     )

@@ -82,24 +82,25 @@ RECOMMENDED: dict[str, Any] = {
     "inv_update_steps": 2,
     "factor_decay": 0.9,
     "batched_eigh": True,
+    "orthogonal": kf.Orthogonal(powers=(0.5, 0.0), wider_than=512),
 }
 
 
 def test_the_default_is_the_recommended_recipe_step_for_step() -> None:
-    """``kf.KFAC(model)`` equals the race's ``kfac-moments-fresh`` written out: its eight
+    """``kf.KFAC(model)`` equals the race's ``kfac-moments-wide`` written out: its nine
     preconditioner arguments, SGD without momentum, AdamW with the same learning rate,
     betas and no weight decay on the others."""
     model = _model()
     manual = copy.deepcopy(model)
     opt = kf.KFAC(model, skip_layers=["Embedding"])
-    pre = kf.KFACPreconditioner(manual, lr=0.028, skip_layers=["Embedding"], **RECOMMENDED)
+    pre = kf.KFACPreconditioner(manual, lr=0.014, skip_layers=["Embedding"], **RECOMMENDED)
     mine, rest = pre.layers.split_parameters(manual)
     opts = [
-        torch.optim.SGD(mine, lr=0.028, momentum=0.0),
-        torch.optim.AdamW(rest, lr=0.028, betas=(0.9, 0.95), weight_decay=0.0),
+        torch.optim.SGD(mine, lr=0.014, momentum=0.0),
+        torch.optim.AdamW(rest, lr=0.014, betas=(0.9, 0.95), weight_decay=0.0),
     ]
     assert opt.recipe is kf.RECIPES["recommended"]
-    assert opt.param_groups[0]["lr"] == kf.RECIPES["recommended"].lr == 0.028
+    assert opt.param_groups[0]["lr"] == kf.RECIPES["recommended"].lr == 0.014
     _equal(_train_face(model, opt), _train_parts(manual, pre, opts))
 
 
@@ -109,7 +110,7 @@ def test_the_same_recipe_written_out_through_the_kfac_pytorch_preset() -> None:
     one = kf.KFAC(a)
     other = kf.KFAC(
         b,
-        lr=0.028,
+        lr=0.014,
         recipe="kfac-pytorch",
         betas=(0.9, 0.95),
         weight_decay=0.0,
@@ -117,6 +118,36 @@ def test_the_same_recipe_written_out_through_the_kfac_pytorch_preset() -> None:
         **RECOMMENDED,
     )
     _equal(_train_face(a, one), _train_face(b, other))
+
+
+def test_the_default_steps_the_wide_layers_orthogonally_and_the_rest_in_the_eigenbasis() -> None:
+    """On a model with a layer whose input is wider than 512, ``kf.KFAC(model)`` gives that
+    layer Muon's step on K-FAC's input curvature (it keeps ``ortho_momentum``, its G
+    factor diagonal) and the narrow layer Adam's step in its eigenbasis, equal to the
+    recipe written out."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(520, 6), nn.Tanh(), nn.Linear(6, 3)).to(F64)
+    manual = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(2)
+    batches = [
+        (torch.randn(16, 520, generator=g, dtype=F64), torch.randint(0, 3, (16,), generator=g))
+        for _ in range(4)
+    ]
+
+    def train(m: nn.Module, step: Any) -> list[torch.Tensor]:
+        for x, y in batches:
+            m.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            step()
+        return [p.detach().clone() for p in m.parameters()]
+
+    opt = kf.KFAC(model)
+    pre = kf.KFACPreconditioner(manual, lr=0.014, **RECOMMENDED)
+    sgd = torch.optim.SGD(manual.parameters(), lr=0.014, momentum=0.0)
+    _equal(train(model, opt.step), train(manual, lambda: (pre.step(), sgd.step())))
+    wide, narrow = (opt.preconditioner.state.layers[n] for n in ("0", "2"))
+    assert wide.ortho_momentum is not None and wide.g_factor.dim() == 1
+    assert narrow.ortho_momentum is None and narrow.basis_moment is not None
 
 
 @pytest.mark.parametrize(
@@ -175,7 +206,7 @@ def test_print_shows_the_recipe_and_the_layer_table() -> None:
     opt = kf.KFAC(_model(), skip_layers=["Embedding"])
     text = repr(opt)
     head, table = text.split("\n", 1)
-    assert head.startswith("KFAC(recipe='recommended', lr=0.028: 2 K-FAC layers")
+    assert head.startswith("KFAC(recipe='recommended', lr=0.014: 2 K-FAC layers")
     assert "SGD on their 4 parameters; AdamW on 1 other parameters" in head
     assert table == str(opt.preconditioner.layers)
     assert "skipped: matched skip_layers 'Embedding'" in table

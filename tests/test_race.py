@@ -353,11 +353,8 @@ def test_the_headline_is_the_committed_results() -> None:
     race results; run ``python benchmarks/race.py --tables``."""
     saved = json.loads((RESULTS / "race_headline.json").read_text())
     page = PAGE.read_text()
-    docs = [
-        json.loads((RESULTS / f"race_{w}.json").read_text())
-        for w in rr.blocks_of(page)
-        if (RESULTS / f"race_{w}.json").exists()
-    ]
+    docs = rr.recipe_docs(RESULTS, list(rr.blocks_of(page)))
+    assert [d["workload"] for d in docs] == list(rr.blocks_of(page))
     rows = rr.headline(docs)
     assert json.loads(json.dumps(rows)) == saved["rows"]
     start, end = rr.HEADLINE

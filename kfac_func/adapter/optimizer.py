@@ -36,13 +36,16 @@ class KFAC(OptimizerStateMixin, torch.optim.Optimizer):
 
     ``kf.KFAC(model)`` with no other argument is the recommended recipe
     (:data:`kfac_func.RECIPES` ``["recommended"]``, the optimizer race's
-    ``kfac-moments-fresh``): Adam's step in K-FAC's eigenbasis (``eigenbasis_moments``
+    ``kfac-moments-wide``): Adam's step in K-FAC's eigenbasis (``eigenbasis_moments``
     with ``betas`` (0.9, 0.95), no KL clip, ``"fisher"`` scaling, factor statistics every
-    step with decay 0.9, eigenbases every 2 steps) in front of SGD without momentum, AdamW
-    with the same learning rate, betas and weight decay on the parameters K-FAC does not
-    precondition, learning rate 0.028, no weight decay. The library chooses the performance
-    switches (layers of one shape computed together, batched decompositions, and
-    ``sync_free`` on one CUDA process). ``recipe="kfac-pytorch"`` is kfac-pytorch's
+    step with decay 0.9, eigenbases every 2 steps), except on the layers with a factor side
+    wider than 512, which take Muon's step on K-FAC's input curvature
+    (``Orthogonal(wider_than=512)``), in front of SGD without momentum, AdamW with the same
+    learning rate, betas and weight decay on the parameters K-FAC does not precondition,
+    learning rate 0.014, no weight decay. The library chooses the performance switches
+    (layers of one shape computed together, batched decompositions, ``sync_free`` on one
+    CUDA process, and the orthogonalized step in bfloat16 where the device multiplies it
+    natively). ``recipe="kfac-pytorch"`` is kfac-pytorch's
     recipe instead: its preconditioner defaults (eigen, ``kl_clip=0.001``, its factor
     scaling) in front of plain SGD, AdamW with torch's defaults on the others, learning
     rate 0.001, no switch chosen for the user.
@@ -96,7 +99,7 @@ class KFAC(OptimizerStateMixin, torch.optim.Optimizer):
     Args:
         model: the module whose layers K-FAC preconditions.
         lr: learning rate of both base optimizers (unless their kwargs name one); None:
-            the recipe's (0.028 recommended, 0.001 kfac-pytorch).
+            the recipe's (0.014 recommended, 0.001 kfac-pytorch).
         recipe: ``"recommended"`` (default), ``"kfac-pytorch"``, or a
             :class:`~kfac_func.Recipe`: the defaults of every other argument.
         betas: ``(β₁, β₂)`` of the eigenbasis moments (``moment_beta1``,
@@ -135,7 +138,7 @@ class KFAC(OptimizerStateMixin, torch.optim.Optimizer):
         >>> model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(8, 3))
         >>> opt = kf.KFAC(model, skip_layers=["Embedding"])
         >>> [type(o).__name__ for o in opt.optimizers], opt.param_groups[0]["lr"]
-        (['SGD', 'AdamW'], 0.028)
+        (['SGD', 'AdamW'], 0.014)
         >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
         >>> x, y = torch.randint(0, 10, (16, 2)), torch.randint(0, 3, (16,))
         >>> def closure():

@@ -15,7 +15,7 @@ from typing import Any
 
 from kfac_func.step.orthogonal import Orthogonal
 
-__all__ = ["HEAD_NAMES", "RECIPES", "Recipe", "recipe_named"]
+__all__ = ["HEAD_NAMES", "RECIPES", "WIDE", "Recipe", "recipe_named"]
 
 
 @dataclass(frozen=True)
@@ -54,11 +54,19 @@ class Recipe:
     automatic: bool = False
 
 
-RECOMMENDED_LR = 0.028
+RECOMMENDED_LR = 0.014
 """The default learning rate of the recommended recipe: among the learning rates that
-every workload's tuning grid of ``kfac-moments-fresh`` tried in the optimizer race (0.007,
-0.014, 0.028), the one whose worst final test loss on the tuning seed is the smallest
-fraction of the way from the tuned rate's to AdamW's (see docs/optimizers.md)."""
+every workload's tuning grid of the recipe (the race's ``kfac-moments-wide``) tried in the
+optimizer race (0.007, 0.014, 0.028), the one whose worst final test loss on the tuning
+seed is the smallest fraction of the way from the tuned rate's to AdamW's (see
+docs/optimizers.md)."""
+
+WIDE = 512
+"""The recommended recipe's ``Orthogonal.wider_than``: the layers with a factor side wider
+than this take Muon's orthogonalized step on K-FAC's input curvature instead of Adam's
+step in the eigenbasis, so that no factor wider than this is decomposed or (on the G
+side) gathered. On a model with no side that wide the recipe is Adam's step in K-FAC's
+eigenbasis on every layer."""
 
 HEAD_NAMES = r"(^|\.)(lm_head|head|classifier|output)$"
 """The layer names the orthogonal recipes take for a model's head (``ortho_skip``): a
@@ -109,6 +117,7 @@ RECIPES: dict[str, Recipe] = {
             "factor_update_steps": 1,
             "inv_update_steps": 2,
             "factor_decay": 0.9,
+            "orthogonal": Orthogonal(powers=(0.5, 0.0), wider_than=WIDE),
         },
         automatic=True,
     ),
@@ -120,7 +129,8 @@ RECIPES: dict[str, Recipe] = {
     ),
 }
 """The named recipes: ``"recommended"`` (the default: Adam's step in K-FAC's eigenbasis on
-SOAP's schedule, the optimizer race's ``kfac-moments-fresh``) and ``"kfac-pytorch"``
+SOAP's schedule, and Muon's step on K-FAC's input curvature for the layers with a side
+wider than :data:`WIDE`; the optimizer race's ``kfac-moments-wide``) and ``"kfac-pytorch"``
 (kfac-pytorch's preconditioner defaults in front of plain SGD, AdamW with torch's
 defaults on the other parameters: what ``kf.KFAC`` was before the recommended recipe),
 and the orthogonal recipes (Muon's step on K-FAC's curvature, see
