@@ -176,7 +176,7 @@ def render_one_rate(results: Path) -> str:
     docs = race_docs(results)
     lines = [
         "From the race's tuning runs (`benchmarks/results/race_<workload>.json`, "
-        f"{', '.join(d['workload'] for d in docs)}).",
+        f"{', '.join(d['workload'] for d in docs)}; {TUNED}'s as in the table above).",
         "",
         "| optimizer | its tuned rates | one rate reaching most | workloads it reaches | "
         "reached per rate |",
