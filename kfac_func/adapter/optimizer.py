@@ -149,7 +149,7 @@ class KFAC(OptimizerStateMixin, torch.optim.Optimizer):
         >>> loss = opt.step(closure)
         >>> sched.step()
         >>> opt.preconditioner.steps, [g["lr"] for g in opt.param_groups]
-        (1, [0.014, 0.014])
+        (1, [0.007, 0.007])
         >>> old = kf.KFAC(nn.Linear(4, 2), recipe="kfac-pytorch")  # kfac-pytorch's recipe
         >>> old.preconditioner.kl_clip, old.param_groups[0]["lr"]
         (0.001, 0.001)
