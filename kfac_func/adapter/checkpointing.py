@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import optree
 import torch
 
 from kfac_func.adapter.arguments import HYPER, PreconditionerBase
@@ -33,6 +34,7 @@ from kfac_func.adapter.replicated import (
 )
 from kfac_func.blocks.tied import newly_tied
 from kfac_func.checkpoint.checksums import CHECKSUMS_KEY, add_checksums, verify_checksums
+from kfac_func.checkpoint.state_format import _COUNTER_DTYPES
 from kfac_func.core.decomposition import DECOMPOSITIONS, all_finite, decomposition_from_fields
 from kfac_func.distributed.communicator import Communicator
 from kfac_func.distributed.plan import DistributedStrategy, Plan
@@ -72,12 +74,11 @@ def layer_entries(state: KFACState, plan: Plan, comm: Communicator) -> dict[str,
                 entry[moment] = getattr(ls, moment)
         if ls.basis_moment is not None:
             entry["moment_count"] = ls.moment_count
-        if ls.grad_skips is not None:  # sync_free=True skip counters
-            entry["grad_skips"] = ls.grad_skips
-            entry["grad_skips_reported"] = ls.grad_skips_reported
-        for flag in ("factor_skips", "usable"):  # sync_free=True decisions on the device
-            if getattr(ls, flag) is not None:
-                entry[flag] = getattr(ls, flag)
+        for counter in _COUNTER_DTYPES:  # sync_free=True counters and decisions
+            if getattr(ls, counter) is not None:
+                entry[counter] = getattr(ls, counter)
+                if counter == "grad_skips":
+                    entry["grad_skips_reported"] = ls.grad_skips_reported
         if ls.decomposition is not None:
             entry["decomposition"] = {
                 k: v for k, v in vars(ls.decomposition).items() if isinstance(v, torch.Tensor)
@@ -119,13 +120,11 @@ def load_layer(
         moments[moment] = t.to(device, config.factor_dtype, copy=True).contiguous()
     if "basis_moment" in moments:
         moments["moment_count"] = int(entry.get("moment_count", 1))
-    if entry.get("grad_skips") is not None:
-        skips = torch.as_tensor(entry["grad_skips"])
-        moments["grad_skips"] = skips.to(device, torch.int64, copy=True).reshape(())
-        moments["grad_skips_reported"] = int(entry.get("grad_skips_reported", 0))
-    for flag, dtype in (("factor_skips", torch.int64), ("usable", torch.bool)):
+    for flag, dtype in _COUNTER_DTYPES.items():
         if entry.get(flag) is not None:
             moments[flag] = torch.as_tensor(entry[flag]).to(device, dtype, copy=True).reshape(())
+    if "grad_skips" in moments:
+        moments["grad_skips_reported"] = int(entry.get("grad_skips_reported", 0))
     new = ls.replace(
         a_factor=a.to(device, config.factor_dtype, copy=True).contiguous(),
         g_factor=g.to(device, config.factor_dtype, copy=True).contiguous(),
@@ -171,14 +170,8 @@ def _own_copies(tree: dict[str, Any]) -> dict[str, Any]:
     """``tree`` (nested dicts) with a copy of each tensor: nothing written into the state
     dict (as ``torch.distributed.checkpoint.load`` writes into a template) reaches the
     preconditioner's state before :meth:`StateDictMixin.load_state_dict` accepts it."""
-    return {
-        k: v.detach().clone()
-        if isinstance(v, torch.Tensor)
-        else _own_copies(v)
-        if isinstance(v, dict)
-        else v
-        for k, v in tree.items()
-    }
+    copy = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+    return optree.tree_map(copy, tree, none_is_leaf=True)  # type: ignore[arg-type,return-value]
 
 
 class StateDictMixin(PreconditionerBase):

@@ -19,6 +19,13 @@ from kfac_func.step.options import StepOptions
 
 __all__ = ["InspectionMixin", "check_factor_rows"]
 
+# the preconditioner's attributes a step passes on as they are (see _step_options)
+_STEP_ATTRS = (
+    "factor_decay", "kl_clip", "lr", "grafting", "graft_beta2", "graft_eps",
+    "eigenbasis_moments", "moment_beta2", "moment_eps", "moment_beta1", "refresh_drift",
+    "sync_free", "batched_eigh", "eigh_device", "grouped",
+)  # fmt: skip
+
 
 class InspectionMixin(PreconditionerBase):
     """Reads of the model and the state, and the keyword arguments the step passes on,
@@ -39,18 +46,8 @@ class InspectionMixin(PreconditionerBase):
     _damping_checked: bool
     adaptive: Any
     _parameter_modules: dict[str, tuple[nn.Module, str]]
-    grafting: str | None
-    graft_beta2: float
-    graft_eps: float
-    moment_beta2: float
-    moment_eps: float
-    moment_beta1: float
-    refresh_drift: float | None
     orthogonal: Any
     sync_free: bool
-    batched_eigh: bool
-    eigh_device: torch.device | None
-    grouped: bool
     distributed_strategy: Any
 
     def _layer_grads(self) -> dict[str, torch.Tensor]:
@@ -156,23 +153,7 @@ class InspectionMixin(PreconditionerBase):
         attributes as they are now, with ``this_step``'s values (its damping, whether it
         updates the factors and the decompositions)."""
         return StepOptions(
-            factor_decay=self.factor_decay,
-            kl_clip=self.kl_clip,
-            lr=self.lr,
-            grafting=self.grafting,
-            graft_beta2=self.graft_beta2,
-            graft_eps=self.graft_eps,
-            eigenbasis_moments=self.eigenbasis_moments,
-            moment_beta2=self.moment_beta2,
-            moment_eps=self.moment_eps,
-            moment_beta1=self.moment_beta1,
-            refresh_drift=self.refresh_drift,
-            **self._orthogonal_options(),
-            sync_free=self.sync_free,
-            batched_eigh=self.batched_eigh,
-            eigh_device=self.eigh_device,
-            grouped=self.grouped,
-            **this_step,
+            **{k: getattr(self, k) for k in _STEP_ATTRS}, **self._orthogonal_options(), **this_step
         )
 
     def _orthogonal_options(self) -> dict[str, Any]:
@@ -180,16 +161,7 @@ class InspectionMixin(PreconditionerBase):
         o = self.orthogonal
         if o is None:
             return {}
-        return {
-            "orthogonal": True,
-            "ortho_powers": o.powers,
-            "ortho_damping": o.damping,
-            "ortho_beta": o.beta,
-            "ortho_steps": o.steps,
-            "ortho_skip": o.skip,
-            "ortho_dtype": o.dtype,
-            "ortho_wider_than": o.wider_than,
-        }
+        return {"orthogonal": True, **{f"ortho_{k}": v for k, v in o._asdict().items()}}
 
     def __repr__(self) -> str:
         return self._repr(

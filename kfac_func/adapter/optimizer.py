@@ -64,26 +64,15 @@ class KFAC(OptimizerStateMixin, torch.optim.Optimizer):
       reads ``param_groups[0]["lr"]`` at every step unless ``kfac_lr`` is given. They hold
       the parameters the model holds now (see below).
     - :attr:`state` maps each parameter to its base optimizer's state.
-    - :meth:`state_dict` is ``torch.optim``'s format over :attr:`param_groups` (the base
-      optimizers' state dicts, their parameter indices offset in group order), with the
-      preconditioner's :meth:`~kfac_func.KFACPreconditioner.state_dict` as
-      ``param_groups[0]["kfac"]`` and an entry (``{}`` at least) for every parameter, so
-      that ``torch.distributed.checkpoint``'s ``get_state_dict`` / ``set_state_dict``
-      carry all of it with their default strictness (see :func:`kfac_func.save_dcp`).
-      :meth:`load_state_dict` restores both, keeping the group dicts (schedulers and
-      wrappers that hold them stay attached), after checking K-FAC's tensors against the
-      checksums saved with them; a resumed run equals an uninterrupted one.
-    - :meth:`add_param_group` adds a group to the ``others`` optimizer (made on first
-      use): K-FAC registered its layers at construction, so new parameters are not
-      preconditioned.
-    - A layer that training shows K-FAC cannot precondition (its module does not compute
-      what its kind computes, it receives no gradient, or its parameters are used outside
-      its module's calls, so that no statistics reach the hooks; see
-      :mod:`kfac_func.adapter.fallback`) is demoted with a warning naming it: from that
-      step on, its parameters are in the ``others`` optimizer's first group (in a new
-      ``others`` optimizer when there was none: a learning-rate scheduler made before does
-      not drive that group), and :meth:`state_dict` / :meth:`load_state_dict` carry the
-      move.
+    - :meth:`state_dict` / :meth:`load_state_dict`: the base optimizers' and the
+      preconditioner's state, whole through ``torch.distributed.checkpoint`` (see
+      :func:`kfac_func.save_dcp`); a resumed run equals an uninterrupted one.
+    - :meth:`add_param_group` adds to the ``others`` optimizer (K-FAC's layers are
+      registered at construction).
+    - A layer that training shows K-FAC cannot precondition is demoted with a warning
+      naming it (see :mod:`kfac_func.adapter.fallback`): its parameters move to the
+      ``others`` optimizer's first group (a new ``others`` optimizer when there was none,
+      which a learning-rate scheduler made before does not drive).
     - ``zero_grad``, step hooks (``register_step_pre_hook``, ...) and state-dict hooks
       are ``torch.optim.Optimizer``'s; the base optimizers' own hooks run in their steps.
     - ``print(opt)`` shows the recipe, the base optimizers and the table of the layers

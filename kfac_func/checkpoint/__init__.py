@@ -4,8 +4,7 @@ format (:mod:`~kfac_func.checkpoint.state_format`), flat tensor dicts
 (:mod:`~kfac_func.checkpoint.state_files`), atomic ``torch.distributed.checkpoint``
 directories (:mod:`~kfac_func.checkpoint.atomic_dcp`), and per-layer factor directories
 written by the ranks that own the factors (:mod:`~kfac_func.checkpoint.factor_dir`, with
-their manifest in :mod:`~kfac_func.checkpoint.factor_manifest` and the ranks' agreement in
-:mod:`~kfac_func.checkpoint.factor_ranks`).
+their manifest in :mod:`~kfac_func.checkpoint.factor_manifest`).
 
 The state files, state dicts, DCP directories and :class:`CheckpointError` are also at the
 top level (``kf.save_state``, ...); the factor directories and the finer errors are here.

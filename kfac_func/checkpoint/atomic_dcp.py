@@ -26,6 +26,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from kfac_func.checkpoint.state_files import _fsync_dir
+
 __all__ = ["load_dcp", "previous_path", "save_dcp"]
 
 
@@ -53,14 +55,6 @@ def _barrier(group: Any) -> None:
         dist.barrier(group=group)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _rename(src: Path, dst: Path) -> None:
     os.rename(src, dst)
 
@@ -83,11 +77,10 @@ def save_dcp(
     state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_group: Any = None
 ) -> Path:
     """``torch.distributed.checkpoint.save(state_dict)`` to the directory ``path``,
-    atomically: a job killed at any point leaves ``path`` holding the previous checkpoint
-    (or, between the two renames, :func:`previous_path` holding it, which
-    :func:`load_dcp` reads). A collective over ``process_group`` (default: the default
-    group, or none on one process); rank 0 renames. Leftovers of a killed save are
-    removed first.
+    atomically (see the module docstring: a job killed at any point leaves the previous
+    checkpoint for :func:`load_dcp`). A collective over ``process_group`` (default: the
+    default group, or none on one process); rank 0 renames. Leftovers of a killed save
+    are removed first.
 
     Returns:
         ``path``.

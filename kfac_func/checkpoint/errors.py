@@ -6,6 +6,7 @@ well-formed one that does not fit the ``like`` state (:class:`CheckpointMismatch
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
@@ -71,3 +72,18 @@ class CheckpointMismatchError(CheckpointError):
 
 def _names(names: list[str]) -> str:
     return ", ".join(repr(n) for n in names)
+
+
+def _version_problem(what: str, version: int, meta: Mapping[str, Any], newest: int) -> str | None:
+    """Why ``what`` (a file whose metadata ``meta`` has format ``version``) cannot be read
+    by this library, which reads versions 1 to ``newest``; None when it can."""
+    if 1 <= version <= newest:
+        return None
+    import kfac_func
+
+    return (
+        f"{what} has format version {version} (written by kfac_func "
+        f"{meta.get('library_version', '?')}); this library (kfac_func "
+        f"{kfac_func.__version__}) reads format version {newest}"
+        + (": upgrade kfac_func to load it" if version > newest else "")
+    )

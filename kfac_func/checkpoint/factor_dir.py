@@ -38,11 +38,10 @@ holds the same, complete state and raises the same errors). With ``only_owned=Tr
 allowed under ``MEM_OPT`` only, a rank reads just the layers it owns and keeps ``like``'s
 entries for the others, which is exactly what an uninterrupted ``MEM_OPT`` run holds there
 (:func:`kfac_func.distributed.update_distributed` neither folds nor decomposes other ranks'
-layers);
-under ``COMM_OPT``/``HYBRID_OPT`` every rank holds the averaged factors, so every rank must
-read every layer. Decompositions not in the files come back as ``None`` and the next
-update recomputes them from that step's factors, so resume on an inverse-update step or
-save with ``include_decompositions=True`` to continue exactly.
+layers); under ``COMM_OPT``/``HYBRID_OPT`` every rank holds the averaged factors, so every
+rank must read every layer. Decompositions not in the files come back as ``None`` (see
+:func:`~kfac_func.state_from_dict`): resume on an inverse-update step or save with
+``include_decompositions=True`` to continue exactly.
 """
 
 from __future__ import annotations
@@ -50,11 +49,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import safetensors.torch
+import torch.distributed as dist
 
-from kfac_func.checkpoint.errors import CheckpointFormatError, CheckpointMismatchError
+from kfac_func.checkpoint.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointMismatchError,
+)
 from kfac_func.checkpoint.factor_manifest import (
     MANIFEST_NAME,
     PathLike,
@@ -62,13 +67,6 @@ from kfac_func.checkpoint.factor_manifest import (
     _manifest,
     layer_file_name,
     read_factor_manifest,
-)
-from kfac_func.checkpoint.factor_ranks import (
-    _check_plan,
-    _context,
-    _describe,
-    _gather,
-    _raise_failures,
 )
 from kfac_func.checkpoint.state_dict import state_from_dict
 from kfac_func.checkpoint.state_files import _atomic_write, _fsync_dir, save_state
@@ -79,6 +77,62 @@ __all__ = [
     "load_factor_dir",
     "save_factor_dir",
 ]
+
+
+# --------------------------------------------------------------------------- ranks
+# which rank this process is, whether a plan fits, and how the ranks agree (gathering
+# every rank's report, so that a failure on any rank makes every rank raise)
+
+
+def _context(rank: int | None, *, any_rank: bool) -> tuple[bool, int, int]:
+    """``(collective, rank, world)``: collective when a process group of >1 ranks is up."""
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+        raise ValueError(f"rank must be a non-negative int, got {rank!r}")
+    if dist.is_available() and dist.is_initialized():
+        world, mine = dist.get_world_size(), dist.get_rank()
+        if rank is not None and rank != mine:
+            raise ValueError(f"rank={rank} but this process is rank {mine} of the process group")
+        return world > 1, mine, world
+    if rank not in (None, 0) and not any_rank:
+        raise ValueError(
+            f"rank={rank} without an initialized process group: save_factor_dir writes "
+            "as rank 0 (pass plan=None to write every layer from one process)"
+        )
+    return False, 0 if rank is None else rank, 1
+
+
+def _check_plan(plan: Plan, names: Sequence[str], what: str) -> None:
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a kfac_func.distributed.Plan, got {type(plan).__name__}")
+    if set(plan.layers) != set(names):
+        missing = sorted(set(names) - set(plan.layers))
+        extra = sorted(set(plan.layers) - set(names))
+        raise ValueError(
+            f"plan and {what} disagree on layers: not in plan {missing}, not in {what} {extra}"
+        )
+
+
+def _gather(collective: bool, world: int, obj: Any) -> list[Any]:
+    if not collective:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _raise_failures(reports: list[Any], rank: int, own: BaseException | None, what: str) -> None:
+    """Every rank raises if any rank failed (the failing rank its own exception)."""
+    failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"] is not None]
+    if not failed:
+        return
+    if own is not None:
+        raise own
+    detail = "; ".join(f"rank {r}: {msg}" for r, msg in failed)
+    raise CheckpointError(f"{what} failed on another rank ({detail})")
+
+
+def _describe(e: BaseException | None) -> str | None:
+    return None if e is None else f"{type(e).__name__}: {e}"
 
 
 # --------------------------------------------------------------------------- save
@@ -120,8 +174,7 @@ def save_factor_dir(
         rank: this process's rank; defaults to the process group's (0 without one), and
             must equal it.
         include_decompositions: also store the decompositions (see
-            :func:`kfac_func.state_to_dict`); without them the next update after loading
-            recomputes them.
+            :func:`kfac_func.state_to_dict`).
 
     Raises:
         ValueError: the plan does not fit the state or the process group.
@@ -234,13 +287,11 @@ def load_factor_dir(
 
     ``like`` is a state of the same model and configuration (typically ``kf.init(...)``)
     and supplies the specs, configuration and device, as for
-    :func:`kfac_func.load_state`. Every rank reads every layer file (the default), or,
-    with ``only_owned`` and a ``MEM_OPT`` plan, only the layers whose A owner it is under
-    ``plan`` (the plan of the new run, for any world size), keeping ``like``'s entries
-    for the others, which such a run never reads. The step comes from the manifest.
-    Decompositions that were not saved are ``None`` (the next update recomputes them).
-    Before anything is read, every file the manifest lists must exist with its recorded
-    size; each file read must match its SHA-256 digest and the manifest's step.
+    :func:`kfac_func.load_state`. Which layer files each rank reads: see the module
+    docstring (and ``only_owned``). The step comes from the manifest; decompositions that
+    were not saved are ``None``. Before anything is read, every file the manifest lists
+    must exist with its recorded size; each file read must match its SHA-256 digest and
+    the manifest's step.
 
     Args:
         directory: written by :func:`save_factor_dir`.

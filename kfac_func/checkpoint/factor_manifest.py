@@ -27,7 +27,7 @@ import json
 import os
 from typing import Any
 
-from kfac_func.checkpoint.errors import CheckpointFormatError
+from kfac_func.checkpoint.errors import CheckpointFormatError, _version_problem
 from kfac_func.distributed.plan import Plan
 from kfac_func.state import KFACState
 
@@ -182,16 +182,8 @@ def read_factor_manifest(directory: PathLike) -> dict[str, Any]:
         raise _bad(directory, f"{MANIFEST_NAME} does not describe a {_MANIFEST_FORMAT}")
     try:
         version = _field(manifest, "format_version", int, "")
-        if version > MANIFEST_FORMAT_VERSION or version < 1:
-            import kfac_func
-
-            raise _bad(
-                directory,
-                f"manifest has format version {version} (written by kfac_func "
-                f"{manifest.get('library_version', '?')}); this library (kfac_func "
-                f"{kfac_func.__version__}) reads format version {MANIFEST_FORMAT_VERSION}"
-                + (": upgrade kfac_func to load it" if version > MANIFEST_FORMAT_VERSION else ""),
-            )
+        if unreadable := _version_problem("manifest", version, manifest, MANIFEST_FORMAT_VERSION):
+            raise _bad(directory, unreadable)
         _field(manifest, "step", int, "")
         _field(manifest, "world_size", int, "")
         layers = _field(manifest, "layers", list, "")

@@ -10,9 +10,7 @@ state of the same model (``like=kf.init(kf.register(model), ...)``) and either r
 complete new state or raises one :class:`CheckpointMismatchError` listing every problem;
 malformed, truncated or future-version files raise
 :class:`~kfac_func.checkpoint.errors.CheckpointFormatError`. Decompositions that the file
-does not hold come back as ``None``: :func:`kfac_func.step.update` computes them on its
-next call (from the factors of that step), or call ``kf.decompose(state, damping=...,
-only_missing=True)`` to compute them right away from the loaded factors.
+does not hold come back as ``None`` (see :func:`state_from_dict`).
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ from kfac_func.blocks.tied import newly_tied
 from kfac_func.checkpoint.errors import CheckpointMismatchError, _names
 from kfac_func.checkpoint.state_format import (
     _CONFIG_FIELDS,
+    _COUNTER_DTYPES,
     _OPTIONAL_TENSORS,
     _SPEC_DEFAULTS,
     _SPEC_FIELDS,
@@ -69,10 +68,8 @@ def state_to_dict(
 
     Args:
         state: the state to flatten.
-        include_decompositions: also store the decompositions. Without them the loaded
-            state has none, and the next :func:`kfac_func.step.update` recomputes them from the
-            factors of that step (``kf.decompose(state, damping=..., only_missing=True)``
-            computes them eagerly from the loaded factors instead).
+        include_decompositions: also store the decompositions (without them the loaded
+            state has none: see :func:`state_from_dict`).
 
     Example:
         >>> import torch
@@ -155,11 +152,7 @@ def _layer_problems(
         if entry.get(moment):
             key = _layer_key(name, moment)
             checks.append((moment, d[key], ls.spec.matrix_shape, like.config.factor_dtype))
-    for counter, dtype in (
-        ("grad_skips", torch.int64),
-        ("factor_skips", torch.int64),
-        ("usable", torch.bool),
-    ):
+    for counter, dtype in _COUNTER_DTYPES.items():
         if entry.get(counter):
             checks.append((counter, d[_layer_key(name, counter)], (), dtype))
     dec = entry.get("decomposition")
@@ -184,8 +177,9 @@ def _layer_problems(
 
 def _restore(t: torch.Tensor, layout: Sequence[int] | None, device: torch.device) -> torch.Tensor:
     """A fresh copy of ``t`` on ``device`` in the memory layout ``layout`` (matmul results
-    depend on it)."""
-    layout = layout or _contiguous_strides(t.shape)
+    depend on it; None: row-major)."""
+    if not layout:
+        return torch.empty(t.shape, dtype=t.dtype, device=device).copy_(t)
     return torch.empty_strided(t.shape, layout, dtype=t.dtype, device=device).copy_(t)
 
 
@@ -209,14 +203,6 @@ def _build_adaptive(
         }
 
     return AdaptiveState.restored(meta, previous)
-
-
-def _contiguous_strides(shape: Sequence[int]) -> list[int]:
-    out, step = [], 1
-    for n in reversed(shape):
-        out.append(step)
-        step *= max(n, 1)
-    return out[::-1]
 
 
 def _build_layer(

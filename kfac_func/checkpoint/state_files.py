@@ -6,8 +6,8 @@ file (the JSON metadata is also put in the safetensors header metadata) or, for
 ``.pt``/``.pth`` paths, with ``torch.save`` of the flat dict (tensors only, never other
 pickled objects). :func:`load_state` reads either format and rebuilds the state with
 :func:`~kfac_func.checkpoint.state_dict.state_from_dict`; its errors name the file. The
-atomic write (temporary file, fsync, rename, directory fsync) also commits the manifests
-of factor directories (:mod:`kfac_func.checkpoint.factor_dir`).
+atomic write (see :func:`save_state`) also commits the manifests of factor directories
+(:mod:`kfac_func.checkpoint.factor_dir`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _is_torch_path(path: str) -> bool:
     return path.lower().endswith(_TORCH_SUFFIXES)
 
 
-def _fsync_dir(directory: str) -> None:
+def _fsync_dir(directory: PathLike) -> None:
     if os.name == "nt":  # pragma: no cover - directories cannot be opened on Windows
         return
     fd = os.open(directory, os.O_RDONLY)
@@ -167,9 +167,7 @@ def load_state(path: PathLike, *, like: KFACState) -> KFACState:
     torch.save files are read with ``torch.load(weights_only=True)``; the format is
     recognised from the file's first bytes (falling back to the ``.pt``/``.pth`` suffix).
     Tensors are moved to the device of ``like``; see :func:`state_from_dict` for the
-    checks against ``like`` and for decompositions that the file does not hold (they are
-    ``None``; ``update`` or ``kf.decompose(state, damping=..., only_missing=True)``
-    recompute them).
+    checks against ``like`` and for decompositions that the file does not hold.
 
     Raises:
         CheckpointFormatError: the file is truncated, corrupt, not a kfac_func checkpoint,

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from kfac_func.blocks import LayerSpec
-from kfac_func.checkpoint.errors import CheckpointFormatError
+from kfac_func.checkpoint.errors import CheckpointFormatError, _version_problem
 from kfac_func.core.decomposition import DECOMPOSITIONS
 from kfac_func.state import (
     MOMENT_FIELDS,
@@ -82,8 +82,11 @@ META_KEY = "__kfac_meta__"
 _FORMAT_NAME = "kfac_func.KFACState"
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(KFACConfig))
 _SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(LayerSpec))
+_COUNTER_DTYPES = {"grad_skips": torch.int64, "factor_skips": torch.int64, "usable": torch.bool}
+"""The optional 0-d tensors of a layer that ``sync_free=True`` steps keep on the device
+(see the format above), with their dtypes."""
 # the optional tensors of a layer, each flagged in its metadata entry
-_OPTIONAL_TENSORS = (*MOMENT_FIELDS, "grad_skips", "factor_skips", "usable")
+_OPTIONAL_TENSORS = (*MOMENT_FIELDS, *_COUNTER_DTYPES)
 
 
 # --------------------------------------------------------------------------- encode
@@ -272,15 +275,8 @@ def _decode_meta(d: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT_NAME:
         raise _fmt(f"{META_KEY!r} does not describe a {_FORMAT_NAME}")
     version = _get(meta, "format_version", int, "")
-    if version > FORMAT_VERSION or version < 1:
-        import kfac_func
-
-        raise CheckpointFormatError(
-            f"checkpoint has format version {version} (written by kfac_func "
-            f"{meta.get('library_version', '?')}); this library (kfac_func "
-            f"{kfac_func.__version__}) reads format version {FORMAT_VERSION}"
-            + (": upgrade kfac_func to load it" if version > FORMAT_VERSION else "")
-        )
+    if unreadable := _version_problem("checkpoint", version, meta, FORMAT_VERSION):
+        raise CheckpointFormatError(unreadable)
     _get(meta, "step", int, "")
     config = _get(meta, "config", dict, "")
     config.setdefault("eigenbasis_refresh", "eigh")  # files written before it existed
