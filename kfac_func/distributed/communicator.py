@@ -158,7 +158,9 @@ class Communicator:
         self.bytes: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
         """Collectives issued so far, per kind of traffic (same keys as :attr:`bytes`)."""
-        self._groups: dict[tuple[int, ...], Group] = {}
+        # the plan's groups and every rank's (the checkpoint's broadcasts under any plan)
+        everyone = tuple(range(self.world_size))
+        self._groups: dict[tuple[int, ...], Group] = {everyone: None}
         self._factor_group: Group = None
         self.timeout = timeout
         if self.active and self.world_size > 1:
@@ -173,8 +175,8 @@ class Communicator:
             # factor reductions get a group of their own, so their order never interleaves
             # with other users of the default group (DDP's gradient buckets); with a
             # timeout, whole-world broadcasts use it too (the default group has its own)
-            self._factor_group = dist.new_group(list(range(self.world_size)), timeout=timeout)
-            for ranks in (*plan.worker_groups, *plan.receiver_groups):
+            self._factor_group = dist.new_group(list(everyone), timeout=timeout)
+            for ranks in (everyone, *plan.worker_groups, *plan.receiver_groups):
                 if len(ranks) == self.world_size:
                     self._groups[ranks] = None if timeout is None else self._factor_group
                 elif len(ranks) > 1 and ranks not in self._groups:
@@ -242,58 +244,7 @@ class Communicator:
     def group(self, ranks: tuple[int, ...]) -> Group:
         """The process group of ``ranks`` (one of the plan's groups, or every rank: the
         checkpoint's broadcasts under any plan)."""
-        key = tuple(ranks)
-        if key not in self._groups and key == tuple(range(self.world_size)):
-            return None if self.timeout is None else self._factor_group
-        return self._groups[key]
-
-    # --- reductions ----------------------------------------------------------------
-
-    def launch_reduce(
-        self,
-        idx: list[int],
-        tensors: Sequence[torch.Tensor],
-        sym: list[bool],
-        targets: list[int | None],
-        kind: str,
-        pending: Pending,
-        results: dict[int, torch.Tensor],
-    ) -> None:
-        """Launch one bucket: the sum over ranks of ``tensors[i]`` for ``i`` in ``idx``
-        (packed as upper triangles where ``sym[i]``), to every rank or to
-        ``targets[idx[0]]``; ``results[i]`` is filled once ``pending`` is waited on."""
-        flats = [_pack(tensors[i], sym[i]) for i in idx]
-        buf = torch.cat(flats) if len(flats) > 1 else flats[0].clone()
-        dst = targets[idx[0]]
-        n = self.world_size
-        nbytes = buf.numel() * buf.element_size()
-        if dst is None:
-            work = dist.all_reduce(
-                buf, op=dist.ReduceOp.SUM, group=self._factor_group, async_op=True
-            )
-            self.bytes[f"{kind} (all-reduce)"] += 2 * (n - 1) * nbytes // n
-            self.calls[f"{kind} (all-reduce)"] += 1
-        else:
-            work = dist.reduce(
-                buf, dst=dst, op=dist.ReduceOp.SUM, group=self._factor_group, async_op=True
-            )
-            self.bytes[f"{kind} (reduce)"] += (n - 1) * nbytes // n
-            self.calls[f"{kind} (reduce)"] += 1
-        pending.works.append(work)
-
-        def finish() -> list[torch.Tensor]:
-            if dst is not None and dst != self.rank:
-                for i in idx:
-                    results[i] = tensors[i]
-                return []
-            offset = 0
-            for i, flat in zip(idx, flats):
-                part = buf[offset : offset + flat.numel()]
-                offset += flat.numel()
-                results[i] = _unpack(part, tensors[i], sym[i])
-            return []
-
-        pending.finish.append(finish)
+        return self._groups[tuple(ranks)]
 
     # --- broadcasts ----------------------------------------------------------------
 

@@ -199,8 +199,6 @@ def gather_whole(
     layouts: Sequence[Layout],
     workers: Sequence[int],
     comm: Communicator,
-    *,
-    kind: str = "gradient shards",
 ) -> list[torch.Tensor] | None:
     """The whole tensors of ``grads`` (one layer's parameters) on each rank of
     ``workers``; None elsewhere. Every rank calls it with its local shards.
@@ -211,7 +209,7 @@ def gather_whole(
     """
     rank, n = comm.rank, comm.world_size
     wanted = rank in workers
-    grads = [_within_mesh(g, lay, comm, kind) for g, lay in zip(grads, layouts)]
+    grads = [_within_mesh(g, lay, comm) for g, lay in zip(grads, layouts)]
     moved = [i for i, lay in enumerate(layouts) if lay.sharded and n > 1]
     received: torch.Tensor | None = None
     if moved:
@@ -222,15 +220,15 @@ def gather_whole(
         if len(workers) == n:
             parts = [torch.empty_like(buf) for _ in range(n)]
             dist.all_gather(parts, buf, group=group)
-            comm.bytes[f"{kind} (all-gather)"] += (n - 1) * nbytes
-            comm.calls[f"{kind} (all-gather)"] += 1
+            comm.bytes["gradient shards (all-gather)"] += (n - 1) * nbytes
+            comm.calls["gradient shards (all-gather)"] += 1
             received = torch.stack(parts) if wanted else None
         else:
             for dst in workers:
                 parts_or_none = [torch.empty_like(buf) for _ in range(n)] if rank == dst else None
                 dist.gather(buf, parts_or_none, dst=dst, group=group)
-                comm.bytes[f"{kind} (gather)"] += (n - 1) * nbytes // n
-                comm.calls[f"{kind} (gather)"] += 1
+                comm.bytes["gradient shards (gather)"] += (n - 1) * nbytes // n
+                comm.calls["gradient shards (gather)"] += 1
                 if parts_or_none is not None:
                     received = torch.stack(parts_or_none)
     if not wanted:
@@ -255,17 +253,17 @@ def gather_whole(
     return out
 
 
-def _within_mesh(g: torch.Tensor, lay: Layout, comm: Communicator, kind: str) -> torch.Tensor:
+def _within_mesh(g: torch.Tensor, lay: Layout, comm: Communicator) -> torch.Tensor:
     """A gradient on a mesh of some of the ranks, gathered within that mesh (a collective
     of the mesh's ranks); other gradients as they are."""
     if lay.own is None:
         return g
     local, d = _local(g), _any(g)
     m = d.device_mesh.size()
-    comm.bytes[f"{kind} (mesh all-gather)"] += (m - 1) * local.numel() * local.element_size()
-    comm.calls[f"{kind} (mesh all-gather)"] += 1
-    with torch.no_grad():
-        return _waited(d.full_tensor())
+    kind = "gradient shards (mesh all-gather)"
+    comm.bytes[kind] += (m - 1) * local.numel() * local.element_size()
+    comm.calls[kind] += 1
+    return _full(d)
 
 
 def _any(t: object) -> Any:
@@ -280,8 +278,6 @@ def scatter_parts(
     src: int,
     ranks: tuple[int, ...],
     comm: Communicator,
-    *,
-    kind: str = "gradient shards",
 ) -> list[torch.Tensor]:
     """This rank's parts of ``src``'s ``whole`` tensors, for every rank of ``ranks``.
 
@@ -303,8 +299,8 @@ def scatter_parts(
         pieces = [_pack([lay.part(w, r) for w, lay in zip(whole, layouts)], sizes) for r in ranks]
     dist.scatter(out, pieces, src=src, group=group)
     n = len(ranks)
-    comm.bytes[f"{kind} (scatter)"] += (n - 1) * out.numel() * out.element_size() // n
-    comm.calls[f"{kind} (scatter)"] += 1
+    comm.bytes["gradient shards (scatter)"] += (n - 1) * out.numel() * out.element_size() // n
+    comm.calls["gradient shards (scatter)"] += 1
     mine, offset = [], 0
     for lay, size in zip(layouts, sizes):
         shape = [b - a for a, b in lay.boxes[rank]]
@@ -330,9 +326,12 @@ def as_gradient(new_local: torch.Tensor, like: torch.Tensor, layout: Layout) -> 
     )
 
 
-def _waited(t: torch.Tensor) -> torch.Tensor:
-    wait = getattr(t, "wait", None)
-    return wait() if callable(wait) and not isinstance(t, torch.nn.Parameter) else t
+def _full(t: Any) -> torch.Tensor:
+    """The whole plain tensor of the DTensor ``t`` (a collective of its mesh), no autograd."""
+    with torch.no_grad():
+        whole: torch.Tensor = t.full_tensor()
+        wait = getattr(whole, "wait", None)  # an asynchronous collective's tensor
+        return wait() if callable(wait) and not isinstance(whole, torch.nn.Parameter) else whole
 
 
 def whole_input(x: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -343,8 +342,7 @@ def whole_input(x: torch.Tensor) -> tuple[torch.Tensor, Any]:
     ranks, who all run the same hooks)."""
     if not is_dtensor(x):
         return x, None
-    with torch.no_grad():
-        return _waited(_any(x).full_tensor()), _any(x).device_mesh
+    return _full(x), _any(x).device_mesh
 
 
 def whole_output_grad(spec: LayerSpec, gy: torch.Tensor, mesh: Any) -> torch.Tensor:
@@ -354,7 +352,7 @@ def whole_output_grad(spec: LayerSpec, gy: torch.Tensor, mesh: Any) -> torch.Ten
     that names the layer."""
     with torch.no_grad():
         if is_dtensor(gy):
-            return _waited(_any(gy).full_tensor())
+            return _full(gy)
         full = spec.out_dim
         size = int(gy.shape[-1]) if gy.dim() else 0
         if mesh is None or size == full or not spec.block.tensor_parallel:
@@ -372,7 +370,7 @@ def whole_output_grad(spec: LayerSpec, gy: torch.Tensor, mesh: Any) -> torch.Ten
             [Shard(gy.dim() - 1)],
             run_check=False,  # type: ignore[misc]
         )
-        return _waited(sharded.full_tensor())
+        return _full(sharded)
 
 
 def describe_parameters(model: torch.nn.Module, layers: Mapping[str, LayerSpec]) -> str:

@@ -203,13 +203,9 @@ def resolve_grad_workers(
             f"grad_worker_fraction={fraction:g} with world_size={world_size} gives groups of "
             f"{workers} grad workers, which do not divide {world_size} ranks into equal groups"
         )
-    if workers == world_size:
-        strategy = DistributedStrategy.COMM_OPT
-    elif workers == 1:
-        strategy = DistributedStrategy.MEM_OPT
-    else:
-        strategy = DistributedStrategy.HYBRID_OPT
-    return fraction, workers, strategy
+    # all ranks grad workers: COMM_OPT (on one rank too: the later key wins); one: MEM_OPT
+    named = {1: DistributedStrategy.MEM_OPT, world_size: DistributedStrategy.COMM_OPT}
+    return fraction, workers, named.get(workers, DistributedStrategy.HYBRID_OPT)
 
 
 def _cost_fn(assignment_strategy: AssignmentStrategy | str | CostFn) -> CostFn:

@@ -127,13 +127,48 @@ def update_distributed(
     layouts = sharded_layouts(state.layers, grads, names, comm) if has_dtensors(grads) else None
     step = state.step
     stage = opts.stage_settings(state.config.compute_method, step)
-    lam = stage.damping
-    state = _settled(state)
+    # stage 1: settle what one-process sync_free steps decided on the device (this step
+    # checks its factors and decompositions on the host): one read, only if they left any
+    settled = dict(state.layers)
+    leave_sync_free(settled)
+    state = state.replace(layers=settled)
+    # stage 2: this step's factors folded in (and its captures kept for EKFAC's stage 3)
     factors_now = bool(resolve(opts.update_factors, step))
-    layers, statistics, decay = _factor_stage(
-        state, names, plan, comm, opts, captures, batch_factors, factor_reducer
+    layers, statistics, decay = dict(state.layers), None, 1.0
+    if factors_now:
+        if captures is not None and batch_factors is not None:
+            raise ValueError("give captures= or batch_factors=, not both")
+        if captures is None and batch_factors is None and factor_reducer is None:
+            raise ValueError("update_factors=True needs captures= (from kfac_func.capture)")
+        decay = opts.decay_at(step)
+        local = batch_factors or {}
+        if captures is not None:
+            local = local_batch_factors(state, captures)
+            statistics = as_list(captures)
+        nonfinite = opts.nonfinite
+        layers = reduce_factors(state, names, local, plan, comm, decay, nonfinite, factor_reducer)
+    # stage 3: the owners' decompositions on the grad workers, the eigenbasis moments
+    # carried into new bases, EKFAC's corrected eigenvalues from this step's statistics
+    before = moment_bases(layers)
+    layers, fresh = decompose_owned(
+        state,
+        layers,
+        names,
+        plan,
+        comm,
+        stage.damping,
+        bool(resolve(opts.update_inverses, step)),
+        opts.batched_eigh,
+        check_eigh_device(opts.eigh_device),
     )
-    layers = _decomposition_stage(state, layers, names, plan, comm, opts, lam, statistics, decay)
+    carry_moments(layers, before, fresh)
+    ortho = opts.orthogonal_settings(state.config.compute_method)
+    if ortho is not None:  # the layers this rank steps orthogonally: momenta and powers
+        workers = {n: layers[n] for n in names if comm.rank in plan.layers[n].grad_workers}
+        prepare_layers(layers, orthogonal_layers(workers, ortho), ortho, fresh)
+    if state.config.compute_method == "ekfac" and statistics is not None:
+        dtype = state.config.inv_dtype
+        reduce_scales(layers, names, statistics, plan, comm, dtype, decay, opts.nonfinite, fresh)
     changes: Changes = {}
     if layouts is not None:  # DTensor gradients: see kfac_func.distributed.sharded
         out = precondition_sharded(
@@ -149,8 +184,8 @@ def update_distributed(
         for name in names
         if comm.rank in plan.layers[name].grad_workers and layers[name].decomposition is not None
     ]
-    # the layers this rank preconditions, group by group (validates every gradient
-    # before any travels; the default mode's checks are read once, warned or raised)
+    # stage 4: the layers this rank preconditions, group by group (validates every
+    # gradient before any travels; the default mode's checks are read once, warned or raised)
     owned = preconditioned_layers(layers, grads, mine, stage, rows=rows or {}, changes=changes)
     received = _exchange(layers, grads, names, owned, plan, comm, opts.sync_free)
     # the default mode applies the layers that were preconditioned (read with the flags)
@@ -164,81 +199,6 @@ def update_distributed(
     if opts.sync_free and factors_now:  # this step reads the device anyway
         report_layers(new.layers)
     return out, new
-
-
-def _settled(state: KFACState) -> KFACState:
-    """Stage 1: ``state`` with what one-process sync_free steps decided on the device
-    settled (this step checks its factors and decompositions on the host): one read,
-    only when they left anything."""
-    layers = dict(state.layers)
-    leave_sync_free(layers)
-    return state.replace(layers=layers)
-
-
-def _factor_stage(
-    state: KFACState,
-    names: list[str],
-    plan: Plan,
-    comm: Communicator,
-    opts: StepOptions,
-    captures: Captures | Sequence[Captures] | None,
-    batch_factors: BatchFactors | None,
-    reducer: OrderedReducer | None,
-) -> tuple[dict[str, LayerState], list[Captures] | None, float]:
-    """Stage 2: the layers with this step's factors folded in, the captures of this step
-    (None unless they update the factors) and the factor decay used."""
-    step = state.step
-    if not bool(resolve(opts.update_factors, step)):
-        return dict(state.layers), None, 1.0
-    if captures is not None and batch_factors is not None:
-        raise ValueError("give captures= or batch_factors=, not both")
-    if captures is None and batch_factors is None and reducer is None:
-        raise ValueError("update_factors=True needs captures= (from kfac_func.capture)")
-    decay = opts.decay_at(step)
-    local = batch_factors or {}
-    statistics = None
-    if captures is not None:
-        local = local_batch_factors(state, captures)
-        statistics = as_list(captures)
-    layers = reduce_factors(state, names, local, plan, comm, decay, opts.nonfinite, reducer)
-    return layers, statistics, decay
-
-
-def _decomposition_stage(
-    state: KFACState,
-    layers: dict[str, LayerState],
-    names: list[str],
-    plan: Plan,
-    comm: Communicator,
-    opts: StepOptions,
-    damping: float,
-    statistics: list[Captures] | None,
-    decay: float,
-) -> dict[str, LayerState]:
-    """Stage 3: the owners' decompositions on the grad workers, the eigenbasis moments
-    carried into new bases, and EKFAC's corrected eigenvalues from this step's
-    statistics."""
-    before = moment_bases(layers)
-    layers, fresh = decompose_owned(
-        state,
-        layers,
-        names,
-        plan,
-        comm,
-        damping,
-        bool(resolve(opts.update_inverses, state.step)),
-        opts.batched_eigh,
-        check_eigh_device(opts.eigh_device),
-    )
-    carry_moments(layers, before, fresh)
-    ortho = opts.orthogonal_settings(state.config.compute_method)
-    if ortho is not None:  # the layers this rank steps orthogonally: momenta and powers
-        workers = {n: layers[n] for n in names if comm.rank in plan.layers[n].grad_workers}
-        prepare_layers(layers, orthogonal_layers(workers, ortho), ortho, fresh)
-    if state.config.compute_method == "ekfac" and statistics is not None:
-        dtype = state.config.inv_dtype
-        reduce_scales(layers, names, statistics, plan, comm, dtype, decay, opts.nonfinite, fresh)
-    return layers
 
 
 def _exchange(

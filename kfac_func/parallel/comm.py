@@ -190,9 +190,6 @@ class ParallelCommunicator:
         self.dp_size, self.mp_size = len(self.dp_ranks), len(self.mp_ranks)
         self.dp_rank = self.dp_ranks.index(self.rank)
         self.mp_rank = self.mp_ranks.index(self.rank)
-        for what, ranks in (("data", self.dp_ranks), ("model", self.mp_ranks)):
-            if self.rank not in ranks:  # pragma: no cover - get_process_group_ranks includes us
-                raise ValueError(f"rank {self.rank} is not in its {what}-parallel group {ranks}")
 
     def _ranks(self, group: Group) -> tuple[int, ...]:
         """Global ranks of ``group`` in group order; None: this rank alone."""

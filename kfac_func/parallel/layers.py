@@ -12,10 +12,10 @@ Two layers split one ``nn.Linear`` over the ranks of a model-parallel process gr
   full input that the layer slices itself; the partial products are summed over the
   ranks (an all-reduce) and the full bias, held by every rank, is added after the sum.
 
-The communication lives in four autograd functions, each the adjoint of another: copy
-(identity forward, all-reduce backward), reduce (all-reduce forward, identity backward),
-scatter (take the local slice of the last dimension forward, all-gather backward) and
-gather (all-gather forward, take the local slice backward). Without an initialised
+The communication lives in one autograd function, run as four pairs of a forward and its
+adjoint: copy (identity forward, all-reduce backward), reduce (all-reduce forward, identity
+backward), scatter (take the local slice of the last dimension forward, all-gather
+backward) and gather (all-gather forward, take the local slice backward). Without an initialised
 process group (or with ``group`` of one rank) the layers are plain linears.
 
 This module holds no K-FAC code; :mod:`kfac_func.parallel.preconditioner` recognises these layers
@@ -25,6 +25,7 @@ This module holds no K-FAC code; :mod:`kfac_func.parallel.preconditioner` recogn
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -82,74 +83,47 @@ def _gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-class _Copy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return x
+def _same(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x
+
+
+_Move = Callable[[torch.Tensor, Group], torch.Tensor]
+
+
+class _Region(torch.autograd.Function):
+    """``fwd(x, group)`` forward and ``bwd(grad, group)`` backward (its adjoint)."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce(grad, ctx.group), None
-
-
-class _Reduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        return _all_reduce(x, group)
+    def forward(ctx: Any, x: torch.Tensor, group: Group, fwd: _Move, bwd: _Move) -> torch.Tensor:
+        ctx.group, ctx.bwd = group, bwd
+        return fwd(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return ctx.bwd(grad, ctx.group), None, None, None
 
 
-class _Scatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return _split_last(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather_last(grad, ctx.group), None
-
-
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return _gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _split_last(grad, ctx.group), None
+_region: Callable[[torch.Tensor, Group, _Move, _Move], torch.Tensor] = _Region.apply
 
 
 def copy_to_model_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Identity forward; the backward all-reduces the gradient over ``group``."""
-    return _Copy.apply(x, group)  # type: ignore[no-any-return,no-untyped-call]
+    return _region(x, group, _same, _all_reduce)
 
 
 def reduce_from_model_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """All-reduce (sum) over ``group`` forward; identity backward."""
-    return _Reduce.apply(x, group)  # type: ignore[no-any-return,no-untyped-call]
+    return _region(x, group, _all_reduce, _same)
 
 
 def scatter_to_model_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """This rank's slice of the last dimension forward; all-gather backward."""
-    return _Scatter.apply(x, group)  # type: ignore[no-any-return,no-untyped-call]
+    return _region(x, group, _split_last, _gather_last)
 
 
 def gather_from_model_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """All-gather along the last dimension forward; this rank's slice backward."""
-    return _Gather.apply(x, group)  # type: ignore[no-any-return,no-untyped-call]
-
-
-def _parts(total: int, group: Group, what: str) -> tuple[int, int]:
-    n = _size(group)
-    if total % n:
-        raise ValueError(f"{what}={total} is not divisible by the model-parallel size {n}")
-    return total // n, _rank(group)
+    return _region(x, group, _gather_last, _split_last)
 
 
 def _full_init(
@@ -194,7 +168,9 @@ class _SplitLinear(nn.Module):
         self.skip_bias_add = skip_bias_add
         self.group = group
         what = ("output_size", "input_size")[self.split_dim]
-        _parts((output_size, input_size)[self.split_dim], group, what)
+        total, n = (output_size, input_size)[self.split_dim], _size(group)
+        if total % n:
+            raise ValueError(f"{what}={total} is not divisible by the model-parallel size {n}")
         w, b = self._part(*_full_init(output_size, input_size, bias, dtype))
         self.weight = nn.Parameter(w.clone())
         self.bias = nn.Parameter(b.clone()) if b is not None else None

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from kfac_func.adapter.recompute import in_backward
+from kfac_func.adapter.recording import remove_handles
 from kfac_func.blocks import LayerSpec, a_gram, g_gram
 from kfac_func.parallel.base import MicroBatchRecord, ParallelBase
 from kfac_func.parallel.plan import Split
@@ -67,7 +68,7 @@ class ParallelHookRecorder(ParallelBase):
             # output-gradient arrives (see kfac_func.adapter.recompute)
             late = in_backward()
             if not late:
-                self._record_input(spec, split, micro, x)
+                self._record(spec, split, micro, x, "a")
             y = out[0] if isinstance(out, (tuple, list)) else out
             if isinstance(y, torch.Tensor) and y.requires_grad:
                 grad_hook = self._grad_hook(spec, split, micro, x if late else None)
@@ -75,16 +76,19 @@ class ParallelHookRecorder(ParallelBase):
 
         return hook
 
-    def _record_input(
-        self, spec: LayerSpec, split: Split | None, micro: MicroBatchRecord, x: torch.Tensor
+    def _record(
+        self, spec: LayerSpec, split: Split | None, mb: MicroBatchRecord, t: torch.Tensor, kind: str
     ) -> None:
-        micro.examples.add(spec, x)
-        shard = is_shard(spec, split, self.comm.mp_size, x.shape[-1], "a")
-        micro.a_shard[spec.name] = shard
-        micro.a.setdefault(spec.name, [])
-        item = self._keep(spec, x, shard, "a")
+        """Record the layer's input (``kind`` "a", with the call's examples) or its
+        output-gradient ("g") in ``mb``: what this rank keeps of it (:meth:`_keep`)."""
+        if kind == "a":
+            mb.examples.add(spec, t)
+        shard = is_shard(spec, split, self.comm.mp_size, t.shape[-1], kind)
+        (mb.a_shard if kind == "a" else mb.g_shard)[spec.name] = shard
+        kept = (mb.a if kind == "a" else mb.g).setdefault(spec.name, [])
+        item = self._keep(spec, t, shard, kind)
         if item is not None:
-            micro.a[spec.name].append(item)
+            kept.append(item)
 
     def _grad_hook(
         self,
@@ -95,24 +99,18 @@ class ParallelHookRecorder(ParallelBase):
     ) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             if late_input is not None:  # a recomputed call whose gradient flows: it counts
-                self._record_input(spec, split, micro, late_input)
+                self._record(spec, split, micro, late_input, "a")
             gy = grad.detach()
             if self.grad_scaler is not None:
                 scaler = self.grad_scaler
                 scale = scaler.get_scale() if hasattr(scaler, "get_scale") else scaler()
                 gy = gy.to(self.factor_dtype) / float(scale)
-            shard = is_shard(spec, split, self.comm.mp_size, gy.shape[-1], "g")
-            micro.g_shard[spec.name] = shard
-            item = self._keep(spec, gy, shard, "g")
-            lst = micro.g.setdefault(spec.name, [])
-            if item is not None:
-                lst.append(item)
+            self._record(spec, split, micro, gy, "g")
 
         return hook
 
     def remove(self) -> None:
         """Detach every hook and drop collected statistics."""
-        for h in self._handles:
-            h.remove()
+        remove_handles(self._handles)
         self._handles = []
         self._micro = []

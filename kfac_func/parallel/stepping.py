@@ -140,12 +140,9 @@ class ParallelStep(ParallelBase):
         parts: list[torch.Tensor] = like
         if self.comm.dp_rank == lp.owner_data:
             full = None if new is None else [t for t in new if t is not None]
-            if lp.split is None:
-                dims: list[int | None] = [None] * len(like)
-            else:
-                dims = [0 if lp.split == "column" else 1]
-                if b is not None:
-                    dims.append(0 if lp.split == "column" else None)
+            dims = [lp.split_dim]  # a column-parallel bias is split like the weight's rows
+            if b is not None:
+                dims.append(0 if lp.split == "column" else None)
             parts = self.comm.scatter_shards(full, like, dims=dims, src=lp.owner_model)
         return self.comm.broadcast_data(parts, src=lp.owner_data)
 
