@@ -21,7 +21,7 @@ their statistics are those of :class:`~kfac_func.blocks.linear.LinearBlock`. ``b
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,10 +31,9 @@ from torch import nn
 from kfac_func.blocks.linear import LinearBlock
 from kfac_func.blocks.registry import register_block
 from kfac_func.blocks.spec import LayerSpec
+from kfac_func.blocks.taps import Site
 
 __all__ = ["AttentionBlock"]
-
-Site = Callable[[LayerSpec, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @register_block

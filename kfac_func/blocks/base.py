@@ -280,9 +280,10 @@ class LayerBlock(ABC):
         """Side of one G factor: outputs per group."""
         return spec.out_dim // spec.groups
 
-    @abstractmethod
     def weight_shape(self, spec: LayerSpec) -> tuple[int, ...]:
-        """Shape of the weight parameter."""
+        """Shape of the weight parameter: ``(out, in / groups, *kernel_size)`` by default
+        (a convolution's; a Linear's ``(out, in)``)."""
+        return (spec.out_dim, spec.in_dim // spec.groups, *spec.kernel_size)
 
     def notes(self, spec: LayerSpec) -> list[str]:
         """What the layer table says about the layer besides its factor shapes."""

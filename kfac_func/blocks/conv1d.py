@@ -76,9 +76,6 @@ class Conv1dBlock(LayerBlock):
             padding=conv1d_padding(module),
         )
 
-    def weight_shape(self, spec: LayerSpec) -> tuple[int, ...]:
-        return (spec.out_dim, spec.in_dim // spec.groups, *spec.kernel_size)
-
     @staticmethod
     def as_2d(spec: LayerSpec) -> LayerSpec:
         """The Conv2d (height one) that computes the same as ``spec``."""

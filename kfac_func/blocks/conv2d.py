@@ -121,9 +121,6 @@ class Conv2dBlock(LayerBlock):
             padding=conv_padding(module),
         )
 
-    def weight_shape(self, spec: LayerSpec) -> tuple[int, ...]:
-        return (spec.out_dim, spec.in_dim // spec.groups, *spec.kernel_size)
-
     def padded(self, spec: LayerSpec, x: torch.Tensor) -> torch.Tensor:
         """The input ``(N, C, H, W)`` padded exactly as the convolution pads it."""
         if x.dim() not in (3, 4) or x.shape[-3] != spec.in_dim:

@@ -13,7 +13,6 @@ the kind's; only the output its first call is checked against changes.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -107,9 +106,7 @@ class _TrailingNorm(ScaleShiftBlock):
         """A norm that scales by ``1 + weight`` (Gemma's) is named with the mapping that
         tells the kind so."""
         if spec.option("offset") is None:
-            shifted = dataclasses.replace(
-                spec, options=tuple(sorted({**dict(spec.options), "offset": 1.0}.items()))
-            )
+            shifted = spec.with_options(offset=1.0)
             if (
                 float((self.output(shifted, call.params, call.x) - call.got).abs().max())
                 <= call.tol

@@ -92,9 +92,6 @@ class LinearBlock(LayerBlock):
         self.a_rows(spec, x)  # the input's shape, checked
         return F.linear(x, params["weight"], params.get("bias"))
 
-    def weight_shape(self, spec: LayerSpec) -> tuple[int, ...]:
-        return (spec.out_dim, spec.in_dim)
-
     def a_rows(self, spec: LayerSpec, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Input rows ``(prod(...), in)`` of ``x`` of shape ``(..., in)``; spatial 1."""
         if x.dim() == 0 or x.shape[-1] != spec.in_dim:

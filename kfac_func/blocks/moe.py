@@ -46,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -58,10 +58,9 @@ from kfac_func.blocks.checks import forward_source
 from kfac_func.blocks.linear import LinearBlock
 from kfac_func.blocks.registry import register_block
 from kfac_func.blocks.spec import Gram, LayerSpec
+from kfac_func.blocks.taps import Site
 
 __all__ = ["ExpertsBlock", "RouterBlock"]
-
-Site = Callable[[LayerSpec, torch.Tensor, torch.Tensor], torch.Tensor]
 
 _PARTS = ("gate_up_proj", "down_proj")
 

@@ -37,11 +37,9 @@ from kfac_func.blocks.embedding import EmbeddingBlock, embed_scale
 from kfac_func.blocks.mapped import class_path
 from kfac_func.blocks.registry import register_block
 from kfac_func.blocks.spec import LayerSpec
-from kfac_func.blocks.taps import ModeTap, RefusedCall, computes
+from kfac_func.blocks.taps import ModeTap, RefusedCall, Site, computes
 
 __all__ = ["RecordedEmbeddingBlock"]
-
-Site = Callable[[LayerSpec, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # the arguments of F.embedding after (input, weight), with the values the kind allows
 _ALLOWED = {"max_norm": None, "scale_grad_by_freq": False, "sparse": False}

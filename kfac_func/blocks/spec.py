@@ -9,7 +9,7 @@ computes from one call; :func:`row_gram` and :func:`shape_error` are shared by t
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -81,6 +81,15 @@ class LayerSpec:
     def option(self, key: str, default: Any = None) -> Any:
         """The value of one of :attr:`options` (``default`` when absent)."""
         return dict(self.options).get(key, default)
+
+    def with_options(self, **changes: Any) -> LayerSpec:
+        """A copy with ``changes`` set in :attr:`options` (kept sorted by name).
+
+        Example:
+            >>> LayerSpec("fc", "linear", "fc.weight", None, 3, 2).with_options(eps=0.5).options
+            (('eps', 0.5),)
+        """
+        return replace(self, options=tuple(sorted({**dict(self.options), **changes}.items())))
 
     @property
     def module(self) -> str:

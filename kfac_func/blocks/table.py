@@ -126,10 +126,10 @@ def _specs_for(name: str, module: nn.Module, kinds: Parsed | None = None) -> lis
     if mapped is not None:
         block, options = mapped
         spec = block.mapped_spec(name, module, options)
-        opts = {**dict(spec.options), "mapped": class_path(type(module))}
+        opts = {"mapped": class_path(type(module))}
         if not any(cls in (kinds or {}) for cls in type(module).__mro__):
             opts["mapped_by"] = "KNOWN_KINDS"
-        return [dataclasses.replace(spec, options=tuple(sorted(opts.items())))]
+        return [spec.with_options(**opts)]
     for block in blocks():
         if block.matches(module):
             return _recognised(name, module, block)
@@ -158,8 +158,7 @@ def _recognised(name: str, module: nn.Module, block: LayerBlock) -> list[LayerSp
     out = []
     for spec in specs:
         if spec.name == name and spec.module == name:
-            opts = {**dict(spec.options), "checked": path}
-            spec = dataclasses.replace(spec, options=tuple(sorted(opts.items())))
+            spec = spec.with_options(checked=path)
         out.append(spec)
     return out
 
@@ -218,9 +217,7 @@ def _approx(spec: LayerSpec, kfac_approx: str | Mapping[str, str]) -> LayerSpec:
         approx = next((v for p, v in kfac_approx.items() if re.search(p, spec.name)), "expand")
     if approx != "reduce" or not spec.block.reducible:
         return spec
-    options = dict(spec.options)
-    options["kfac_approx"] = "reduce"
-    return dataclasses.replace(spec, options=tuple(sorted(options.items())))
+    return spec.with_options(kfac_approx="reduce")
 
 
 def register(

@@ -109,9 +109,6 @@ class TiedBlock(JointBlock):
     def spec(self, name: str, module: nn.Module) -> LayerSpec | str:
         return "a tied layer is made from an embedding and a head by register()"
 
-    def weight_shape(self, spec: LayerSpec) -> tuple[int, ...]:
-        return (spec.out_dim, spec.in_dim)
-
     def notes(self, spec: LayerSpec) -> list[str]:
         names = ", ".join(repr(n) for n in self.embeddings(spec))
         return [f"tied with {names}", *super().notes(spec)]

@@ -123,7 +123,7 @@ def used_by_parent(
             return f"its parent ({type(parent).__name__}) multiplies its weight (weight @ x)"
         if spec.bias is not None and re.search(rf"{me}\.bias\b", source) is None:
             spec, options["bias_apart"] = dataclasses.replace(spec, bias=None), True
-    return dataclasses.replace(spec, options=tuple(sorted(options.items())))
+    return spec.with_options(**options)  # it had none
 
 
 def own_scales(name: str, module: nn.Module) -> list[LayerSpec]:

@@ -39,7 +39,6 @@ __all__ = [
     "divide_scale",
     "eigenvalue_outer",
     "eigh_factor",
-    "eigh_or_refresh",
     "power_refresh",
     "refresh_eigh",
     "solver_error",
@@ -343,24 +342,6 @@ def power_refresh(
     sign = torch.where(diag < 0, -1.0, 1.0).to(qn.dtype)
     qn, d = (qn * sign.unsqueeze(-2)).to(dtype), (diag * sign).to(dtype)
     return qn.contiguous(), d.clamp(min=0.0)
-
-
-def eigh_or_refresh(
-    factor: torch.Tensor,
-    previous: torch.Tensor | None,
-    *,
-    dtype: torch.dtype,
-    compute_dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
-    label: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`refresh_eigh` from ``previous`` eigenvectors when given, else
-    :func:`eigh_factor`."""
-    if previous is not None:
-        return refresh_eigh(
-            factor, previous, dtype=dtype, compute_dtype=compute_dtype, device=device, label=label
-        )
-    return eigh_factor(factor, dtype=dtype, compute_dtype=compute_dtype, device=device, label=label)
 
 
 def eigenvalue_outer(dg: torch.Tensor, da: torch.Tensor, damping: float) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 
 from kfac_func.blocks import Gram, LayerSpec, Rows, a_gram, g_gram
 from kfac_func.core.conventions import Convention, a_scales, g_scales
+from kfac_func.core.stacks import per_row
 
 __all__ = [
     "a_factor",
@@ -111,7 +112,7 @@ def group_means(sums: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
                 [0.]])
     """
     inverse = torch.where(rows > 0, rows.reciprocal(), 0.0)
-    return sums * inverse.reshape(-1, *([1] * (sums.dim() - 1)))
+    return sums * per_row(inverse, sums)
 
 
 def a_factor(

@@ -26,7 +26,8 @@ from kfac_func.core.decomposition import (
     all_finite,
     damped_inverse,
     eigenvalue_outer,
-    eigh_or_refresh,
+    eigh_factor,
+    refresh_eigh,
 )
 
 # (eigenvectors, eigenvalues) of one factor
@@ -125,16 +126,17 @@ def eigh_side(
     label: str | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """``(eigenvectors or None, eigenvalues)`` of one factor: :func:`diagonal_eigenvalues`
-    for a diagonal one, else :func:`eigh_or_refresh` (warm-started from ``previous``; eigh
-    on ``device``, warnings starting with ``label``); a ``placeholder`` side is
-    ``(None, ones)`` (:func:`placeholder_side`)."""
+    for a diagonal one, else ``refresh_eigh`` from ``previous`` when given, else
+    ``eigh_factor`` (eigh on ``device``, warnings starting with ``label``); a
+    ``placeholder`` side is ``(None, ones)`` (:func:`placeholder_side`)."""
     if placeholder:
         return None, placeholder_side(factor, dtype=dtype)
     if diagonal:
         return None, diagonal_eigenvalues(factor, dtype=dtype)
-    return eigh_or_refresh(
-        factor, previous, dtype=dtype, compute_dtype=compute_dtype, device=device, label=label
-    )
+    kw: dict[str, Any] = {"compute_dtype": compute_dtype, "device": device, "label": label}
+    if previous is not None:
+        return refresh_eigh(factor, previous, dtype=dtype, **kw)
+    return eigh_factor(factor, dtype=dtype, **kw)
 
 
 def inverse_side(
@@ -225,12 +227,8 @@ def eigen_decompose(
     pa, pg = (w.qa, w.qg) if w is not None else (None, None)
     ea, eg = eigenpairs
     pla, plg = placeholder
-    qa, da = ea or _named(
-        "A", eigh_side, a, pa, diagonal=diagonal[0], placeholder=pla, **kw, label=_label(name, "A")
-    )
-    qg, dg = eg or _named(
-        "G", eigh_side, g, pg, diagonal=diagonal[1], placeholder=plg, **kw, label=_label(name, "G")
-    )
+    qa, da = ea or _named("A", name, eigh_side, a, pa, diagonal=diagonal[0], placeholder=pla, **kw)
+    qg, dg = eg or _named("G", name, eigh_side, g, pg, diagonal=diagonal[1], placeholder=plg, **kw)
     if not precompute_outer(outer_product, diagonal):
         dgda = None
     elif dgda is None:
@@ -268,23 +266,20 @@ def inverse_decompose(
     """
     kw: dict[str, Any] = {"dtype": dtype, "compute_dtype": compute_dtype}
     sides = [
-        _named(f, inverse_side, x, damping, diagonal=d, placeholder=p, **kw, label=_label(name, f))
+        _named(f, name, inverse_side, x, damping, diagonal=d, placeholder=p, **kw)
         for f, x, d, p in zip("AG", (a, g), diagonal, placeholder)
     ]
     return InverseDecomposition(*sides)
 
 
-def _label(name: str | None, factor: str) -> str:
-    """How warnings name a factor: ``"layer 'fc', the A factor"``."""
-    return f"layer {name!r}, the {factor} factor" if name is not None else f"the {factor} factor"
-
-
 R = TypeVar("R")
 
 
-def _named(factor: str, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
-    """``fn(*args, **kwargs)``, with ``factor`` ("A" or "G") named in its errors."""
+def _named(factor: str, name: str | None, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+    """``fn(*args, **kwargs, label=...)``, with ``factor`` ("A" or "G") named in its errors;
+    the label names it in warnings: ``"layer 'fc', the A factor"``."""
+    label = f"the {factor} factor" if name is None else f"layer {name!r}, the {factor} factor"
     try:
-        return fn(*args, **kwargs)
+        return fn(*args, **kwargs, label=label)
     except DecompositionError as err:
         raise DecompositionError(f"the {factor} factor: {err}") from None

@@ -11,7 +11,18 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["stacked"]
+__all__ = ["per_row", "stacked"]
+
+
+def per_row(flags: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``flags`` (one value per row of ``like``, its leading dimension) shaped to
+    broadcast over ``like``.
+
+    Example:
+        >>> per_row(torch.tensor([1.0, 2.0]), torch.zeros(2, 3, 4)).shape
+        torch.Size([2, 1, 1])
+    """
+    return flags.reshape(-1, *([1] * (like.dim() - 1)))
 
 
 def stacked(xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool]:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable, MutableMapping, Sequence
 import torch
 
 from kfac_func.captures import Captures
-from kfac_func.core.stacks import stacked
+from kfac_func.core.stacks import per_row, stacked
 from kfac_func.core.tied_factors import combine_stacked
 from kfac_func.state import KFACConfig, KFACState, LayerState
 from kfac_func.step.autocast import without_autocast
@@ -23,9 +23,8 @@ from kfac_func.step.hyper import (
     NonFinite,
     NonFiniteError,
     as_list,
-    check_hyper,
     non_finite,
-    resolve,
+    resolve_checked,
 )
 from kfac_func.step.sync_free import all_finite_each, all_finite_rows
 
@@ -267,8 +266,7 @@ def accumulate_factors(
         >>> kf.step.accumulate_factors(state, caps).layers[""].factor_updates
         1
     """
-    decay = resolve(factor_decay, state.step)
-    check_hyper("factor_decay", decay, lambda v: 0 <= v <= 1, "in [0, 1]")
+    decay = resolve_checked("factor_decay", factor_decay, state.step)
     micro = as_list(captures)
     layers = dict(state.layers)
     fold_layers(
@@ -383,8 +381,8 @@ def _fold_group(
         new_a, new_g = running_average(old_a, a, decay), running_average(old_g, g, decay)
     empty = no_data_rows(states, config) if sync_free else None
     if empty is not None:  # layers whose updates were all skipped take the batch
-        new_a = torch.where(_rows(empty, a), a, new_a)
-        new_g = torch.where(_rows(empty, g), g, new_g)
+        new_a = torch.where(per_row(empty, a), a, new_a)
+        new_g = torch.where(per_row(empty, g), g, new_g)
     checks = all_finite_rows([a, g, new_a, new_g])
     ok = checks[:, 0] & checks[:, 1]
     # selected into the new stacks themselves (no further group-sized temporary)
@@ -427,14 +425,9 @@ def _select(
     written into ``new`` unless it is the batch itself (the first update)."""
     out = new if new is not batch else None
     if out is None:
-        return torch.where(_rows(ok, new), new, old)
-    torch.where(_rows(folded, new), new, batch, out=out)
-    return torch.where(_rows(ok, new), out, old, out=out)
-
-
-def _rows(flags: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``flags`` (one per row of ``like``) shaped to broadcast over ``like``."""
-    return flags.reshape(-1, *([1] * (like.dim() - 1)))
+        return torch.where(per_row(ok, new), new, old)
+    torch.where(per_row(folded, new), new, batch, out=out)
+    return torch.where(per_row(ok, new), out, old, out=out)
 
 
 def _key(ls: LayerState, batch: LayerFactors, config: KFACConfig) -> Hashable | None:

@@ -21,7 +21,7 @@ from kfac_func.blocks import Gram, LayerSpec, call_grams
 from kfac_func.captures import Captures
 from kfac_func.core.conventions import a_scales, g_scales, micro_batch_weights
 from kfac_func.core.factors import factor_from_grams, group_means, mean_over_rows, symmetrize
-from kfac_func.core.stacks import stacked
+from kfac_func.core.stacks import per_row, stacked
 from kfac_func.core.tied_factors import is_tied, tied_batch_factors
 from kfac_func.state import KFACConfig
 
@@ -232,7 +232,7 @@ def pooling_terms(
     if isinstance(rows, torch.Tensor):
         rows = rows.to(a.dtype)
         weight = torch.full((1,), w, dtype=a.dtype, device=a.device)
-        weighted = a * rows.reshape(-1, *([1] * (a.dim() - 1)))
+        weighted = a * per_row(rows, a)
         return [weighted, w * g, torch.cat([weight, rows])]
     n = w if rows is None else rows
     return [n * a, w * g, torch.tensor([w, n], dtype=a.dtype, device=a.device)]
@@ -265,7 +265,6 @@ def _scaled(grams: Sequence[Gram], scales: Sequence[float]) -> torch.Tensor:
     if all(s == scales[0] for s in scales):
         total = stack.mul_(scales[0]) if fresh else stack * scales[0]
     else:
-        k = torch.tensor(scales, dtype=stack.dtype, device=stack.device)
-        k = k.reshape(-1, *([1] * (stack.dim() - 1)))
+        k = per_row(torch.tensor(scales, dtype=stack.dtype, device=stack.device), stack)
         total = stack.mul_(k) if fresh else stack * k
     return total if grams[0].diagonal else symmetrize(total)

@@ -34,7 +34,7 @@ from kfac_func.step.decompose_groups import (
     warm_start,
 )
 from kfac_func.step.drift import drifted_layers
-from kfac_func.step.hyper import Hyper, check_hyper, resolve
+from kfac_func.step.hyper import Hyper, resolve_checked
 
 __all__ = [
     "check_eigh_device",
@@ -87,8 +87,7 @@ def decompose(
         >>> torch.equal(batched.layers[""].decomposition.qa, torch.eye(4))
         True
     """
-    lam = resolve(damping, state.step)
-    check_hyper("damping", lam, lambda v: v >= 0, ">= 0")
+    lam = resolve_checked("damping", damping, state.step)
     layers = dict(state.layers)
     decompose_layers(
         layers,

@@ -45,10 +45,10 @@ from kfac_func.core.ekfac import from_eigen
 from kfac_func.core.layer_decomposition import (
     Eigenpair,
     damped_reciprocal,
+    eigen_decompose,
     placeholder_side,
-    precompute_outer,
 )
-from kfac_func.core.stacks import stacked
+from kfac_func.core.stacks import per_row, stacked
 from kfac_func.state import KFACConfig, LayerState
 from kfac_func.step.accumulate import no_data_rows
 from kfac_func.step.grouping import leaves_of, rebuild
@@ -108,12 +108,16 @@ def new_decompositions(
         (ra, oka), (rg, okg) = sides[(name, 0)], sides[(name, 1)]
         new: Decomposition
         if eigen:
-            eig = EigenDecomposition(ra[0], ra[1], rg[0], rg[1], dgda.get(name))
-            if eig.dgda is None and precompute_outer(
-                config.compute_method == "eigen" and config.compute_eigenvalue_outer_product,
-                ls.spec.diagonal,
-            ):
-                eig = EigenDecomposition(eig.qa, eig.da, eig.qg, eig.dg, _outer(eig, damping))
+            outer = config.compute_method == "eigen" and config.compute_eigenvalue_outer_product
+            eig = eigen_decompose(
+                ls.a_factor,
+                ls.g_factor,
+                damping,
+                outer_product=outer,
+                diagonal=ls.spec.diagonal,
+                eigenpairs=(ra, rg),
+                dgda=dgda.get(name),
+            )
             new = from_eigen(eig) if config.compute_method == "ekfac" else eig
         else:
             new = InverseDecomposition(ra[0], rg[0])
@@ -290,7 +294,8 @@ def _sides(
             key = (name, side)
             if ls.spec.placeholder[side]:
                 ones = placeholder_side(factor, dtype=dtype)
-                out[key] = (((None, ones) if eigen else (ones,)), _true(factor))
+                true = torch.ones((), dtype=torch.bool, device=factor.device)
+                out[key] = (((None, ones) if eigen else (ones,)), true)
             elif ls.spec.diagonal[side]:
                 out[key] = _one(_diagonal(factor, damping, eigen, dtype, cdt))
             elif w is not None:
@@ -347,10 +352,6 @@ def _diagonal(
     return (damped_reciprocal(factor, damping, dtype=dtype, compute_dtype=cdt),)
 
 
-def _outer(eig: EigenDecomposition, damping: float) -> torch.Tensor:
-    return eigenvalue_outer(eig.dg, eig.da, damping)
-
-
 def _select_key(ls: LayerState, new: Decomposition) -> Hashable:
     """What layers must share to have their new decompositions selected together: the
     shapes of the new tensors, whether the previous decomposition has the same ones, and
@@ -397,7 +398,7 @@ def _select_group(
     else:
         kept = [torch.zeros_like(t) for t in fresh]
         before = torch.zeros(len(names), dtype=torch.bool, device=device)
-    chosen = [torch.where(_rows(ok, t), t, k) for t, k in zip(fresh, kept)]
+    chosen = [torch.where(per_row(ok, t), t, k) for t, k in zip(fresh, kept)]
     usable = ok | before
     empty = no_data_rows(states, config)
     if empty is not None:
@@ -408,17 +409,8 @@ def _select_group(
         layers[name] = ls.replace(decomposition=dec, usable=flag)
 
 
-def _rows(flags: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """One flag per row of ``like``, shaped to broadcast over it."""
-    return flags.reshape(-1, *([1] * (like.dim() - 1)))
-
-
 def _one(result: tuple[Any, ...]) -> _Side:
     """A side decomposed alone, with its finiteness flag."""
     tensors = [t for t in result if t is not None]
     flags = all_finite_rows([t.unsqueeze(0) for t in tensors]).all()
     return result, flags
-
-
-def _true(like: torch.Tensor) -> torch.Tensor:
-    return torch.ones((), dtype=torch.bool, device=like.device)

@@ -18,25 +18,15 @@ from kfac_func.captures import Captures
 from kfac_func.core.decomposition import EKFACDecomposition, all_finite
 from kfac_func.core.ekfac import example_moments, rescaled
 from kfac_func.state import KFACState, LayerState
-from kfac_func.step.hyper import Hyper, NonFinite, as_list, check_hyper, non_finite, resolve
+from kfac_func.step.hyper import Hyper, NonFinite, as_list, non_finite, resolve_checked
 from kfac_func.step.sync_free import all_finite_tensor
 
 __all__ = [
     "correct_eigenvalues",
     "fold_moments",
     "layer_moment_sums",
-    "layer_moments",
     "update_scales",
 ]
-
-
-def layer_moments(
-    spec: LayerSpec, micro: Sequence[Captures], dec: EKFACDecomposition
-) -> torch.Tensor | None:
-    """``(1/N) Σ_n (Qgᵀ ∇W_n Qa)²`` over the examples of ``micro`` (see
-    :func:`layer_moment_sums`), or None."""
-    sums = layer_moment_sums(spec, micro, dec)
-    return None if sums is None else sums[0] / sums[1]
 
 
 def layer_moment_sums(
@@ -95,9 +85,10 @@ def update_scales(
         dec = ls.decomposition
         if not isinstance(dec, EKFACDecomposition):
             continue
-        moments = layer_moments(ls.spec, micro, dec)
-        if moments is None:
+        sums = layer_moment_sums(ls.spec, micro, dec)
+        if sums is None:
             continue
+        moments = sums[0] / sums[1]  # (1/N) Σ_n (Qgᵀ ∇W_n Qa)²
         if sync_free:
             new = rescaled(dec, moments, decay, name in fresh)
             ok = all_finite_tensor(moments)
@@ -144,8 +135,7 @@ def correct_eigenvalues(
         >>> kf.step.correct_eigenvalues(state, caps).layers[""].decomposition.scale.shape
         torch.Size([2, 4])
     """
-    decay = resolve(factor_decay, state.step)
-    check_hyper("factor_decay", decay, lambda v: 0 <= v <= 1, "in [0, 1]")
+    decay = resolve_checked("factor_decay", factor_decay, state.step)
     layers = dict(state.layers)
     update_scales(layers, as_list(captures), decay, nonfinite)
     return state.replace(layers=layers)

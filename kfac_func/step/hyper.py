@@ -25,6 +25,7 @@ __all__ = [
     "exp_decay_factor_averaging",
     "non_finite",
     "resolve",
+    "resolve_checked",
     "take",
 ]
 
@@ -44,6 +45,15 @@ class NonFiniteError(ValueError):
 
 def resolve(value: T | Callable[[int], T], step: int) -> T:
     return value(step) if callable(value) else value  # type: ignore[return-value]
+
+
+HYPER_CHECKS: dict[str, tuple[Callable[[float], bool], str]] = {
+    # the hyperparameters a step resolves at its step, with their ranges
+    "lr": (lambda v: v >= 0, ">= 0"),
+    "kl_clip": (lambda v: v > 0, "> 0 (or None to disable)"),
+    "damping": (lambda v: v >= 0, ">= 0"),
+    "factor_decay": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+}
 
 
 def check_hyper(name: str, value: float | None, ok: Callable[[float], bool], expected: str) -> None:
@@ -67,6 +77,21 @@ def check_hyper(name: str, value: float | None, ok: Callable[[float], bool], exp
         raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
+def resolve_checked(name: str, value: Hyper, step: int) -> float:
+    """``value`` at ``step`` (:func:`resolve`), checked (:func:`check_hyper`) against the
+    range ``HYPER_CHECKS`` gives the hyperparameter ``name``.
+
+    Example:
+        >>> resolve_checked("damping", lambda k: -0.1 * k, 2)
+        Traceback (most recent call last):
+        ...
+        ValueError: damping must be >= 0, got -0.2
+    """
+    resolved = resolve(value, step)
+    check_hyper(name, resolved, *HYPER_CHECKS[name])
+    return resolved
+
+
 def clip_and_rate(kl_clip: Hyper | None, lr: Hyper, step: int) -> tuple[float | None, float]:
     """``kl_clip`` (None: no clipping) and ``lr`` at ``step``, checked (a ValueError names
     the bad one).
@@ -76,10 +101,9 @@ def clip_and_rate(kl_clip: Hyper | None, lr: Hyper, step: int) -> tuple[float | 
         (0.001, 0.2)
     """
     clip = resolve(kl_clip, step) if kl_clip is not None else None
-    rate = resolve(lr, step)
-    check_hyper("lr", rate, lambda v: v >= 0, ">= 0")
+    rate = resolve_checked("lr", lr, step)
     if clip is not None:
-        check_hyper("kl_clip", clip, lambda v: v > 0, "> 0 (or None to disable)")
+        check_hyper("kl_clip", clip, *HYPER_CHECKS["kl_clip"])
     return clip, rate
 
 
@@ -133,12 +157,3 @@ def non_finite(layer: str, what: str, mode: NonFinite) -> None:
     if mode == "raise":
         raise NonFiniteError(msg)
     warnings.warn(f"{msg}; skipped for this step", RuntimeWarning, stacklevel=3)
-
-
-HYPER_CHECKS: dict[str, tuple[Callable[[float], bool], str]] = {
-    # the hyperparameters a step resolves at its step, with their ranges
-    "lr": (lambda v: v >= 0, ">= 0"),
-    "kl_clip": (lambda v: v > 0, "> 0 (or None to disable)"),
-    "damping": (lambda v: v >= 0, ">= 0"),
-    "factor_decay": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-}

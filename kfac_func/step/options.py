@@ -25,7 +25,14 @@ import torch
 
 from kfac_func.step.basis import BasisMoments
 from kfac_func.step.decompose import check_eigh_device
-from kfac_func.step.hyper import HYPER_CHECKS, Hyper, NonFinite, check_hyper, resolve
+from kfac_func.step.hyper import (
+    HYPER_CHECKS,
+    Hyper,
+    NonFinite,
+    check_hyper,
+    resolve,
+    resolve_checked,
+)
 from kfac_func.step.layer_step import Grafting, StageSettings
 from kfac_func.step.orthogonal import Orthogonal
 from kfac_func.step.sync_free import check_sync_free
@@ -337,16 +344,12 @@ class StepOptions:
             >>> StepOptions(factor_decay=lambda k: 1 - 1 / (k + 1)).decay_at(3)
             0.75
         """
-        decay = resolve(self.factor_decay, step)
-        ok, expected = HYPER_CHECKS["factor_decay"]
-        check_hyper("factor_decay", decay, ok, expected)
-        return decay
+        return resolve_checked("factor_decay", self.factor_decay, step)
 
     def damping_at(self, step: int) -> float:
         """The damping of a step that decomposes, at ``step`` (checked)."""
-        lam = resolve(DEFAULT_DAMPING if self.damping is None else self.damping, step)
-        check_hyper("damping", lam, lambda v: v >= 0, ">= 0")
-        return lam
+        damping = DEFAULT_DAMPING if self.damping is None else self.damping
+        return resolve_checked("damping", damping, step)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(StepOptions))

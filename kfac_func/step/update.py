@@ -32,7 +32,7 @@ from kfac_func.step.batch_factors import (
     layer_stats,
 )
 from kfac_func.step.checks import validate_grads
-from kfac_func.step.decompose import check_eigh_device, decompose_layers
+from kfac_func.step.decompose import decompose_layers
 from kfac_func.step.ekfac import update_scales
 from kfac_func.step.grouped import precondition_layers
 from kfac_func.step.hyper import as_list, resolve, take
@@ -149,13 +149,12 @@ def update(
     lam = stage.damping
     before = moment_bases(layers)
     inverses_now = bool(resolve(opts.update_inverses, step))
-    eigh_device = check_eigh_device(opts.eigh_device)
     fresh = decompose_layers(
         layers,
         lam,
         config,
         update_inverses=inverses_now,
-        eigh_device=eigh_device,
+        eigh_device=opts.eigh_device,
         grouped=grouped or opts.batched_eigh,
         sync_free=sync_free,
         refresh_drift=drift,
