@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 WORKLOADS = ("lm", "lm4x", "gpt2", "digits")
 RECIPES = tuple(optimizers.ORTHOGONAL)
-COMPETITORS = ("adamw", "muon", "soap", rr.RECIPE)
+COMPETITORS = ("adamw", "muon", "soap", rr.NARROW)
 PAGE = ROOT / "docs" / "benchmarks.md"
 
 

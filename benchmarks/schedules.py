@@ -247,10 +247,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torch {info['torch']} | {info['cpu']} | threads {args.threads}", flush=True)
         for wname in args.workloads:
             w = rw.WORKLOADS[wname](args.quick)
-            lr, base = tuned(RESULTS, wname, rr.RECIPE)
+            lr, base = tuned(RESULTS, wname, rr.NARROW)
             plan = [(c, *tuned(RESULTS, wname, c), c) for c in COMPETITORS]
             for name, extra in schedules(rows_per_call(w)).items():
-                plan.append((name, lr, {**base, **extra}, rr.RECIPE))
+                plan.append((name, lr, {**base, **extra}, rr.NARROW))
             runs = []
             for name, rate, settings, optimizer in plan:
                 for seed in args.seeds:
