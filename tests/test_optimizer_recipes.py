@@ -124,7 +124,7 @@ def test_the_default_steps_the_wide_layers_orthogonally_and_the_rest_in_the_eige
     """On a model with a layer whose input is wider than 512, ``kf.KFAC(model)`` gives that
     layer Muon's step on K-FAC's input curvature (it keeps ``ortho_momentum``, its G
     factor diagonal) and the narrow layer Adam's step in its eigenbasis, equal to the
-    recipe written out."""
+    recipe written out (its iteration in bfloat16 where the CPU multiplies it natively)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(520, 6), nn.Tanh(), nn.Linear(6, 3)).to(F64)
     manual = copy.deepcopy(model)
@@ -141,8 +141,14 @@ def test_the_default_steps_the_wide_layers_orthogonally_and_the_rest_in_the_eige
             step()
         return [p.detach().clone() for p in m.parameters()]
 
+    from kfac_func.adapter.optimizer import _native_bf16
+
     opt = kf.KFAC(model)
-    pre = kf.KFACPreconditioner(manual, lr=0.014, **RECOMMENDED)
+    # the face runs the iteration in bfloat16 where the CPU multiplies it natively
+    native = torch.bfloat16 if _native_bf16(model) else None
+    ortho = RECOMMENDED["orthogonal"]._replace(dtype=native)
+    assert opt.preconditioner.orthogonal == ortho
+    pre = kf.KFACPreconditioner(manual, lr=0.014, **{**RECOMMENDED, "orthogonal": ortho})
     sgd = torch.optim.SGD(manual.parameters(), lr=0.014, momentum=0.0)
     _equal(train(model, opt.step), train(manual, lambda: (pre.step(), sgd.step())))
     wide, narrow = (opt.preconditioner.state.layers[n] for n in ("0", "2"))
