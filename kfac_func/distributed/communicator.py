@@ -246,6 +246,54 @@ class Communicator:
         checkpoint's broadcasts under any plan)."""
         return self._groups[tuple(ranks)]
 
+    # --- reductions ----------------------------------------------------------------
+
+    def launch_reduce(
+        self,
+        idx: list[int],
+        tensors: Sequence[torch.Tensor],
+        sym: list[bool],
+        targets: list[int | None],
+        kind: str,
+        pending: Pending,
+        results: dict[int, torch.Tensor],
+    ) -> None:
+        """Launch one bucket: the sum over ranks of ``tensors[i]`` for ``i`` in ``idx``
+        (packed as upper triangles where ``sym[i]``), to every rank or to
+        ``targets[idx[0]]``; ``results[i]`` is filled once ``pending`` is waited on."""
+        flats = [_pack(tensors[i], sym[i]) for i in idx]
+        buf = torch.cat(flats) if len(flats) > 1 else flats[0].clone()
+        dst = targets[idx[0]]
+        n = self.world_size
+        nbytes = buf.numel() * buf.element_size()
+        if dst is None:
+            work = dist.all_reduce(
+                buf, op=dist.ReduceOp.SUM, group=self._factor_group, async_op=True
+            )
+            self.bytes[f"{kind} (all-reduce)"] += 2 * (n - 1) * nbytes // n
+            self.calls[f"{kind} (all-reduce)"] += 1
+        else:
+            work = dist.reduce(
+                buf, dst=dst, op=dist.ReduceOp.SUM, group=self._factor_group, async_op=True
+            )
+            self.bytes[f"{kind} (reduce)"] += (n - 1) * nbytes // n
+            self.calls[f"{kind} (reduce)"] += 1
+        pending.works.append(work)
+
+        def finish() -> list[torch.Tensor]:
+            if dst is not None and dst != self.rank:
+                for i in idx:
+                    results[i] = tensors[i]
+                return []
+            offset = 0
+            for i, flat in zip(idx, flats):
+                part = buf[offset : offset + flat.numel()]
+                offset += flat.numel()
+                results[i] = _unpack(part, tensors[i], sym[i])
+            return []
+
+        pending.finish.append(finish)
+
     # --- broadcasts ----------------------------------------------------------------
 
     def broadcast(

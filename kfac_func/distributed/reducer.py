@@ -3,8 +3,8 @@
 The factor reduction of the KAISA step: each layer's factors become ready in the backward
 pass (or at ``step()``), in whatever order autograd reaches the layers; every rank must
 still issue the same collectives. :class:`OrderedReducer` launches them strictly in the
-plan's order, packed into buckets, on the world group of a
-:class:`~kfac_func.distributed.communicator.Communicator` (which counts them).
+plan's order, packed into buckets, through
+:class:`~kfac_func.distributed.communicator.Communicator`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
-from kfac_func.distributed.communicator import Communicator, Pending, _pack, _unpack
+from kfac_func.distributed.communicator import Communicator, Pending
 
 __all__ = ["OrderedReducer"]
 
@@ -111,42 +110,16 @@ class OrderedReducer:
         self._slots[key] = range(start, len(self._flat))
 
     def _flush(self) -> None:
-        """Launch the bucket: the sum over ranks of its tensors (packed as upper triangles
-        where symmetric), to every rank or to its keys' rank, on the communicator's world
-        group; the results are filled in once the pending collectives are waited on."""
         if self._bucket and self.comm.active and self.comm.world_size > 1:
-            comm, idx, tensors, sym = self.comm, self._bucket, self._flat, self._flat_sym
-            results, n, dst = self._results, self.comm.world_size, self._targets[idx[0]]
-            flats = [_pack(tensors[i], sym[i]) for i in idx]
-            buf = torch.cat(flats) if len(flats) > 1 else flats[0].clone()
-            nbytes = buf.numel() * buf.element_size()
-            if dst is None:
-                work = dist.all_reduce(
-                    buf, op=dist.ReduceOp.SUM, group=comm.world_group, async_op=True
-                )
-                comm.bytes[f"{self.kind} (all-reduce)"] += 2 * (n - 1) * nbytes // n
-                comm.calls[f"{self.kind} (all-reduce)"] += 1
-            else:
-                work = dist.reduce(
-                    buf, dst=dst, op=dist.ReduceOp.SUM, group=comm.world_group, async_op=True
-                )
-                comm.bytes[f"{self.kind} (reduce)"] += (n - 1) * nbytes // n
-                comm.calls[f"{self.kind} (reduce)"] += 1
-            self._pending.works.append(work)
-
-            def finish() -> list[torch.Tensor]:
-                if dst is not None and dst != comm.rank:
-                    for i in idx:
-                        results[i] = tensors[i]
-                    return []
-                offset = 0
-                for i, flat in zip(idx, flats):
-                    part = buf[offset : offset + flat.numel()]
-                    offset += flat.numel()
-                    results[i] = _unpack(part, tensors[i], sym[i])
-                return []
-
-            self._pending.finish.append(finish)
+            self.comm.launch_reduce(
+                self._bucket,
+                self._flat,
+                self._flat_sym,
+                self._targets,
+                self.kind,
+                self._pending,
+                self._results,
+            )
         self._bucket, self._size = [], 0
 
     def finish(
