@@ -187,23 +187,42 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> float:
 
 @dataclass
 class Floor:
-    """A stage's arithmetic: multiply-adds (at the matmul rate) and bytes (at the memory
-    rate)."""
+    """A stage's arithmetic: multiply-adds at the float32 matmul rate (``macs``) and at the
+    bfloat16 rate (``bf16_macs``), and bytes at the memory rate."""
 
     macs: float = 0.0
     bytes: float = 0.0
-    dtype: str = "float32"  # the matmul rate the products run at
+    bf16_macs: float = 0.0
+
+    @classmethod
+    def products(cls, macs: float, dtype: torch.dtype) -> Floor:
+        """``macs`` multiply-adds in ``dtype`` (bfloat16's rate for bfloat16, else
+        float32's).
+
+        Example:
+            >>> Floor.products(8.0, torch.bfloat16).bf16_macs
+            8.0
+        """
+        return cls(bf16_macs=macs) if dtype == torch.bfloat16 else cls(macs=macs)
+
+    @property
+    def all_macs(self) -> float:
+        """Every multiply-add, at either rate."""
+        return self.macs + self.bf16_macs
 
     def ms(self, rates: dict[str, float]) -> float:
         """Milliseconds at ``rates`` (:func:`measure_rates`)."""
         return 1e3 * (
-            self.macs / rates[f"matmul_{self.dtype}_macs_per_s"]
+            self.macs / rates["matmul_float32_macs_per_s"]
+            + self.bf16_macs / rates["matmul_bfloat16_macs_per_s"]
             + self.bytes / rates["memory_bytes_per_s"]
         )
 
     def __add__(self, other: Floor) -> Floor:
-        return Floor(self.macs + other.macs, self.bytes + other.bytes, self.dtype)
+        return Floor(
+            self.macs + other.macs, self.bytes + other.bytes, self.bf16_macs + other.bf16_macs
+        )
 
     def times(self, k: float) -> Floor:
         """This floor ``k`` times."""
-        return Floor(self.macs * k, self.bytes * k, self.dtype)
+        return Floor(self.macs * k, self.bytes * k, self.bf16_macs * k)

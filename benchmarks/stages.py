@@ -9,12 +9,17 @@ run compare: the CPU, the thread count and the machine's load move every number.
 
 The recipe
 ----------
-``kfac-moments-fresh`` of ``benchmarks/optimizers.py`` (the race's recommendation):
-``KFACPreconditioner`` (on ``gpt2`` inside ``kf.KFAC``, as the race runs it) with
-``scaling="fisher"``, Adam's first and second moments in K-FAC's eigenbasis (β₁ 0.9,
-β₂ 0.95), factor statistics every step with decay 0.9, eigendecompositions every 2
-steps, SGD without momentum after it; the library's defaults otherwise (``grouped=True``:
-layers of one shape computed as stacks).
+The recommended recipe (``race_report.RECIPE``, ``kfac-moments-wide`` of
+``benchmarks/optimizers.py``, what ``kf.KFAC(model)`` runs): ``KFACPreconditioner`` (on
+``gpt2`` inside ``kf.KFAC``, as the race runs it) with ``scaling="fisher"``, Adam's first
+and second moments in K-FAC's eigenbasis (β₁ 0.9, β₂ 0.95), factor statistics every step
+with decay 0.9, eigendecompositions every 2 steps, SGD without momentum after it; the
+layers with a factor side wider than 512 take Muon's step on K-FAC's input curvature
+instead (``Orthogonal(powers=(0.5, 0), wider_than=512)``: their G factors diagonal, their
+A factor's damped ``-1/2`` power recomputed at each decomposition); the library's
+defaults otherwise (``grouped=True``: layers of one shape computed as stacks). On ``lm``
+and ``gpt2`` no side is that wide and the recipe is ``kfac-moments-fresh`` exactly; on
+``lm4x`` the attention's input projection and both MLP layers are wide.
 
 What each row times (the library's own functions, called as the step calls them)
 -------------------------------------------------------------------------------
@@ -44,6 +49,9 @@ dict, and the stage functions return new tensors).
   batched; not the recipe's setting).
 - ``carry moments``: ``step.basis.carry_moments`` (the moments rotated into the new
   eigenbases after an ``eigh``).
+- ``powers of the wide layers``: ``step.orthogonal.prepare_layers`` on the freshly
+  decomposed layers (the damped factor powers of the layers taking the orthogonalized
+  step, after an ``eigh``; absent where no layer is that wide).
 - ``precondition stage``: ``step.grouped.precondition_layers`` (gradients to
   matrices, stacking, the finiteness checks, the projections and the moments under
   ``vmap``, matrices back to gradients). The stage does not separate its parts, so two
@@ -51,7 +59,10 @@ dict, and the stage functions return new tensors).
   groups of ``step.grouping.plan_groups``): ``projections``, the core functions
   ``core.basis_moments.to_basis`` + ``from_basis`` that the stage calls, and
   ``moments``, ``core.basis_moments.adam_in_basis`` with identity bases (its
-  elementwise part only). ``rest of the precondition stage`` is the stage minus both.
+  elementwise part only); on the wide layers, ``powers applied``
+  (``core.orthogonal.apply_powers``) and ``Newton–Schulz``
+  (``core.orthogonal.newton_schulz``, in the recipe's iteration dtype) on the same stacks
+  of their momenta. ``rest of the precondition stage`` is the stage minus those.
 - ``write-back to .grad``: ``adapter.grads.copy_back``; ``parameter update``: the
   recipe's base optimizers' ``step()`` (SGD; on ``gpt2`` AdamW too, for the tied
   embeddings).
@@ -84,7 +95,13 @@ refresh, ``(7/3)·n³``; the projections, the four products of ``Qgᵀ M Qa`` an
 Elementwise stages (batch factors, fold, moments, write-back, update) count bytes only.
 Muon's floor is its Newton–Schulz products (5 iterations of ``2·m²·n + m³`` for an
 ``m × n`` matrix, ``m ≤ n``), at the bfloat16 rate for ``torch.optim.Muon`` and the
-float32 rate for the float32 variant. ``× floor`` is a row's time over its floor.
+float32 rate for the float32 variant; the wide layers' iteration counts the same, at the
+rate of its dtype, their powers ``n³`` per dense side (``Q diag Qᵀ``) and the products
+applying them one matmul per side. ``× floor`` is a row's time over its floor.
+``whole step at the floors`` adds the plain forward+backward (as measured: the model's
+own arithmetic), the statistics at their floor and the amortized optimizer part at its
+floor: what the recipe's step would cost with no overhead at all, to set beside the
+other optimizers' whole steps.
 
 Timing
 ------
@@ -136,6 +153,7 @@ import kfac_func as kf  # noqa: E402
 from kfac_func.adapter.grads import copy_back  # noqa: E402
 from kfac_func.blocks.spec import thin_positions  # noqa: E402
 from kfac_func.core.basis_moments import adam_in_basis, from_basis, to_basis  # noqa: E402
+from kfac_func.core.orthogonal import FactorPowers, apply_powers, newton_schulz  # noqa: E402
 from kfac_func.state import KFACState, LayerState  # noqa: E402
 from kfac_func.step.accumulate import fold_layers  # noqa: E402
 from kfac_func.step.basis import basis_of, carry_moments, moment_bases  # noqa: E402
@@ -147,8 +165,13 @@ from kfac_func.step.decompose_groups import (  # noqa: E402
 )
 from kfac_func.step.grouped import precondition_layers  # noqa: E402
 from kfac_func.step.grouping import plan_groups  # noqa: E402
+from kfac_func.step.orthogonal import orthogonal_layers, prepare_layers  # noqa: E402
 
-RECIPE = "kfac-moments-fresh"
+RECIPE = rr.RECIPE
+QUICK_WIDE = 48
+"""``--quick``'s ``wider_than`` for the recipe: the tiny models have no side wider than
+512, so the smoke test makes their MLP and head layers the wide ones (their attention
+and norms stay narrow) and times every row of the recipe."""
 WORKLOADS = ("lm", "lm4x", "gpt2")
 RESULTS = ROOT / "benchmarks" / "results"
 EXCLUDE = ("benchmarks/results",)
@@ -187,6 +210,28 @@ class Group:
         return Floor(bytes=tensor_bytes([self.v, self.moment, self.first]) * 2)
 
 
+@dataclass
+class WideGroup:
+    """One group of layers taking the orthogonalized step, stacked: their momenta's
+    matrices (the gradients', in the iteration's dtype) and factor powers."""
+
+    u: torch.Tensor
+    pa: torch.Tensor | None
+    pg: torch.Tensor | None
+
+    def applied_floor(self) -> Floor:
+        macs = 0.0
+        if self.pa is not None:
+            macs += matmul_macs(self.u.shape, self.pa.shape)
+        if self.pg is not None:
+            macs += matmul_macs(self.pg.shape, self.u.shape)
+        return Floor.products(macs, self.u.dtype)
+
+    def newton_schulz_floor(self) -> Floor:
+        shapes = [self.u.shape[-2:]] * (self.u.shape[0] if self.u.dim() == 3 else 1)
+        return Floor.products(newton_schulz_macs(shapes), self.u.dtype)
+
+
 def _stack(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
     if ts[0] is None:
         return None
@@ -211,10 +256,18 @@ class Bench:
         if optimizers._heavyball() is not None:
             names.insert(3, "soap")
         self.steppers: dict[str, optimizers.Stepper] = {}
+        # the recipe's settings replaced (the smoke test's wide layers, see QUICK_WIDE)
+        wide = optimizers.KFAC[RECIPE][-1]["orthogonal"]._replace(wider_than=QUICK_WIDE)
+        self.overrides = {"orthogonal": wide} if args.quick else {}
         for name in names:
             recipe = "muon" if name == "muon-fp32" else name
             st = optimizers.Stepper(
-                recipe, copy.deepcopy(base), optimizers.LRS[recipe][0], w, 10**6
+                recipe,
+                copy.deepcopy(base),
+                optimizers.LRS[recipe][0],
+                w,
+                10**6,
+                self.overrides if name == RECIPE else None,
             )
             if name == "muon-fp32":
                 float32_muon(st)
@@ -235,7 +288,7 @@ class Bench:
             optimizers.LRS[RECIPE][0],
             w,
             10**6,
-            {"factor_rows": self.factor_rows},
+            {"factor_rows": self.factor_rows, **self.overrides},
         )
         assert thin.pre is not None
         self.thin, self.thin_pre = thin, thin.pre
@@ -317,9 +370,16 @@ class Bench:
         self.batched_floor = Floor(sum(cube_macs(q, EIGH_MACS) for q, _ in pairs.values()))
         self._time("qr", lambda: decompose(self.qr_config))
         self._time("carry", lambda: carry_moments(dict(decomposed), before, fresh, grouped=True))
+        if self.wide:
+            self._time(
+                "powers", lambda: prepare_layers(dict(decomposed), self.wide, self.ortho, fresh)
+            )
         new = self._time("precondition", self._precondition)
         self._time("projections", self._projections)
         self._time("moments", self._moments)
+        if self.wide:
+            self._time("applied", self._applied)
+            self._time("newton-schulz", self._newton_schulz)
         live = self.pre._layer_grads()
         self._time("copy back", lambda: copy_back(live, new))
         self._time("update", lambda: [o.step() for o in self.base_opts])
@@ -338,6 +398,15 @@ class Bench:
     def _projections(self) -> None:
         for g in self.groups:
             from_basis(to_basis(g.m, g.qa, g.qg), g.qa, g.qg)
+
+    def _applied(self) -> None:
+        for g in self.wide_groups:
+            apply_powers(g.u, FactorPowers(g.pa, g.pg))
+
+    def _newton_schulz(self) -> None:
+        assert self.ortho is not None
+        for g in self.wide_groups:
+            newton_schulz(g.u, self.ortho.steps)
 
     def _moments(self) -> None:
         b = self.moment_settings
@@ -384,12 +453,16 @@ class Bench:
             damping=self.pre.damping, update_factors=True, update_inverses=True
         )
         self.qr_config = dataclasses.replace(self.state.config, eigenbasis_refresh="qr")
-        settings = self.options.basis_settings(self.state.config.compute_method)
+        method = self.state.config.compute_method
+        settings = self.options.basis_settings(method)
         assert settings is not None
         self.moment_settings = settings
+        self.ortho = self.options.orthogonal_settings(method)
+        self.wide = [] if self.ortho is None else orthogonal_layers(self.state.layers, self.ortho)
         _, self.stats = self._collect(self.pre, self.kfac_model, "hooks", keep=True)
         self.grads = {k: g.detach().clone() for k, g in self.pre._layer_grads().items()}
         self.groups = self._groups()
+        self.wide_groups = self._wide_groups()
         for _ in range(self.args.warmup):
             for unit in self.units():
                 unit()
@@ -398,7 +471,9 @@ class Bench:
 
     def _groups(self) -> list[Group]:
         s = self.state
-        names = [n for n, ls in s.layers.items() if ls.decomposition is not None]
+        names = [
+            n for n, ls in s.layers.items() if ls.decomposition is not None and n not in self.wide
+        ]
         out = []
         for members in plan_groups(s.layers, names, self.grads):
             states = [s.layers[n] for n in members]
@@ -417,6 +492,21 @@ class Bench:
                     states[0].moment_count,
                 )
             )
+        return out
+
+    def _wide_groups(self) -> list[WideGroup]:
+        s, out = self.state, []
+        for members in plan_groups(s.layers, self.wide, self.grads):
+            us, pas, pgs = [], [], []
+            for ls in (s.layers[n] for n in members):
+                assert self.ortho is not None and ls.ortho_power is not None
+                w, b = layer_grads(ls.spec, self.grads)
+                m = ls.spec.block.to_matrix(ls.spec, w, b).to(ls.a_factor.dtype)
+                dtype = self.ortho.dtype or m.dtype
+                us.append(m.to(dtype))
+                pas.append(None if ls.ortho_power.a is None else ls.ortho_power.a.to(dtype))
+                pgs.append(None if ls.ortho_power.g is None else ls.ortho_power.g.to(dtype))
+            out.append(WideGroup(_stack(us), _stack(pas), _stack(pgs)))  # type: ignore[arg-type]
         return out
 
     def run(self, log: Callable[[str], None]) -> None:
@@ -448,13 +538,18 @@ class Bench:
             spec = s.layers[name].spec
             thin += f.times(kept if spec.block.thinnable(spec) else 1.0)
         factors = [t for ls in s.layers.values() for t in (ls.a_factor, ls.g_factor)]
-        eigh, qr, carry = Floor(), Floor(), Floor()
-        for ls in s.layers.values():
+        eigh, qr, carry, powers = Floor(), Floor(), Floor(), Floor()
+        for name, ls in s.layers.items():
             if ls.decomposition is None:
                 continue
             qa, qg = basis_of(ls.decomposition)
             eigh.macs += cube_macs(qa, EIGH_MACS) + cube_macs(qg, EIGH_MACS)
             qr.macs += cube_macs(qa, QR_MACS) + cube_macs(qg, QR_MACS)
+            if name in self.wide:  # no moments to carry: its powers, Q diag Qᵀ per side
+                assert ls.ortho_power is not None
+                sides = ((qa, ls.ortho_power.a), (qg, ls.ortho_power.g))
+                powers.macs += sum(cube_macs(q, 1.0) for q, p in sides if p is not None)
+                continue
             carry.macs += cube_macs(qa, 1.0) + cube_macs(qg, 1.0)  # Q_newᵀ Q_old
             m = ls.basis_moment
             assert m is not None
@@ -467,6 +562,8 @@ class Bench:
                     carry.macs += matmul_macs(moment.shape, qa.shape)
         projections = sum((g.projection_floor() for g in self.groups), Floor())
         moments = sum((g.moments_floor() for g in self.groups), Floor())
+        applied = sum((g.applied_floor() for g in self.wide_groups), Floor())
+        iterations = sum((g.newton_schulz_floor() for g in self.wide_groups), Floor())
         grads = list(self.grads.values())
         update = Floor()
         for o in self.base_opts:
@@ -485,10 +582,13 @@ class Bench:
             "carry": carry,
             "projections": projections,
             "moments": moments,
-            "precondition": projections + moments,
+            "precondition": projections + moments + applied + iterations,
+            "powers": powers,
+            "applied": applied,
+            "newton-schulz": iterations,
             "copy back": Floor(bytes=2 * tensor_bytes(grads)),
             "update": update,
-            "muon": Floor(macs=newton_schulz_macs(hidden), dtype="bfloat16"),
+            "muon": Floor(bf16_macs=newton_schulz_macs(hidden)),
             "muon-fp32": Floor(macs=newton_schulz_macs(hidden)),
             "batched eigh": self.batched_floor,
         }
@@ -554,7 +654,7 @@ def build_rows(
                 "section": section,
                 "ms": value,
                 "source": source,
-                "floor_macs": None if floor is None else floor.macs,
+                "floor_macs": None if floor is None else floor.all_macs,
                 "floor_bytes": None if floor is None else floor.bytes,
                 "floor_ms": None if floor is None else floor.ms(rates),
             }
@@ -594,27 +694,34 @@ def build_rows(
         ("  of which the batched eighs", "batched eigh", "batched_eigenpairs"),
         ('decomposition: QR refresh ("qr")', "qr", "decompose_layers, qr config"),
         ("carry moments into new bases", "carry", "carry_moments"),
+        ("powers of the wide layers", "powers", "prepare_layers"),
         ("precondition stage", "precondition", "precondition_layers"),
         ("  projections in and out", "projections", "to_basis + from_basis"),
         ("  moments (Adam in the basis)", "moments", "adam_in_basis, identity bases"),
+        ("  wide layers: powers applied", "applied", "apply_powers"),
+        ("  wide layers: Newton-Schulz", "newton-schulz", "newton_schulz"),
         ("  rest of the precondition stage", "precondition rest", "difference"),
         ("write-back to .grad", "copy back", "copy_back"),
         ("parameter update", "update", "base optimizers' step()"),
     ]
-    ms["precondition rest"] = ms["precondition"] - ms["projections"] - ms["moments"]
+    wide = "powers" in ms  # a layer takes the orthogonalized step
+    parts = ["projections", "moments", *(["applied", "newton-schulz"] if wide else [])]
+    ms["precondition rest"] = ms["precondition"] - sum(ms[k] for k in parts)
     for name, key, source in stage_rows:
-        floor = floors.get(key if key != "hooks batch" else "batch factors")
-        add(name, st, ms[key], source, floor, key)
+        if key in ms:
+            floor = floors.get(key if key != "hooks batch" else "batch factors")
+            add(name, st, ms[key], source, floor, key)
     every_step = ["hooks batch", "fold", "precondition", "copy back", "update"]
     floor_every = sum(
         (floors[k if k != "hooks batch" else "batch factors"] for k in every_step), Floor()
     )
-    with_eigh = sum(ms[k] for k in every_step) + ms["eigh"] + ms["carry"]
+    fresh = ["eigh", "carry", *(["powers"] if wide else [])]  # after a decomposition
     without = sum(ms[k] for k in every_step)
-    floor_eigh = floor_every + floors["eigh"] + floors["carry"]
+    with_eigh = without + sum(ms[k] for k in fresh)
+    floor_eigh = floor_every + sum((floors[k] for k in fresh), Floor())
     add("sum of stages, step with eigh", st, with_eigh, "sum", floor_eigh, "sum eigh")
     add("sum of stages, step without eigh", st, without, "sum", floor_every, "sum plain")
-    amortized_floor = floor_every + (floors["eigh"] + floors["carry"]).times(0.5)
+    amortized_floor = floor_every + sum((floors[k] for k in fresh), Floor()).times(0.5)
     sum_amortized = (with_eigh + without) / 2
     add(
         "sum of stages, amortized (eigh every 2)",
@@ -668,6 +775,14 @@ def build_rows(
         whole = pair_ms([a + b for a, b in zip(samples[f"{name} fb"], samples[f"{name} opt"])])
         label = {RECIPE: f"K-FAC ({RECIPE}), amortized"}.get(name, name)
         add(label, wh, whole, "forward+backward + optimizer", key=f"{name} whole")
+    at_floors = ms["plain"] + (floors["statistics"] + amortized_floor).ms(rates)
+    add(
+        "K-FAC's whole step at the floors",
+        wh,
+        at_floors,
+        "plain forward+backward + statistics and amortized optimizer floors",
+        key="floor whole",
+    )
     plain, muon = ms["plain"], pair_ms(samples["muon opt"])
     for r in rows:
         v, f = r["ms"], r["floor_ms"]
@@ -824,7 +939,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         **checkout,
         "machine": info,
-        "recipe": {"name": RECIPE, "settings": _recipe_settings()},
+        "recipe": {"name": RECIPE, "settings": _recipe_settings(args.quick)},
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "rates": {"before": rates_before, "after": rates_after, "used": rates},
         "floors": {
@@ -842,8 +957,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _recipe_settings() -> dict[str, Any]:
+def _recipe_settings(quick: bool) -> dict[str, Any]:
     method, momentum, _, clip, (fac, inv), decay, extra = optimizers.KFAC[RECIPE]
+    if quick:
+        extra = {**extra, "orthogonal": extra["orthogonal"]._replace(wider_than=QUICK_WIDE)}
     return {
         "compute_method": method,
         "sgd_momentum": momentum,
@@ -851,8 +968,16 @@ def _recipe_settings() -> dict[str, Any]:
         "factor_update_steps": fac,
         "inv_update_steps": inv,
         "factor_decay": decay,
-        **extra,
+        **{k: _plain(v) for k, v in extra.items()},
     }
+
+
+def _plain(value: Any) -> Any:
+    """A setting as JSON holds it (an :class:`~kfac_func.Orthogonal` as a dict, a dtype as
+    its name)."""
+    if isinstance(value, kf.Orthogonal):
+        return {k: _plain(v) for k, v in value._asdict().items()}
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
 
 
 if __name__ == "__main__":

@@ -25,9 +25,12 @@ STAGE_ROWS = [
     "  of which the batched eighs",
     'decomposition: QR refresh ("qr")',
     "carry moments into new bases",
+    "powers of the wide layers",
     "precondition stage",
     "  projections in and out",
     "  moments (Adam in the basis)",
+    "  wide layers: powers applied",
+    "  wide layers: Newton-Schulz",
     "  rest of the precondition stage",
     "write-back to .grad",
     "parameter update",
@@ -58,8 +61,10 @@ def test_stages_quick(tmp_path: Path) -> None:
         rates = doc["rates"][when]
         assert rates["matmul_float32_macs_per_s"] > 0 and rates["memory_bytes_per_s"] > 0
         assert rates["matmul_bfloat16_macs_per_s"] > 0
-    assert doc["recipe"]["name"] == "kfac-moments-fresh"
+    # the recommended recipe, its wide layers those of the tiny models (stages.QUICK_WIDE)
+    assert doc["recipe"]["name"] == "kfac-moments-wide" == stages.rr.RECIPE
     assert doc["recipe"]["settings"]["inv_update_steps"] == 2
+    assert doc["recipe"]["settings"]["orthogonal"]["wider_than"] == stages.QUICK_WIDE
     assert sorted(doc["workloads"]) == ["gpt2", "lm", "lm4x"]
     soap = stages.optimizers._heavyball() is not None
     for name, w in doc["workloads"].items():
@@ -78,11 +83,11 @@ def test_stages_quick(tmp_path: Path) -> None:
             "  not in a stage row",
             *(o for o in OTHERS if soap or "SOAP" not in o),
         ]
-        assert [r for r in rows if not r.startswith(("adamw", "muon", "soap", "K-FAC ("))] == (
+        assert [r for r in rows if not r.startswith(("adamw", "muon", "soap", "K-FAC"))] == (
             expected
         ), name
-        whole = [r for r in rows if r.startswith(("adamw", "muon", "soap", "K-FAC ("))]
-        assert len(whole) == (5 if soap else 4), whole
+        whole = [r for r in rows if r.startswith(("adamw", "muon", "soap", "K-FAC"))]
+        assert len(whole) == (6 if soap else 5), whole
         for r in w["rows"]:
             assert r["ms"] is not None and math.isfinite(r["ms"]), (name, r)
             assert r["vs_plain"] is not None and r["vs_muon"] is not None, (name, r)
@@ -91,6 +96,17 @@ def test_stages_quick(tmp_path: Path) -> None:
             # a difference of two medians may come out negative: only its presence counts
             assert rows[row]["floor_ms"] > 0 and rows[row]["vs_floor"] is not None, (name, row)
         assert rows["decomposition: eigh"]["floor_macs"] > 0
+        # the wide layers' products: their powers, applied, iterated
+        for row in ("powers of the wide layers", "  wide layers: Newton-Schulz"):
+            assert rows[row]["floor_macs"] > 0, (name, row)
+        # the step at its floors: the plain forward+backward, the statistics' floor and
+        # the amortized optimizer part's
+        at_floors = rows["K-FAC's whole step at the floors"]["ms"]
+        assert at_floors == pytest.approx(
+            rows["plain forward+backward"]["ms"]
+            + rows["statistics in the hooks"]["floor_ms"]
+            + rows["amortized (eigh every 2)"]["floor_ms"]
+        )
         assert rows["fold (running average)"]["floor_macs"] == 0  # elementwise: bytes only
         assert rows["fold (running average)"]["floor_bytes"] > 0
         # the thinned statistics do at most the arithmetic of all rows
@@ -99,8 +115,8 @@ def test_stages_quick(tmp_path: Path) -> None:
         assert rows["Muon (bf16 Newton-Schulz) + AdamW"]["vs_muon"] == pytest.approx(1.0)
         assert rows["plain forward+backward"]["vs_plain"] == pytest.approx(1.0)
         assert 0 <= w["thinnable_layers"] <= w["layers"]
-        assert len(w["kinds"]["kfac-moments-fresh"]) == 2 * doc["settings"]["reps"]
-        assert any(w["kinds"]["kfac-moments-fresh"]) and not all(w["kinds"]["kfac-moments-fresh"])
+        kinds = w["kinds"][stages.RECIPE]
+        assert len(kinds) == 2 * doc["settings"]["reps"] and any(kinds) and not all(kinds)
         # every printed row is in the table
         for r in rows:
             assert r.strip() in proc.stdout, r
