@@ -71,11 +71,13 @@ dict, and the stage functions return new tensors).
   without an ``eigh``; ``amortized`` is the median over repetitions of the mean of two
   consecutive steps (one of each). ``not in a stage row`` is the amortized step minus
   the sum of the stage rows (the adapter's and ``update``'s bookkeeping).
-- ``Muon``: ``torch.optim.Muon`` over the hidden 2-D weights (its Newton–Schulz
-  iteration in bfloat16) + AdamW over the rest, as the race builds it; ``Muon, float32
-  Newton–Schulz``: the same step with the iteration in float32 (:class:`Muon32`,
-  written out here), so that a comparison never rests on a bfloat16 product the CPU only
-  emulates (the JSON records the CPU's bfloat16 flags and both matmul rates).
+- ``Muon, as the race runs it``: Muon over the hidden 2-D weights + AdamW over the rest,
+  as the race builds it: ``torch.optim.Muon`` (its Newton–Schulz iteration in bfloat16)
+  where the CPU multiplies bfloat16 natively, else the same step in float32
+  (:class:`Muon32`, ``machine.muon_newton_schulz`` in the JSON); its floor at that
+  precision's rate. ``Muon, float32 Newton–Schulz``: the float32 step wherever, so that
+  a comparison never rests on a bfloat16 product the CPU only emulates (the JSON records
+  the CPU's bfloat16 flags and both matmul rates).
   ``SOAP``: ``heavyball.SOAP`` (eager; its preconditioner every 2 steps: the mean of
   two consecutive steps, as K-FAC's amortized step). ``AdamW``: ``torch.optim.AdamW``.
 - ``whole training step``: each optimizer's forward+backward and optimizer part in its
@@ -588,7 +590,10 @@ class Bench:
             "newton-schulz": iterations,
             "copy back": Floor(bytes=2 * tensor_bytes(grads)),
             "update": update,
-            "muon": Floor(bf16_macs=newton_schulz_macs(hidden)),
+            "muon": Floor.products(
+                newton_schulz_macs(hidden),
+                torch.bfloat16 if optimizers.NATIVE_BF16 else torch.float32,
+            ),
             "muon-fp32": Floor(macs=newton_schulz_macs(hidden)),
             "batched eigh": self.batched_floor,
         }
@@ -753,10 +758,10 @@ def build_rows(
     add("amortized (eigh every 2)", kf_, real, "mean of 2 steps", amortized_floor, "kfac")
     add("  not in a stage row", kf_, real - sum_amortized, "difference", key="kfac rest")
     add(
-        "Muon (bf16 Newton-Schulz) + AdamW",
+        "Muon, as the race runs it, + AdamW",
         ot,
         pair_ms(samples["muon opt"]),
-        "torch.optim.Muon (floor: bf16 rate)",
+        f"{optimizers.MUON_PRECISION} Newton-Schulz",
         floors["muon"],
         "muon",
     )

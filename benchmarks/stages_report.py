@@ -1,9 +1,12 @@
-"""The stage table of ``docs/performance.md`` from ``benchmarks/results/stages.json``.
+"""The stage tables of ``docs/performance.md`` from ``benchmarks/results/stages.json``.
 
-``python benchmarks/stages_report.py`` rewrites the block between
-``<!-- stages:start -->`` and ``<!-- stages:end -->`` of ``docs/performance.md`` from the
-committed results of ``benchmarks/stages.py``: per stage and workload, the milliseconds
-and the ratio to the stage's arithmetic floor. Nothing here imports torch.
+``python benchmarks/stages_report.py`` rewrites two blocks of ``docs/performance.md`` from
+the committed results of ``benchmarks/stages.py``: between ``<!-- stages:start -->`` and
+``<!-- stages:end -->``, per stage and workload, the milliseconds and the ratio to the
+stage's arithmetic floor; between ``<!-- stage-floors:start -->`` and
+``<!-- stage-floors:end -->``, what the recipe's step at its floors would make of the
+race's time to Muon's and SOAP's final losses (the steps it takes to them from the race's
+headline, ``race_headline.json``). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "stages.json"
 PAGE = ROOT / "docs" / "performance.md"
 MARKERS = ("<!-- stages:start -->", "<!-- stages:end -->")
+FLOOR_MARKERS = ("<!-- stage-floors:start -->", "<!-- stage-floors:end -->")
+HEADLINE = ROOT / "benchmarks" / "results" / "race_headline.json"
+COMPETITORS = {"muon": "Muon", "soap": "SOAP"}
 
 ROWS = (
     ("plain", "plain forward+backward"),
@@ -34,7 +40,7 @@ ROWS = (
     ("precondition", "precondition stage"),
     ("newton-schulz", "… of which the wide layers' Newton–Schulz"),
     ("kfac", "K-FAC optimizer part, amortized"),
-    ("muon", "Muon's optimizer step (bf16 Newton–Schulz)"),
+    ("muon", "Muon's optimizer step, as the race runs it"),
     ("muon-fp32", "Muon's, float32 Newton–Schulz"),
     ("soap", "SOAP's optimizer step"),
     ("adamw", "AdamW's optimizer step"),
@@ -71,7 +77,8 @@ def render(doc: dict[str, Any]) -> str:
         "milliseconds, medians of the repetitions, and in brackets the row's time over "
         "its arithmetic floor.",
         "<!-- settings -->",
-        f"CPU `{doc['machine']['cpu']}`, {doc['settings']['threads']} thread(s), "
+        f"CPU `{doc['machine']['cpu']}`, {doc['settings']['threads']} thread(s), the race's "
+        f"Muon in {doc['machine'].get('muon_newton_schulz', 'bfloat16')}, "
         f"{rr.commit_phrase(doc)}.",
         "",
         "| row | " + " | ".join(f"`{w}`" for w in names) + " |",
@@ -84,14 +91,69 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def render_floors(doc: dict[str, Any], headline: dict[str, Any]) -> str:
+    """The Markdown of the recipe's whole step, measured and at its floors, over Muon's
+    and SOAP's whole steps, and times the steps the race's recipe takes to their final
+    losses (as a share of their runs' steps): the race's time-to-target ratio as the
+    measured step makes it, and as the step at its floors would.
+
+    Example:
+        >>> rows = [{"key": k, "ms": v} for k, v in (("r whole", 60.0), ("floor whole",
+        ...         30.0), ("muon whole", 20.0), ("soap whole", 50.0))]
+        >>> doc = {"workloads": {"lm": {"rows": rows}}, "recipe": {"name": "r"}}
+        >>> head = {"rows": [{"workload": "lm", "competitor": c, "kfac_steps": 150,
+        ...          "competitor_steps": 200, "ratio": 2.0} for c in ("muon", "soap")]}
+        >>> "| `lm` | Muon | 60.0 | 30.0 | 20.0 | 0.75 | 2.25× | 1.12× | 2.00× |" in (
+        ...     render_floors(doc, head))
+        True
+    """
+    recipe = doc["recipe"]["name"]
+    race = {(r["workload"], r["competitor"]): r for r in headline["rows"]}
+    lines = [
+        "From `benchmarks/results/stages.json` (the steps' milliseconds, this page's stage "
+        "table) and `benchmarks/results/race_headline.json` (the steps the race's recipe "
+        "takes to each competitor's mean final loss, as a share of the competitor's run).",
+        "",
+        "| workload | competitor | K-FAC's step ms | at its floors | competitor's step ms "
+        "| steps to its final (share) | time to its final: measured step | at the floors "
+        "| the race's ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for w, body in doc["workloads"].items():
+        by = {r["key"]: r for r in body["rows"]}
+        step, floor = by[f"{recipe} whole"]["ms"], by["floor whole"]["ms"]
+        for c, name in COMPETITORS.items():
+            r = race.get((w, c))
+            if r is None or f"{c} whole" not in by or not r["kfac_steps"]:
+                continue
+            theirs = by[f"{c} whole"]["ms"]
+            share = r["kfac_steps"] / r["competitor_steps"]
+            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}×"
+            lines.append(
+                f"| `{w}` | {name} | {step:.1f} | {floor:.1f} | {theirs:.1f} | "
+                f"{share:.2f} | {step / theirs * share:.2f}× | {floor / theirs * share:.2f}× "
+                f"| {ratio} |"
+            )
+    return "\n".join(lines)
+
+
 def block_of(page: str) -> str | None:
     """The text between the markers of ``page`` (None without them)."""
     return rr.block_between(page, MARKERS)
 
 
+def floors_block_of(page: str) -> str | None:
+    """The text between the floor table's markers of ``page`` (None without them)."""
+    return rr.block_between(page, FLOOR_MARKERS)
+
+
 def main() -> int:
-    changed = rr.replace_block(PAGE, MARKERS, render(json.loads(RESULTS.read_text())))
+    doc = json.loads(RESULTS.read_text())
+    changed = rr.replace_block(PAGE, MARKERS, render(doc))
     print(f"{PAGE}: stage table {'rewritten' if changed else 'unchanged'}")
+    floors = render_floors(doc, json.loads(HEADLINE.read_text()))
+    changed = rr.replace_block(PAGE, FLOOR_MARKERS, floors)
+    print(f"{PAGE}: floor table {'rewritten' if changed else 'unchanged'}")
     return 0
 
 

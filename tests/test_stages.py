@@ -40,7 +40,7 @@ STAGE_ROWS = [
 ]
 FLOORED = [r for r in STAGE_ROWS if "rest" not in r]
 OTHERS = [
-    "Muon (bf16 Newton-Schulz) + AdamW",
+    "Muon, as the race runs it, + AdamW",
     "Muon, float32 Newton-Schulz + AdamW",
     "SOAP (2-step mean)",
     "AdamW",
@@ -112,7 +112,7 @@ def test_stages_quick(tmp_path: Path) -> None:
         # the thinned statistics do at most the arithmetic of all rows
         full = rows["statistics in the hooks"]["floor_macs"]
         assert 0 < rows[f"statistics in the hooks, factor_rows={n}"]["floor_macs"] <= full
-        assert rows["Muon (bf16 Newton-Schulz) + AdamW"]["vs_muon"] == pytest.approx(1.0)
+        assert rows["Muon, as the race runs it, + AdamW"]["vs_muon"] == pytest.approx(1.0)
         assert rows["plain forward+backward"]["vs_plain"] == pytest.approx(1.0)
         assert 0 <= w["thinnable_layers"] <= w["layers"]
         kinds = w["kinds"][stages.RECIPE]
