@@ -199,5 +199,7 @@ def test_the_docs_stage_table_is_the_committed_results() -> None:
         pytest.skip("no stage results committed yet")
     doc = json.loads(results.read_text())
     assert doc["quick"] is False
-    block = stages_report.block_of(stages_report.PAGE.read_text())
-    assert block == stages_report.render(doc)
+    page = stages_report.PAGE.read_text()
+    assert stages_report.block_of(page) == stages_report.render(doc)
+    headline = json.loads(stages_report.HEADLINE.read_text())
+    assert stages_report.floors_block_of(page) == stages_report.render_floors(doc, headline)
