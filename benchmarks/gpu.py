@@ -58,12 +58,18 @@ the budget is spent):
    refresh (:func:`kfac_func.core.decomposition.refresh_eigh`, warm-started from the
    eigenvectors of a nearby matrix) for n in 256, 768, 1024, 3072, 4096, on the device,
    with the refresh's largest relative eigenvalue error.
-5. ``process_group``: the adapter under a one-rank process group (NCCL on CUDA, gloo on
+5. ``stages``: ``benchmarks/stages.py --device`` (as a subprocess, with the budget left
+   as its timeout): the recommended recipe's step (what ``kf.KFAC(model)`` runs) split
+   into its stages with their floors at the device's rates, beside Muon's, SOAP's and
+   AdamW's steps, on the race's ``lm``, ``lm4x`` and ``gpt2``; the whole step at its
+   floors against theirs, times the race's steps to their finals
+   (``benchmarks/stages_report.py``'s two tables). Its JSON is ``OUT_stages.json``.
+6. ``process_group``: the adapter under a one-rank process group (NCCL on CUDA, gloo on
    the CPU) with the model wrapped in ``DistributedDataParallel``: a few K-FAC steps on a
    small MLP, the preconditioned gradients compared with those of the same steps without
    a process group (maximum absolute difference), then the group is destroyed.
 
-The cheap parts run first (1, 2, 5, 4, then 3), so a short budget still gets them; the
+The cheap parts run first (1, 2, 6, 4, 5, then 3), so a short budget still gets them; the
 outputs list the parts in the order above. The budget is checked before every part,
 every matrix size of part 4 and every variant of part 3; a variant that starts runs at
 least one warm-up and one timed repetition, so the script may end later than the budget
@@ -129,8 +135,8 @@ TEST_FILES = (
     "tests/test_reliability.py",
 )
 QUICK_TEST_FILES = ("tests/test_decomposition.py",)
-PART_ORDER = ("environment", "tests", "step_time", "eigh_vs_qr", "process_group")
-RUN_ORDER = ("environment", "tests", "process_group", "eigh_vs_qr", "step_time")
+PART_ORDER = ("environment", "tests", "step_time", "stages", "eigh_vs_qr", "process_group")
+RUN_ORDER = ("environment", "tests", "process_group", "eigh_vs_qr", "stages", "step_time")
 
 Kind = tuple[bool, bool]  # (update factors, update decompositions)
 KIND_NAMES: dict[Kind, str] = {
@@ -590,6 +596,31 @@ def part_tests(args: argparse.Namespace, budget: Budget) -> dict[str, Any]:
     return out
 
 
+# --------------------------------------------------------------------------- part 5
+
+
+def part_stages(args: argparse.Namespace, device: torch.device, budget: Budget) -> dict[str, Any]:
+    """``benchmarks/stages.py`` on ``device`` (``--quick``: its smoke test), its JSON
+    beside the outputs."""
+    out = Path(args.out)
+    path = out.with_name(out.name + "_stages.json")
+    timeout = max(1.0, budget.left())
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "stages.py"), "--device", str(device)]
+    cmd += ["--out", str(path), *(["--quick"] if args.quick else ["--reps", "5"])]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s", "seconds": time.perf_counter() - t0}
+    result: dict[str, Any] = {"seconds": time.perf_counter() - t0, "json": str(path)}
+    if proc.returncode != 0:
+        result["error"] = f"stages.py exited with {proc.returncode}"
+        result["output_tail"] = (proc.stdout + proc.stderr)[-4000:]
+        return result
+    result["results"] = json.loads(path.read_text())
+    return result
+
+
 # --------------------------------------------------------------------------- part 4
 
 
@@ -796,6 +827,17 @@ def markdown(results: dict[str, Any]) -> str:
             f"{st['warmup_reps']} warm-up repetitions excluded, at most {st['max_reps']} timed."
         )
 
+    out += ["", "## The recommended recipe's stages (benchmarks/stages.py)", ""]
+    sg = results["stages"]
+    out += _status(sg)
+    if "results" in sg:
+        import stages_report  # the tables of docs/performance.md, from this run
+
+        doc = sg["results"]
+        headline = json.loads(stages_report.HEADLINE.read_text())
+        table = stages_report.render(doc, f"`{Path(sg['json']).name}`")
+        out += [table, "", stages_report.render_floors(doc, headline)]
+
     out += ["", "## eigh vs one QR refresh (float32, on the device)", ""]
     eq = results["eigh_vs_qr"]
     out += _status(eq)
@@ -906,6 +948,7 @@ def main(argv: list[str] | None = None) -> int:
         "process_group": lambda: part_process_group(args, device),
         "eigh_vs_qr": lambda: part_eigh_vs_qr(args, device, budget),
         "step_time": lambda: part_step_time(args, device, budget),
+        "stages": lambda: part_stages(args, device, budget),
     }
     results: dict[str, Any] = {
         "quick": args.quick,

@@ -47,31 +47,47 @@ def bf16_flags() -> dict[str, bool]:
     return {f: f in flags for f in ("avx512_bf16", "amx_bf16", "amx_tile", "avx512f")}
 
 
-def _best_seconds(fn: Callable[[], Any], reps: int) -> float:
-    """The fastest of ``reps`` calls of ``fn`` (after one untimed call)."""
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a GPU's); nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_seconds(fn: Callable[[], Any], reps: int, device: torch.device) -> float:
+    """The fastest of ``reps`` calls of ``fn`` (after one untimed call), each waited for
+    on ``device``."""
     fn()  # warm-up
     times = []
     for _ in range(reps):
+        synchronize(device)
         t0 = time.perf_counter()
         fn()
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     return min(times)
 
 
-def measure_rates(n: int, elements: int, reps: int = 3) -> dict[str, float]:
-    """The machine's rates now: multiply-adds per second of one ``n × n`` float32 (and
-    bfloat16) matmul, and bytes per second of an elementwise float32 add of ``elements``
-    (two read, one written); the best of ``reps``."""
+def measure_rates(
+    n: int, elements: int, reps: int = 3, device: torch.device | None = None
+) -> dict[str, float]:
+    """The rates of ``device`` (the CPU by default) now: multiply-adds per second of one
+    ``n × n`` float32 (and bfloat16) matmul, and bytes per second of an elementwise
+    float32 add of ``elements`` (two read, one written); the best of ``reps``."""
+    device = device or torch.device("cpu")
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+    a = torch.randn(n, n, generator=g).to(device)
+    b = torch.randn(n, n, generator=g).to(device)
     out = {"matmul_n": float(n)}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         x, y = a.to(dtype), b.to(dtype)
-        out[f"matmul_{name}_macs_per_s"] = n**3 / _best_seconds(lambda x=x, y=y: x @ y, reps)
-    u, v = torch.randn(elements, generator=g), torch.randn(elements, generator=g)
+        out[f"matmul_{name}_macs_per_s"] = n**3 / _best_seconds(
+            lambda x=x, y=y: x @ y, reps, device
+        )
+    u = torch.randn(elements, generator=g).to(device)
+    v = torch.randn(elements, generator=g).to(device)
     w = torch.empty_like(u)
     out["memory_bytes_per_s"] = (
-        3 * 4 * elements / _best_seconds(lambda: torch.add(u, v, out=w), reps)
+        3 * 4 * elements / _best_seconds(lambda: torch.add(u, v, out=w), reps, device)
     )
     return out
 

@@ -147,6 +147,7 @@ from stage_arithmetic import (  # noqa: E402
     matmul_macs,
     measure_rates,
     newton_schulz_macs,
+    synchronize,
     tensor_bytes,
 )
 from step_time import checked_out, print_table  # noqa: E402
@@ -246,10 +247,11 @@ class Bench:
     def __init__(self, w: rw.RaceWorkload, args: argparse.Namespace) -> None:
         self.w = w
         self.args = args
+        self.device = torch.device(args.device)
         torch.manual_seed(args.seed)
-        base = w.make()
+        base = w.make().to(self.device)
         gen = torch.Generator().manual_seed(1000 + args.seed)
-        self.x, self.y = w.batch(gen)
+        self.x, self.y = (t.to(self.device) for t in w.batch(gen))
         self.samples: dict[str, list[float]] = {}
         self.plain = copy.deepcopy(base)
         # the training steps of every optimizer: the race's recipes (learning rates at
@@ -300,8 +302,10 @@ class Bench:
     # ------------------------------------------------------------------ units
 
     def _time(self, key: str, fn: Callable[[], Any]) -> Any:
+        synchronize(self.device)
         t0 = time.perf_counter()
         out = fn()
+        synchronize(self.device)
         self.samples.setdefault(key, []).append(time.perf_counter() - t0)
         return out
 
@@ -846,6 +850,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the race's language models to time (default: all three)",
     )
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where the models, batches and states live (default cpu; cuda on a GPU: the "
+        "times then wait for the device, and the rates are the device's)",
+    )
     p.add_argument("--reps", type=int, default=9, help="timed repetitions (default 9)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up rounds (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch")
@@ -886,8 +896,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         info = race.machine(args.threads)
         info["bf16_flags"] = bf16_flags()
+        device = torch.device(args.device)
+        if device.type == "cuda":
+            info["device"] = torch.cuda.get_device_name(device)
         n, elements = (256, 1 << 20) if args.quick else (2048, 1 << 24)
-        rates_before = measure_rates(n, elements)
+        rates_before = measure_rates(n, elements, device=device)
         print("kfac_func stage benchmark: the recommended step's stages, Muon, SOAP, AdamW")
         print(
             f"CPU {info['cpu']} | {args.threads} thread(s) of {info['cores']} cores | torch "
@@ -902,7 +915,7 @@ def main(argv: list[str] | None = None) -> int:
             bench = Bench(w, args)
             bench.run(log)
             benches[name] = bench
-        rates_after = measure_rates(n, elements)
+        rates_after = measure_rates(n, elements, device=device)
         rates = {k: max(rates_before[k], rates_after[k]) for k in rates_before}
         print(
             f"\nmatmul n={n}: float32 {2e-9 * rates['matmul_float32_macs_per_s']:.1f} "

@@ -60,8 +60,16 @@ def _cell(row: dict[str, Any] | None) -> str:
     return ms if row["vs_floor"] is None else f"{ms} ({row['vs_floor']:.1f}×)"
 
 
-def render(doc: dict[str, Any]) -> str:
-    """The Markdown of the results ``doc``: one row per stage, one column per workload.
+def _where(machine: dict[str, Any], settings: dict[str, Any]) -> str:
+    """The device the run timed: a GPU by its name, else the CPU and its threads."""
+    if machine.get("device"):
+        return f"GPU `{machine['device']}`"
+    return f"CPU `{machine['cpu']}`, {settings['threads']} thread(s)"
+
+
+def render(doc: dict[str, Any], source: str = "`benchmarks/results/stages.json`") -> str:
+    """The Markdown of the results ``doc`` (read from ``source``): one row per stage, one
+    column per workload.
 
     Example:
         >>> row = {"key": "fold", "ms": 2.0, "vs_floor": 4.0}
@@ -73,11 +81,11 @@ def render(doc: dict[str, Any]) -> str:
     names = list(doc["workloads"])
     by = {w: {r["key"]: r for r in doc["workloads"][w]["rows"]} for w in names}
     lines = [
-        "Results: `benchmarks/results/stages.json` (`python benchmarks/stages.py`); "
+        f"Results: {source} (`python benchmarks/stages.py`); "
         "milliseconds, medians of the repetitions, and in brackets the row's time over "
         "its arithmetic floor.",
         "<!-- settings -->",
-        f"CPU `{doc['machine']['cpu']}`, {doc['settings']['threads']} thread(s), the race's "
+        _where(doc["machine"], doc["settings"]) + ", the race's "
         f"Muon in {doc['machine'].get('muon_newton_schulz', 'bfloat16')}, "
         f"{rr.commit_phrase(doc)}.",
         "",

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("environment", "tests", "step_time", "eigh_vs_qr", "process_group")
+PARTS = ("environment", "tests", "step_time", "stages", "eigh_vs_qr", "process_group")
 VARIANTS = {
     ("sgd", "-"),
     ("adamw", "-"),
@@ -57,7 +57,7 @@ def test_gpu_script_quick(tmp_path: Path) -> None:
         assert part in results, part
     assert results["tests"]["skipped"] == "--no-tests"
     # on the CPU every other part must succeed: an error here is the script rotting
-    for part in ("environment", "step_time", "eigh_vs_qr", "process_group"):
+    for part in ("environment", "step_time", "stages", "eigh_vs_qr", "process_group"):
         assert "error" not in results[part] and "skipped" not in results[part], results[part]
     assert results["environment"]["torch"] and results["environment"]["device"] == "cpu"
 
@@ -90,6 +90,15 @@ def test_gpu_script_quick(tmp_path: Path) -> None:
     for r in eigh:
         assert all(_finite(r[k]) for k in ("eigh_ms", "qr_ms", "eigh_over_qr")), r
         assert r["qr_eigenvalue_rel_error"] < 0.1, r
+
+    # the recommended recipe's stage split (stages.py's smoke test, on the device) and its
+    # two tables
+    stages = results["stages"]
+    assert Path(stages["json"]) == tmp_path / "gpu_stages.json"
+    doc = stages["results"]
+    assert doc["quick"] is True and sorted(doc["workloads"]) == ["gpt2", "lm", "lm4x"]
+    assert "## The recommended recipe's stages" in text
+    assert "| K-FAC's whole training step |" in text and "| `lm4x` | Muon |" in text
 
     pg = results["process_group"]
     assert pg["backend"] == "gloo" and pg["all_reduce_probe"] == 1.0
@@ -131,6 +140,8 @@ def test_gpu_script_records_failures(tmp_path: Path, monkeypatch: pytest.MonkeyP
         return time_variant(wl, v, *args)
 
     monkeypatch.setattr(gpu, "part_process_group", broken)
+    # the stage split has its own smoke test (test_gpu_script_quick)
+    monkeypatch.setattr(gpu, "part_stages", lambda *a: {"skipped": "not under test"})
     monkeypatch.setattr(gpu, "time_variant", some_broken)
     argv = ["--quick", "--no-tests", "--models", "lm", "--out", str(tmp_path / "gpu")]
     argv += ["--steps", "1", "--warmup", "0", "--sizes", "8"]
