@@ -33,7 +33,8 @@ the budget is spent):
    ``kfac 1/1`` (both every step), ``kfac-qr 1/1`` (every step, eigenbases refreshed by one
    QR iteration after the first eigh: ``eigenbasis_refresh="qr"``) and
    ``kfac-moments 10/100`` (Adam's step in K-FAC's eigenbasis: ``eigenbasis_moments=True``,
-   ``kl_clip=None``).
+   ``kl_clip=None``) and ``kfac-recommended 1/2`` (the preconditioner of ``kf.KFAC(model)``'s
+   recommended recipe, :func:`recommended_options`, in front of the same SGD).
 
    Every variant starts from the same weights and draws a fresh random batch on the device
    before the clock starts. A repetition is one step of each kind the intervals produce
@@ -334,6 +335,22 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
     return [found[m] for m in args.models]
 
 
+def recommended_options() -> tuple[tuple[str, Any], ...]:
+    """The preconditioner's arguments of ``kf.KFAC(model)``'s recommended recipe (its
+    intervals are the variant's; its Adam betas are the eigenbasis moments'; the
+    orthogonalized step's iteration in float32 on every device).
+
+    Example:
+        >>> dict(recommended_options())["moment_beta2"]
+        0.95
+    """
+    recipe = kf.RECIPES["recommended"]
+    skip = ("factor_update_steps", "inv_update_steps")
+    options = {k: v for k, v in recipe.kfac_kwargs.items() if k not in skip}
+    options["moment_beta1"], options["moment_beta2"] = recipe.betas
+    return tuple(options.items())
+
+
 @dataclass(frozen=True)
 class Variant:
     optimizer: str  # sgd, adamw, kfac, kfac-qr, kfac-moments
@@ -352,6 +369,7 @@ VARIANTS = (
     Variant("kfac", (1, 1)),
     Variant("kfac-qr", (1, 1), (("eigenbasis_refresh", "qr"),)),
     Variant("kfac-moments", (10, 100), (("eigenbasis_moments", True), ("kl_clip", None))),
+    Variant("kfac-recommended", (1, 2), recommended_options()),
 )
 
 

@@ -26,6 +26,7 @@ VARIANTS = {
     ("kfac", "1/1"),
     ("kfac-qr", "1/1"),
     ("kfac-moments", "10/100"),
+    ("kfac-recommended", "1/2"),
 }
 
 
