@@ -4,8 +4,9 @@ steps on the same model and batch, with each K-FAC stage's arithmetic floor.
 ``python benchmarks/stages.py`` times the race's language models (``lm``, ``lm4x``,
 ``gpt2``: ``race_workloads.py``'s builders, sizes and batches) and writes
 ``benchmarks/results/stages.json``; ``--quick`` (the race's tiny models, two
-repetitions, a temporary folder) is the smoke test of the tests. Only ratios from one
-run compare: the CPU, the thread count and the machine's load move every number.
+repetitions, a temporary folder) is the smoke test of the tests; ``--device cuda`` times
+the same on a GPU (``benchmarks/gpu.py`` runs it there). Only ratios from one run
+compare: the device, the thread count and the machine's load move every number.
 
 The recipe
 ----------
@@ -96,10 +97,10 @@ refresh, ``(7/3)·n³``; the projections, the four products of ``Qgᵀ M Qa`` an
 ``Qg V Qaᵀ``; the carry, ``Q_newᵀ Q_old`` per side and the moments' two sandwiches.
 Elementwise stages (batch factors, fold, moments, write-back, update) count bytes only.
 Muon's floor is its Newton–Schulz products (5 iterations of ``2·m²·n + m³`` for an
-``m × n`` matrix, ``m ≤ n``), at the bfloat16 rate for ``torch.optim.Muon`` and the
-float32 rate for the float32 variant; the wide layers' iteration counts the same, at the
-rate of its dtype, their powers ``n³`` per dense side (``Q diag Qᵀ``) and the products
-applying them one matmul per side. ``× floor`` is a row's time over its floor.
+``m × n`` matrix, ``m ≤ n``), at the rate of the precision its row runs in (bfloat16
+for ``torch.optim.Muon``, float32 for :class:`Muon32`); the wide layers' iteration counts
+the same, at the rate of its dtype, their powers ``n³`` per dense side (``Q diag Qᵀ``)
+and the products applying them one matmul per side. ``× floor`` is a row's time over its floor.
 ``whole step at the floors`` adds the plain forward+backward (as measured: the model's
 own arithmetic), the statistics at their floor and the amortized optimizer part at its
 floor: what the recipe's step would cost with no overhead at all, to set beside the
