@@ -188,6 +188,21 @@ def matmul_macs(a: Sequence[int], b: Sequence[int]) -> float:
     return float(math.prod(batch) * a[-2] * a[-1] * b[-1])
 
 
+def sided_macs(m: torch.Tensor, left: torch.Tensor | None, right: torch.Tensor | None) -> float:
+    """Multiply-adds of ``left @ m`` and ``m @ right`` (a side of None: no product).
+
+    Example:
+        >>> sided_macs(torch.zeros(2, 3), torch.zeros(2, 2), None)
+        12.0
+    """
+    macs = 0.0
+    if left is not None:
+        macs += matmul_macs(left.shape, m.shape)
+    if right is not None:
+        macs += matmul_macs(m.shape, right.shape)
+    return macs
+
+
 def cube_macs(q: torch.Tensor | None, per_n3: float) -> float:
     """``per_n3 · n³`` for every ``n × n`` matrix of a (stacked) basis; 0 for None."""
     if q is None:

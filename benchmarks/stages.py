@@ -145,9 +145,9 @@ from stage_arithmetic import (  # noqa: E402
     bf16_flags,
     cube_macs,
     float32_muon,
-    matmul_macs,
     measure_rates,
     newton_schulz_macs,
+    sided_macs,
     synchronize,
     tensor_bytes,
 )
@@ -202,12 +202,8 @@ class Group:
         self.v = to_basis(self.m, self.qa, self.qg)
 
     def projection_floor(self) -> Floor:
-        macs = 0.0
-        if self.qg is not None:
-            macs += matmul_macs(self.qg.shape, self.m.shape)
-        if self.qa is not None:
-            macs += matmul_macs(self.m.shape, self.qa.shape)
-        return Floor(2 * macs)  # into the basis and out of it
+        # into the basis and out of it
+        return Floor(2 * sided_macs(self.m, self.qg, self.qa))
 
     def moments_floor(self) -> Floor:
         # read V and the moments, write the moments and the scaled V
@@ -224,12 +220,7 @@ class WideGroup:
     pg: torch.Tensor | None
 
     def applied_floor(self) -> Floor:
-        macs = 0.0
-        if self.pa is not None:
-            macs += matmul_macs(self.u.shape, self.pa.shape)
-        if self.pg is not None:
-            macs += matmul_macs(self.pg.shape, self.u.shape)
-        return Floor.products(macs, self.u.dtype)
+        return Floor.products(sided_macs(self.u, self.pg, self.pa), self.u.dtype)
 
     def newton_schulz_floor(self) -> Floor:
         shapes = [self.u.shape[-2:]] * (self.u.shape[0] if self.u.dim() == 3 else 1)
@@ -561,12 +552,8 @@ class Bench:
             m = ls.basis_moment
             assert m is not None
             for moment in (m, ls.basis_momentum):  # the two sandwiches
-                if moment is None:
-                    continue
-                if qg is not None:
-                    carry.macs += matmul_macs(qg.shape, moment.shape)
-                if qa is not None:
-                    carry.macs += matmul_macs(moment.shape, qa.shape)
+                if moment is not None:
+                    carry.macs += sided_macs(moment, qg, qa)
         projections = sum((g.projection_floor() for g in self.groups), Floor())
         moments = sum((g.moments_floor() for g in self.groups), Floor())
         applied = sum((g.applied_floor() for g in self.wide_groups), Floor())
