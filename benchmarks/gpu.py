@@ -853,8 +853,9 @@ def markdown(results: dict[str, Any]) -> str:
 
         doc = sg["results"]
         headline = json.loads(stages_report.HEADLINE.read_text())
-        table = stages_report.render(doc, f"`{Path(sg['json']).name}`")
-        out += [table, "", stages_report.render_floors(doc, headline)]
+        source = f"`{Path(sg['json']).name}`"
+        table = stages_report.render(doc, source)
+        out += [table, "", stages_report.render_floors(doc, headline, source)]
 
     out += ["", "## eigh vs one QR refresh (float32, on the device)", ""]
     eq = results["eigh_vs_qr"]

@@ -182,6 +182,20 @@ EXCLUDE = ("benchmarks/results",)
 """Paths a run writes: changes there do not make the tree dirty."""
 
 
+def recipe_overrides(quick: bool) -> dict[str, Any]:
+    """The recipe's settings this run replaces: none, or under ``--quick`` its
+    orthogonalized step with ``wider_than=QUICK_WIDE``.
+
+    Example:
+        >>> recipe_overrides(True)["orthogonal"].wider_than == QUICK_WIDE, recipe_overrides(False)
+        (True, {})
+    """
+    if not quick:
+        return {}
+    wide = optimizers.KFAC[RECIPE][-1]["orthogonal"]
+    return {"orthogonal": wide._replace(wider_than=QUICK_WIDE)}
+
+
 # --------------------------------------------------------------------------- the bench
 
 
@@ -252,9 +266,7 @@ class Bench:
         if optimizers._heavyball() is not None:
             names.insert(3, "soap")
         self.steppers: dict[str, optimizers.Stepper] = {}
-        # the recipe's settings replaced (the smoke test's wide layers, see QUICK_WIDE)
-        wide = optimizers.KFAC[RECIPE][-1]["orthogonal"]._replace(wider_than=QUICK_WIDE)
-        self.overrides = {"orthogonal": wide} if args.quick else {}
+        self.overrides = recipe_overrides(args.quick)
         for name in names:
             recipe = "muon" if name == "muon-fp32" else name
             st = optimizers.Stepper(
@@ -477,8 +489,7 @@ class Bench:
             states = [s.layers[n] for n in members]
             ms = []
             for ls in states:
-                w, b = layer_grads(ls.spec, self.grads)
-                ms.append(ls.spec.block.to_matrix(ls.spec, w, b).to(ls.a_factor.dtype))
+                ms.append(self._matrix(ls))
             bases = [basis_of(ls.decomposition) for ls in states]  # type: ignore[arg-type]
             out.append(
                 Group(
@@ -492,14 +503,19 @@ class Bench:
             )
         return out
 
+    def _matrix(self, ls: LayerState) -> torch.Tensor:
+        """The layer's gradient matrix (of the snapshot's gradients), in its factors'
+        dtype."""
+        w, b = layer_grads(ls.spec, self.grads)
+        return ls.spec.block.to_matrix(ls.spec, w, b).to(ls.a_factor.dtype)
+
     def _wide_groups(self) -> list[WideGroup]:
         s, out = self.state, []
         for members in plan_groups(s.layers, self.wide, self.grads):
             us, pas, pgs = [], [], []
             for ls in (s.layers[n] for n in members):
                 assert self.ortho is not None and ls.ortho_power is not None
-                w, b = layer_grads(ls.spec, self.grads)
-                m = ls.spec.block.to_matrix(ls.spec, w, b).to(ls.a_factor.dtype)
+                m = self._matrix(ls)
                 dtype = self.ortho.dtype or m.dtype
                 us.append(m.to(dtype))
                 pas.append(None if ls.ortho_power.a is None else ls.ortho_power.a.to(dtype))
@@ -715,10 +731,11 @@ def build_rows(
     fresh = ["eigh", "carry", *(["powers"] if wide else [])]  # after a decomposition
     without = sum(ms[k] for k in every_step)
     with_eigh = without + sum(ms[k] for k in fresh)
-    floor_eigh = floor_every + sum((floors[k] for k in fresh), Floor())
+    floor_fresh = sum((floors[k] for k in fresh), Floor())
+    floor_eigh = floor_every + floor_fresh
     add("sum of stages, step with eigh", st, with_eigh, "sum", floor_eigh, "sum eigh")
     add("sum of stages, step without eigh", st, without, "sum", floor_every, "sum plain")
-    amortized_floor = floor_every + sum((floors[k] for k in fresh), Floor()).times(0.5)
+    amortized_floor = floor_every + floor_fresh.times(0.5)
     sum_amortized = (with_eigh + without) / 2
     add(
         "sum of stages, amortized (eigh every 2)",
@@ -965,8 +982,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _recipe_settings(quick: bool) -> dict[str, Any]:
     method, momentum, _, clip, (fac, inv), decay, extra = optimizers.KFAC[RECIPE]
-    if quick:
-        extra = {**extra, "orthogonal": extra["orthogonal"]._replace(wider_than=QUICK_WIDE)}
+    extra = {**extra, **recipe_overrides(quick)}
     return {
         "compute_method": method,
         "sgd_momentum": momentum,

@@ -99,7 +99,11 @@ def render(doc: dict[str, Any], source: str = "`benchmarks/results/stages.json`"
     return "\n".join(lines)
 
 
-def render_floors(doc: dict[str, Any], headline: dict[str, Any]) -> str:
+def render_floors(
+    doc: dict[str, Any],
+    headline: dict[str, Any],
+    source: str = "`benchmarks/results/stages.json`",
+) -> str:
     """The Markdown of the recipe's whole step, measured and at its floors, over Muon's
     and SOAP's whole steps, and times the steps the race's recipe takes to their final
     losses (as a share of their runs' steps): the race's time-to-target ratio as the
@@ -118,9 +122,9 @@ def render_floors(doc: dict[str, Any], headline: dict[str, Any]) -> str:
     recipe = doc["recipe"]["name"]
     race = {(r["workload"], r["competitor"]): r for r in headline["rows"]}
     lines = [
-        "From `benchmarks/results/stages.json` (the steps' milliseconds, this page's stage "
-        "table) and `benchmarks/results/race_headline.json` (the steps the race's recipe "
-        "takes to each competitor's mean final loss, as a share of the competitor's run).",
+        f"From {source} (the steps' milliseconds, the stage table above) and "
+        "`benchmarks/results/race_headline.json` (the steps the race's recipe takes to each "
+        "competitor's mean final loss, as a share of the competitor's run).",
         "",
         "| workload | competitor | K-FAC's step ms | at its floors | competitor's step ms "
         "| steps to its final (share) | time to its final: measured step | at the floors "
@@ -145,14 +149,9 @@ def render_floors(doc: dict[str, Any], headline: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def block_of(page: str) -> str | None:
-    """The text between the markers of ``page`` (None without them)."""
-    return rr.block_between(page, MARKERS)
-
-
-def floors_block_of(page: str) -> str | None:
-    """The text between the floor table's markers of ``page`` (None without them)."""
-    return rr.block_between(page, FLOOR_MARKERS)
+def block_of(page: str, marks: tuple[str, str] = MARKERS) -> str | None:
+    """The text between the markers ``marks`` of ``page`` (None without them)."""
+    return rr.block_between(page, marks)
 
 
 def main() -> int:

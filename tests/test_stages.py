@@ -202,4 +202,5 @@ def test_the_docs_stage_table_is_the_committed_results() -> None:
     page = stages_report.PAGE.read_text()
     assert stages_report.block_of(page) == stages_report.render(doc)
     headline = json.loads(stages_report.HEADLINE.read_text())
-    assert stages_report.floors_block_of(page) == stages_report.render_floors(doc, headline)
+    floors = stages_report.block_of(page, stages_report.FLOOR_MARKERS)
+    assert floors == stages_report.render_floors(doc, headline)
