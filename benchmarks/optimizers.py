@@ -31,8 +31,9 @@ schedule: factor statistics every step with decay 0.9 and eigenbases every 2 ste
 ``kfac-moments-drift`` (``kfac-moments-fresh`` whose eigenbases are checked every step and
 decomposed anew where they drifted from their factors: ``refresh_drift``),
 ``kfac-moments-wide`` (``kfac-moments-fresh`` whose layers with a factor side wider than
-512 take Muon's orthogonalized step on K-FAC's input curvature instead:
-``Orthogonal(wider_than=512)``) and
+512 take Muon's orthogonalized step on K-FAC's input curvature instead, their A factors
+in diagonal blocks of at most 512: ``Orthogonal(wider_than=512, block=512)``; the
+recommended recipe), ``kfac-moments-wide-whole`` (the same with every A factor whole) and
 ``kfac-adaptive`` (no optimizer: the quadratic model's learning rate and momentum,
 Levenberg–Marquardt damping; its "learning rates" are the starting dampings). Every
 optimizer gets the same schedule (linear warm-up, cosine decay to 10 %), the same
@@ -99,6 +100,7 @@ LRS: dict[str, tuple[float, ...]] = {
     "kfac-moments-fresh": (7e-3, 1.4e-2),
     "kfac-moments-drift": (7e-3, 1.4e-2),
     "kfac-moments-wide": (7e-3, 1.4e-2),
+    "kfac-moments-wide-whole": (7e-3, 1.4e-2),
     "kfac-adaptive": (0.1, 1.0),  # the starting damping: no learning rate to sweep
     "kfac-muon": (0.02, 0.05),
     "kfac-muon-two-sided": (0.02, 0.05),
@@ -225,12 +227,14 @@ WIDE = kf.Orthogonal(
     powers=(0.5, 0.0),
     wider_than=512,
     dtype=torch.bfloat16 if NATIVE_BF16 else None,
+    block=512,
 )
 """``kfac-moments-wide``'s orthogonalized step: the layers with a factor side wider than 512
 (the race's wide MLP layers, the autoencoder's pixel-wide ones, the CNN's hidden layer)
 take it, one-sided as the orthogonal recipes' (``(A + δI)^(-1/2)`` before the
 Newton–Schulz iteration, G kept diagonal), in bfloat16 where this CPU multiplies it
-natively, as Muon's."""
+natively, as Muon's; an A factor wider than 512 in diagonal blocks of at most 512
+(``kfac-moments-wide-whole``: the same step with every A factor whole)."""
 
 MOMENTS = {"eigenbasis_moments": True, "moment_beta2": 0.95, "moment_beta1": 0.9}
 """The eigenbasis-moment settings of the ``kfac-moments-fresh`` family (Adam's step in
@@ -287,6 +291,16 @@ KFAC = {
     # kfac-moments-fresh with the layers that have a side wider than 512 on the
     # orthogonalized step: no Gram and no eigh of their G factors
     "kfac-moments-wide": ("eigen", 0.0, 0.0, None, (1, 2), 0.9, {**MOMENTS, "orthogonal": WIDE}),
+    # the same with the wide layers' A factors whole (decomposed as one matrix)
+    "kfac-moments-wide-whole": (
+        "eigen",
+        0.0,
+        0.0,
+        None,
+        (1, 2),
+        0.9,
+        {**MOMENTS, "orthogonal": WIDE._replace(block=None)},
+    ),
     # the quadratic model's learning rate and momentum, adaptive damping ("lr": its start)
     "kfac-adaptive": ("eigen", 0.0, 0.0, None, (1, 5), 0.95, {}),
 }

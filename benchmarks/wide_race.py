@@ -1,5 +1,5 @@
 """The recommended recipe with Muon's step on its widest layers, raced per second against
-Muon, SOAP, AdamW and the recommended recipe itself.
+Muon, SOAP, AdamW, ``kfac-moments-fresh`` and the same recipe with its A factors whole.
 
 The recommended recipe (``kfac-moments-fresh``: Adam's step in K-FAC's eigenbasis, factor
 statistics every step, every eigenbasis decomposed anew every 2 steps) spends most of a
@@ -7,8 +7,11 @@ wide model's step on the wide sides of its layers: on ``lm4x`` the four MLPs' 76
 factors are 8 of its 61 matrix factors and about 80 % of the ``eigh`` time, and their Grams
 the largest part of the statistics. ``kfac-moments-wide`` (``optimizers.WIDE``) gives the
 layers with a factor side wider than 512 Muon's orthogonalized step on K-FAC's input
-curvature (``Orthogonal(wider_than=512)``, :mod:`kfac_func.step.orthogonal`, one-sided:
-their G factors diagonal, no Gram and no ``eigh`` of them). The other layers keep the
+curvature (``Orthogonal(wider_than=512, block=512)``, :mod:`kfac_func.step.orthogonal`,
+one-sided: their G factors diagonal, no Gram and no ``eigh`` of them; an A factor wider
+than 512 in diagonal blocks of at most 512, so that no matrix wider than 512 is
+decomposed). ``kfac-moments-wide-whole`` is the same with every A factor whole: the race
+of the two is what decides the blocks. The other layers keep the
 recommended step; a model without such a side steps exactly as the recommended recipe
 (``tests/test_orthogonal.py``), so the race runs the workloads that have one: ``lm4x``,
 the autoencoder (its 784-pixel layers) and the CNN (its 512-input hidden layer).
@@ -33,7 +36,7 @@ import orthogonal_race as challenge
 
 WIDE_RACE = challenge.Challenge(
     "wide_race",
-    ("kfac-moments-wide",),
+    ("kfac-moments-wide", "kfac-moments-wide-whole"),
     ("<!-- wide:start -->", "<!-- wide:end -->"),
     ("lm4x", "autoencoder", "mnist5k_cnn"),
 )

@@ -342,7 +342,14 @@ def init(
     for name, spec in layers.items():
         a_shape, g_shape = spec.factor_shapes
         states[name] = LayerState(
-            a_factor=initial_factor(convention, a_shape, factor_dtype, dev, spec.a_diagonal),
+            a_factor=initial_factor(
+                convention,
+                a_shape,
+                factor_dtype,
+                dev,
+                spec.a_diagonal,
+                width=spec.a_dim if spec.a_blocks > 1 else None,
+            ),
             g_factor=initial_factor(convention, g_shape, factor_dtype, dev, spec.g_diagonal),
             decomposition=None,
             spec=spec,

@@ -82,7 +82,7 @@ RECOMMENDED: dict[str, Any] = {
     "inv_update_steps": 2,
     "factor_decay": 0.9,
     "batched_eigh": True,
-    "orthogonal": kf.Orthogonal(powers=(0.5, 0.0), wider_than=512),
+    "orthogonal": kf.Orthogonal(powers=(0.5, 0.0), wider_than=512, block=512),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -531,3 +532,25 @@ def test_keys_are_optree_paths(outer_product: bool) -> None:
     assert set(factors_only) - {META_KEY} == {
         k for p, k in zip(paths, by_path) if p[2] != "decomposition"
     }
+
+
+def test_checksum_digests_are_those_of_earlier_checkpoints() -> None:
+    """The digest reads a tensor's memory where it lies (no Python loop over its bytes),
+    and gives the SHA-256 that checkpoints written by earlier versions recorded (their
+    values below), of any dtype and layout."""
+    from kfac_func.checkpoint.checksums import add_checksums, tensor_digest, verify_checksums
+
+    t = torch.arange(6.0).reshape(2, 3).mT  # not contiguous
+    assert tensor_digest(t) == "0af938f1a2bfae9f4b52614368335338bfe4a0845f202313797d680c21ba96a6"
+    assert tensor_digest(t.bfloat16()) == (
+        "c1da9b55275b1f2a90bd1d0e5cf875875becca731daaad7e2fde3a859e6d7e74"
+    )
+    for x in (torch.tensor(True), torch.zeros(0, 3), torch.randn(3, 4, dtype=torch.float64)):
+        h = hashlib.sha256(f"{x.dtype} {tuple(x.shape)}".encode())
+        h.update(x.contiguous().numpy().tobytes())
+        assert tensor_digest(x) == h.hexdigest()
+    sd = add_checksums({f"l{i}": {"A": torch.randn(64, 64)} for i in range(5)})
+    verify_checksums(sd)  # on several threads
+    sd["l3"]["A"][7, 7] += 1.0
+    with pytest.raises(kf.checkpoint.CheckpointFormatError, match=r"'l3\.A' does not match"):
+        verify_checksums(sd)

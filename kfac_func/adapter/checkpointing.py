@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import optree
 import torch
 
 from kfac_func.adapter.arguments import HYPER, PreconditionerBase
@@ -34,6 +33,7 @@ from kfac_func.adapter.replicated import (
 )
 from kfac_func.blocks.tied import newly_tied
 from kfac_func.checkpoint.checksums import CHECKSUMS_KEY, add_checksums, verify_checksums
+from kfac_func.checkpoint.lent import lend
 from kfac_func.checkpoint.state_format import _COUNTER_DTYPES
 from kfac_func.core.decomposition import DECOMPOSITIONS, all_finite, decomposition_from_fields
 from kfac_func.distributed.communicator import Communicator
@@ -90,7 +90,9 @@ def layer_entries(state: KFACState, plan: Plan, comm: Communicator) -> dict[str,
 def load_layer(
     ls: LayerState, entry: dict[str, Any], config: KFACConfig, damping: float | None
 ) -> LayerState:
-    """``ls`` with the factors (and decomposition) of one state-dict entry.
+    """``ls`` with the factors (and decomposition) of one state-dict entry: the entry's
+    own tensors where they are on the layer's device in the state's dtypes (no copy, as
+    ``torch.optim``'s ``load_state_dict``: the step never writes into them).
 
     Shapes and finiteness are checked first (a ValueError names the layer and the factor).
     Without a decomposition in the entry, one is computed with ``damping`` unless it is
@@ -117,7 +119,7 @@ def load_layer(
                 f"layer {ls.spec.name!r}: state_dict {moment} of shape {tuple(t.shape)} must "
                 f"be finite and of shape {tuple(ls.spec.matrix_shape)}"
             )
-        moments[moment] = t.to(device, config.factor_dtype, copy=True).contiguous()
+        moments[moment] = t.to(device, config.factor_dtype).contiguous()
     if "basis_moment" in moments:
         moments["moment_count"] = int(entry.get("moment_count", 1))
     for flag, dtype in _COUNTER_DTYPES.items():
@@ -126,8 +128,8 @@ def load_layer(
     if "grad_skips" in moments:
         moments["grad_skips_reported"] = int(entry.get("grad_skips_reported", 0))
     new = ls.replace(
-        a_factor=a.to(device, config.factor_dtype, copy=True).contiguous(),
-        g_factor=g.to(device, config.factor_dtype, copy=True).contiguous(),
+        a_factor=a.to(device, config.factor_dtype).contiguous(),
+        g_factor=g.to(device, config.factor_dtype).contiguous(),
         factor_updates=int(entry.get("factor_updates", max(1, ls.factor_updates))),
         decomposition=None,
         **moments,
@@ -136,7 +138,7 @@ def load_layer(
     if dec is not None:
         kind = type(ls.decomposition) if ls.decomposition is not None else None
         cls = kind or DECOMPOSITIONS[config.compute_method]
-        fields = {k: v.to(device, copy=True) for k, v in dec.items()}
+        fields = {k: v.to(device) for k, v in dec.items()}
         return new.replace(decomposition=decomposition_from_fields(cls, fields))
     if damping is not None:
         out = redecompose(new, damping, config)
@@ -162,16 +164,8 @@ def _adaptive_from(
         return current
     previous = entry.get("previous")
     if previous is not None:
-        previous = {k: v.to(device, copy=True) for k, v in previous.items()}
+        previous = {k: v.to(device) for k, v in previous.items()}
     return AdaptiveState.restored(entry, previous)
-
-
-def _own_copies(tree: dict[str, Any]) -> dict[str, Any]:
-    """``tree`` (nested dicts) with a copy of each tensor: nothing written into the state
-    dict (as ``torch.distributed.checkpoint.load`` writes into a template) reaches the
-    preconditioner's state before :meth:`StateDictMixin.load_state_dict` accepts it."""
-    copy = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
-    return optree.tree_map(copy, tree, none_is_leaf=True)  # type: ignore[arg-type,return-value]
 
 
 class StateDictMixin(PreconditionerBase):
@@ -187,16 +181,21 @@ class StateDictMixin(PreconditionerBase):
         ``include_factors``, ``layers: {name: {"A", "G"}}`` (plus this rank's decomposition
         and update counter, so a resumed run is bit-exact); ``settings``: what the factors
         mean (scaling, compute method, eigenbasis moments, factor dtype, layer kinds and
-        ``kfac_approx``), checked by :meth:`load_state_dict`."""
+        ``kfac_approx``), checked by :meth:`load_state_dict`; ``checksums``: a digest of
+        each tensor.
+
+        The tensors are the state's own (no copy, as ``torch.optim``'s state dicts; the
+        step makes new ones rather than writing into them, so the dict keeps its values).
+        :func:`kfac_func.load_dcp` loads a checkpoint into fresh tensors in their place
+        (see :mod:`kfac_func.checkpoint.lent`); a plain ``dcp.load`` into this dict writes
+        the live state, as it writes a ``torch.optim`` optimizer's."""
         sd = hyperparameter_entries(self, meaning_settings(self._state, self.eigenbasis_moments))
         if include_factors:
             sd["layers"] = layer_entries(self._state, self.plan, self.comm)
             # a template DCP loads into: the same tensors on every rank (no collective on
             # one process; several DDP ranks keep their own entries)
             if getattr(self, "_sharded", False) or self.comm.world_size == 1:
-                complete_entries(
-                    sd["layers"], self._state, self.plan, self.comm, kept_moments(self)
-                )
+                complete_entries(sd["layers"], self._state, self.plan, self.comm, self)
         demoted = getattr(self, "_demoted", None)
         if demoted:  # the layers left to the other optimizer (kfac_func.adapter.fallback)
             sd[DEMOTED_KEY] = dict(demoted)
@@ -204,8 +203,9 @@ class StateDictMixin(PreconditionerBase):
             names = {p for ls in self._state.layers.values() for p in ls.spec.param_names()}
             params = {p: self.model.get_parameter(p) for p in sorted(names)}
             sd["adaptive"] = adaptive_entry(self._state.adaptive, params)
-        # copies: DCP loads into a template's tensors in place, and the state is immutable
-        return add_checksums(_own_copies(sd))  # verified by load_state_dict
+        # the state's own tensors, no copy (as torch.optim's state dicts); lent, so that
+        # kf.load_dcp loads into fresh ones (kfac_func.checkpoint.lent)
+        return add_checksums(lend(sd))  # verified by load_state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any], compute_inverses: bool = True) -> None:
         """Restore :meth:`state_dict`; decompositions missing from it are recomputed (with
@@ -266,7 +266,8 @@ class StateDictMixin(PreconditionerBase):
             for n, lp in self.plan.layers.items()
             if self.comm.rank in lp.grad_workers and n in layers
         ]
-        warn_missing_moments(layers_sd, kept_moments(self), mine, steps)
+        kept = {name: kept_moments(self, layers[name].spec) for name in mine}
+        warn_missing_moments(layers_sd, kept, steps)
         self._state = self._state.replace(layers=layers, step=steps, adaptive=adaptive)
         warn_replaced(chosen, old, {key: getattr(self, key) for key in HYPER}, stacklevel=2)
         sharded = getattr(self, "_sharded", False)  # MEM_OPT: only the owned factors stay

@@ -16,6 +16,7 @@ from kfac_func.adapter.arguments import PreconditionerBase
 from kfac_func.blocks import Gram, LayerTable
 from kfac_func.step.diagnostics import DOMINANCE, JUDGE_LIMIT, damping_dominance, judged_at
 from kfac_func.step.options import StepOptions
+from kfac_func.step.orthogonal import TABLE_SETTINGS
 
 __all__ = ["InspectionMixin", "check_factor_rows"]
 
@@ -161,7 +162,8 @@ class InspectionMixin(PreconditionerBase):
         o = self.orthogonal
         if o is None:
             return {}
-        return {"orthogonal": True, **{f"ortho_{k}": v for k, v in o._asdict().items()}}
+        step = {k: v for k, v in o._asdict().items() if k not in TABLE_SETTINGS}
+        return {"orthogonal": True, **{f"ortho_{k}": v for k, v in step.items()}}
 
     def __repr__(self) -> str:
         return self._repr(

@@ -62,11 +62,12 @@ seed is the smallest fraction of the way from the tuned rate's to AdamW's (see
 docs/optimizers.md)."""
 
 WIDE = 512
-"""The recommended recipe's ``Orthogonal.wider_than``: the layers with a factor side wider
-than this take Muon's orthogonalized step on K-FAC's input curvature instead of Adam's
-step in the eigenbasis, so that no factor wider than this is decomposed or (on the G
-side) gathered. On a model with no side that wide the recipe is Adam's step in K-FAC's
-eigenbasis on every layer."""
+"""The recommended recipe's ``Orthogonal.wider_than`` and ``Orthogonal.block``: the layers
+with a factor side wider than this take Muon's orthogonalized step on K-FAC's input
+curvature instead of Adam's step in the eigenbasis, their G factors diagonal and their A
+factors, where wider, in diagonal blocks no wider than this, so that no factor or block
+wider than this is decomposed or (on the G side) gathered, at any model size. On a model
+with no side that wide the recipe is Adam's step in K-FAC's eigenbasis on every layer."""
 
 HEAD_NAMES = r"(^|\.)(lm_head|head|classifier|output)$"
 """The layer names the orthogonal recipes take for a model's head (``ortho_skip``): a
@@ -117,7 +118,7 @@ RECIPES: dict[str, Recipe] = {
             "factor_update_steps": 1,
             "inv_update_steps": 2,
             "factor_decay": 0.9,
-            "orthogonal": Orthogonal(powers=(0.5, 0.0), wider_than=WIDE),
+            "orthogonal": Orthogonal(powers=(0.5, 0.0), wider_than=WIDE, block=WIDE),
         },
         automatic=True,
     ),

@@ -26,7 +26,7 @@ from kfac_func.adapter.arguments import ComputeMethod, PreconditionerBase
 from kfac_func.adapter.compiled import eager_forward, forget_compiled_code, opaque
 from kfac_func.adapter.coverage import warn_uncollected, watch_gradients
 from kfac_func.adapter.recompute import in_backward
-from kfac_func.blocks import LayerSpec, LayerTable, Rows, call_grams, thinned_gram
+from kfac_func.blocks import LayerSpec, LayerTable, Rows, call_grams, joint_grams, thinned_gram
 from kfac_func.blocks.examples import BatchSizeError, CallExamples
 from kfac_func.blocks.taps import Site, call_sites, tap_hooks, tapped
 from kfac_func.captures import Captures, LayerCapture
@@ -335,9 +335,7 @@ class HookRecorder(PreconditionerBase):
             if self.update_factors_in_hook and not self._ekfac:
                 with torch.autocast(gy.device.type, enabled=False):
                     if joint_input is not None:
-                        a_item, item = spec.block.joint_grams(
-                            spec, joint_input, gy, self.factor_dtype
-                        )
+                        a_item, item = joint_grams(spec, joint_input, gy, self.factor_dtype)
                     else:
                         item = thinned_gram(
                             spec, gy, "g", self.factor_dtype, self.factor_rows, self._turn()

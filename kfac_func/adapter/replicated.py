@@ -11,14 +11,19 @@ zeros of the decomposition's shapes and ``"decomposed": 0``. A fresh preconditio
 state dict is then a template DCP loads into, on any world size; on load each rank keeps
 the decompositions of its grad-worker layers only (:func:`entry_for_rank`).
 
-The running moments that the preconditioner's settings keep (Adam grafting's
-``graft_moment``, the eigenbasis moments' ``basis_moment`` and, with ``moment_beta1 > 0``,
-``basis_momentum``, with their ``moment_count``; see :func:`kept_moments`) travel the same
-way: every layer's, from its first grad worker, zeros of the gradient matrix's shape where
-that rank has none yet, and ``"moments_held": {moment: 1 or 0}`` saying which are real. A
-preconditioner with these settings thus saves them and its template asks DCP for them (a
-checkpoint without them is then refused by ``dcp.load`` as missing keys instead of
-restarting the moments silently); on load each rank keeps its grad-worker layers' moments.
+The running moments that the preconditioner's settings keep for each layer (Adam
+grafting's ``graft_moment``, the eigenbasis moments' ``basis_moment`` and, with
+``moment_beta1 > 0``, ``basis_momentum``, with their ``moment_count``, or the
+orthogonalized step's ``ortho_momentum`` on the layers taking it; see
+:func:`kept_moments`) travel the same way: every layer's, from its first grad worker,
+zeros of the gradient matrix's shape where that rank has none yet, and
+``"moments_held": {moment: 1 or 0}`` saying which are real. A layer carries only the
+moments its own step keeps (a layer on the orthogonalized step no eigenbasis moments):
+which those are follows from its spec and the settings, the same on every rank, so the
+structure DCP needs is uniform without them. A preconditioner with these settings thus
+saves them and its template asks DCP for them (a checkpoint without them is then refused
+by ``dcp.load`` as missing keys instead of restarting the moments silently); on load each
+rank keeps its grad-worker layers' moments.
 
 The adaptive step (one process) keeps the previous update; its entry
 (:func:`adaptive_entry`) holds zeros of the parameters' shapes before the first step and
@@ -35,10 +40,12 @@ from typing import Any
 
 import torch
 
+from kfac_func.blocks import LayerSpec
 from kfac_func.distributed.communicator import Communicator
 from kfac_func.distributed.plan import Plan
 from kfac_func.state import MOMENT_FIELDS, AdaptiveState, KFACState, LayerState
 from kfac_func.step.decompose import decompose_layer
+from kfac_func.step.orthogonal import takes_orthogonal
 
 __all__ = [
     "adaptive_entry",
@@ -62,21 +69,29 @@ def _fields(ls: LayerState, config: Any) -> dict[str, torch.Tensor]:
     return {k: v for k, v in vars(dec).items() if isinstance(v, torch.Tensor)}
 
 
-def kept_moments(settings: Any) -> tuple[str, ...]:
+def kept_moments(settings: Any, spec: LayerSpec) -> tuple[str, ...]:
     """The running moments (of :data:`~kfac_func.state.MOMENT_FIELDS`) that a
-    preconditioner with these settings keeps per layer: ``graft_moment`` under
-    ``grafting="adam"``, ``basis_moment`` under ``eigenbasis_moments`` and
-    ``basis_momentum`` with ``moment_beta1 > 0`` too, ``ortho_momentum`` under
-    ``orthogonal``.
+    preconditioner with these settings keeps for the layer of ``spec``: ``ortho_momentum``
+    alone on a layer that takes the orthogonalized step (``orthogonal``, see
+    :func:`~kfac_func.step.orthogonal.takes_orthogonal`); on the others
+    ``graft_moment`` under ``grafting="adam"``, ``basis_moment`` under
+    ``eigenbasis_moments`` and ``basis_momentum`` with ``moment_beta1 > 0`` too.
 
     Example:
         >>> from types import SimpleNamespace
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> spec = kf.register(nn.Linear(4, 3))[""]
         >>> kept_moments(SimpleNamespace(grafting="adam", eigenbasis_moments=True,
-        ...                              moment_beta1=0.9))
+        ...                              moment_beta1=0.9), spec)
         ('graft_moment', 'basis_moment', 'basis_momentum')
-        >>> kept_moments(SimpleNamespace(grafting="sgd", eigenbasis_moments=False))
-        ()
+        >>> kept_moments(SimpleNamespace(eigenbasis_moments=True,
+        ...                              orthogonal=kf.Orthogonal(wider_than=4)), spec)
+        ('ortho_momentum',)
     """
+    orthogonal = getattr(settings, "orthogonal", None)
+    if orthogonal is not None and takes_orthogonal(spec, orthogonal):
+        return ("ortho_momentum",)
     out = []
     if getattr(settings, "grafting", None) == "adam":
         out.append("graft_moment")
@@ -84,8 +99,6 @@ def kept_moments(settings: Any) -> tuple[str, ...]:
         out.append("basis_moment")
         if float(getattr(settings, "moment_beta1", 0.0)) > 0:
             out.append("basis_momentum")
-    if getattr(settings, "orthogonal", False):
-        out.append("ortho_momentum")
     return tuple(out)
 
 
@@ -107,12 +120,14 @@ def complete_entries(
     state: KFACState,
     plan: Plan,
     comm: Communicator,
-    moments: Sequence[str] = (),
+    settings: Any = None,
 ) -> None:
-    """Give every layer entry (in place) its decomposition and its running ``moments``
-    (see :func:`kept_moments`) from the layer's first grad worker, the ``"decomposed"``
-    and ``"moments_held"`` markers and the moments' count, equal on every rank (a
-    collective: every rank calls it, layers in the plan's order)."""
+    """Give every layer entry (in place) its decomposition and the running moments that
+    ``settings`` keep for it (:func:`kept_moments`; None: none) from the layer's first
+    grad worker, the ``"decomposed"`` and ``"moments_held"`` markers and the moments'
+    count, equal on every rank (a collective: every rank calls it, layers in the plan's
+    order). On one process the entries hold the state's own tensors (nothing is copied);
+    on several, what the broadcasts return."""
     everyone = tuple(range(comm.world_size))
 
     def send(values: list[torch.Tensor], src: int) -> list[torch.Tensor]:
@@ -122,6 +137,7 @@ def complete_entries(
 
     for name in plan.layers:
         ls = state.layers[name]
+        moments = kept_moments(settings, ls.spec) if settings is not None else ()
         src = plan.layers[name].grad_workers[0]
         fields = _fields(ls, state.config)
         kept, held = _moments(ls, moments)
@@ -131,14 +147,14 @@ def complete_entries(
         flags = [round(v) for v in got[0].tolist()]
         entry = entries[name]
         decomposition = send(list(fields.values()), src)
-        entry["decomposition"] = {k: v.clone() for k, v in zip(fields, decomposition, strict=True)}
+        entry["decomposition"] = dict(zip(fields, decomposition, strict=True))
         entry["decomposed"] = flags[0]
         for moment in MOMENT_FIELDS:
             entry.pop(moment, None)  # this rank's own, replaced by the first grad worker's
         entry.pop("moment_count", None)
         if moments:
             for moment, t in zip(moments, send(kept, src), strict=True):
-                entry[moment] = t.clone()
+                entry[moment] = t
             entry["moments_held"] = dict(zip(moments, flags[1:-1], strict=True))
             if "basis_moment" in moments:
                 entry["moment_count"] = flags[-1]
@@ -204,29 +220,30 @@ def adaptive_fields(entry: Any) -> Any:
 
 
 def warn_missing_moments(
-    layers: Mapping[str, Any] | None, moments: Sequence[str], workers: Sequence[str], steps: int
+    layers: Mapping[str, Any] | None, moments: Mapping[str, Sequence[str]], steps: int
 ) -> None:
     """Warn (a RuntimeWarning naming the layers) when a state dict of a run that took
-    ``steps > 0`` steps lacks the running ``moments`` (see :func:`kept_moments`) of layers
-    this rank preconditions (``workers``), so that they would restart: a state dict saved
-    without them (by a preconditioner without these settings, or before they were kept
-    in sharded state dicts). Moments the state dict marks as not held yet are no restart.
+    ``steps > 0`` steps lacks running moments that this rank keeps, ``moments``
+    (``{layer this rank preconditions: its moments}``, see :func:`kept_moments`), so that
+    they would restart: a state dict saved without them (by a preconditioner without
+    these settings, or before they were kept in sharded state dicts). Moments the state
+    dict marks as not held yet are no restart.
 
     Example:
         >>> import warnings
         >>> with warnings.catch_warnings(record=True) as seen:
         ...     warnings.simplefilter("always")
-        ...     warn_missing_moments({"0": {"A": None}}, ("basis_moment",), ["0"], steps=3)
+        ...     warn_missing_moments({"0": {"A": None}}, {"0": ("basis_moment",)}, steps=3)
         >>> "restart" in str(seen[0].message)
         True
     """
-    if not layers or not moments or steps <= 0:
+    if not layers or steps <= 0:
         return
     missing: dict[str, list[str]] = {}
-    for name in workers:
+    for name, kept in moments.items():
         entry = layers.get(name, {})
         held = entry.get("moments_held", {})
-        for moment in moments:
+        for moment in kept:
             if moment not in entry and moment not in held:
                 missing.setdefault(moment, []).append(name)
     if missing:

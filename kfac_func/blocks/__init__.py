@@ -22,7 +22,7 @@ import torch
 
 from kfac_func.blocks.base import LayerBlock
 from kfac_func.blocks.registry import block_of, blocks, register_block
-from kfac_func.blocks.spec import Gram, LayerSpec, Rows, thin_positions
+from kfac_func.blocks.spec import Gram, LayerSpec, Rows, diagonal_blocks, thin_positions
 from kfac_func.blocks.table import LayerTable, register
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "call_grams",
     "g_gram",
     "grads_to_matrix",
+    "joint_grams",
     "layer_rows",
     "matrix_to_grads",
     "register",
@@ -49,8 +50,36 @@ for _module in pkgutil.iter_modules(__path__):
 
 
 def a_gram(spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> Gram:
-    """Gram statistics of one call's input (bias column of ones included)."""
-    return spec.block.a_gram(spec, x, dtype)
+    """Gram statistics of one call's input (bias column of ones included); of a blocked A
+    (:attr:`LayerSpec.a_blocks`) only the diagonal blocks."""
+    return _blocked(spec, spec.block.a_gram(spec, x, dtype))
+
+
+def joint_grams(
+    spec: LayerSpec, x: torch.Tensor, r: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> tuple[Gram, Gram]:
+    """The A and G statistics of one call of a kind with :attr:`LayerBlock.joint`
+    statistics (from its input ``x`` and output-gradient ``r`` together); of a blocked A
+    only the diagonal blocks.
+
+    Example:
+        >>> import torch
+        >>> spec = register(torch.nn.Sequential(torch.nn.LayerNorm(3)))["0"]
+        >>> a, g = joint_grams(spec, torch.randn(4, 3), torch.ones(4, 3))
+        >>> a.gram.shape, g.gram.shape
+        (torch.Size([3, 1]), torch.Size([3, 2, 2]))
+    """
+    a, g = spec.block.joint_grams(spec, x, r, dtype)
+    return _blocked(spec, a), g
+
+
+def _blocked(spec: LayerSpec, gram: Gram) -> Gram:
+    """``gram`` as a blocked A's statistics: its :func:`diagonal_blocks` where the kind
+    built the whole Gram (kinds that build the blocks themselves, as Linear's, and
+    layers without blocks pass as they are)."""
+    if spec.a_blocks == 1 or gram.gram.shape[-1] != spec.a_dim:
+        return gram
+    return gram._replace(gram=diagonal_blocks(gram.gram, spec.a_blocks))
 
 
 def g_gram(spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype = torch.float32) -> Gram:
@@ -100,7 +129,7 @@ def call_grams(
     statistics, from each call's pair."""
     block = spec.block
     if not block.joint:
-        return [block.a_gram(spec, x, dtype) for x in inputs], [
+        return [a_gram(spec, x, dtype) for x in inputs], [
             block.g_gram(spec, r, dtype) for r in output_grads
         ]
     if len(inputs) != len(output_grads):
@@ -108,7 +137,7 @@ def call_grams(
             f"layer {spec.name!r}: {len(inputs)} captured inputs but {len(output_grads)} "
             "output-gradients"
         )
-    pairs = [block.joint_grams(spec, x, r, dtype) for x, r in zip(inputs, output_grads)]
+    pairs = [joint_grams(spec, x, r, dtype) for x, r in zip(inputs, output_grads)]
     return [a for a, _ in pairs], [g for _, g in pairs]
 
 

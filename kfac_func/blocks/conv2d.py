@@ -172,7 +172,7 @@ class Conv2dBlock(LayerBlock):
         if self.reduced(spec):  # the mean patch of each example
             rows = _by_example(*self.a_rows(spec, x.to(dtype))).mean(dim=-2)
             d = spec.a_diagonal
-            return Gram(row_gram(rows, spec.has_bias, d), rows.shape[-2], 1, d)
+            return Gram(row_gram(rows, spec.has_bias, d, spec.a_blocks), rows.shape[-2], 1, d)
         if not spec.a_diagonal and supports_row_gram(spec.kernel_size, spec.stride):
             y = self.padded(spec, x.to(dtype))
             kh, kw = spec.kernel_size
@@ -182,7 +182,7 @@ class Conv2dBlock(LayerBlock):
             )
         rows, spatial = self.a_rows(spec, x.to(dtype))
         d = spec.a_diagonal
-        return Gram(row_gram(rows, spec.has_bias, d), rows.shape[-2], spatial, d)
+        return Gram(row_gram(rows, spec.has_bias, d, spec.a_blocks), rows.shape[-2], spatial, d)
 
     def g_gram(self, spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype) -> Gram:
         # columns (*batch_shape, C/groups, N·h·w), the transpose of g_rows: cheaper to build

@@ -109,7 +109,7 @@ class LinearBlock(LayerBlock):
         if self.reduced(spec) and x.dim() > 2:  # the mean input of each example
             rows = rows.reshape(x.shape[0], -1, rows.shape[-1]).mean(dim=1)
         d = spec.a_diagonal
-        return Gram(row_gram(rows, spec.has_bias, d), rows.shape[-2], spatial, d)
+        return Gram(row_gram(rows, spec.has_bias, d, spec.a_blocks), rows.shape[-2], spatial, d)
 
     def g_gram(self, spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype) -> Gram:
         rows, spatial = self.g_rows(spec, r.to(dtype))

@@ -19,7 +19,16 @@ from kfac_func.blocks.registry import block_of
 if TYPE_CHECKING:
     from kfac_func.blocks.base import LayerBlock
 
-__all__ = ["CheckedCall", "Gram", "LayerSpec", "Rows", "row_gram", "shape_error", "with_ones"]
+__all__ = [
+    "CheckedCall",
+    "Gram",
+    "LayerSpec",
+    "Rows",
+    "diagonal_blocks",
+    "row_gram",
+    "shape_error",
+    "with_ones",
+]
 
 Rows = Sequence[tuple[torch.Tensor, torch.Tensor]]
 """``[(input rows, output-gradient rows)]`` of a layer's calls (no bias column)."""
@@ -54,6 +63,12 @@ class LayerSpec:
         options: settings only one kind needs, as ``(name, value)`` pairs of numbers,
             strings or tuples (a norm's ``eps`` and normalised shape); read them with
             :meth:`option`. New kinds put their settings here rather than in new fields.
+        a_blocks: the A factor as this many diagonal blocks of equal width
+            (:attr:`a_block_width`, the last one padded with zero rows and columns where
+            the width does not divide ``a_dim``), stored stacked: ``(k, w, w)`` instead of
+            ``(a_dim, a_dim)``, as Distributed Shampoo blocks a wide side. 1: the whole
+            factor. Only the one-sided orthogonalized step takes blocked factors (its G
+            is diagonal; see :func:`kfac_func.step.orthogonal.orthogonal_table`).
 
     Example:
         >>> from torch import nn
@@ -77,6 +92,17 @@ class LayerSpec:
     padding_mode: str = "zeros"
     diagonal: tuple[bool, bool] = (False, False)
     options: tuple[tuple[str, Any], ...] = ()
+    a_blocks: int = 1
+
+    def __post_init__(self) -> None:
+        k = self.a_blocks
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"layer {self.name!r}: a_blocks must be a positive int, got {k!r}")
+        if k > 1 and (self.diagonal[0] or not self.diagonal[1]):
+            raise ValueError(
+                f"layer {self.name!r}: a blocked A factor (a_blocks={k}) needs a dense A and a "
+                f"diagonal G, got diagonal={self.diagonal}"
+            )
 
     def option(self, key: str, default: Any = None) -> Any:
         """The value of one of :attr:`options` (``default`` when absent)."""
@@ -146,10 +172,28 @@ class LayerSpec:
         return () if self.groups == 1 else (self.groups,)
 
     @property
+    def a_block_width(self) -> int:
+        """Width of one block of a blocked A factor (:attr:`a_blocks`; ``a_dim`` when 1).
+
+        Example:
+            >>> LayerSpec("fc", "linear", "fc.weight", "fc.bias", 768, 3, diagonal=(False, True),
+            ...           a_blocks=2).a_block_width  # 769 inputs with the bias's column
+            385
+        """
+        return -(-self.a_dim // self.a_blocks)
+
+    @property
     def factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Shapes of the A and G factors (one dimension less for a diagonal one)."""
+        """Shapes of the A and G factors (one dimension less for a diagonal one, one more
+        for a blocked A: ``(a_blocks, w, w)``)."""
         b, a, g = self.batch_shape, self.a_dim, self.g_dim
-        a_shape = (*b, a) if self.a_diagonal else (*b, a, a)
+        if self.a_diagonal:
+            a_shape: tuple[int, ...] = (*b, a)
+        elif self.a_blocks > 1:
+            w = self.a_block_width
+            a_shape = (*b, self.a_blocks, w, w)
+        else:
+            a_shape = (*b, a, a)
         g_shape = (*b, g) if self.g_diagonal else (*b, g, g)
         return a_shape, g_shape
 
@@ -250,14 +294,57 @@ def with_ones(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([rows, ones], dim=-1)
 
 
-def row_gram(rows: torch.Tensor, with_ones: bool, diagonal: bool = False) -> torch.Tensor:
+_append_ones = with_ones  # row_gram's argument of the same name hides the function
+
+
+def diagonal_blocks(m: torch.Tensor, blocks: int) -> torch.Tensor:
+    """The ``blocks`` diagonal blocks of the square matrices ``m`` (last two dimensions,
+    side ``n``), each ``w = ceil(n / blocks)`` wide, stacked: ``(..., blocks, w, w)``; the
+    last block is padded with zero rows and columns where ``w`` does not divide ``n``.
+
+    Example:
+        >>> diagonal_blocks(torch.arange(9.0).reshape(3, 3), 2)
+        tensor([[[0., 1.],
+                 [3., 4.]],
+        <BLANKLINE>
+                [[8., 0.],
+                 [0., 0.]]])
+    """
+    n = m.shape[-1]
+    w = -(-n // blocks)
+    if w * blocks != n:
+        m = torch.nn.functional.pad(m, (0, w * blocks - n, 0, w * blocks - n))
+    split = m.reshape(*m.shape[:-2], blocks, w, blocks, w)
+    return torch.diagonal(split, dim1=-4, dim2=-2).movedim(-1, -3).contiguous()
+
+
+def row_gram(
+    rows: torch.Tensor, with_ones: bool, diagonal: bool = False, blocks: int = 1
+) -> torch.Tensor:
     """``rowsᵀ rows``; with ``with_ones`` as if a column of ones were appended (no copy);
-    with ``diagonal`` only its diagonal ``Σ rows²``.
+    with ``diagonal`` only its diagonal ``Σ rows²``; with ``blocks > 1`` only its
+    diagonal blocks (:func:`diagonal_blocks`' shape and padding), each from its own
+    columns: ``blocks`` times fewer products than the whole Gram.
 
     Example:
         >>> row_gram(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), True, diagonal=True)
         tensor([10., 20.,  2.])
+        >>> row_gram(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), True, blocks=2)
+        tensor([[[10., 14.],
+                 [14., 20.]],
+        <BLANKLINE>
+                [[ 2.,  0.],
+                 [ 0.,  0.]]])
     """
+    if blocks > 1:
+        if with_ones:
+            rows = _append_ones(rows)
+        width = rows.shape[-1]
+        w = -(-width // blocks)
+        if w * blocks != width:  # the last block's padding: zero columns
+            rows = torch.nn.functional.pad(rows, (0, w * blocks - width))
+        split = rows.reshape(*rows.shape[:-1], blocks, w).movedim(-2, -3)
+        return split.mT @ split
     if diagonal:
         sq = (rows * rows).sum(dim=-2)
         if not with_ones:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from kfac_func.checkpoint.lent import fresh_template
 from kfac_func.checkpoint.state_files import _fsync_dir
 
 __all__ = ["load_dcp", "previous_path", "save_dcp"]
@@ -125,6 +126,12 @@ def load_dcp(
     a checkpoint :func:`save_dcp` wrote at ``path``, or from :func:`previous_path` when a
     save was killed between its renames. Returns the directory read.
 
+    The tensors of ``state_dict`` that a K-FAC state dict shares with its live state are
+    first replaced by fresh ones (:func:`~kfac_func.checkpoint.lent.fresh_template`), so
+    that the loaded values reach the state only through ``load_state_dict``, which checks
+    them (a damaged checkpoint then changes nothing); the others (a model's parameters)
+    are loaded in place.
+
     Raises:
         FileNotFoundError: naming ``path`` when neither exists.
 
@@ -142,5 +149,5 @@ def load_dcp(
         raise FileNotFoundError(
             f"no checkpoint at {path.as_posix()!r} (nor at {found.as_posix()!r})"
         )
-    load(state_dict, checkpoint_id=found, process_group=process_group)
+    load(fresh_template(state_dict), checkpoint_id=found, process_group=process_group)
     return found

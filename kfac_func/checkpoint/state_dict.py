@@ -113,10 +113,10 @@ def _decomposition_shapes(spec: LayerSpec) -> dict[str, tuple[int, ...]]:
     b, a, g = spec.batch_shape, spec.a_dim, spec.g_dim
     a_shape, g_shape = spec.factor_shapes
     return {
-        "qa": (*b, a, a),
-        "da": (*b, a),
-        "qg": (*b, g, g),
-        "dg": (*b, g),
+        "qa": a_shape,
+        "da": a_shape if spec.a_diagonal else a_shape[:-1],
+        "qg": g_shape,
+        "dg": g_shape if spec.g_diagonal else g_shape[:-1],
         "dgda": (*b, g, a),
         "a_inv": a_shape,
         "g_inv": g_shape,

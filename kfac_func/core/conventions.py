@@ -39,6 +39,8 @@ from typing import Literal
 
 import torch
 
+from kfac_func.blocks.spec import diagonal_blocks
+
 Convention = Literal["fisher", "kfac-pytorch"]
 CONVENTIONS: tuple[str, ...] = ("fisher", "kfac-pytorch")
 
@@ -141,18 +143,29 @@ def initial_factor(
     dtype: torch.dtype,
     device: torch.device | None,
     diagonal: bool = False,
+    width: int | None = None,
 ) -> torch.Tensor:
     """The value a running-average factor holds before its first update.
 
     ``"kfac-pytorch"`` starts from the identity (the first update gives
     ``decay·I + (1−decay)·F``); ``"fisher"`` holds zeros that the first update replaces
     by the batch factor. A ``diagonal`` factor (the last dimension holds the diagonal)
-    starts at ones.
+    starts at ones. A blocked factor (``shape`` ``(..., k, w, w)``, a side ``width`` wide:
+    see :attr:`~kfac_func.blocks.LayerSpec.a_blocks`) starts at the diagonal blocks of
+    the identity, its padding at zero.
+
+    Example:
+        >>> initial_factor("kfac-pytorch", (2, 2, 2), torch.float32, None, width=3)[1]
+        tensor([[1., 0.],
+                [0., 0.]])
     """
     if convention == "fisher":
         return torch.zeros(shape, dtype=dtype, device=device)
     if diagonal:
         return torch.ones(shape, dtype=dtype, device=device)
+    if width is not None:
+        eye = diagonal_blocks(torch.eye(width, dtype=dtype, device=device), shape[-3])
+        return eye.expand(shape).clone()
     eye = torch.eye(shape[-1], dtype=dtype, device=device)
     return eye.expand(shape).clone()
 

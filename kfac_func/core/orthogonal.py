@@ -88,17 +88,26 @@ def orthogonal_scale(shape: torch.Size | tuple[int, ...]) -> float:
     return 0.2 * math.sqrt(max(shape[-2], shape[-1]))
 
 
-def damped_power(eigenvalues: torch.Tensor, power: float, damping: float) -> torch.Tensor:
+def damped_power(
+    eigenvalues: torch.Tensor, power: float, damping: float, width: int | None = None
+) -> torch.Tensor:
     """``(d + δ · mean(d))^(-power)`` of a factor's eigenvalues ``d`` (clamped at 0; the
     mean over the last dimension), relative damping ``δ``. A factor that is all zeros
-    (no statistics yet) gives ones.
+    (no statistics yet) gives ones. With ``width``, ``d`` holds the eigenvalues of a
+    blocked factor's blocks (``(..., k, w)``, see
+    :attr:`kfac_func.blocks.LayerSpec.a_blocks`): the mean is over all of them, a sum over
+    the last two dimensions divided by the side's ``width`` (its padding, whose
+    eigenvalues are 0, not counted), so that ``λ`` is the whole factor's, ``δ·tr(A)/n``.
 
     Example:
         >>> damped_power(torch.tensor([3.0, 1.0]), 1.0, 0.5)
         tensor([0.2500, 0.5000])
+        >>> damped_power(torch.tensor([[3.0], [1.0]]), 1.0, 0.5, width=2)
+        tensor([[0.2500],
+                [0.5000]])
     """
     d = eigenvalues.clamp(min=0.0)
-    mean = d.mean(-1, keepdim=True)
+    mean = d.mean(-1, keepdim=True) if width is None else d.sum((-2, -1), keepdim=True) / width
     shifted = d + damping * mean
     safe = torch.where(mean > 0, shifted, torch.ones_like(shifted))
     return safe.pow(-power)
@@ -118,11 +127,17 @@ register_dataclass(FactorPowers, data=("a", "g"))
 
 
 def factor_powers(
-    decomposition: EigenDecomposition, powers: tuple[float, float], damping: float
+    decomposition: EigenDecomposition,
+    powers: tuple[float, float],
+    damping: float,
+    a_width: int | None = None,
 ) -> FactorPowers:
     """The :class:`FactorPowers` of ``powers = (p, q)`` (A's, G's) from the eigenbases of
     ``decomposition``; ``λ`` is ``damping`` times each factor's mean eigenvalue
-    (:func:`damped_power`). In the decomposition's dtype.
+    (:func:`damped_power`). In the decomposition's dtype. ``a_width``: A is blocked (its
+    eigenpairs are its blocks', see :attr:`kfac_func.blocks.LayerSpec.a_blocks`) and
+    this wide; its power is blocked too, and :func:`apply_powers` applies it block by
+    block.
 
     Example:
         >>> from kfac_func.core.layer_decomposition import eigen_decompose
@@ -133,19 +148,23 @@ def factor_powers(
                 [0.0000, 1.0000]]), None)
     """
 
-    def side(q: torch.Tensor | None, d: torch.Tensor, power: float) -> torch.Tensor | None:
+    def side(
+        q: torch.Tensor | None, d: torch.Tensor, power: float, width: int | None = None
+    ) -> torch.Tensor | None:
         if power == 0:
             return None
-        scale = damped_power(d, power, damping)
+        scale = damped_power(d, power, damping, width)
         return scale if q is None else (q * scale.unsqueeze(-2)) @ q.mT
 
     d = decomposition
-    return FactorPowers(side(d.qa, d.da, powers[0]), side(d.qg, d.dg, powers[1]))
+    return FactorPowers(side(d.qa, d.da, powers[0], a_width), side(d.qg, d.dg, powers[1]))
 
 
 def apply_powers(m: torch.Tensor, powers: FactorPowers) -> torch.Tensor:
     """``P_G · M · P_A`` for the :class:`FactorPowers` ``powers`` (a vector scales the rows
-    or columns; a side of None is left alone), in ``m``'s dtype.
+    or columns; a blocked ``P_A`` multiplies its blocks' columns, see
+    :func:`~kfac_func.core.preconditioning.right_product`; a side of None is left
+    alone), in ``m``'s dtype.
 
     Example:
         >>> f = FactorPowers(torch.tensor([2.0, 3.0]), None)

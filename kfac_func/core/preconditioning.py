@@ -80,13 +80,30 @@ def left_product(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 def right_product(m: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """``M A`` for a dense ``A`` or a diagonal one (its diagonal: it scales the columns).
+    """``M A`` for a dense ``A``, a diagonal one (its diagonal: it scales the columns) or
+    a block-diagonal one (its ``k`` diagonal blocks ``(..., k, w, w)``, one dimension more
+    than ``M``: each block multiplies its ``w`` columns of ``M``, the last block's padding
+    beyond ``M``'s columns dropped; see :attr:`kfac_func.blocks.LayerSpec.a_blocks`).
 
     Example:
         >>> right_product(torch.ones(1, 2), torch.tensor([2.0, 3.0]))
         tensor([[2., 3.]])
+        >>> right_product(torch.ones(1, 3), 2 * torch.eye(2).expand(2, 2, 2))
+        tensor([[2., 2., 2.]])
     """
+    if a.dim() > m.dim():
+        return _block_product(m, a)
     return m * a.unsqueeze(-2) if a.dim() < m.dim() else m @ a
+
+
+def _block_product(m: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``M · blockdiag(blocks)`` for ``blocks`` ``(..., k, w, w)`` (see :func:`right_product`)."""
+    k, w, n = blocks.shape[-3], blocks.shape[-1], m.shape[-1]
+    if k * w != n:
+        m = torch.nn.functional.pad(m, (0, k * w - n))
+    split = m.reshape(*m.shape[:-1], k, w).movedim(-2, -3)  # (..., k, rows, w)
+    out = (split @ blocks).movedim(-3, -2).reshape(*m.shape[:-1], k * w)
+    return out[..., :n] if k * w != n else out
 
 
 def _back_project(

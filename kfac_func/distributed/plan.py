@@ -224,11 +224,12 @@ def _cost_fn(assignment_strategy: AssignmentStrategy | str | CostFn) -> CostFn:
     return lambda n: float(n) ** 2
 
 
-def _sizes(layer: LayerSpec | tuple[int, int]) -> tuple[int, int, int, tuple[bool, bool]]:
+def _sizes(layer: LayerSpec | tuple[int, int]) -> tuple[int, int, int, tuple[bool, bool], int]:
+    """``(A side, G side, groups, diagonal, A blocks)`` of a layer."""
     if isinstance(layer, LayerSpec):
-        return layer.a_dim, layer.g_dim, layer.groups, layer.diagonal
+        return layer.a_dim, layer.g_dim, layer.groups, layer.diagonal, layer.a_blocks
     a, g = layer
-    return int(a), int(g), 1, (False, False)
+    return int(a), int(g), 1, (False, False), 1
 
 
 def make_plan(
@@ -302,9 +303,9 @@ def make_plan(
     def side_cost(n: int, diagonal: bool) -> float:
         return float(n) if diagonal else cost(n)  # a diagonal factor costs O(n)
 
-    costs = {
-        n: (g * side_cost(a, da), g * side_cost(gs, dg))
-        for n, (a, gs, g, (da, dg)) in sizes.items()
+    costs = {  # a blocked A: its blocks' decompositions
+        n: (g * k * side_cost(-(-a // k), da), g * side_cost(gs, dg))
+        for n, (a, gs, g, (da, dg), k) in sizes.items()
     }
     owners: dict[str, tuple[int, int]] = {}
     everyone = tuple(range(world_size))
@@ -323,7 +324,7 @@ def make_plan(
         owners[name] = (r1, r2) if a_cost >= g_cost else (r2, r1)
 
     plans = {}
-    for name, (a, g, groups, _) in sizes.items():
+    for name, (a, g, groups, _, _) in sizes.items():
         a_owner, g_owner = owners[name]
         plans[name] = LayerPlan(
             name,

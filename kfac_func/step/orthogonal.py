@@ -29,11 +29,13 @@ from kfac_func.state import LayerState
 from kfac_func.step.hyper import check_hyper
 
 __all__ = [
+    "TABLE_SETTINGS",
     "Orthogonal",
     "orthogonal_layers",
     "orthogonal_table",
     "precondition_orthogonal",
     "prepare_layers",
+    "takes_orthogonal",
 ]
 
 
@@ -54,6 +56,13 @@ class Orthogonal(NamedTuple):
         wider_than: None, or only the layers with a factor side wider than this take the
             orthogonalized step: Muon's step where K-FAC's would decompose the widest
             factors, K-FAC's own step (or AdamW) on the narrow layers.
+        block: None, or with one-sided powers (``(p, 0)``) the A factor of a layer taking
+            the orthogonalized step, where it is wider than this, is kept as
+            ``ceil(n / block)`` diagonal blocks of equal width (at most ``block``; see
+            :attr:`kfac_func.blocks.LayerSpec.a_blocks`), as Distributed Shampoo blocks a
+            wide side: its statistics, decompositions, power and memory grow with
+            ``n · block`` instead of ``n²``, ``n³``. Set by
+            :func:`orthogonal_table` when the table is built.
     """
 
     powers: tuple[float, float] = (0.5, 0.0)
@@ -63,6 +72,7 @@ class Orthogonal(NamedTuple):
     skip: str | None = None
     dtype: torch.dtype | None = None
     wider_than: int | None = None
+    block: int | None = None
 
     def check(self, compute_method: str) -> Orthogonal:
         """This, validated for a state of ``compute_method`` (a ValueError names the bad
@@ -92,9 +102,14 @@ class Orthogonal(NamedTuple):
             raise ValueError(f"ortho_steps must be a positive int, got {self.steps!r}")
         if self.skip is not None:
             re.compile(self.skip)
-        w = self.wider_than
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
-            raise ValueError(f"ortho_wider_than must be a positive int or None, got {w!r}")
+        for name, w in (("ortho_wider_than", self.wider_than), ("ortho_block", self.block)):
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {w!r}")
+        if self.block is not None and (self.powers[1] != 0 or compute_method != "eigen"):
+            raise ValueError(
+                "ortho_block splits the A factor of the one-sided step (powers (p, 0), "
+                f"compute_method 'eigen'), got powers {self.powers!r} and {compute_method!r}"
+            )
         if self.dtype is not None and not (
             isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point
         ):
@@ -102,6 +117,12 @@ class Orthogonal(NamedTuple):
                 f"ortho_dtype must be a floating torch.dtype or None, got {self.dtype!r}"
             )
         return self
+
+
+TABLE_SETTINGS = ("block",)
+"""The fields of :class:`Orthogonal` that shape the layer table (:func:`orthogonal_table`)
+rather than the step: the step reads them from the layers' specs, and
+:class:`~kfac_func.StepOptions` has no field for them."""
 
 
 def _orthogonal(spec: LayerSpec, rx: re.Pattern[str] | None, wider_than: int | None) -> bool:
@@ -114,12 +135,27 @@ def _orthogonal(spec: LayerSpec, rx: re.Pattern[str] | None, wider_than: int | N
     )
 
 
+def takes_orthogonal(spec: LayerSpec, settings: Orthogonal) -> bool:
+    """Whether the layer of ``spec`` takes the orthogonalized step under ``settings`` (as
+    :func:`orthogonal_layers` chooses).
+
+    Example:
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> takes_orthogonal(kf.register(nn.Linear(4, 3))[""], Orthogonal(wider_than=4))
+        True
+    """
+    rx = None if settings.skip is None else re.compile(settings.skip)
+    return _orthogonal(spec, rx, settings.wider_than)
+
+
 def orthogonal_table(table: LayerTable, settings: Orthogonal, *, others: bool) -> LayerTable:
     """``table`` made ready for orthogonalized steps under ``settings``: with one-sided
     powers (``(p, 0)``) the G factor of every layer taking them (as
     :func:`orthogonal_layers` chooses them) is kept as its diagonal (the step does not use
     G, and a diagonal one costs ``rows × d_out`` to build instead of ``rows × d_out²``,
-    and nothing to decompose); without ``others`` the other layers are moved to
+    and nothing to decompose), and with ``settings.block`` its A factor, where wider, as
+    diagonal blocks; without ``others`` the other layers are moved to
     ``table.skipped`` (their parameters are left to another optimizer, as Muon leaves
     embeddings, norms and the head to AdamW).
 
@@ -133,6 +169,9 @@ def orthogonal_table(table: LayerTable, settings: Orthogonal, *, others: bool) -
         >>> table = orthogonal_table(kf.register(model), Orthogonal(wider_than=6), others=True)
         >>> table["0"].factor_shapes, table["2"].factor_shapes  # only "2" is wider than 6
         (((5, 5), (3, 3)), ((4, 4), (8,)))
+        >>> blocked = orthogonal_table(kf.register(model), Orthogonal(block=3), others=True)
+        >>> blocked["0"].factor_shapes  # 5 inputs in 2 blocks of 3
+        ((2, 3, 3), (3,))
     """
     rx = None if settings.skip is None else re.compile(settings.skip)
     one_sided = settings.powers[1] == 0
@@ -143,8 +182,11 @@ def orthogonal_table(table: LayerTable, settings: Orthogonal, *, others: bool) -
                 specs.append(s)
             else:
                 skipped[s.name] = "takes no orthogonalized step (left to the other optimizer)"
-        elif one_sided and not s.g_diagonal:
-            specs.append(dataclasses.replace(s, diagonal=(s.a_diagonal, True)))
+        elif one_sided:
+            k = 1
+            if settings.block is not None and not s.a_diagonal and s.a_dim > settings.block:
+                k = -(-s.a_dim // settings.block)
+            specs.append(dataclasses.replace(s, diagonal=(s.a_diagonal, True), a_blocks=k))
         else:
             specs.append(s)
     return LayerTable(specs, skipped, model_name=table.model_name)
@@ -198,7 +240,9 @@ def prepare_layers(
                     f"layer {name!r}: orthogonal steps take powers of an eigen decomposition, "
                     f"got {type(dec).__name__}"
                 )
-            ls = ls.replace(ortho_power=factor_powers(dec, settings.powers, settings.damping))
+            width = ls.spec.a_dim if ls.spec.a_blocks > 1 else None
+            power = factor_powers(dec, settings.powers, settings.damping, a_width=width)
+            ls = ls.replace(ortho_power=power)
         layers[name] = ls
 
 
