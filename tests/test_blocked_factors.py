@@ -16,12 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fixture_models import FIXTURES, Fixture, T
+from test_orthogonal import _ns_reference
 from torch import nn
 
 import kfac_func as kf
 from kfac_func.blocks import LayerSpec, a_gram, call_grams, grads_to_matrix
 from kfac_func.core.decomposition import EigenDecomposition
-from kfac_func.core.orthogonal import apply_powers, factor_powers, newton_schulz
+from kfac_func.core.orthogonal import apply_powers, factor_powers
 from kfac_func.step.orthogonal import Orthogonal, orthogonal_layers, orthogonal_table
 
 F64 = torch.float64
@@ -116,17 +117,25 @@ def _reference(
     blocks: dict[str, int],
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """Each layer's orthogonalized step from its gradient matrices so far and the dense
-    block-diagonal part of the *unblocked* run's A."""
+    block-diagonal part of the *unblocked* run's A, block by block: each block of columns
+    (the last padded with zero columns) times its part of the power, orthogonalized by the
+    iteration's scalar polynomial on its singular values and scaled for its width."""
     out = {}
     for name in names:
         a = dense.layers[name].a_factor
-        bd = _dense(_blocks_by_hand(a, blocks[name]), a.shape[-1])
+        n, k = a.shape[-1], blocks[name]
+        bd = _dense(_blocks_by_hand(a, k), n)
         b = torch.zeros_like(matrices[0][name])
         for ms in matrices:
             b = o.beta * b + ms[name]
         u = matrices[-1][name] + o.beta * b
         p = u @ _dense_power(bd, o.powers[0], o.damping)
-        out[name] = newton_schulz(p) * 0.2 * max(u.shape[-2:]) ** 0.5
+        w = math.ceil(n / k)
+        parts = []
+        for i in range(k):
+            part = F.pad(p[:, i * w : (i + 1) * w], (0, w - p[:, i * w : (i + 1) * w].shape[1]))
+            parts.append((_ns_reference(part) * 0.2 * max(u.shape[0], w) ** 0.5)[:, : n - i * w])
+        out[name] = torch.cat(parts, dim=1)
     return out
 
 

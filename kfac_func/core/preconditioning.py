@@ -98,11 +98,36 @@ def right_product(m: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
 
 def _block_product(m: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """``M · blockdiag(blocks)`` for ``blocks`` ``(..., k, w, w)`` (see :func:`right_product`)."""
-    k, w, n = blocks.shape[-3], blocks.shape[-1], m.shape[-1]
+    split = column_blocks(m, blocks.shape[-3], blocks.shape[-1])
+    return merge_column_blocks(split @ blocks, m.shape[-1])
+
+
+def column_blocks(m: torch.Tensor, k: int, w: int) -> torch.Tensor:
+    """The columns of ``m`` (``(..., rows, n)``) as ``k`` blocks of ``w`` (the last padded
+    with zero columns to ``k·w``), stacked: ``(..., k, rows, w)``.
+
+    Example:
+        >>> column_blocks(torch.arange(3.0).reshape(1, 3), 2, 2)
+        tensor([[[0., 1.]],
+        <BLANKLINE>
+                [[2., 0.]]])
+    """
+    n = m.shape[-1]
     if k * w != n:
         m = torch.nn.functional.pad(m, (0, k * w - n))
-    split = m.reshape(*m.shape[:-1], k, w).movedim(-2, -3)  # (..., k, rows, w)
-    out = (split @ blocks).movedim(-3, -2).reshape(*m.shape[:-1], k * w)
+    return m.reshape(*m.shape[:-1], k, w).movedim(-2, -3)
+
+
+def merge_column_blocks(blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of :func:`column_blocks`: ``(..., k, rows, w)`` back to ``(..., rows, n)``,
+    the padding dropped.
+
+    Example:
+        >>> merge_column_blocks(column_blocks(torch.arange(3.0).reshape(1, 3), 2, 2), 3)
+        tensor([[0., 1., 2.]])
+    """
+    k, w = blocks.shape[-3], blocks.shape[-1]
+    out = blocks.movedim(-3, -2).reshape(*blocks.shape[:-3], blocks.shape[-2], k * w)
     return out[..., :n] if k * w != n else out
 
 

@@ -24,7 +24,13 @@ import torch
 
 from kfac_func.blocks import LayerSpec, LayerTable
 from kfac_func.core.decomposition import EigenDecomposition
-from kfac_func.core.orthogonal import apply_powers, factor_powers, newton_schulz, orthogonal_scale
+from kfac_func.core.orthogonal import (
+    apply_powers,
+    blocked_step,
+    factor_powers,
+    newton_schulz,
+    orthogonal_scale,
+)
 from kfac_func.state import LayerState
 from kfac_func.step.hyper import check_hyper
 
@@ -257,11 +263,16 @@ def precondition_orthogonal(
     orthogonalized (:func:`~kfac_func.core.orthogonal.newton_schulz`) and scaled to AdamW's
     root-mean-square (:func:`~kfac_func.core.orthogonal.orthogonal_scale`): the momentum
     in the factors' dtype, the powers and the iteration in ``settings.dtype`` (the
-    factors' when None); returned in ``m``'s."""
+    factors' when None); returned in ``m``'s. A layer whose A factor is blocked takes the
+    step block by block (:func:`~kfac_func.core.orthogonal.blocked_step`)."""
     assert ls.ortho_momentum is not None and ls.ortho_power is not None
     g = m.to(ls.a_factor.dtype)
-    momentum = settings.beta * ls.ortho_momentum + g
-    u = g + settings.beta * momentum
-    p = apply_powers(u if settings.dtype is None else u.to(settings.dtype), ls.ortho_power)
-    out = newton_schulz(p, settings.steps) * orthogonal_scale(m.shape)
+    momentum = torch.add(g, ls.ortho_momentum, alpha=settings.beta)
+    u = torch.add(g, momentum, alpha=settings.beta)
+    v = u if settings.dtype is None else u.to(settings.dtype)
+    power = ls.ortho_power
+    if ls.spec.a_blocks > 1 and power.a is not None and power.g is None:
+        out = blocked_step(v, power.a, settings.steps)
+    else:
+        out = newton_schulz(apply_powers(v, power), settings.steps) * orthogonal_scale(m.shape)
     return out.to(m.dtype), {"ortho_momentum": momentum}
