@@ -1125,7 +1125,8 @@ def test_lambda_param_scheduler_refuses_callables_and_none() -> None:
 def test_memory_usage() -> None:
     net = cnn()
     pre = KFACPreconditioner(net, factor_dtype=F64, inv_dtype=F64)
-    keys = {"a_factors", "g_factors", "decompositions", "hook_buffers", "total"}
+    keys = {"a_factors", "g_factors", "decompositions", "moments", "powers", "hook_buffers"}
+    keys.add("total")
 
     def check() -> dict[str, int]:
         usage = pre.memory_usage()

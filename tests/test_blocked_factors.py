@@ -338,3 +338,29 @@ def test_state_dicts_hold_each_layers_own_moments_and_share_the_state() -> None:
     again = kf.KFAC(fresh_model, orthogonal=BLOCKED._replace(wider_than=15), factor_dtype=F64)
     again.load_state_dict(old)
     assert again.preconditioner.state.layers["2"].basis_moment is None
+
+
+def test_a_checkpoint_with_whole_factors_loads_into_blocked_ones() -> None:
+    """A state dict of the recipe before its wide layers' A factors were blocked (here:
+    the same recipe with ``block=None``) loads into the blocked one: each A as its
+    diagonal blocks, the decomposition recomputed from them at once (the face's load
+    computes none otherwise), the momentum as saved; training goes on from there. The
+    other way round is refused, naming the layer and the shapes."""
+    whole_model = _model()
+    whole = kf.KFAC(whole_model, orthogonal=BLOCKED._replace(block=None), factor_dtype=F64)
+    _train(whole_model, whole, range(3))
+    saved = whole.state_dict()
+    model = _model()
+    opt = _face(model)
+    opt.load_state_dict(saved)
+    for name, old in whole.preconditioner.state.layers.items():
+        new = opt.preconditioner.state.layers[name]
+        k = new.spec.a_blocks
+        assert k > 1 and new.decomposition is not None and new.decomposition.qa.shape[-3] == k
+        torch.testing.assert_close(new.a_factor, _blocks_by_hand(old.a_factor, k), rtol=0, atol=0)
+        assert torch.equal(new.ortho_momentum, old.ortho_momentum)
+    _train(model, opt, range(3, 5))
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    back = kf.KFAC(_model(), orthogonal=BLOCKED._replace(block=None), factor_dtype=F64)
+    with pytest.raises(ValueError, match=r"layer '0': state_dict factors have shapes \(2, 7, 7\)"):
+        back.load_state_dict(opt.state_dict())

@@ -31,6 +31,8 @@ from kfac_func.adapter.replicated import (
     kept_moments,
     warn_missing_moments,
 )
+from kfac_func.blocks import LayerSpec
+from kfac_func.blocks.spec import diagonal_blocks
 from kfac_func.blocks.tied import newly_tied
 from kfac_func.checkpoint.checksums import CHECKSUMS_KEY, add_checksums, verify_checksums
 from kfac_func.checkpoint.lent import lend
@@ -48,7 +50,7 @@ from kfac_func.state import (
 )
 from kfac_func.step.decompose import redecompose
 
-__all__ = ["StateDictMixin", "layer_entries", "load_layer"]
+__all__ = ["StateDictMixin", "blocks_of_whole", "layer_entries", "load_layer"]
 
 
 def layer_entries(state: KFACState, plan: Plan, comm: Communicator) -> dict[str, dict[str, Any]]:
@@ -85,6 +87,33 @@ def layer_entries(state: KFACState, plan: Plan, comm: Communicator) -> dict[str,
             }
         layers[name] = entry
     return layers
+
+
+def blocks_of_whole(entry: dict[str, Any], spec: LayerSpec) -> dict[str, Any] | None:
+    """A layer entry saved while the layer's A factor was whole (checkpoints of the
+    recommended recipe before its wide layers' A factors were blocked, or of
+    ``Orthogonal(block=None)``), for a layer whose A is now blocked: its A as the diagonal
+    blocks of the saved one (exactly the blocked factor the same statistics give), without
+    the saved decomposition of the whole A (recomputed from the blocks). None for any
+    other entry.
+
+    Example:
+        >>> import dataclasses
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> spec = dataclasses.replace(kf.register(nn.Linear(3, 2))[""], diagonal=(False, True),
+        ...                            a_blocks=2)
+        >>> entry = {"A": torch.eye(4), "G": torch.ones(2), "decomposition": {}}
+        >>> sorted(blocks_of_whole(entry, spec)), blocks_of_whole(entry, spec)["A"].shape
+        (['A', 'G'], torch.Size([2, 2, 2]))
+    """
+    a = entry.get("A")
+    whole = (*spec.batch_shape, spec.a_dim, spec.a_dim)
+    if spec.a_blocks == 1 or not isinstance(a, torch.Tensor) or tuple(a.shape) != whole:
+        return None
+    out = {k: v for k, v in entry.items() if k != "decomposition"}
+    out["A"] = diagonal_blocks(a, spec.a_blocks)
+    return out
 
 
 def load_layer(
@@ -249,7 +278,9 @@ class StateDictMixin(PreconditionerBase):
                     ls = layers[name]
                     worker = self.comm.rank in self.plan.layers[name].grad_workers
                     entry = entry_for_rank(entry, worker)
-                    compute = compute_inverses and worker
+                    whole = blocks_of_whole(entry, ls.spec)  # saved before A was blocked
+                    entry = entry if whole is None else whole
+                    compute = worker and (compute_inverses or whole is not None)
                     lam = (
                         self._value(self.damping)
                         if compute and "decomposition" not in entry

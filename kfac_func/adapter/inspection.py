@@ -14,6 +14,7 @@ from torch import nn
 
 from kfac_func.adapter.arguments import PreconditionerBase
 from kfac_func.blocks import Gram, LayerTable
+from kfac_func.state import MOMENT_FIELDS
 from kfac_func.step.diagnostics import DOMINANCE, JUDGE_LIMIT, damping_dominance, judged_at
 from kfac_func.step.options import StepOptions
 from kfac_func.step.orthogonal import TABLE_SETTINGS
@@ -127,7 +128,19 @@ class InspectionMixin(PreconditionerBase):
         return p
 
     def memory_usage(self) -> dict[str, int]:
-        """Bytes held, per category, and their total."""
+        """Bytes held, per category, and their total: the running factors, the
+        decompositions, the running moments (:data:`~kfac_func.state.MOMENT_FIELDS`), the
+        orthogonalized step's factor powers (derived from the decompositions, recomputed
+        after a load rather than saved) and the statistics the hooks hold until
+        :meth:`step`.
+
+        Example:
+            >>> import torch
+            >>> import kfac_func as kf
+            >>> pre = kf.KFACPreconditioner(torch.nn.Linear(3, 2))
+            >>> pre.memory_usage()["a_factors"]  # a 4 x 4 factor in float32
+            64
+        """
 
         def nbytes(t: Any) -> int:
             if isinstance(t, Gram):
@@ -137,12 +150,17 @@ class InspectionMixin(PreconditionerBase):
             held = 1 if t.numel() and 0 in t.stride() else t.numel()  # released: expanded
             return int(held * t.element_size())
 
-        usage = {"a_factors": 0, "g_factors": 0, "decompositions": 0, "hook_buffers": 0}
+        usage = dict.fromkeys(
+            ("a_factors", "g_factors", "decompositions", "moments", "powers", "hook_buffers"), 0
+        )
         for ls in self._state.layers.values():
             usage["a_factors"] += nbytes(ls.a_factor)
             usage["g_factors"] += nbytes(ls.g_factor)
             if ls.decomposition is not None:
                 usage["decompositions"] += sum(nbytes(v) for v in vars(ls.decomposition).values())
+            usage["moments"] += sum(nbytes(getattr(ls, m)) for m in MOMENT_FIELDS)
+            if ls.ortho_power is not None:
+                usage["powers"] += sum(nbytes(v) for v in vars(ls.ortho_power).values())
         for mb in self._micro:
             for items in (*mb.a.values(), *mb.g.values()):
                 usage["hook_buffers"] += sum(nbytes(i) for i in items)
