@@ -57,16 +57,23 @@ __all__ = [
 ]
 
 
-def _fields(ls: LayerState, config: Any) -> dict[str, torch.Tensor]:
-    """The decomposition's tensors (this rank's, or zeros of the shapes a decomposition of
-    this layer has under ``config``)."""
+def _fields(
+    ls: LayerState, config: Any, made: dict[Any, dict[str, torch.Tensor]] | None = None
+) -> dict[str, torch.Tensor]:
+    """The decomposition's tensors (this rank's, or zeros of the shapes and layouts a
+    decomposition of this layer has under ``config``: those of a decomposition of zero
+    factors, made once per kind of layer in ``made``)."""
     dec = ls.decomposition
-    if dec is None:
-        a, g = ls.a_factor, ls.g_factor
+    if dec is not None:
+        return {k: v for k, v in vars(dec).items() if isinstance(v, torch.Tensor)}
+    a, g, spec = ls.a_factor, ls.g_factor, ls.spec
+    key = (a.shape, g.shape, a.dtype, a.device, spec.diagonal, spec.placeholder)
+    made = {} if made is None else made
+    if key not in made:
         zero = ls.replace(a_factor=torch.zeros_like(a), g_factor=torch.zeros_like(g))
         dec = decompose_layer(zero, 1.0, config)
-        return {k: torch.zeros_like(v) for k, v in vars(dec).items() if isinstance(v, torch.Tensor)}
-    return {k: v for k, v in vars(dec).items() if isinstance(v, torch.Tensor)}
+        made[key] = {k: v for k, v in vars(dec).items() if isinstance(v, torch.Tensor)}
+    return {k: torch.zeros_like(v) for k, v in made[key].items()}
 
 
 def kept_moments(settings: Any, spec: LayerSpec) -> tuple[str, ...]:
@@ -129,6 +136,7 @@ def complete_entries(
     order). On one process the entries hold the state's own tensors (nothing is copied);
     on several, what the broadcasts return."""
     everyone = tuple(range(comm.world_size))
+    made: dict[Any, dict[str, torch.Tensor]] = {}  # zero decompositions, by kind of layer
 
     def send(values: list[torch.Tensor], src: int) -> list[torch.Tensor]:
         if comm.world_size == 1:
@@ -139,7 +147,7 @@ def complete_entries(
         ls = state.layers[name]
         moments = kept_moments(settings, ls.spec) if settings is not None else ()
         src = plan.layers[name].grad_workers[0]
-        fields = _fields(ls, state.config)
+        fields = _fields(ls, state.config, made)
         kept, held = _moments(ls, moments)
         first = next(iter(fields.values()))
         marks = [float(ls.decomposition is not None), *held, float(ls.moment_count)]
