@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -174,6 +175,22 @@ def kfac_runtime_bytes(pre: kf.KFACPreconditioner, seen: set[int]) -> Counter[st
         field = names[-1] if names[-2] not in ("ortho_power",) else ".".join(names[-2:])
         out[field] += leaf.untyped_storage().nbytes()
     return out
+
+
+def power_seconds(pre: kf.KFACPreconditioner) -> float:
+    """Seconds to recompute the orthogonalized step's factor powers from the layers'
+    decompositions: what a load leaves to the next step, where saving them would add
+    their bytes to every checkpoint."""
+    from kfac_func.core.orthogonal import factor_powers
+
+    o = pre.orthogonal
+    start = time.perf_counter()
+    for ls in pre.state.layers.values():
+        if o is None or ls.ortho_power is None or ls.decomposition is None:
+            continue
+        width = ls.spec.a_dim if ls.spec.a_blocks > 1 else None
+        factor_powers(ls.decomposition, o.powers, o.damping, a_width=width)  # type: ignore[arg-type]
+    return time.perf_counter() - start
 
 
 def runtime_bytes(opt: Any) -> Counter[str]:
@@ -328,6 +345,8 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     row["peak_train_mib"] = peak_mib()
     live = runtime_bytes(opt)
     row["runtime_bytes"] = dict(live)
+    if pre is not None:
+        row["powers_s"] = power_seconds(pre)
 
     def fresh() -> tuple[nn.Module, Any]:
         m = build(args, seed=5)
@@ -345,66 +364,77 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
-def summarize(rows: list[dict[str, Any]]) -> None:
-    """Print the tables of one run."""
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _per_gib(row: dict[str, Any], key: str) -> float:
+    return float(row[key]) / max(int(row["dcp_bytes"]), 1) * 2**30
+
+
+def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The table of one run, one entry per optimizer: the step's seconds (the first step
+    left out; K-FAC's also by whether it decomposes), the state's bytes over the
+    parameters' (run time and ``state_dict()``), the peak resident memory, the
+    checkpoint seconds, and DCP's seconds per GiB over AdamW's (save, load)."""
     params = rows[0]["param_bytes"]
     adamw = next((r for r in rows if r["optimizer"] == "adamw"), None)
-    print(f"\nparameters: {rows[0]['parameters'] / 1e6:.1f} M ({params / MiB:.0f} MiB)")
-    head = (
-        "optimizer",
-        "fwd+bwd s",
-        "opt s",
-        "step s",
-        "refresh s",
-        "other s",
-        "state/params",
-        "sd/params",
-        "peak MiB",
-        "state_dict s",
-        "load s",
-        "DCP save s",
-        "DCP load s",
-        "DCP s/GiB vs AdamW",
-    )
-    print(" | ".join(head))
+    out = []
     for r in rows:
         later = r["steps"][1:] or r["steps"]
-        fb = sum(s["forward_backward_s"] for s in later) / len(later)
-        op = sum(s["optimizer_s"] for s in later) / len(later)
-        kinds = {
-            k: [s["optimizer_s"] + s["forward_backward_s"] for s in later if s["decomposes"] == k]
-            for k in (True, False)
+        whole = [s["optimizer_s"] + s["forward_backward_s"] for s in later]
+        entry: dict[str, Any] = {
+            "optimizer": r["optimizer"],
+            "forward_backward_s": _mean([s["forward_backward_s"] for s in later]),
+            "optimizer_s": _mean([s["optimizer_s"] for s in later]),
+            "step_s": _mean(whole),
+            "decomposing_step_s": _mean([w for w, s in zip(whole, later) if s["decomposes"]]),
+            "other_step_s": _mean([w for w, s in zip(whole, later) if not s["decomposes"]]),
+            "state_over_params": sum(r["runtime_bytes"].values()) / params,
+            "state_dict_over_params": sum(r["state_dict_bytes"].values()) / params,
+            "peak_train_mib": r["peak_train_mib"],
+            "state_dict_s": r["state_dict_s"],
+            "load_state_dict_s": r["load_state_dict_s"],
+            "dcp_save_s": r["dcp_save_s"],
+            "dcp_load_s": r["dcp_load_s"],
+            "powers_s": r.get("powers_s"),
         }
-        mean = {k: (sum(v) / len(v) if v else float("nan")) for k, v in kinds.items()}
-        rt = sum(r["runtime_bytes"].values()) / params
-        sd = sum(r["state_dict_bytes"].values()) / params
-        rate = ""
         if adamw is not None:
+            for key in ("dcp_save_s", "dcp_load_s"):
+                entry[f"{key}_per_gib_over_adamw"] = _per_gib(r, key) / _per_gib(adamw, key)
+        out.append(entry)
+    return out
 
-            def per_gib(x: dict[str, Any]) -> float:
-                return (x["dcp_save_s"] + x["dcp_load_s"]) / max(x["dcp_bytes"], 1) * 2**30
 
-            rate = f"{per_gib(r) / per_gib(adamw):.2f}"
-        print(
-            " | ".join(
-                [
-                    r["optimizer"],
-                    f"{fb:.2f}",
-                    f"{op:.2f}",
-                    f"{fb + op:.2f}",
-                    f"{mean[True]:.2f}",
-                    f"{mean[False]:.2f}",
-                    f"{rt:.2f}",
-                    f"{sd:.2f}",
-                    f"{r['peak_train_mib']:.0f}",
-                    f"{r['state_dict_s']:.2f}",
-                    f"{r['load_state_dict_s']:.2f}",
-                    f"{r['dcp_save_s']:.2f}",
-                    f"{r['dcp_load_s']:.2f}",
-                    rate,
-                ]
-            )
-        )
+COLUMNS = (
+    ("optimizer", "optimizer", "{}"),
+    ("forward_backward_s", "fwd+bwd s", "{:.2f}"),
+    ("optimizer_s", "optimizer s", "{:.2f}"),
+    ("step_s", "step s", "{:.2f}"),
+    ("decomposing_step_s", "decomposing s", "{:.2f}"),
+    ("other_step_s", "other s", "{:.2f}"),
+    ("state_over_params", "state / params", "{:.2f}"),
+    ("state_dict_over_params", "state_dict / params", "{:.2f}"),
+    ("peak_train_mib", "peak MiB", "{:.0f}"),
+    ("state_dict_s", "state_dict s", "{:.2f}"),
+    ("load_state_dict_s", "load s", "{:.2f}"),
+    ("dcp_save_s", "DCP save s", "{:.2f}"),
+    ("dcp_load_s", "DCP load s", "{:.2f}"),
+    ("dcp_save_s_per_gib_over_adamw", "DCP save s/GiB / AdamW's", "{:.2f}"),
+    ("dcp_load_s_per_gib_over_adamw", "DCP load s/GiB / AdamW's", "{:.2f}"),
+)
+"""The summary's columns: key, heading, format."""
+
+
+def print_summary(rows: list[dict[str, Any]], table: list[dict[str, Any]]) -> None:
+    """The summary as a Markdown table, then each optimizer's state by field."""
+    params = rows[0]["param_bytes"]
+    print(f"\nparameters: {rows[0]['parameters'] / 1e6:.1f} M ({params / MiB:.0f} MiB)")
+    print("| " + " | ".join(h for _, h, _ in COLUMNS) + " |")
+    print("|" + "---|" * len(COLUMNS))
+    for entry in table:
+        cells = ["-" if entry.get(k) is None else fmt.format(entry[k]) for k, _, fmt in COLUMNS]
+        print("| " + " | ".join(cells) + " |")
     print("\nstate bytes by field (MiB; run time / state_dict):")
     for r in rows:
         fields = sorted(
@@ -450,6 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(OPTIMIZERS))
     if unknown:
         raise SystemExit(f"unknown optimizers {unknown}; choose from {OPTIMIZERS}")
+    if "soap" in names and importlib.util.find_spec("heavyball") is None:
+        print("heavyball is not installed (the bench extra): SOAP is left out")
+        names.remove("soap")
     torch.set_num_threads(args.threads)
     digest = digest_speed(args.quick)
     print(
@@ -471,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{name} failed:\n{proc.stderr}")
         [line] = [text for text in lines if text.startswith("ROW ")]
         rows.append(json.loads(line[4:]))
-    summarize(rows)
+    table = summary(rows)
+    print_summary(rows, table)
     doc = {
         "command": "python benchmarks/scale.py " + " ".join(sys.argv[1:] if argv is None else argv),
         **git_commit(("benchmarks/results",)),
@@ -492,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps": args.steps,
         },
         "digest": digest,
+        "summary": table,
         "rows": rows,
     }
     out = Path(args.out)

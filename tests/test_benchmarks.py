@@ -210,3 +210,27 @@ def test_house_drawing(tmp_path: Path) -> None:
     assert "step.layer_step" in deps["step.grouped"] and "step.grouped" in deps["step.update"]
     outside = {d.split(".")[0] for m, ds in deps.items() if m.startswith("blocks") for d in ds}
     assert outside <= {"blocks"}, outside
+
+
+@pytest.mark.slow
+def test_scale_quick(tmp_path: Path) -> None:
+    """The scale benchmark on a tiny GPT-2: every optimizer's row (SOAP's where heavyball
+    is installed), K-FAC's state by field, every checkpoint time, and the old digest
+    beside the new one."""
+    import importlib.util
+
+    out = tmp_path / "scale.json"
+    proc = run_benchmark("scale.py", "--quick", "--steps", "3", "--out", str(out))
+    doc = json.loads(out.read_text())
+    names = ["adamw", "muon", "soap", "kfac", "kfac-pytorch"]
+    if importlib.util.find_spec("heavyball") is None:
+        names.remove("soap")
+    assert [r["optimizer"] for r in doc["summary"]] == names, proc.stdout
+    kfac = next(r for r in doc["rows"] if r["optimizer"] == "kfac")
+    assert {"A", "G", "qa", "basis_moment"} <= set(kfac["state_dict_bytes"])
+    assert {"a_factor", "basis_moment"} <= set(kfac["runtime_bytes"])
+    for r in doc["summary"]:
+        assert r["state_over_params"] > 0 and r["dcp_load_s"] > 0 and r["state_dict_s"] > 0, r
+    assert doc["digest"]["gib_s"] > doc["digest"]["old_gib_s"] > 0
+    assert set(doc["machine"]["bf16_flags"]) >= {"avx512_bf16", "amx_bf16"}
+    assert "| kfac |" in proc.stdout
