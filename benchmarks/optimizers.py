@@ -101,6 +101,7 @@ LRS: dict[str, tuple[float, ...]] = {
     "kfac-moments-drift": (7e-3, 1.4e-2),
     "kfac-moments-wide": (7e-3, 1.4e-2),
     "kfac-moments-wide-whole": (7e-3, 1.4e-2),
+    "kfac-moments-wide-2": (7e-3, 1.4e-2),
     "kfac-adaptive": (0.1, 1.0),  # the starting damping: no learning rate to sweep
     "kfac-muon": (0.02, 0.05),
     "kfac-muon-two-sided": (0.02, 0.05),
@@ -236,6 +237,10 @@ Newton–Schulz iteration, G kept diagonal), in bfloat16 where this CPU multipli
 natively, as Muon's; an A factor wider than 512 in diagonal blocks of at most 512
 (``kfac-moments-wide-whole``: the same step with every A factor whole)."""
 
+GRAM = {"gram_dtype": torch.bfloat16} if NATIVE_BF16 else {}
+"""The recommended recipe's statistics: bfloat16 operands where this CPU multiplies them
+natively (as ``kf.KFAC`` chooses for a float32 model)."""
+
 MOMENTS = {"eigenbasis_moments": True, "moment_beta2": 0.95, "moment_beta1": 0.9}
 """The eigenbasis-moment settings of the ``kfac-moments-fresh`` family (Adam's step in
 K-FAC's eigenbasis, β₁ 0.9 and β₂ 0.95, as SOAP's)."""
@@ -290,16 +295,35 @@ KFAC = {
     ),
     # kfac-moments-fresh with the layers that have a side wider than 512 on the
     # orthogonalized step: no Gram and no eigh of their G factors
-    "kfac-moments-wide": ("eigen", 0.0, 0.0, None, (1, 2), 0.9, {**MOMENTS, "orthogonal": WIDE}),
+    # the recommended recipe (kf.KFAC's): eigenbases every 2 steps, fewer in long runs
+    "kfac-moments-wide": (
+        "eigen",
+        0.0,
+        0.0,
+        None,
+        (1, kf.GrowingInterval()),
+        0.9,
+        {**MOMENTS, **GRAM, "orthogonal": WIDE},
+    ),
     # the same with the wide layers' A factors whole (decomposed as one matrix)
     "kfac-moments-wide-whole": (
         "eigen",
         0.0,
         0.0,
         None,
+        (1, kf.GrowingInterval()),
+        0.9,
+        {**MOMENTS, **GRAM, "orthogonal": WIDE._replace(block=None)},
+    ),
+    # the same with eigenbases every 2 steps however long the run
+    "kfac-moments-wide-2": (
+        "eigen",
+        0.0,
+        0.0,
+        None,
         (1, 2),
         0.9,
-        {**MOMENTS, "orthogonal": WIDE._replace(block=None)},
+        {**MOMENTS, **GRAM, "orthogonal": WIDE},
     ),
     # the quadratic model's learning rate and momentum, adaptive damping ("lr": its start)
     "kfac-adaptive": ("eigen", 0.0, 0.0, None, (1, 5), 0.95, {}),

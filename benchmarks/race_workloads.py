@@ -51,6 +51,7 @@ KNOBS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "kfac-moments-drift": ("moment_beta2", (0.95, 0.999)),
     "kfac-moments-wide": ("moment_beta2", (0.95, 0.999)),
     "kfac-moments-wide-whole": ("moment_beta2", (0.95, 0.999)),
+    "kfac-moments-wide-2": ("moment_beta2", (0.95, 0.999)),
     "kfac-muon": ("ortho_powers", ((0.5, 0.0), (1.0, 0.0))),
     "kfac-muon-two-sided": ("ortho_powers", ((0.25, 0.25), (0.5, 0.5))),
     "kfac-muon-kfac-head": ("ortho_powers", ((0.5, 0.0), (0.25, 0.25))),
@@ -207,6 +208,43 @@ def race_gpt2(quick: bool) -> RaceWorkload:
     )
 
 
+LM_LONG = (48, 64, 2, 4, 32, 2000)
+"""``lm_long``: context, d_model, blocks, heads, batch windows, steps: ``lm``'s model for
+ten times its steps, on text it reads once (:mod:`source_text`)."""
+
+
+def race_lm_long(quick: bool) -> RaceWorkload:
+    """The LM's model for 2,000 steps of 32 windows on the Python sources of torch, each
+    window read once (a run of 2,000 steps reads 3.1 M of the text's 5.9 M characters:
+    :mod:`source_text`), tested on 256 windows of files it never reads."""
+    from source_text import SourceText
+
+    context, d_model, blocks, heads, batch, steps = LM_LONG
+    if quick:
+        context, d_model, blocks, heads, batch, steps = 16, 16, 1, 2, 8, 6
+    data = SourceText(context)
+    x_test, y_test = data.test_windows(8 if quick else 256)
+
+    def make() -> nn.Module:
+        return lm.CharTransformer(data.vocab, context, d_model, blocks, heads)
+
+    return RaceWorkload(
+        "lm_long",
+        make,
+        data.sampler(batch),
+        lm.lm_loss,
+        lambda model: lm.evaluate(model, x_test, y_test),
+        steps,
+        ("head",),
+        eval_every=2 if quick else 100,
+        tune_knob=True,
+        description=f"CharTransformer: context {context}, d_model {d_model}, {blocks} blocks, "
+        f"{heads} heads; batch {batch} windows, {steps} steps over the Python sources of "
+        "torch's nn, optim, fx and utils packages, each window read once (every tenth file "
+        "held out: 256 test windows); loss nats/char",
+    )
+
+
 def race_digits(quick: bool) -> RaceWorkload:
     """The digits MLP of ``optimizers.py`` (64-128-128-10, tanh, batch 64)."""
     return _race(
@@ -325,5 +363,6 @@ WORKLOADS: dict[str, Callable[[bool], RaceWorkload]] = {
     "digits": race_digits,
     "mnist5k_cnn": race_mnist5k_cnn,
     "autoencoder": race_autoencoder,
+    "lm_long": race_lm_long,
 }
 """Workload name -> builder (``quick``: tiny models and data, a few steps)."""

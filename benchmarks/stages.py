@@ -988,17 +988,19 @@ def _recipe_settings(quick: bool) -> dict[str, Any]:
         "sgd_momentum": momentum,
         "kl_clip": clip,
         "factor_update_steps": fac,
-        "inv_update_steps": inv,
+        "inv_update_steps": _plain(inv),
         "factor_decay": decay,
         **{k: _plain(v) for k, v in extra.items()},
     }
 
 
 def _plain(value: Any) -> Any:
-    """A setting as JSON holds it (an :class:`~kfac_func.Orthogonal` as a dict, a dtype as
-    its name)."""
+    """A setting as JSON holds it (an :class:`~kfac_func.Orthogonal` or a
+    :class:`~kfac_func.GrowingInterval` as a dict, a dtype as its name)."""
     if isinstance(value, kf.Orthogonal):
         return {k: _plain(v) for k, v in value._asdict().items()}
+    if isinstance(value, kf.GrowingInterval):
+        return {"growing_interval": dataclasses.asdict(value)}
     return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
 
 

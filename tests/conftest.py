@@ -29,6 +29,7 @@ NUMERICS = {
     "test_embedding",
     "test_factor_rows",
     "test_grafting",
+    "test_gram_precision",
     "test_grouped",
     "test_host_syncs",
     "test_kfac_approx",

@@ -63,7 +63,8 @@ def test_stages_quick(tmp_path: Path) -> None:
         assert rates["matmul_bfloat16_macs_per_s"] > 0
     # the recommended recipe, its wide layers those of the tiny models (stages.QUICK_WIDE)
     assert doc["recipe"]["name"] == "kfac-moments-wide" == stages.rr.RECIPE
-    assert doc["recipe"]["settings"]["inv_update_steps"] == 2
+    growing = {"growing_interval": {"first": 2, "until": 256, "most": 32}}
+    assert doc["recipe"]["settings"]["inv_update_steps"] == growing  # every 2 steps here
     assert doc["recipe"]["settings"]["orthogonal"]["wider_than"] == stages.QUICK_WIDE
     assert sorted(doc["workloads"]) == ["gpt2", "lm", "lm4x"]
     soap = stages.optimizers._heavyball() is not None

@@ -190,6 +190,11 @@ class SharedArguments(TypedDict, total=False):
             the output-gradients with it (call ``scaler.unscale_`` before ``step()``).
         factor_dtype: the factors' dtype (None: the weights' promoted to at least
             float32; kfac-pytorch uses the autocast dtype).
+        gram_dtype: the dtype of the operands of the statistics' Gram products, summed
+            into the factors in at least float32 (see :class:`kfac_func.StepOptions`):
+            None, ``factor_dtype`` (kfac-pytorch's float32 products, exact);
+            ``torch.bfloat16`` where the hardware multiplies it natively (half the cost
+            or less; the activations of an autocast region are then used as they are).
         inv_dtype: the dtype decompositions are stored in.
         skip_layers: regexes searched in module names and class names; matches are not
             registered.
@@ -228,6 +233,7 @@ class SharedArguments(TypedDict, total=False):
     symmetry_aware: bool
     grad_scaler: Any
     factor_dtype: torch.dtype | None
+    gram_dtype: torch.dtype | None
     inv_dtype: torch.dtype
     skip_layers: list[str] | None
     update_factors_in_hook: bool
@@ -254,6 +260,7 @@ KFAC_PYTORCH_DEFAULTS: SharedArguments = {
     "symmetry_aware": False,
     "grad_scaler": None,
     "factor_dtype": None,
+    "gram_dtype": None,
     "inv_dtype": torch.float32,
     "skip_layers": None,
     "update_factors_in_hook": True,
@@ -376,6 +383,10 @@ class KFACArguments:
         self.symmetry_aware = a["symmetry_aware"]
         self.grad_scaler = a["grad_scaler"]
         self.inv_dtype = a["inv_dtype"]
+        gram = a["gram_dtype"]
+        if gram is not None and not (isinstance(gram, torch.dtype) and gram.is_floating_point):
+            raise ValueError(f"gram_dtype must be a floating torch.dtype or None, got {gram!r}")
+        self.gram_dtype = gram
         skip = a["skip_layers"]
         self.skip_layers = [] if skip is None else list(skip)
         self.update_factors_in_hook = a["update_factors_in_hook"]

@@ -38,15 +38,17 @@ class KFAC(OptimizerStateMixin, torch.optim.Optimizer):
     (:data:`kfac_func.RECIPES` ``["recommended"]``, the optimizer race's
     ``kfac-moments-wide``): Adam's step in K-FAC's eigenbasis (``eigenbasis_moments``
     with ``betas`` (0.9, 0.95), no KL clip, ``"fisher"`` scaling, factor statistics every
-    step with decay 0.9, eigenbases every 2 steps), except on the layers with a factor side
+    step with decay 0.9, eigenbases every 2 steps, then fewer as the run grows long:
+    :class:`~kfac_func.GrowingInterval`), except on the layers with a factor side
     wider than 512, which take Muon's step on K-FAC's input curvature
     (``Orthogonal(wider_than=512, block=512)``: their A factors, where wider than 512, in
     diagonal blocks of at most 512), in front of SGD without momentum, AdamW with the same
     learning rate, betas and weight decay on the parameters K-FAC does not precondition,
     learning rate 0.014, no weight decay. The library chooses the performance switches
     (layers of one shape computed together, batched decompositions, ``sync_free`` on one
-    CUDA process, and the orthogonalized step in bfloat16 where the device multiplies it
-    natively). ``recipe="kfac-pytorch"`` is kfac-pytorch's
+    CUDA process, and the statistics' products and the orthogonalized step in bfloat16
+    where the device multiplies it natively, for float32 models: ``gram_dtype``,
+    ``Orthogonal.dtype``). ``recipe="kfac-pytorch"`` is kfac-pytorch's
     recipe instead: its preconditioner defaults (eigen, ``kl_clip=0.001``, its factor
     scaling) in front of plain SGD, AdamW with torch's defaults on the others, learning
     rate 0.001, no switch chosen for the user.
@@ -183,8 +185,11 @@ class KFAC(OptimizerStateMixin, torch.optim.Optimizer):
             sync_free = _one_cuda_process(model) and kfac_kwargs.get("refresh_drift") is None
             kfac_kwargs.setdefault("sync_free", sync_free)
             ortho = kfac_kwargs.get("orthogonal")
-            if ortho is not None and ortho.dtype is None and _native_bf16(model):
+            native = _native_bf16(model)
+            if ortho is not None and ortho.dtype is None and native:
                 kfac_kwargs["orthogonal"] = ortho._replace(dtype=torch.bfloat16)
+            if native and _single_precision(model, kfac_kwargs.get("factor_dtype")):
+                kfac_kwargs.setdefault("gram_dtype", torch.bfloat16)
         base_defaults = dict(r.base_kwargs) if base is torch.optim.SGD else {}
         if base is torch.optim.AdamW and self.weight_decay is not None:
             base_defaults["weight_decay"] = self.weight_decay
@@ -411,6 +416,21 @@ def _native_bf16(model: nn.Module) -> bool:
     if p.device.type == "cpu":
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return False
+
+
+def _single_precision(model: nn.Module, factor_dtype: torch.dtype | None) -> bool:
+    """Whether the factors of ``model`` are float32 (its weights float32 or narrower, no
+    wider ``factor_dtype`` asked for): where the statistics' products may take bfloat16
+    operands (a float64 run asks for float64 arithmetic throughout).
+
+    Example:
+        >>> narrow, wide = nn.Linear(2, 2), nn.Linear(2, 2).double()
+        >>> _single_precision(narrow, None), _single_precision(wide, None)
+        (True, False)
+    """
+    p = next(model.parameters(), None)
+    wide = p is not None and p.dtype == torch.float64
+    return not wide and factor_dtype in (None, torch.float32)
 
 
 def _one_cuda_process(model: nn.Module) -> bool:

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kfac_func.step.hyper import GrowingInterval
 from kfac_func.step.orthogonal import Orthogonal
 
 __all__ = ["HEAD_NAMES", "RECIPES", "WIDE", "Recipe", "recipe_named"]
@@ -116,7 +117,7 @@ RECIPES: dict[str, Recipe] = {
             "kl_clip": None,
             "scaling": "fisher",
             "factor_update_steps": 1,
-            "inv_update_steps": 2,
+            "inv_update_steps": GrowingInterval(),
             "factor_decay": 0.9,
             "orthogonal": Orthogonal(powers=(0.5, 0.0), wider_than=WIDE, block=WIDE),
         },
@@ -129,9 +130,11 @@ RECIPES: dict[str, Recipe] = {
         "orthogonal-kfac-head", (0.5, 0.0), eigenbasis_moments=True
     ),
 }
-"""The named recipes: ``"recommended"`` (the default: Adam's step in K-FAC's eigenbasis on
-SOAP's schedule, and Muon's step on K-FAC's input curvature for the layers with a side
-wider than :data:`WIDE`; the optimizer race's ``kfac-moments-wide``) and ``"kfac-pytorch"``
+"""The named recipes: ``"recommended"`` (the default: Adam's step in K-FAC's eigenbasis,
+factor statistics every step, eigenbases every 2 steps, growing to every 32 as a long
+run goes on (:class:`~kfac_func.GrowingInterval`), and Muon's step on K-FAC's input
+curvature for the layers with a side wider than :data:`WIDE`; the optimizer race's
+``kfac-moments-wide``) and ``"kfac-pytorch"``
 (kfac-pytorch's preconditioner defaults in front of plain SGD, AdamW with torch's
 defaults on the other parameters: what ``kf.KFAC`` was before the recommended recipe),
 and the orthogonal recipes (Muon's step on K-FAC's curvature, see

@@ -75,6 +75,7 @@ class HookRecorder(PreconditionerBase):
     plan: Plan
     comm: Communicator
     factor_dtype: torch.dtype
+    gram_dtype: torch.dtype | None
     factor_rows: int | None = None
     _micro: list[_MicroBatch]
     _rows: dict[str, list[list[torch.Tensor | None]]]
@@ -170,6 +171,11 @@ class HookRecorder(PreconditionerBase):
             self._micro, self._rows, self._reducer = [], {}, None
             self._state = self._state.replace(step=self._state.step + 1)
         return bool(self.layers)
+
+    @property
+    def _gram(self) -> torch.dtype:
+        """The dtype of the Gram products' operands (``gram_dtype``, else the factors')."""
+        return self.gram_dtype or self.factor_dtype
 
     def _turn(self) -> int:
         """The number of factor updates so far: the offset of the positions that
@@ -300,9 +306,7 @@ class HookRecorder(PreconditionerBase):
                 # the hook runs inside the user's autocast region: build the Gram in
                 # factor_dtype, not in the autocast dtype
                 with torch.autocast(x.device.type, enabled=False):
-                    item = thinned_gram(
-                        spec, x, "a", self.factor_dtype, self.factor_rows, self._turn()
-                    )
+                    item = thinned_gram(spec, x, "a", self._gram, self.factor_rows, self._turn())
             micro.a.setdefault(spec.name, []).append(item)
 
     def _grad_hook(
@@ -335,10 +339,10 @@ class HookRecorder(PreconditionerBase):
             if self.update_factors_in_hook and not self._ekfac:
                 with torch.autocast(gy.device.type, enabled=False):
                     if joint_input is not None:
-                        a_item, item = joint_grams(spec, joint_input, gy, self.factor_dtype)
+                        a_item, item = joint_grams(spec, joint_input, gy, self._gram)
                     else:
                         item = thinned_gram(
-                            spec, gy, "g", self.factor_dtype, self.factor_rows, self._turn()
+                            spec, gy, "g", self._gram, self.factor_rows, self._turn()
                         )
             if joint_input is not None:  # the call's input and gradient, kept as a pair
                 micro.a.setdefault(spec.name, []).append(a_item)
@@ -414,13 +418,12 @@ class HookRecorder(PreconditionerBase):
 
     def _layer_stats(self, name: str, spec: LayerSpec) -> list[MicroBatchStats]:
         """The layer's statistics of every micro-batch of the window."""
-        cfg = self._state.config
         stats = []
         for mb in self._micro:
             a = mb.a.get(name, [])
             g = mb.g.get(name, [])
             if not self.update_factors_in_hook:
-                a, g = call_grams(spec, a, g, cfg.factor_dtype)
+                a, g = call_grams(spec, a, g, self._gram)
             stats.append(MicroBatchStats(a, g, mb.batch_size, self._loss_scale(mb.batch_size)))
         return stats
 

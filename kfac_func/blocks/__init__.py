@@ -42,6 +42,7 @@ __all__ = [
     "matrix_to_grads",
     "register",
     "register_block",
+    "summed",
     "thinned_gram",
 ]
 
@@ -50,9 +51,30 @@ for _module in pkgutil.iter_modules(__path__):
 
 
 def a_gram(spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> Gram:
-    """Gram statistics of one call's input (bias column of ones included); of a blocked A
-    (:attr:`LayerSpec.a_blocks`) only the diagonal blocks."""
-    return _blocked(spec, spec.block.a_gram(spec, x, dtype))
+    """Gram statistics of one call's input (bias column of ones included), its products
+    from operands in ``dtype``, in at least float32 (:func:`summed`); of a blocked A
+    (:attr:`LayerSpec.a_blocks`) only the diagonal blocks.
+
+    Example:
+        >>> import torch
+        >>> spec = register(torch.nn.Linear(2, 1))[""]
+        >>> a_gram(spec, torch.ones(3, 2), torch.bfloat16).gram.dtype
+        torch.float32
+    """
+    return summed(_blocked(spec, spec.block.a_gram(spec, x, dtype)))
+
+
+def summed(gram: Gram) -> Gram:
+    """``gram`` in at least float32: Grams whose products ran in a 16-bit dtype (their sums
+    accumulate in float32 inside the product) are kept, added and averaged in float32,
+    as the running factors are.
+
+    Example:
+        >>> summed(Gram(torch.ones(2, 2, dtype=torch.bfloat16), 4, 1)).gram.dtype
+        torch.float32
+    """
+    wide = torch.promote_types(gram.gram.dtype, torch.float32)
+    return gram if gram.gram.dtype == wide else gram._replace(gram=gram.gram.to(wide))
 
 
 def joint_grams(
@@ -70,7 +92,7 @@ def joint_grams(
         (torch.Size([3, 1]), torch.Size([3, 2, 2]))
     """
     a, g = spec.block.joint_grams(spec, x, r, dtype)
-    return _blocked(spec, a), g
+    return summed(_blocked(spec, a)), summed(g)
 
 
 def _blocked(spec: LayerSpec, gram: Gram) -> Gram:
@@ -83,8 +105,9 @@ def _blocked(spec: LayerSpec, gram: Gram) -> Gram:
 
 
 def g_gram(spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype = torch.float32) -> Gram:
-    """Gram statistics of one call's raw output-gradient."""
-    return spec.block.g_gram(spec, r, dtype)
+    """Gram statistics of one call's raw output-gradient (products from operands in
+    ``dtype``, in at least float32)."""
+    return summed(spec.block.g_gram(spec, r, dtype))
 
 
 def thinned_gram(
@@ -130,7 +153,7 @@ def call_grams(
     block = spec.block
     if not block.joint:
         return [a_gram(spec, x, dtype) for x in inputs], [
-            block.g_gram(spec, r, dtype) for r in output_grads
+            g_gram(spec, r, dtype) for r in output_grads
         ]
     if len(inputs) != len(output_grads):
         raise ValueError(

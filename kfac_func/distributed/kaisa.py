@@ -84,13 +84,17 @@ BatchFactors = Mapping[str, LayerFactors]
 
 
 def local_batch_factors(
-    state: KFACState, captures: Captures | Sequence[Captures]
+    state: KFACState,
+    captures: Captures | Sequence[Captures],
+    gram_dtype: torch.dtype | None = None,
 ) -> dict[str, LayerFactors]:
-    """``{layer: LayerFactors}`` of this rank's captures (layers not called are absent)."""
+    """``{layer: LayerFactors}`` of this rank's captures (layers not called are absent;
+    Gram products from operands in ``gram_dtype``, None: the factors' dtype)."""
     micro = as_list(captures)
     specs = {name: ls.spec for name, ls in state.layers.items()}
+    cfg = state.config
     return build_batch_factors(
-        specs, lambda name: layer_stats(specs[name], micro, state.config), state.config
+        specs, lambda name: layer_stats(specs[name], micro, cfg, gram_dtype), cfg
     )
 
 

@@ -143,7 +143,7 @@ def update_distributed(
         decay = opts.decay_at(step)
         local = batch_factors or {}
         if captures is not None:
-            local = local_batch_factors(state, captures)
+            local = local_batch_factors(state, captures, opts.gram_dtype)
             statistics = as_list(captures)
         nonfinite = opts.nonfinite
         layers = reduce_factors(state, names, local, plan, comm, decay, nonfinite, factor_reducer)

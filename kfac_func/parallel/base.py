@@ -58,6 +58,7 @@ class ParallelBase(PreconditionerBase):
     splits: dict[str, Split | None]
     plan: ParallelPlan
     factor_dtype: torch.dtype
+    gram_dtype: torch.dtype | None
     all_specs: dict[str, LayerSpec]
     owner_rank: dict[str, int]
     world_plan: Plan

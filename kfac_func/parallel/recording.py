@@ -53,7 +53,7 @@ class ParallelHookRecorder(ParallelBase):
             return t
         with torch.autocast(t.device.type, enabled=False):
             gram = a_gram if kind == "a" else g_gram
-            return gram(spec, t, self.factor_dtype)
+            return gram(spec, t, self.gram_dtype or self.factor_dtype)
 
     def _forward_hook(self, spec: LayerSpec, split: Split | None) -> Callable[..., None]:
 

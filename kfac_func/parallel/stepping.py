@@ -64,9 +64,10 @@ class ParallelStep(ParallelBase):
             if not self._primary(name) or not seen:
                 continue
             stats = []
+            dtype = self.gram_dtype or cfg.factor_dtype
             for mb, a, g in zip(seen, a_items, g_items):
-                a = [x if isinstance(x, Gram) else a_gram(spec, x, cfg.factor_dtype) for x in a]
-                g = [r if isinstance(r, Gram) else g_gram(spec, r, cfg.factor_dtype) for r in g]
+                a = [x if isinstance(x, Gram) else a_gram(spec, x, dtype) for x in a]
+                g = [r if isinstance(r, Gram) else g_gram(spec, r, dtype) for r in g]
                 scale = self._loss_scale(mb.batch_size)
                 stats.append(MicroBatchStats(a, g, mb.batch_size, scale))
             factors = factors_from_stats(name, stats, cfg)

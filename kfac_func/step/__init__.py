@@ -6,7 +6,8 @@
 :mod:`~kfac_func.step.checks`). Shared hyperparameter handling is in
 :mod:`~kfac_func.step.hyper`. This package exports the stages, for loops that run them
 apart, and the adaptive step's functions (:mod:`~kfac_func.step.adaptive`);
-:class:`StepOptions`, :class:`Orthogonal` and :class:`NonFiniteError` are also at the top
+:class:`StepOptions`, :class:`Orthogonal`, :class:`GrowingInterval` and
+:class:`NonFiniteError` are also at the top
 level. ``update`` and ``decompose`` are at the top level only (``kf.update``,
 ``kf.decompose``): a name of this package never shadows one of its modules, so that
 ``import kfac_func.step.decompose as m`` gives the module.
@@ -38,7 +39,7 @@ from kfac_func.step.adaptive import (
 )
 from kfac_func.step.curvature import curvature_gram
 from kfac_func.step.ekfac import correct_eigenvalues
-from kfac_func.step.hyper import NonFiniteError, exp_decay_factor_averaging
+from kfac_func.step.hyper import GrowingInterval, NonFiniteError, exp_decay_factor_averaging
 from kfac_func.step.options import StepOptions
 from kfac_func.step.orthogonal import Orthogonal
 from kfac_func.step.precondition import precondition_grads
@@ -46,6 +47,7 @@ from kfac_func.step.sync_free import report_skipped
 
 __all__ = [
     "AdaptiveInfo",
+    "GrowingInterval",
     "NonFiniteError",
     "Orthogonal",
     "StepOptions",

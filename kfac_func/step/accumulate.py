@@ -246,8 +246,11 @@ def accumulate_factors(
     *,
     factor_decay: Hyper = 0.95,
     nonfinite: NonFinite = "skip",
+    gram_dtype: torch.dtype | None = None,
 ) -> KFACState:
-    """Fold one accumulation window of captures into the running-average factors.
+    """Fold one accumulation window of captures into the running-average factors
+    (their Gram products from operands in ``gram_dtype``, see
+    :class:`kfac_func.StepOptions`).
 
     ``new = decay · old + (1 − decay) · batch``; the first update of a ``"fisher"`` state
     takes the batch factor as is (see :mod:`kfac_func.core.conventions`). Several captures
@@ -271,7 +274,7 @@ def accumulate_factors(
     layers = dict(state.layers)
     fold_layers(
         layers,
-        lambda _, ls: layer_batch_factors(ls.spec, micro, state.config),
+        lambda _, ls: layer_batch_factors(ls.spec, micro, state.config, gram_dtype),
         decay,
         state.config,
         nonfinite,

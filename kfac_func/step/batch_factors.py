@@ -111,22 +111,32 @@ def factors_from_stats(
 
 
 def layer_batch_factors(
-    spec: LayerSpec, micro_batches: Sequence[Captures], config: KFACConfig
+    spec: LayerSpec,
+    micro_batches: Sequence[Captures],
+    config: KFACConfig,
+    gram_dtype: torch.dtype | None = None,
 ) -> LayerFactors | None:
     """:func:`factors_from_stats` of captures (one per micro-batch)."""
-    return factors_from_stats(spec.name, layer_stats(spec, micro_batches, config), config)
+    stats = layer_stats(spec, micro_batches, config, gram_dtype)
+    return factors_from_stats(spec.name, stats, config)
 
 
 def layer_stats(
-    spec: LayerSpec, micro_batches: Sequence[Captures], config: KFACConfig
+    spec: LayerSpec,
+    micro_batches: Sequence[Captures],
+    config: KFACConfig,
+    gram_dtype: torch.dtype | None = None,
 ) -> list[MicroBatchStats]:
-    """The layer's statistics in each of the captures (one per micro-batch) that saw it."""
+    """The layer's statistics in each of the captures (one per micro-batch) that saw it:
+    their Gram products from operands in ``gram_dtype`` (None: the factors' dtype; see
+    :class:`kfac_func.StepOptions`), summed in at least float32."""
     stats = []
     for cap in micro_batches:
         lc = cap.layers.get(spec.name)
         if lc is None or not lc.inputs:
             continue
-        a, g = call_grams(spec, lc.inputs, lc.output_grads, config.factor_dtype)
+        dtype = gram_dtype or config.factor_dtype
+        a, g = call_grams(spec, lc.inputs, lc.output_grads, dtype)
         stats.append(MicroBatchStats(a, g, cap.batch_size, cap.loss_scale))
     return stats
 

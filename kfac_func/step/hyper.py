@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from kfac_func.captures import Captures
 
 __all__ = [
+    "GrowingInterval",
     "Hyper",
     "NonFinite",
     "NonFiniteError",
@@ -135,6 +137,49 @@ def exp_decay_factor_averaging(min_value: float = 0.95) -> Callable[[int], float
         return min(1.0 - 1.0 / max(step, 1), float(min_value))
 
     return factor_decay
+
+
+@dataclass(frozen=True)
+class GrowingInterval:
+    """An ``inv_update_steps`` schedule for long runs: fresh eigenbases every ``first``
+    steps while the curvature moves fast, then half as often each time the run doubles:
+    ``first`` steps apart until step ``until``, ``2·first`` until ``2·until``, ``4·first``
+    until ``4·until`` and so on, at most ``most`` apart. Each step where the interval
+    doubles is a multiple of the new interval, so kfac-pytorch's rule (decompose where
+    ``step % interval == 0``) refreshes on a regular grid that thins out: with the
+    defaults every 2 steps until step 256, every 4 until 512, every 8 until 1,024,
+    every 16 until 2,048, then every 32: 320 eigenbases in 2,000 steps instead of 1,000.
+
+    Raises:
+        ValueError: ``first`` or ``most`` not a positive int, ``most < first``, or
+            ``until`` not a positive multiple of ``most`` (the grid would not align).
+
+    Example:
+        >>> interval = GrowingInterval()
+        >>> [interval(t) for t in (0, 255, 256, 600, 1500, 5000)]
+        [2, 2, 4, 8, 16, 32]
+    """
+
+    first: int = 2
+    until: int = 256
+    most: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("first", "until", "most"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"GrowingInterval.{name} must be a positive int, got {v!r}")
+        if self.most < self.first or self.until % self.most:
+            raise ValueError(
+                f"GrowingInterval needs first <= most and until a multiple of most, got "
+                f"first={self.first}, until={self.until}, most={self.most}"
+            )
+
+    def __call__(self, step: int) -> int:
+        interval, end = self.first, self.until
+        while step >= end and interval < self.most:
+            interval, end = interval * 2, end * 2
+        return min(interval, self.most)
 
 
 def as_list(captures: Captures | Sequence[Captures]) -> list[Captures]:

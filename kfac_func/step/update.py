@@ -131,18 +131,19 @@ def update(
             raise ValueError("update_factors=True needs captures= (from kfac_func.capture)")
         decay = opts.decay_at(step)
         micro = as_list(captures) if captures is not None else None
+        gram = opts.gram_dtype
         made: dict[str, LayerFactors] | None = None
         if grouped and micro is not None:  # the layers of one shape together
             specs = {name: ls.spec for name, ls in layers.items()}
             made = build_batch_factors(
-                specs, lambda name: layer_stats(specs[name], micro, config), config
+                specs, lambda name: layer_stats(specs[name], micro, config, gram), config
             )
 
         def batch_of(name: str, ls: LayerState) -> LayerFactors | None:
             if made is not None:
                 return made.pop(name, None)
             if micro is not None:
-                return layer_batch_factors(ls.spec, micro, config)
+                return layer_batch_factors(ls.spec, micro, config, gram)
             return take(batch_factors, name, donate)
 
         fold_layers(layers, batch_of, decay, config, nonfinite, sync_free, grouped)
