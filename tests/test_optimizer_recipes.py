@@ -238,6 +238,10 @@ def test_print_names_the_recommended_step() -> None:
     words = _step_words(kf.KFAC(wide))
     assert words.startswith("Adam's step in K-FAC's eigenbasis (betas 0.9, 0.95) on 1 layer;")
     assert words.endswith("A in blocks of at most 512: 1 layer here")
+    wide = nn.Sequential(nn.Linear(600, 16), nn.Tanh(), nn.Linear(16, 600))
+    words = _step_words(kf.KFAC(wide))
+    assert words.startswith("Adam's step in K-FAC's eigenbasis (betas 0.9, 0.95) on no layer here;")
+    assert words.endswith("A in blocks of at most 512: 2 layers here")
 
 
 def test_print_names_kfac_pytorchs_step() -> None:

@@ -110,7 +110,7 @@ def describe_step(pre: KFACPreconditioner) -> str:
         parts.append(_METHODS[pre.compute_method.name].format(damping=_number(pre.damping)))
     if o is not None:
         if parts:
-            parts[0] += f" on {counted(rest, 'layer')}"
+            parts[0] += f" on {counted(rest, 'layer')}" if rest else " on no layer here"
         parts.append(_orthogonal_words(o, taking))
     words = "; ".join(parts)
     extras = _extras(pre)
