@@ -51,6 +51,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+OUT_HELP = (
+    "prefix of the files written: PREFIX.csv (the curves), PREFIX.png (their plot) and "
+    "PREFIX.json (the command, commit and machine)"
+)
+"""The ``--help`` text of ``--out`` in the examples that write :func:`save_curves`'s CSV and
+PNG and :func:`save_provenance`'s JSON."""
+
 DATASETS = ("digits", "mnist5k", "mnist", "cifar10")
 """Names accepted by :func:`load_images`."""
 
@@ -265,11 +272,66 @@ def format_table(rows: Sequence[dict[str, object]], columns: Sequence[str] | Non
     return "\n".join(lines)
 
 
+LOG_MANTISSAS = ((1.0,), (1.0, 3.0), (1.0, 2.0, 5.0), (1.0, 1.5, 2.0, 3.0, 5.0, 7.0))
+"""The leading digits of the labelled ticks of a log axis (:func:`log_ticks`), sparsest
+first."""
+
+
+def _nice_steps(low: float, high: float, count: int) -> list[float]:
+    """About ``count`` evenly spaced round values (steps 1, 2, 2.5 or 5 times a power of
+    ten) from ``low`` to ``high``."""
+    raw = (high - low) / count
+    power = 10.0 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1.0, 2.0, 2.5, 5.0, 10.0) if m * power >= raw)
+    first = math.ceil(low / step - 1e-9)
+    values = [round((first + i) * step, 12) for i in range(count + 2)]
+    return [v for v in values if low * (1 - 1e-9) <= v <= high * (1 + 1e-9)]
+
+
+def log_ticks(low: float, high: float, most: int = 8) -> list[float]:
+    """The values to label on a log axis spanning ``low`` to ``high`` (both > 0): round
+    values in every decade, as many as fit (5 to ``most`` where the span allows), so that
+    the labels read the values at any span (matplotlib's own label only the powers of
+    ten, or one or two values in a span of under a decade). Over many decades, every k-th
+    power of ten; within about a decade or less, evenly spaced round values where they
+    are more.
+
+    Example:
+        >>> log_ticks(1.7, 3.1)  # matplotlib labels 2 and 3 only
+        [1.75, 2.0, 2.25, 2.5, 2.75, 3.0]
+        >>> log_ticks(0.03, 2.4)
+        [0.05, 0.1, 0.2, 0.5, 1.0, 2.0]
+        >>> log_ticks(2e-5, 2.4)
+        [0.0001, 0.001, 0.01, 0.1, 1.0]
+        >>> log_ticks(1e-12, 1.0)
+        [1e-12, 1e-10, 1e-08, 1e-06, 0.0001, 0.01, 1.0]
+    """
+    if not 0 < low <= high:
+        raise ValueError(f"log_ticks: need 0 < low <= high, got {low!r} and {high!r}")
+    lo, hi = math.floor(math.log10(low)), math.ceil(math.log10(high))
+    inside = [low * (1 - 1e-9), high * (1 + 1e-9)]
+    sparser: list[float] = []
+    for mantissas in LOG_MANTISSAS:
+        ticks = [float(f"{m}e{e}") for e in range(lo, hi + 1) for m in mantissas]
+        ticks = [t for t in ticks if inside[0] <= t <= inside[1]]
+        if len(ticks) > most:
+            if sparser:
+                return sparser
+            every = -(-len(ticks) // most)  # powers of ten only: keep every k-th
+            return [t for t in ticks if round(math.log10(t)) % every == 0]
+        if len(ticks) >= 5:
+            return ticks
+        sparser = ticks
+    even = _nice_steps(low, high, 6) if high > low else [low]
+    return sparser if len(sparser) >= len(even) else even
+
+
 def save_curves(
     results: dict[str, list[dict[str, float]]],
     out_prefix: str | Path,
     title: str = "",
     x: str = "epoch",
+    xlabel: str | None = None,
 ) -> tuple[Path, Path]:
     """Write training curves of several optimizers to a CSV and a PNG.
 
@@ -280,12 +342,15 @@ def save_curves(
         title: figure title.
         x: the x axis of the plot, ``"epoch"`` or ``"seconds"`` (each optimizer's
             training seconds at the end of each epoch, where its rows have them).
+        xlabel: the x axis's label; None: ``"epoch"`` or ``"training seconds"``.
 
     Returns:
         ``(csv_path, png_path)``: ``out_prefix + ".csv"`` in long format (columns
         ``optimizer, epoch`` then every metric, sorted; a metric a row lacks is empty) and
         ``out_prefix + ".png"``, one subplot per metric other than ``epoch``/``seconds``,
-        ``x`` on the x axis, one line per optimizer (matplotlib, Agg backend).
+        ``x`` on the x axis, one line per optimizer (matplotlib, Agg backend): both axes
+        labelled (the metric's name on the y axis), a loss on a log scale where all its
+        values are positive, with the values of :func:`log_ticks` labelled.
     """
     if x not in ("epoch", "seconds"):
         raise ValueError(f"save_curves: x must be 'epoch' or 'seconds', got {x!r}")
@@ -306,7 +371,7 @@ def save_curves(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullFormatter
 
     plotted = [m for m in metrics if m != "seconds"] or ["seconds"]
     fig, axes = plt.subplots(
@@ -317,11 +382,18 @@ def save_curves(
             pts = [(r[x], r[metric]) for r in rows if metric in r and x in r]
             if pts:
                 ax.plot(*zip(*pts), marker="o", markersize=3, label=opt)
-        ax.set_xlabel("training seconds" if x == "seconds" else "epoch")
-        ax.set_title(metric.replace("_", " "))
+        ax.set_xlabel(xlabel or ("training seconds" if x == "seconds" else "epoch"))
+        name = metric.replace("_", " ")
+        ax.set_title(name)
         values = [r[metric] for rows in results.values() for r in rows if metric in r]
-        if "loss" in metric and values and min(values) > 0:
+        finite = [v for v in values if math.isfinite(v)]
+        if "loss" in metric and finite and min(finite) > 0:
             ax.set_yscale("log")
+            ax.yaxis.set_major_locator(FixedLocator(log_ticks(min(finite), max(finite))))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
+            name += " (log scale)"
+        ax.set_ylabel(name)
         if x == "epoch":
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)

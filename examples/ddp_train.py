@@ -27,7 +27,8 @@ script for a single process:
 
 Rank 0 shows the progress bar, prints the per-epoch table (training loss averaged over
 all ranks, test loss and accuracy evaluated on all ranks' shares of the test set) and
-writes ``OUT.csv`` and ``OUT.png``.
+writes ``OUT.csv`` and ``OUT.png`` with the curves and ``OUT.json`` with the command, the
+commit and the machine.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from kfac_func import KFACPreconditioner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
+    OUT_HELP,
     HelpFormatter,
     ImageData,
     format_table,
@@ -254,7 +256,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add("--threads", type=int, default=1, help="CPU threads per process (0: PyTorch's default)")
     add("--seed", type=int, default=0, help="seed of the initial weights and the batch order")
-    add("--out", default="ddp_train", help="prefix of the CSV and PNG files written by rank 0")
+    add("--out", default="ddp_train", help=f"{OUT_HELP}; rank 0 writes them")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
     unknown = sorted(set(names) - set(OPTIMIZERS))

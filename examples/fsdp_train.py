@@ -20,7 +20,8 @@ script for one process:
 
 Rank 0 prints the K-FAC plan, the training loss (averaged over the data-parallel ranks)
 every ``--log-every`` steps and the K-FAC memory and bytes sent per rank at the end, and
-writes the logged losses to ``OUT.csv`` and ``OUT.png`` (``--out``).
+writes the logged losses to ``OUT.csv`` and ``OUT.png`` and the command, the commit and
+the machine to ``OUT.json`` (``--out``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch.distributed as dist
 import kfac_func as kf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save_curves, save_provenance
+from common import OUT_HELP, save_curves, save_provenance
 from transformer_lm import CharData, CharTransformer, lm_loss
 
 STRATEGIES = {
@@ -70,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--log-every", type=int, default=20, help="print the loss every N steps (default 20)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
-    p.add_argument("--out", default="fsdp_train", help="prefix of the CSV and PNG written")
+    p.add_argument("--out", default="fsdp_train", help=f"{OUT_HELP}; rank 0 writes them")
     return p.parse_args(argv)
 
 
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         label = f"kfac {args.strategy}" + (f" tp{args.tp}" if args.tp > 1 else "")
         csv_path, png_path = save_curves(
-            {label: rows}, args.out, title=f"FSDP2 on {world} ranks (x axis: step)"
+            {label: rows}, args.out, title=f"FSDP2 on {world} ranks", xlabel="step"
         )
         json_path = save_provenance(csv_path, __file__, sys.argv[1:] if argv is None else argv)
         print(f"wrote {csv_path}, {png_path} and {json_path}", flush=True)

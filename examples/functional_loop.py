@@ -4,7 +4,8 @@ A small MLP learns a random teacher network's classes (data generated here, noth
 downloaded). The same model, initialisation and batches are trained with plain SGD and
 with SGD on K-FAC-preconditioned gradients. Each run prints a line per epoch (a progress
 bar over the batches when stderr is a terminal); the script then prints both losses per
-epoch in one table and writes them to ``OUT.csv`` and ``OUT.png`` (``--out``).
+epoch in one table and writes them to ``OUT.csv`` and ``OUT.png``, and the command, the
+commit and the machine to ``OUT.json`` (``--out``).
 
     python examples/functional_loop.py --epochs 5
 """
@@ -17,7 +18,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import HelpFormatter, format_table, progress, save_curves, save_provenance
+from common import OUT_HELP, HelpFormatter, format_table, progress, save_curves, save_provenance
 from torch import nn
 
 import kfac_func as kf
@@ -96,7 +97,7 @@ def main() -> None:
     add("--factor-every", type=int, default=1, help="update the factors every N steps")
     add("--inverse-every", type=int, default=10, help="decompose the factors every N steps")
     add("--seed", type=int, default=0, help="seed of the data, the model and the batches")
-    add("--out", default="functional_loop", help="prefix of the CSV and PNG files")
+    add("--out", default="functional_loop", help=OUT_HELP)
     args = parser.parse_args()
 
     results = {"SGD": train(args, use_kfac=False), "K-FAC": train(args, use_kfac=True)}

@@ -53,7 +53,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import format_table, save_curves, save_provenance
+from common import OUT_HELP, format_table, save_curves, save_provenance
 
 OPTIMIZERS = ("adamw", "kfac")
 MODULES = ("calendar", "difflib", "fractions", "heapq", "shlex", "textwrap")
@@ -269,7 +269,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--inv-update-steps", type=int, default=5, help="steps between eigendecompositions")
     add("--threads", type=int, default=1, help="CPU threads (0: PyTorch's default)")
     add("--seed", type=int, default=0, help="seed of the initial weights (batches: seed + 1)")
-    add("--out", default="hf_trainer", help="prefix of the CSV, PNG and JSON files written")
+    add("--out", default="hf_trainer", help=OUT_HELP)
     add("--quick", action="store_true", help="2 epochs of 4 steps, 16 held-out windows")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.optimizers.split(",") if n.strip()]

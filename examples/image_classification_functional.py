@@ -38,6 +38,7 @@ from torch.func import functional_call
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     DATASETS,
+    OUT_HELP,
     HelpFormatter,
     ImageData,
     format_table,
@@ -49,6 +50,7 @@ from common import (
 )
 from image_classification import (
     DEFAULT_LR,
+    EPOCHS,
     Settings,
     batch_seed,
     make_model,
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--dataset", choices=DATASETS, default="digits", help="which images")
     p.add_argument("--data-dir", default=None, help="folder with MNIST IDX / CIFAR-10 binary")
-    p.add_argument("--epochs", type=int, default=10, help="training epochs")
+    p.add_argument("--epochs", type=int, default=EPOCHS, help="training epochs (that example's)")
     p.add_argument(
         "--samples",
         type=int,
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--check-steps", type=int, default=20, help="steps of the adapter check")
     p.add_argument("--no-check", action="store_true", help="skip the adapter check")
-    p.add_argument("--out", default="image_classification_functional", help="output prefix")
+    p.add_argument("--out", default="image_classification_functional", help=OUT_HELP)
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)

@@ -10,7 +10,7 @@ optimizer and preconditioner state dicts after every epoch. Run it again with a 
 
 It prints a row per epoch (a progress bar over the batches when stderr is a terminal) and
 writes the curves of every epoch so far, those before a resume included, to ``OUT.csv``
-and ``OUT.png`` (``--out``).
+and ``OUT.png``, and the command, the commit and the machine to ``OUT.json`` (``--out``).
 
     python examples/kfac_pytorch_loop.py --epochs 5
     python examples/kfac_pytorch_loop.py --epochs 3 --checkpoint /tmp/kfac.pt  # then 6
@@ -24,7 +24,7 @@ import sys
 import tempfile
 
 import torch
-from common import HelpFormatter, progress, save_curves, save_provenance
+from common import OUT_HELP, HelpFormatter, progress, save_curves, save_provenance
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -100,9 +100,7 @@ def main() -> None:
         "(None: a file in a temporary directory)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the data and the model")
-    parser.add_argument(
-        "--out", default="kfac_pytorch_loop", help="prefix of the CSV and PNG files"
-    )
+    parser.add_argument("--out", default="kfac_pytorch_loop", help=OUT_HELP)
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)

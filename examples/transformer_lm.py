@@ -27,7 +27,7 @@ Each epoch is ``--steps`` training batches of random windows of the training tex
 each epoch the script prints the training loss (mean over the epoch's batches), the test
 loss and bits per character on a fixed set of test windows, and the wall time, then
 writes ``OUT.csv`` and ``OUT.png`` with the curves of every optimizer (losses against
-training seconds).
+training seconds) and ``OUT.json`` with the command, the commit and the machine.
 
     python examples/transformer_lm.py                       # sgd, adam and kfac
     python examples/transformer_lm.py --optimizers kfac --epochs 3 --steps 50
@@ -50,7 +50,7 @@ from torch import nn
 import kfac_func as kf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import HelpFormatter, format_table, progress, save_curves, save_provenance
+from common import OUT_HELP, HelpFormatter, format_table, progress, save_curves, save_provenance
 
 OPTIMIZERS = ("sgd", "adam", "kfac", "kfac-moments", "kfac-default")
 KFAC_DEFAULTS = {
@@ -472,7 +472,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add("--threads", type=int, default=1, help="CPU threads (0: PyTorch's default)")
     add("--seed", type=int, default=0, help="seed of the initial weights (batches: seed + 1)")
-    add("--out", default="transformer_lm", help="prefix of the CSV and PNG files written")
+    add("--out", default="transformer_lm", help=OUT_HELP)
     add("--verbose", action="store_true", help="print the layers K-FAC registers")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.optimizers.split(",") if n.strip()]

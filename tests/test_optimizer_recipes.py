@@ -210,12 +210,97 @@ def test_bad_arguments_are_named(kwargs: dict[str, Any], match: str) -> None:
 
 def test_print_shows_the_recipe_and_the_layer_table() -> None:
     opt = kf.KFAC(_model(), skip_layers=["Embedding"])
-    text = repr(opt)
-    head, table = text.split("\n", 1)
-    assert head.startswith("KFAC(recipe='recommended', lr=0.014: 2 K-FAC layers")
-    assert "SGD on their 4 parameters; AdamW on 1 other parameters" in head
+    head, step, where, table = repr(opt).split("\n", 3)
+    assert head == "KFAC(recipe='recommended', lr=0.014, current lr=0.014)"
+    assert step.startswith("  step: ")
+    assert where == (
+        "  K-FAC preconditions 2 layers: SGD on their 4 parameters; AdamW on 1 other parameter"
+    )
     assert table == str(opt.preconditioner.layers)
     assert "skipped: matched skip_layers 'Embedding'" in table
+
+
+def _step_words(opt: kf.KFAC) -> str:
+    line = repr(opt).splitlines()[1]
+    assert line.startswith("  step: "), line
+    return line.removeprefix("  step: ")
+
+
+def test_print_names_the_recommended_step() -> None:
+    """Adam's step in the eigenbasis on the narrow layers, Muon's on the wide ones: none
+    of them on a narrow model, the one 600 wide on a model that has it."""
+    assert _step_words(kf.KFAC(_model())) == (
+        "Adam's step in K-FAC's eigenbasis (betas 0.9, 0.95) on 3 layers; Muon's step on "
+        "K-FAC's input curvature (A^(-1/2)) on the layers with a factor side wider than 512, "
+        "A in blocks of at most 512: none here"
+    )
+    wide = nn.Sequential(nn.Linear(600, 16), nn.Tanh(), nn.Linear(16, 5))
+    words = _step_words(kf.KFAC(wide))
+    assert words.startswith("Adam's step in K-FAC's eigenbasis (betas 0.9, 0.95) on 1 layer;")
+    assert words.endswith("A in blocks of at most 512: 1 layer here")
+    wide = nn.Sequential(nn.Linear(600, 16), nn.Tanh(), nn.Linear(16, 600))
+    words = _step_words(kf.KFAC(wide))
+    assert words.startswith("Adam's step in K-FAC's eigenbasis (betas 0.9, 0.95) on no layer here;")
+    assert words.endswith("A in blocks of at most 512: 2 layers here")
+
+
+def test_print_names_kfac_pytorchs_step() -> None:
+    opt = kf.KFAC(_model(), recipe="kfac-pytorch")
+    assert _step_words(opt) == (
+        "K-FAC's damped inverse (eigendecomposition, damping 0.001) with the KL clip 0.001"
+    )
+    assert repr(opt).splitlines()[0] == "KFAC(recipe='kfac-pytorch', lr=0.001, current lr=0.001)"
+
+
+@pytest.mark.parametrize(
+    ("recipe", "words"),
+    [
+        ("orthogonal", "Muon's step on K-FAC's input curvature (A^(-1/2)) on every layer"),
+        (
+            "orthogonal-two-sided",
+            "Muon's step on K-FAC's curvature, both sides (G^(-1/4) · A^(-1/4)) on every layer",
+        ),
+    ],
+)
+def test_print_names_the_orthogonal_step(recipe: str, words: str) -> None:
+    """Muon's step on the hidden layers, the head (named ``head``) left to AdamW."""
+    model = _model()
+    model.add_module("head", nn.Linear(5, 5).to(F64))
+    opt = kf.KFAC(model, recipe=recipe)
+    text = _step_words(opt)
+    assert text == (
+        f"{words} of one weight matrix but the head (named lm_head, head, classifier or "
+        "output): 2 layers here"
+    )
+    assert "AdamW on 3 other parameters" in repr(opt)  # the embedding, the head's two
+
+
+def test_print_follows_the_settings_not_the_recipe_name() -> None:
+    """The words are read from the preconditioner: arguments that replace the recipe's
+    change them."""
+    opt = kf.KFAC(_model(), compute_method="inverse", eigenbasis_moments=False, orthogonal=None)
+    assert _step_words(opt) == "K-FAC's damped inverse (explicit inverses, damping 0.001)"
+    opt = kf.KFAC(_model(), recipe="kfac-pytorch", kl_clip=None, grafting="adam")
+    assert _step_words(opt) == (
+        "K-FAC's damped inverse (eigendecomposition, damping 0.001) grafted to Adam's step length"
+    )
+    opt = kf.KFAC(_model(), recipe="kfac-pytorch", damping=lambda step: 0.1)
+    assert _step_words(opt).startswith("K-FAC's damped inverse (eigendecomposition, damping (sc")
+    opt = kf.KFAC(_model(), orthogonal=kf.Orthogonal(wider_than=20))  # only 33x33 is wider
+    assert _step_words(opt) == (
+        "Adam's step in K-FAC's eigenbasis (betas 0.9, 0.95) on 2 layers; Muon's step on "
+        "K-FAC's input curvature (A^(-1/2)) on the layers with a factor side wider than 20: "
+        "1 layer here"
+    )
+
+
+def test_print_shows_the_built_and_the_current_learning_rate() -> None:
+    """A schedule that decays the learning rate to 0 (as Hugging Face's linear one does)
+    leaves the learning rate the optimizer was built with on show."""
+    opt = kf.KFAC(_model(), lr=0.03)
+    opt.param_groups[0]["lr"] = 0.0
+    assert repr(opt).splitlines()[0] == "KFAC(recipe='recommended', lr=0.03, current lr=0)"
+    assert opt.built_lr == 0.03
 
 
 def test_the_table_starts_on_its_own_line() -> None:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from kfac_func.adapter.arguments import FloatOrFn
+from kfac_func.adapter.describe import counted, describe_step
 from kfac_func.adapter.optimizer_state import OptimizerStateMixin, _States
 from kfac_func.adapter.parameter_places import ParameterPlaces
 from kfac_func.adapter.preconditioner import KFACPreconditioner
@@ -78,8 +79,11 @@ class KFAC(OptimizerStateMixin, torch.optim.Optimizer):
       which a learning-rate scheduler made before does not drive).
     - ``zero_grad``, step hooks (``register_step_pre_hook``, ...) and state-dict hooks
       are ``torch.optim.Optimizer``'s; the base optimizers' own hooks run in their steps.
-    - ``print(opt)`` shows the recipe, the base optimizers and the table of the layers
-      K-FAC preconditions (``opt.preconditioner.layers``).
+    - ``print(opt)`` shows the recipe, the learning rate it was built with and the
+      current one, the step in words (read from the preconditioner's settings: see
+      :func:`~kfac_func.adapter.describe.describe_step`), the base optimizers and their
+      parameter counts, then the table of the layers K-FAC preconditions
+      (``opt.preconditioner.layers``).
 
     Build it on the model before or after wrapping it in DDP or sharding it with FSDP2
     (``fully_shard``) or tensor parallelism (``parallelize_module``): those two replace
@@ -225,6 +229,9 @@ class KFAC(OptimizerStateMixin, torch.optim.Optimizer):
             self._optimizers.append(others(rest, **self._others_kwargs))
         self._followed = 0  # demoted parameters moved to the others (see _follow_demotions)
         self._ready = False
+        self.built_lr = float(self._optimizers[0].param_groups[0]["lr"])
+        """The learning rate K-FAC's parameter group was built with (schedulers and
+        ``load_state_dict`` change ``param_groups[0]["lr"]``, not this)."""
         groups = [g for opt in self._optimizers for g in opt.param_groups]
         super().__init__(groups, dict(self._optimizers[0].defaults))
         self._ready = True
@@ -366,20 +373,23 @@ class KFAC(OptimizerStateMixin, torch.optim.Optimizer):
                         p.mul_(factor)
 
     def __repr__(self) -> str:
-        """The recipe, the base optimizers and their parameter counts, then the table of
-        the layers (``opt.preconditioner.layers``)."""
+        """The recipe, the learning rate it was built with and the current one, the step
+        in words (:func:`~kfac_func.adapter.describe.describe_step`), where the parameters
+        go, then the table of the layers (``opt.preconditioner.layers``)."""
         table = self.preconditioner.layers
         kfac = sum(len(g["params"]) for g in self._optimizers[0].param_groups)
-        parts = [f"{type(self._optimizers[0]).__name__} on their {kfac} parameters"]
+        where = (
+            f"K-FAC preconditions {counted(len(table), 'layer')}: "
+            f"{type(self._optimizers[0]).__name__} on their {counted(kfac, 'parameter')}"
+        )
         if self._has_others:
             n = sum(len(g["params"]) for g in self._optimizers[1].param_groups)
-            parts.append(f"{type(self._optimizers[1]).__name__} on {n} other parameters")
+            where += f"; {type(self._optimizers[1]).__name__} on {counted(n, 'other parameter')}"
         head = (
-            f"{type(self).__name__}(recipe={self.recipe.name!r}, lr="
-            f"{self.param_groups[0]['lr']:g}: {len(table)} K-FAC layers, "
-            f"{'; '.join(parts)})"
+            f"{type(self).__name__}(recipe={self.recipe.name!r}, lr={self.built_lr:g}, "
+            f"current lr={float(self.param_groups[0]['lr']):g})"
         )
-        return f"{head}\n{table}"
+        return f"{head}\n  step: {describe_step(self.preconditioner)}\n  {where}\n{table}"
 
 
 def _check_number(name: str, value: float) -> float:
