@@ -188,8 +188,8 @@ def power_seconds(pre: kf.KFACPreconditioner) -> float:
     for ls in pre.state.layers.values():
         if o is None or ls.ortho_power is None or ls.decomposition is None:
             continue
-        width = ls.spec.a_dim if ls.spec.a_blocks > 1 else None
-        factor_powers(ls.decomposition, o.powers, o.damping, a_width=width)  # type: ignore[arg-type]
+        blocked = {"a_width": ls.spec.a_dim} if getattr(ls.spec, "a_blocks", 1) > 1 else {}
+        factor_powers(ls.decomposition, o.powers, o.damping, **blocked)  # type: ignore[arg-type]
     return time.perf_counter() - start
 
 
