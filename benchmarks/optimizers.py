@@ -245,6 +245,13 @@ MOMENTS = {"eigenbasis_moments": True, "moment_beta2": 0.95, "moment_beta1": 0.9
 """The eigenbasis-moment settings of the ``kfac-moments-fresh`` family (Adam's step in
 K-FAC's eigenbasis, β₁ 0.9 and β₂ 0.95, as SOAP's)."""
 
+
+def _wide(inv: Any, orthogonal: kf.Orthogonal) -> tuple[Any, ...]:
+    """A ``kfac-moments-wide`` variant of :data:`KFAC`: eigenbases every ``inv`` steps (or
+    on that schedule), ``orthogonal`` on the wide layers."""
+    return ("eigen", 0.0, 0.0, None, (1, inv), 0.9, {**MOMENTS, **GRAM, "orthogonal": orthogonal})
+
+
 KFAC = {
     # name: (compute method, SGD momentum, dampening, kl_clip, factor/inverse update
     # steps, factor decay, settings of the preconditioner)
@@ -293,38 +300,14 @@ KFAC = {
         0.9,
         {**MOMENTS, "refresh_drift": DRIFT},
     ),
-    # kfac-moments-fresh with the layers that have a side wider than 512 on the
-    # orthogonalized step: no Gram and no eigh of their G factors
-    # the recommended recipe (kf.KFAC's): eigenbases every 2 steps, fewer in long runs
-    "kfac-moments-wide": (
-        "eigen",
-        0.0,
-        0.0,
-        None,
-        (1, kf.GrowingInterval()),
-        0.9,
-        {**MOMENTS, **GRAM, "orthogonal": WIDE},
-    ),
+    # the recommended recipe (kf.KFAC's): kfac-moments-fresh with the layers that have a
+    # side wider than 512 on the orthogonalized step (no Gram and no eigh of their G
+    # factors, their A factors in blocks), eigenbases every 2 steps, fewer in long runs
+    "kfac-moments-wide": _wide(kf.GrowingInterval(), WIDE),
     # the same with the wide layers' A factors whole (decomposed as one matrix)
-    "kfac-moments-wide-whole": (
-        "eigen",
-        0.0,
-        0.0,
-        None,
-        (1, kf.GrowingInterval()),
-        0.9,
-        {**MOMENTS, **GRAM, "orthogonal": WIDE._replace(block=None)},
-    ),
+    "kfac-moments-wide-whole": _wide(kf.GrowingInterval(), WIDE._replace(block=None)),
     # the same with eigenbases every 2 steps however long the run
-    "kfac-moments-wide-2": (
-        "eigen",
-        0.0,
-        0.0,
-        None,
-        (1, 2),
-        0.9,
-        {**MOMENTS, **GRAM, "orthogonal": WIDE},
-    ),
+    "kfac-moments-wide-2": _wide(2, WIDE),
     # the quadratic model's learning rate and momentum, adaptive damping ("lr": its start)
     "kfac-adaptive": ("eigen", 0.0, 0.0, None, (1, 5), 0.95, {}),
 }

@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fixture_models import FIXTURES, Fixture, T
-from test_orthogonal import _ns_reference
+from test_orthogonal import _matrices, _ns_reference
 from torch import nn
 
 import kfac_func as kf
-from kfac_func.blocks import LayerSpec, a_gram, call_grams, grads_to_matrix
+from kfac_func.blocks import LayerSpec, a_gram, call_grams
 from kfac_func.core.decomposition import EigenDecomposition
 from kfac_func.core.orthogonal import apply_powers, factor_powers
 from kfac_func.step.orthogonal import Orthogonal, orthogonal_layers, orthogonal_table
@@ -136,14 +136,6 @@ def _reference(
             part = F.pad(p[:, i * w : (i + 1) * w], (0, w - p[:, i * w : (i + 1) * w].shape[1]))
             parts.append((_ns_reference(part) * 0.2 * max(u.shape[0], w) ** 0.5)[:, : n - i * w])
         out[name] = torch.cat(parts, dim=1)
-    return out
-
-
-def _matrices(state: kf.KFACState, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, ls in state.layers.items():
-        s = ls.spec
-        out[name] = grads_to_matrix(s, grads[s.weight], grads.get(s.bias) if s.bias else None)
     return out
 
 
