@@ -252,6 +252,12 @@ def batch(args: argparse.Namespace, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (args.batch, args.length), generator=g)
 
 
+def decomposes_at(every: Any, step: int) -> bool:
+    """Whether a preconditioner with ``inv_update_steps=every`` (a number or a
+    ``step -> interval`` schedule) decomposes at ``step``."""
+    return step % int(every(step) if callable(every) else every) == 0
+
+
 def train_step(model: nn.Module, opt: Any, ids: torch.Tensor) -> tuple[float, float]:
     """One step: (forward+backward seconds, optimizer seconds)."""
     for o in optimizers(opt):
@@ -331,12 +337,9 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     }
     opt = make_optimizer(name, model)
     pre = preconditioner(opt)
-    every = pre.inv_update_steps if pre is not None else None
     steps: list[dict[str, Any]] = []
     for i in range(args.steps):
-        decomposes = (
-            pre is not None and not callable(every) and pre.steps % int(every) == 0  # type: ignore[arg-type]
-        )
+        decomposes = pre is not None and decomposes_at(pre.inv_update_steps, pre.steps)
         fb, step = train_step(model, opt, ids)
         steps.append(
             {"step": i, "forward_backward_s": fb, "optimizer_s": step, "decomposes": decomposes}
