@@ -29,8 +29,16 @@ _LENT: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDiction
 """The lent tensors, by the address of their storage (alive while the tensor is)."""
 
 
-def _key(t: torch.Tensor) -> int:
-    return int(t.untyped_storage().data_ptr())
+def _key(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage: a DTensor's is its local shard's; None for a
+    tensor subclass with no storage of its own (nothing a state lends)."""
+    local = getattr(t, "to_local", None)  # a DTensor (FSDP2, tensor parallelism)
+    if callable(local):
+        t = local()
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except RuntimeError:  # "invalid python storage": a wrapper subclass
+        return None
 
 
 def lend(tree: Any) -> Any:
@@ -44,8 +52,9 @@ def lend(tree: Any) -> Any:
         False
     """
     if isinstance(tree, torch.Tensor):
-        if tree.numel():
-            _LENT[_key(tree)] = tree
+        key = _key(tree) if tree.numel() else None
+        if key is not None:
+            _LENT[key] = tree
     elif isinstance(tree, dict):
         for value in tree.values():
             lend(value)
@@ -69,7 +78,8 @@ def fresh_template(tree: Any) -> Any:
         (True, torch.Size([2, 2]))
     """
     if isinstance(tree, torch.Tensor):
-        if tree.numel() and _LENT.get(_key(tree)) is not None:
+        key = _key(tree) if tree.numel() else None
+        if key is not None and _LENT.get(key) is not None:
             return torch.empty_like(tree)
         return tree
     if isinstance(tree, dict):
