@@ -28,8 +28,6 @@ of its rows — every k-th position, scaled; on digits, whose calls have no posi
 is ``kfac-moments`` with batched eigendecompositions — and equal-shaped factors
 decomposed in one batched ``eigh``), ``kfac-moments-fresh`` (``kfac-moments`` on SOAP's
 schedule: factor statistics every step with decay 0.9 and eigenbases every 2 steps),
-``kfac-moments-drift`` (``kfac-moments-fresh`` whose eigenbases are checked every step and
-decomposed anew where they drifted from their factors: ``refresh_drift``),
 ``kfac-moments-wide`` (``kfac-moments-fresh`` whose layers with a factor side wider than
 512 take Muon's orthogonalized step on K-FAC's input curvature instead, their A factors
 in diagonal blocks of at most 512: ``Orthogonal(wider_than=512, block=512)``; the
@@ -98,7 +96,6 @@ LRS: dict[str, tuple[float, ...]] = {
     "kfac-moments": (7e-3, 1.4e-2),
     "kfac-moments-fast": (7e-3, 1.4e-2),
     "kfac-moments-fresh": (7e-3, 1.4e-2),
-    "kfac-moments-drift": (7e-3, 1.4e-2),
     "kfac-moments-wide": (7e-3, 1.4e-2),
     "kfac-moments-wide-whole": (7e-3, 1.4e-2),
     "kfac-moments-wide-2": (7e-3, 1.4e-2),
@@ -210,11 +207,6 @@ def _heavyball() -> Any | None:
     return heavyball
 
 
-DRIFT = 0.003
-"""``kfac-moments-drift``'s ``refresh_drift``: the smallest of the thresholds tried (0.003,
-0.01, 0.03) on ``lm`` at ``kfac-moments-fresh``'s tuned learning rate; it refreshed about
-as many bases per step as decompositions every 2 steps do."""
-
 NATIVE_BF16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX). Where it does not,
 Muon's Newton–Schulz iteration runs in float32 (``stage_arithmetic.Muon32``): emulated
@@ -289,17 +281,6 @@ KFAC = {
     # SOAP's schedule (statistics of every step, a short running average, the eigenbases
     # two steps old at most): a stale eigenbasis is what kept kfac-moments behind SOAP
     "kfac-moments-fresh": ("eigen", 0.0, 0.0, None, (1, 2), 0.9, MOMENTS),
-    # kfac-moments-fresh with each layer's eigenbases refreshed when they drift: checked
-    # every step, decomposed anew where A's or G's basis drifted past 0.003 (refresh_drift)
-    "kfac-moments-drift": (
-        "eigen",
-        0.0,
-        0.0,
-        None,
-        (1, 1),
-        0.9,
-        {**MOMENTS, "refresh_drift": DRIFT},
-    ),
     # the recommended recipe (kf.KFAC's): kfac-moments-fresh with the layers that have a
     # side wider than 512 on the orthogonalized step (no Gram and no eigh of their G
     # factors, their A factors in blocks), eigenbases every 2 steps, fewer in long runs

@@ -48,7 +48,6 @@ KNOBS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "kfac-moments": ("moment_beta2", (0.95, 0.999)),
     "kfac-moments-fast": ("moment_beta2", (0.95, 0.999)),
     "kfac-moments-fresh": ("moment_beta2", (0.95, 0.999)),
-    "kfac-moments-drift": ("moment_beta2", (0.95, 0.999)),
     "kfac-moments-wide": ("moment_beta2", (0.95, 0.999)),
     "kfac-moments-wide-whole": ("moment_beta2", (0.95, 0.999)),
     "kfac-moments-wide-2": ("moment_beta2", (0.95, 0.999)),

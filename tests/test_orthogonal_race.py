@@ -1,5 +1,4 @@
-"""``benchmarks/orthogonal_race.py``, ``drift_race.py`` and ``wide_race.py`` (its runner,
-other recipes): the
+"""``benchmarks/orthogonal_race.py`` and ``wide_race.py`` (its runner, another recipe): the
 summary on synthetic runs, quick runs end to end (no timing checks), and the committed
 results files and docs tables against their own runs."""
 
@@ -14,13 +13,12 @@ from scripts import ROOT, run_benchmark
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import drift_race
 import orthogonal_race as ortho
 import race_report as rr
 import wide_race
 
 RESULTS = ROOT / "benchmarks" / "results" / "orthogonal_race.json"
-CHALLENGES = (ortho.ORTHOGONAL_RACE, drift_race.DRIFT_RACE, wide_race.WIDE_RACE)
+CHALLENGES = (ortho.ORTHOGONAL_RACE, wide_race.WIDE_RACE)
 
 
 def run(name: str, seed: int, losses: tuple[float, ...], per_step: float, phase: str) -> dict:

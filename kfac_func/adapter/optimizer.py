@@ -185,9 +185,7 @@ class KFAC(OptimizerStateMixin, torch.optim.Optimizer):
                     )
         if r.automatic:
             kfac_kwargs.setdefault("batched_eigh", True)
-            # refresh_drift decides on the host
-            sync_free = _one_cuda_process(model) and kfac_kwargs.get("refresh_drift") is None
-            kfac_kwargs.setdefault("sync_free", sync_free)
+            kfac_kwargs.setdefault("sync_free", _one_cuda_process(model))
             ortho = kfac_kwargs.get("orthogonal")
             native = _native_bf16(model)
             if ortho is not None and ortho.dtype is None and native:

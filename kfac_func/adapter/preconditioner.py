@@ -50,9 +50,7 @@ from kfac_func.state import KFACState
 from kfac_func.step.adaptive import AdaptiveInfo, init_adaptive
 from kfac_func.step.basis import BasisMoments
 from kfac_func.step.decompose import check_eigh_device
-from kfac_func.step.drift import one_process_only
 from kfac_func.step.layer_step import Grafting
-from kfac_func.step.options import StepOptions
 from kfac_func.step.orthogonal import Orthogonal, orthogonal_table
 
 __all__ = ["AllreduceMethod", "ComputeMethod", "KFACPreconditioner"]
@@ -100,9 +98,6 @@ class KFACPreconditioner(
             :func:`kfac_func.update`).
         moment_beta2, moment_eps: the eigenbasis moments' ``β₂`` and ``ε``.
         moment_beta1: the eigenbasis moments' ``β₁`` (0: no first moment).
-        refresh_drift: with ``eigenbasis_moments`` on one process (not ``sync_free``): a
-            decomposition step decomposes anew only the layers whose eigenbases have
-            drifted past this value (see :mod:`kfac_func.step.drift`); None: all of them.
         orthogonal: a :class:`~kfac_func.Orthogonal`: Muon's step on K-FAC's curvature
             for the layers holding one weight matrix; the others take Adam's step in
             K-FAC's eigenbasis under ``eigenbasis_moments``, else are not registered (see
@@ -170,7 +165,6 @@ class KFACPreconditioner(
         moment_beta2: float = 0.999,
         moment_eps: float = 1e-8,
         moment_beta1: float = 0.0,
-        refresh_drift: float | None = None,
         orthogonal: Orthogonal | None = None,
         adaptive: AdaptiveStepper | None = None,
         allreduce_method: AllreduceMethod | str | None = None,
@@ -207,12 +201,6 @@ class KFACPreconditioner(
             BasisMoments(moment_beta2, moment_eps, moment_beta1).check(method)
         self.eigenbasis_moments, self.moment_beta1 = eigenbasis_moments, moment_beta1
         self.moment_beta2, self.moment_eps = moment_beta2, moment_eps
-        self.refresh_drift = StepOptions(
-            eigenbasis_moments=eigenbasis_moments,
-            orthogonal=orthogonal is not None,
-            sync_free=self.sync_free,
-            refresh_drift=refresh_drift,
-        ).drift_threshold(method)
         self.adaptive = adaptive
         if not self.layers:
             raise no_layers_error(self.layers, type(model).__name__)
@@ -230,8 +218,6 @@ class KFACPreconditioner(
             compute_eigenvalue_outer_product=self.compute_eigenvalue_outer_product,
         )
         check_adaptive(adaptive, model, self.kl_clip, comm_world)
-        if refresh_drift is not None and comm_world > 1:
-            raise one_process_only(f"this is one of {comm_world} processes")
         self.colocate_factors = self.plan.colocate_factors
         self.grad_worker_fraction = self.plan.grad_worker_fraction
         # a strategy asked by name is kept (MEM_OPT on one rank, whose plan is also
