@@ -23,10 +23,7 @@ schedule as in the example), ``kfac-ekfac`` (corrected eigenvalues),
 ``kfac-ekfac-adam`` (EKFAC with Adam grafting, no kl_clip), ``kfac-moments`` (Adam's
 step, first and second moments, in K-FAC's eigenbasis — SOAP's update with K-FAC's bases
 — in front of SGD without momentum, factors and eigenbases every 5 steps),
-``kfac-moments-fast`` (the same with the factor statistics of each call from at most 512
-of its rows — every k-th position, scaled; on digits, whose calls have no positions, it
-is ``kfac-moments`` with batched eigendecompositions — and equal-shaped factors
-decomposed in one batched ``eigh``), ``kfac-moments-fresh`` (``kfac-moments`` on SOAP's
+``kfac-moments-fresh`` (``kfac-moments`` on SOAP's
 schedule: factor statistics every step with decay 0.9 and eigenbases every 2 steps),
 ``kfac-moments-wide`` (``kfac-moments-fresh`` whose layers with a factor side wider than
 512 take Muon's orthogonalized step on K-FAC's input curvature instead, their A factors
@@ -94,7 +91,6 @@ LRS: dict[str, tuple[float, ...]] = {
     "kfac-ekfac": (0.1, 0.3),
     "kfac-ekfac-adam": (1e-3, 3e-3),
     "kfac-moments": (7e-3, 1.4e-2),
-    "kfac-moments-fast": (7e-3, 1.4e-2),
     "kfac-moments-fresh": (7e-3, 1.4e-2),
     "kfac-moments-wide": (7e-3, 1.4e-2),
     "kfac-moments-wide-whole": (7e-3, 1.4e-2),
@@ -261,23 +257,6 @@ KFAC = {
         0.8,
         {"eigenbasis_moments": True, "moment_beta2": 0.95, "moment_beta1": 0.9},
     ),
-    # the same with cheaper curvature: factor statistics from at most 512 rows of each
-    # call (every k-th position, scaled), equal-shaped factors decomposed in one eigh
-    "kfac-moments-fast": (
-        "eigen",
-        0.0,
-        0.0,
-        None,
-        (5, 5),
-        0.8,
-        {
-            "eigenbasis_moments": True,
-            "moment_beta2": 0.95,
-            "moment_beta1": 0.9,
-            "factor_rows": 512,
-            "batched_eigh": True,
-        },
-    ),
     # SOAP's schedule (statistics of every step, a short running average, the eigenbases
     # two steps old at most): a stale eigenbasis is what kept kfac-moments behind SOAP
     "kfac-moments-fresh": ("eigen", 0.0, 0.0, None, (1, 2), 0.9, MOMENTS),
@@ -294,15 +273,17 @@ KFAC = {
 }
 """The K-FAC variants, all with ``scaling="fisher"``."""
 
-ORTHOGONAL: dict[str, str] = {
-    "kfac-muon": "orthogonal",
-    "kfac-muon-two-sided": "orthogonal-two-sided",
-    "kfac-muon-kfac-head": "orthogonal-kfac-head",
+ORTHOGONAL: dict[str, tuple[str, tuple[float, float]]] = {
+    "kfac-muon": ("orthogonal-two-sided", (0.5, 0.0)),
+    "kfac-muon-two-sided": ("orthogonal-two-sided", (0.25, 0.25)),
+    "kfac-muon-kfac-head": ("orthogonal-kfac-head", (0.5, 0.0)),
 }
-"""The orthogonal recipes of ``kf.KFAC`` (Muon's step on K-FAC's curvature), by the name
-they race under. As Muon's, their hidden matrices take the learning rate swept and the
-parameters left to AdamW take AdamW's middle value; the workload's output layers
-(``Workload.outputs``) are the head (``ortho_skip``)."""
+"""The orthogonal settings of ``kf.KFAC`` (Muon's step on K-FAC's curvature), by the name
+they race under: the recipe and the powers of A and G (``kfac-muon`` is the two-sided
+recipe made one-sided, what the retired recipe ``"orthogonal"`` was). As Muon's, their
+hidden matrices take the learning rate swept and the parameters left to AdamW take
+AdamW's middle value; the workload's output layers (``Workload.outputs``) are the head
+(``ortho_skip``)."""
 
 
 class Stepper:
@@ -434,12 +415,13 @@ class Stepper:
 def _orthogonal_face(
     name: str, model: nn.Module, lr: float, settings: dict[str, Any], outputs: tuple[str, ...]
 ) -> kf.KFAC:
-    """``kf.KFAC`` with the orthogonal recipe of ``name`` (:data:`ORTHOGONAL`), its powers
-    from ``settings["ortho_powers"]`` when given, the layers under ``outputs`` as the head;
-    the other ``settings`` are preconditioner arguments."""
-    recipe = kf.RECIPES[ORTHOGONAL[name]]
+    """``kf.KFAC`` with the orthogonal recipe and powers of ``name`` (:data:`ORTHOGONAL`),
+    the powers from ``settings["ortho_powers"]`` when given, the layers under ``outputs``
+    as the head; the other ``settings`` are preconditioner arguments."""
+    recipe_name, default = ORTHOGONAL[name]
+    recipe = kf.RECIPES[recipe_name]
     base = recipe.kfac_kwargs["orthogonal"]
-    powers = tuple(settings.pop("ortho_powers", base.powers))
+    powers = tuple(settings.pop("ortho_powers", default))
     head = "^(" + "|".join(re.escape(o) for o in outputs) + r")(\.|$)"
     return kf.KFAC(
         model,

@@ -46,7 +46,6 @@ KNOBS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "kfac-ekfac": ("damping", (1e-3, 1e-2)),
     "kfac-ekfac-adam": ("damping", (1e-3, 1e-2)),
     "kfac-moments": ("moment_beta2", (0.95, 0.999)),
-    "kfac-moments-fast": ("moment_beta2", (0.95, 0.999)),
     "kfac-moments-fresh": ("moment_beta2", (0.95, 0.999)),
     "kfac-moments-wide": ("moment_beta2", (0.95, 0.999)),
     "kfac-moments-wide-whole": ("moment_beta2", (0.95, 0.999)),

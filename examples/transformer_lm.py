@@ -315,7 +315,6 @@ def train(
             eigenbasis_moments=moments,
             moment_beta2=args.moment_beta2,
             moment_beta1=args.momentum,
-            factor_rows=args.factor_rows,
         )
         if args.verbose:
             print(preconditioner.layers)
@@ -428,13 +427,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=None,
         help="steps between decompositions (default: 5)",
-    )
-    add(
-        "--factor-rows",
-        type=int,
-        default=None,
-        help="at most this many rows (windows x positions) per layer call enter K-FAC's "
-        "factors: every k-th position, scaled (default: all)",
     )
     add(
         "--kfac-method",

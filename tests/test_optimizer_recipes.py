@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import kfac_func as kf
+from kfac_func.adapter.recipes import HEAD_NAMES
 
 F64 = torch.float64
 
@@ -252,21 +253,28 @@ def test_print_names_kfac_pytorchs_step() -> None:
     assert repr(opt).splitlines()[0] == "KFAC(recipe='kfac-pytorch', lr=0.001, current lr=0.001)"
 
 
+ONE_SIDED = kf.Orthogonal(powers=(0.5, 0.0), skip=HEAD_NAMES)
+"""The two-sided recipe made one-sided (what the retired recipe ``"orthogonal"`` was)."""
+
+
 @pytest.mark.parametrize(
-    ("recipe", "words"),
+    ("face", "words"),
     [
-        ("orthogonal", "Muon's step on K-FAC's input curvature (A^(-1/2)) on every layer"),
         (
-            "orthogonal-two-sided",
+            {"orthogonal": ONE_SIDED},
+            "Muon's step on K-FAC's input curvature (A^(-1/2)) on every layer",
+        ),
+        (
+            {},
             "Muon's step on K-FAC's curvature, both sides (G^(-1/4) · A^(-1/4)) on every layer",
         ),
     ],
 )
-def test_print_names_the_orthogonal_step(recipe: str, words: str) -> None:
+def test_print_names_the_orthogonal_step(face: dict[str, Any], words: str) -> None:
     """Muon's step on the hidden layers, the head (named ``head``) left to AdamW."""
     model = _model()
     model.add_module("head", nn.Linear(5, 5).to(F64))
-    opt = kf.KFAC(model, recipe=recipe)
+    opt = kf.KFAC(model, recipe="orthogonal-two-sided", **face)
     text = _step_words(opt)
     assert text == (
         f"{words} of one weight matrix but the head (named lm_head, head, classifier or "

@@ -30,7 +30,7 @@ from kfac_func.adapter.checkpointing import StateDictMixin
 from kfac_func.adapter.compiled import uncompiled
 from kfac_func.adapter.fallback import FallbackMixin
 from kfac_func.adapter.grads import copy_back
-from kfac_func.adapter.inspection import InspectionMixin, check_factor_rows
+from kfac_func.adapter.inspection import InspectionMixin
 from kfac_func.adapter.parameter_places import FollowParametersMixin
 from kfac_func.adapter.recording import HookRecorder
 from kfac_func.adapter.sync_free import SyncFreeMixin
@@ -119,12 +119,6 @@ class KFACPreconditioner(
             :func:`kfac_func.update`; transient memory: about the largest group's factors).
         eigh_device: run ``eigh`` on this device (e.g. ``"cpu"``) and move the results
             back to the factors' device; None: the factors' own.
-        factor_rows: at most this many rows (examples × positions) of a Linear layer's
-            call (or GPT-2's ``Conv1D``) enter its factor statistics: every ``k``-th
-            position, the offset turning with each factor update, the sums scaled to
-            estimate all rows (see
-            :func:`kfac_func.blocks.thinned_gram`). Cuts the cost of the factors of long
-            sequences; None (default): every row. Needs ``update_factors_in_hook``.
 
     Raises:
         ValueError: an argument out of range (named), no layer to precondition, or a
@@ -173,14 +167,12 @@ class KFACPreconditioner(
         batched_eigh: bool = False,
         eigh_device: torch.device | str | None = None,
         grouped: bool = True,
-        factor_rows: int | None = None,
         **shared: Unpack[SharedArguments],
     ) -> None:
         model = uncompiled(model)  # layers named as in the eager model
         self._set_sync_free(sync_free, compile, grouped)
         self.batched_eigh, self.eigh_device = batched_eigh, check_eigh_device(eigh_device)
         a = self._set_arguments(model, shared, allreduce_method=allreduce_method)
-        self.factor_rows = check_factor_rows(factor_rows, self.update_factors_in_hook)
 
         # named as the model's state dict names them (no checkpoint_wrapper prefixes)
         table = register(
@@ -238,7 +230,6 @@ class KFACPreconditioner(
             eigenbasis_refresh=eigenbasis_refresh,
             max_factor_dim=max_factor_dim,
             kfac_approx=kfac_approx,
-            factor_rows=factor_rows,
             grafting=(grafting, graft_beta2, graft_eps),
             eigenbasis_moments=(eigenbasis_moments, moment_beta2, moment_eps, moment_beta1),
             orthogonal=orthogonal,

@@ -72,9 +72,8 @@ with no side that wide the recipe is Adam's step in K-FAC's eigenbasis on every 
 
 HEAD_NAMES = r"(^|\.)(lm_head|head|classifier|output)$"
 """The layer names the orthogonal recipes take for a model's head (``ortho_skip``): a
-head keeps AdamW's step (``"orthogonal"``, ``"orthogonal-two-sided"``) or K-FAC's
-(``"orthogonal-kfac-head"``), as Muon leaves it to AdamW; give ``orthogonal=`` to name
-another."""
+head keeps AdamW's step (``"orthogonal-two-sided"``), as Muon leaves it to AdamW, or
+K-FAC's (``"orthogonal-kfac-head"``); give ``orthogonal=`` to name another."""
 
 _ORTHOGONAL = {
     "kl_clip": None,
@@ -124,7 +123,6 @@ RECIPES: dict[str, Recipe] = {
         automatic=True,
     ),
     "kfac-pytorch": Recipe(name="kfac-pytorch", lr=1e-3, betas=None, weight_decay=None),
-    "orthogonal": _orthogonal("orthogonal", (0.5, 0.0)),
     "orthogonal-two-sided": _orthogonal("orthogonal-two-sided", (0.25, 0.25)),
     "orthogonal-kfac-head": _orthogonal(
         "orthogonal-kfac-head", (0.5, 0.0), eigenbasis_moments=True
@@ -138,11 +136,14 @@ curvature for the layers with a side wider than :data:`WIDE`; the optimizer race
 (kfac-pytorch's preconditioner defaults in front of plain SGD, AdamW with torch's
 defaults on the other parameters: what ``kf.KFAC`` was before the recommended recipe),
 and the orthogonal recipes (Muon's step on K-FAC's curvature, see
-:mod:`kfac_func.step.orthogonal`): ``"orthogonal"``, the hidden matrices' momentum times
-``(A + δI)^(-1/2)`` orthogonalized, their G factors diagonal, embeddings, norms and the
-head (:data:`HEAD_NAMES`) on AdamW; ``"orthogonal-two-sided"``,
-``(G + δI)^(-1/4) U (A + δI)^(-1/4)`` orthogonalized; ``"orthogonal-kfac-head"``, the
-first with the head, embeddings and norms on Adam's step in K-FAC's eigenbasis."""
+:mod:`kfac_func.step.orthogonal`): ``"orthogonal-two-sided"``, the hidden matrices'
+momentum preconditioned as ``(G + δI)^(-1/4) U (A + δI)^(-1/4)`` and orthogonalized,
+embeddings, norms and the head (:data:`HEAD_NAMES`) on AdamW; ``"orthogonal-kfac-head"``,
+the momentum times ``(A + δI)^(-1/2)`` orthogonalized, their G factors diagonal, and the
+head, embeddings and norms on Adam's step in K-FAC's eigenbasis. A one-sided recipe with
+the head on AdamW (``"orthogonal"``) was retired: in the orthogonal race it ended behind
+``"orthogonal-kfac-head"`` on the language model and GPT-2 and tied elsewhere (see
+docs/benchmarks.md)."""
 
 
 def recipe_named(name: str | Recipe) -> Recipe:
