@@ -78,6 +78,7 @@ from stage_arithmetic import Muon32  # noqa: E402
 from step_time import cpu_model, load_example  # noqa: E402
 
 import kfac_func as kf  # noqa: E402
+from kfac_func.adapter.settings import settings_from_keywords  # noqa: E402
 
 lm = load_example("transformer_lm")
 
@@ -392,11 +393,12 @@ class Stepper:
         self.opts = [] if adaptive else [sgd]
         if rest:
             self.opts.append(torch.optim.AdamW(rest, lr=LRS["adamw"][-1], weight_decay=0.0))
+        if adaptive:
+            kwargs["adaptive"] = kf.adapter.AdaptiveStepper(model, loss="cross_entropy")
+        # kfac-pytorch's arguments by name, the variant's other settings as one kf.Settings
+        settings = settings_from_keywords(kwargs, name, warn=False)
         self.pre = kf.KFACPreconditioner(
-            model,
-            lr=lambda step: sgd.param_groups[0]["lr"],
-            adaptive=kf.adapter.AdaptiveStepper(model, loss="cross_entropy") if adaptive else None,
-            **kwargs,
+            model, lr=lambda step: sgd.param_groups[0]["lr"], settings=settings, **kwargs
         )
 
     def zero_grad(self) -> None:
@@ -420,7 +422,8 @@ def _orthogonal_face(
     as the head; the other ``settings`` are preconditioner arguments."""
     recipe_name, default = ORTHOGONAL[name]
     recipe = kf.RECIPES[recipe_name]
-    base = recipe.kfac_kwargs["orthogonal"]
+    base = recipe.settings.orthogonal
+    assert base is not None
     powers = tuple(settings.pop("ortho_powers", default))
     head = "^(" + "|".join(re.escape(o) for o in outputs) + r")(\.|$)"
     return kf.KFAC(

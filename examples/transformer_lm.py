@@ -310,11 +310,13 @@ def train(
             kl_clip=(lambda step: kl_clip * schedule(step) ** 2) if kl_clip > 0 else None,
             lr=lambda step: sgd.param_groups[0]["lr"],
             skip_layers=args.kfac_skip,
-            scaling=args.scaling,
+            settings=kf.Settings(
+                scaling=args.scaling,
+                eigenbasis_moments=moments,
+                moment_beta2=args.moment_beta2,
+                moment_beta1=args.momentum,
+            ),
             compute_method=args.kfac_method,
-            eigenbasis_moments=moments,
-            moment_beta2=args.moment_beta2,
-            moment_beta1=args.momentum,
         )
         if args.verbose:
             print(preconditioner.layers)

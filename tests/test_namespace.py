@@ -25,6 +25,7 @@ TOP = {
     "Recipe",
     "Orthogonal",
     "KFACPreconditioner",
+    "Settings",
     "ComputeMethod",
     "register",
     "LayerTable",

@@ -6,6 +6,7 @@ the layers."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -85,6 +86,10 @@ RECOMMENDED: dict[str, Any] = {
     "batched_eigh": True,
     "orthogonal": kf.Orthogonal(powers=(0.5, 0.0), wider_than=512, block=512),
 }
+FIELDS = {f.name for f in dataclasses.fields(kf.Settings)}
+ARGUMENTS = {k: v for k, v in RECOMMENDED.items() if k not in FIELDS}
+"""The recipe's kfac-pytorch arguments; its other settings are :data:`SETTINGS`'."""
+SETTINGS = kf.Settings(**{k: v for k, v in RECOMMENDED.items() if k in FIELDS})
 
 
 def test_the_default_is_the_recommended_recipe_step_for_step() -> None:
@@ -94,7 +99,9 @@ def test_the_default_is_the_recommended_recipe_step_for_step() -> None:
     model = _model()
     manual = copy.deepcopy(model)
     opt = kf.KFAC(model, skip_layers=["Embedding"])
-    pre = kf.KFACPreconditioner(manual, lr=0.014, skip_layers=["Embedding"], **RECOMMENDED)
+    pre = kf.KFACPreconditioner(
+        manual, lr=0.014, skip_layers=["Embedding"], settings=SETTINGS, **ARGUMENTS
+    )
     mine, rest = pre.layers.split_parameters(manual)
     opts = [
         torch.optim.SGD(mine, lr=0.014, momentum=0.0),
@@ -149,7 +156,9 @@ def test_the_default_steps_the_wide_layers_orthogonally_and_the_rest_in_the_eige
     native = torch.bfloat16 if _native_bf16(model) else None
     ortho = RECOMMENDED["orthogonal"]._replace(dtype=native)
     assert opt.preconditioner.orthogonal == ortho
-    pre = kf.KFACPreconditioner(manual, lr=0.014, **{**RECOMMENDED, "orthogonal": ortho})
+    pre = kf.KFACPreconditioner(
+        manual, lr=0.014, settings=SETTINGS.replace(orthogonal=ortho), **ARGUMENTS
+    )
     sgd = torch.optim.SGD(manual.parameters(), lr=0.014, momentum=0.0)
     _equal(train(model, opt.step), train(manual, lambda: (pre.step(), sgd.step())))
     wide, narrow = (opt.preconditioner.state.layers[n] for n in ("0", "2"))

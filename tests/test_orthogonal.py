@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from fixture_models import FIXTURES, Fixture, T
 from numerics import assert_close_where_determined, moments_tolerance
+from settings_keywords import with_settings
 from torch import nn
 
 import kfac_func as kf
@@ -170,12 +171,13 @@ ORTHO = Orthogonal(powers=(0.25, 0.25), skip=r"(^|\.)5$")  # DDP names it module
 def _adapter(model: nn.Module, **kw: Any) -> kf.KFACPreconditioner:
     return kf.KFACPreconditioner(
         model,
-        **{"orthogonal": ORTHO, **kw},
-        scaling="fisher",
+        **with_settings(
+            settings=kf.Settings(scaling="fisher", eigenbasis_moments=True),
+            **{"orthogonal": ORTHO, **kw},
+        ),
         kl_clip=None,
         damping=0.01,
         inv_update_steps=2,
-        eigenbasis_moments=True,
         factor_dtype=F64,
         inv_dtype=F64,
     )
@@ -336,13 +338,15 @@ def test_recipes_of_the_optimizer_face() -> None:
 
 def test_refused_settings() -> None:
     with pytest.raises(ValueError, match="compute_method 'eigen'"):
-        kf.KFACPreconditioner(_model(), compute_method="inverse", orthogonal=Orthogonal())
+        kf.KFACPreconditioner(
+            _model(), compute_method="inverse", settings=kf.Settings(orthogonal=Orthogonal())
+        )
     with pytest.raises(ValueError, match="ortho_powers"):
         kf.StepOptions(orthogonal=True, ortho_powers=(0.5, 2.0))
     with pytest.raises(ValueError, match="ortho_steps"):
         kf.StepOptions(orthogonal=True, ortho_steps=0)
     with pytest.raises(ValueError, match="ortho_beta"):
-        kf.KFACPreconditioner(_model(), orthogonal=Orthogonal(beta=1.0))
+        kf.KFACPreconditioner(_model(), settings=kf.Settings(orthogonal=Orthogonal(beta=1.0)))
     state = kf.init(kf.register(_model()), compute_method="inverse")
     with pytest.raises(ValueError, match="compute_method 'eigen'"):
         kf.update(state, {}, update_factors=False, orthogonal=True)
