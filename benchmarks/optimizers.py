@@ -122,6 +122,9 @@ class Workload:
     steps: int
     outputs: tuple[str, ...]  # names of output layers (AdamW under Muon)
     face: bool = False  # K-FAC through ``kf.KFAC`` (the optimizer face), not the parts
+    # forward and loss under bfloat16 autocast, for every optimizer alike, where this CPU
+    # multiplies bfloat16 natively (:data:`NATIVE_BF16`); float32 elsewhere
+    autocast: bool = False
 
 
 def lm_workload(
@@ -465,7 +468,8 @@ def train(
         x, y = w.batch(batches)
         start = time.perf_counter()
         stepper.zero_grad()
-        loss = w.loss(model(x), y)
+        with torch.autocast("cpu", torch.bfloat16, enabled=w.autocast and NATIVE_BF16):
+            loss = w.loss(model(x), y)
         loss.backward()
         middle = time.perf_counter()
         stepper.step(x, y, loss.detach())

@@ -5,11 +5,13 @@ writes ``race_lm.json`` and ``.png`` into ``benchmarks/out/`` (a folder git igno
 ``--out benchmarks/results`` writes the committed results, from which ``--tables``
 rewrites the tables of ``docs/benchmarks.md``. ``--quick`` is a smoke test (tiny
 models, a few steps, a temporary folder), ``--estimate`` times one run per optimizer of
-each workload and projects the full run's time. Built on ``benchmarks/optimizers.py``
-(its ``Stepper`` recipes, schedule and K-FAC variants, imported); the workloads and the
-grid are in ``race_workloads.py``, the rules and tables in ``race_report.py``. The
-zero-tuning row (``kf.KFAC(model)`` with no argument but the model, evaluated only) is
-``race_default.py``'s, written beside these results without rerunning them.
+each workload and projects the full run's time; a long race can run in parts, one a core
+(``--part`` races only the optimizers named), joined by ``--merge``. Built on
+``benchmarks/optimizers.py`` (its ``Stepper`` recipes, schedule and K-FAC variants,
+imported); the workloads and the grid are in ``race_workloads.py``, the rules and tables
+in ``race_report.py``. The zero-tuning row (``kf.KFAC(model)`` with no argument but the
+model, evaluated only) is ``race_default.py``'s, written beside these results without
+rerunning them.
 
 Tuning budget (the same for every optimizer of a workload)
 ----------------------------------------------------------
@@ -187,6 +189,7 @@ def machine(threads: int) -> dict[str, Any]:
         "torch": torch.__version__,
         "kfac_func": kf.__version__,
         "muon_newton_schulz": optimizers.MUON_PRECISION,
+        "native_bf16": optimizers.NATIVE_BF16,
     }
     # heavyball has no __version__: its installed distribution's
     info["heavyball"] = _version("heavyball") if optimizers._heavyball() is not None else None
@@ -291,6 +294,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the autoencoder's encoder widths (default %(default)s: the paper's "
         f"{' '.join(map(str, rw.PAPER_AUTOENCODER))} halved; the decoder mirrors them)",
     )
+    p.add_argument(
+        "--part",
+        action="store_true",
+        help="race only the optimizers named (AdamW, the reference, is not added): a part "
+        "of a race, to be joined with --merge",
+    )
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="FILE",
+        help="join the results files of parts of one workload's race (same commit, steps "
+        "and tuning rules; each optimizer in one part) into --out and exit",
+    )
     p.add_argument("-q", "--silent", action="store_true", help="no line per run")
     args = p.parse_args(argv)
     if args.quick:
@@ -299,7 +315,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.out = str(Path(tempfile.mkdtemp()) if args.quick else OUT)
     if args.quick and Path(args.out).resolve() == RESULTS.resolve():
         p.error("--quick results are a smoke test: not into benchmarks/results")
-    if "adamw" not in args.optimizers:
+    if "adamw" not in args.optimizers and not args.part:
         args.optimizers = ["adamw", *args.optimizers]  # the reference
     if args.tuning_seed in args.eval_seeds or args.lr_points < 1:
         p.error("the evaluation seeds exclude the tuning seed; --lr-points >= 1")
@@ -317,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
             doc["summarized_by"] = git_commit(REWRITTEN)["commit"]
             path.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
             print(f"{path}: summary recomputed from its runs")
+        return 0
+    if args.merge:
+        path = merge_parts([Path(f) for f in args.merge], Path(args.out))
+        print(f"wrote {path}")
         return 0
     if args.tables:
         changed = race_report.write_tables(Path(args.docs), Path(args.results))
@@ -350,11 +370,62 @@ def main(argv: list[str] | None = None) -> int:
                 estimate(w, args)
                 continue
             out = race_workload(w, args, command, checkout, info)
-            print(race_report.render(json.loads(out.read_text())), flush=True)
+            if not args.part:
+                print(race_report.render(json.loads(out.read_text())), flush=True)
     finally:
         torch.set_num_threads(previous)
     print(f"done in {time.perf_counter() - started:.0f} s")
     return 0
+
+
+#: what the parts of one race must share to be joined
+SHARED = ("benchmark", "workload", "quick", "commit", "dirty", "steps", "eval_every", "tie_rule")
+
+
+def merge_parts(files: list[Path], out: Path) -> Path:
+    """Join the results files of a race run in parts (``--part``: e.g. side by side, one
+    part a core) into one ``race_<workload>.json`` in ``out``: the parts must agree on
+    :data:`SHARED`, the machine's CPU and the tuning rules; each optimizer's runs come from
+    one part, AdamW's (the reference) from one of them; the summary is recomputed."""
+    docs = [json.loads(f.read_text()) for f in files]
+    first = docs[0]
+    for f, doc in zip(files, docs):
+        differs = [k for k in SHARED if doc.get(k) != first.get(k)]
+        if doc["machine"]["cpu"] != first["machine"]["cpu"]:
+            differs.append("machine")
+        rules = {k: v for k, v in doc["tuning"].items() if k != "grids"}
+        if rules != {k: v for k, v in first["tuning"].items() if k != "grids"}:
+            differs.append("tuning")
+        if differs:
+            raise SystemExit(f"{f} is not a part of {files[0]}'s race: {', '.join(differs)} differ")
+    owner: dict[str, Path] = {}
+    for f, doc in zip(files, docs):
+        for name in doc["tuning"]["grids"]:
+            if name in owner:
+                raise SystemExit(f"{name} was raced in both {owner[name]} and {f}")
+            owner[name] = f
+    if "adamw" not in owner:
+        raise SystemExit("no part holds AdamW's runs (the reference)")
+    runs = [r for doc in docs for r in doc["runs"]]
+    doc = {
+        **first,
+        "command": " && ".join(d["command"] for d in docs)
+        + " && python benchmarks/race.py --merge "
+        + " ".join(str(f) for f in files),
+        "parts": [{"command": d["command"], "seconds": d["seconds"]} for d in docs],
+        "tuning": {
+            **first["tuning"],
+            "grids": {n: g for d in docs for n, g in d["tuning"]["grids"].items()},
+        },
+        "summary": race_report.summarize(runs),
+        "runs": runs,
+        "seconds": max(d["seconds"] for d in docs),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"race_{first['workload']}.json"
+    path.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    plot(out / f"race_{first['workload']}.png", doc)
+    return path
 
 
 def race_workload(
@@ -406,7 +477,8 @@ def race_workload(
             "rule": "lowest final test loss on the tuning seed",
         },
         "tie_rule": race_report.TIE_RULE,
-        "summary": race_report.summarize(runs),
+        # a part without the reference is summarized when the parts are joined
+        "summary": race_report.summarize(runs) if not args.part else None,
         "runs": runs,
         "seconds": time.perf_counter() - started,
     }
@@ -414,8 +486,11 @@ def race_workload(
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"race_{w.name}.json"
     path.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
-    plot(out / f"race_{w.name}.png", doc)
-    print(f"wrote {path} and race_{w.name}.png ({doc['seconds']:.0f} s)", flush=True)
+    if not args.part:
+        plot(out / f"race_{w.name}.png", doc)
+    print(
+        f"wrote {path}{'' if args.part else ' and its plot'} ({doc['seconds']:.0f} s)", flush=True
+    )
     return path
 
 

@@ -234,12 +234,15 @@ def race_lm_long(quick: bool) -> RaceWorkload:
         lambda model: lm.evaluate(model, x_test, y_test),
         steps,
         ("head",),
+        autocast=True,
         eval_every=2 if quick else 100,
         tune_knob=True,
         description=f"CharTransformer: context {context}, d_model {d_model}, {blocks} blocks, "
         f"{heads} heads; batch {batch} windows, {steps} steps over the Python sources of "
         "torch's nn, optim, fx and utils packages, each window read once (every tenth file "
-        "held out: 256 test windows); loss nats/char",
+        "held out: 256 test windows); loss nats/char; forward and loss under bfloat16 "
+        "autocast where the CPU multiplies bfloat16 natively (machine.native_bf16), float32 "
+        "elsewhere",
     )
 
 

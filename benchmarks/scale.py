@@ -29,6 +29,7 @@ rate 1e-3 where one is needed): the benchmark measures cost, not training.
     python benchmarks/scale.py                                   # benchmarks/out/scale.json
     python benchmarks/scale.py --out benchmarks/results/scale.json
     python benchmarks/scale.py --quick                           # a tiny GPT-2, seconds
+    python benchmarks/scale.py --tables     # docs/performance.md from the committed results
 
 Only numbers from one run compare: the machine, its load and the thread count move all
 of them. The results file names the CPU and whether it multiplies bfloat16 natively
@@ -251,6 +252,12 @@ def batch(args: argparse.Namespace, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (args.batch, args.length), generator=g)
 
 
+def decomposes_at(every: Any, step: int) -> bool:
+    """Whether a preconditioner with ``inv_update_steps=every`` (a number or a
+    ``step -> interval`` schedule) decomposes at ``step``."""
+    return step % int(every(step) if callable(every) else every) == 0
+
+
 def train_step(model: nn.Module, opt: Any, ids: torch.Tensor) -> tuple[float, float]:
     """One step: (forward+backward seconds, optimizer seconds)."""
     for o in optimizers(opt):
@@ -330,12 +337,9 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     }
     opt = make_optimizer(name, model)
     pre = preconditioner(opt)
-    every = pre.inv_update_steps if pre is not None else None
     steps: list[dict[str, Any]] = []
     for i in range(args.steps):
-        decomposes = (
-            pre is not None and not callable(every) and pre.steps % int(every) == 0  # type: ignore[arg-type]
-        )
+        decomposes = pre is not None and decomposes_at(pre.inv_update_steps, pre.steps)
         fb, step = train_step(model, opt, ids)
         steps.append(
             {"step": i, "forward_backward_s": fb, "optimizer_s": step, "decomposes": decomposes}
@@ -398,6 +402,10 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "dcp_save_s": r["dcp_save_s"],
             "dcp_load_s": r["dcp_load_s"],
             "powers_s": r.get("powers_s"),
+            "mib_by_field": {
+                f: [r["runtime_bytes"].get(f, 0) / MiB, r["state_dict_bytes"].get(f, 0) / MiB]
+                for f in sorted(set(r["runtime_bytes"]) | set(r["state_dict_bytes"]))
+            },
         }
         if adamw is not None:
             for key in ("dcp_save_s", "dcp_load_s"):
@@ -449,6 +457,72 @@ def print_summary(rows: list[dict[str, Any]], table: list[dict[str, Any]]) -> No
         print(f"  {r['optimizer']}: " + ", ".join(parts))
 
 
+RESULTS = ROOT / "benchmarks" / "results"
+PAGE = ROOT / "docs" / "performance.md"
+MARKS = ("<!-- scale:start -->", "<!-- scale:end -->")
+"""The comments around the scale tables of ``docs/performance.md``."""
+
+
+def _cell(value: Any, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def render(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """The docs block of two runs (the library before and after, the same benchmark): the
+    summary of each optimizer side by side, K-FAC's state by field, and the digest."""
+    machine = after["machine"]
+    flags = ", ".join(k for k, v in machine["bf16_flags"].items() if v and "bf16" in k)
+    lines = [
+        f"Results: `benchmarks/results/scale_before.json` and `benchmarks/results/scale.json` "
+        f"(`{after['command']}`; before: the same script on the library at commit "
+        f"`{str(before['commit'])[:10]}`, {before['note'].split(':', 1)[-1].strip()}).",
+        "<!-- settings -->",
+        f"GPT-2 from `{after['settings']['config']}`: {after['rows'][0]['parameters']:,} "
+        "parameters, "
+        f"batch {after['settings']['batch']}×{after['settings']['length']} tokens, "
+        f"{after['settings']['steps']} steps (the first not timed); CPU `{machine['cpu']}` "
+        f"(bfloat16 natively: {flags or 'no'}), {machine['threads']} thread(s), torch "
+        f"`{machine['torch']}`, commit `{str(after['commit'])[:10]}`.",
+        "",
+        "| optimizer | run | " + " | ".join(h for k, h, _ in COLUMNS[1:]) + " |",
+        "|---|---|" + "---|" * (len(COLUMNS) - 1),
+    ]
+    old = {r["optimizer"]: r for r in before["summary"]}
+    for entry in after["summary"]:
+        for label, row in (("before", old.get(entry["optimizer"])), ("after", entry)):
+            if row is None:
+                continue
+            cells = [_cell(row.get(k), fmt) for k, _, fmt in COLUMNS[1:]]
+            lines.append(f"| {entry['optimizer']} | {label} | " + " | ".join(cells) + " |")
+    lines += ["", "K-FAC's state by field, MiB at run time / in `state_dict()`:", ""]
+    for name in ("kfac", "kfac-pytorch"):
+        for label, doc in (("before", before), ("after", after)):
+            row = next((r for r in doc["summary"] if r["optimizer"] == name), None)
+            if row is None:
+                continue
+            fields = sorted(row["mib_by_field"].items(), key=lambda kv: -sum(kv[1]))
+            parts = [f"`{f}` {rt:.0f} / {sd:.0f}" for f, (rt, sd) in fields if rt + sd >= 1]
+            lines.append(f"- {name}, {label}: " + ", ".join(parts))
+    d = after["digest"]
+    lines += [
+        "",
+        f"The checksum digest over {d['mib']:.0f} MiB: {d['seconds']:.3f} s "
+        f"({d['gib_s']:.2f} GiB/s); the digest it replaced, the storage read one byte at a "
+        f"time through Python: {d['old_seconds']:.1f} s ({d['old_gib_s']:.4f} GiB/s).",
+    ]
+    return "\n".join(lines)
+
+
+def write_tables() -> bool:
+    """Rewrite the scale block of ``docs/performance.md`` from the committed results;
+    whether it changed."""
+    import race_report as rr
+
+    before = json.loads((RESULTS / "scale_before.json").read_text())
+    after = json.loads((RESULTS / "scale.json").read_text())
+    return rr.replace_block(PAGE, MARKS, render(before, after))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -467,12 +541,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the results JSON (default benchmarks/out/, which git ignores)",
     )
     p.add_argument("--note", default="", help="a line the results file keeps with the run")
+    p.add_argument(
+        "--tables",
+        action="store_true",
+        help="rewrite the tables of docs/performance.md from benchmarks/results/scale*.json",
+    )
     p.add_argument("--one", help=argparse.SUPPRESS)  # run one optimizer, print its row
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.tables:
+        print(f"{PAGE}: scale tables {'rewritten' if write_tables() else 'unchanged'}")
+        return 0
     if args.one:
         print("ROW " + json.dumps(measure(args.one, args)), flush=True)
         return 0

@@ -1,7 +1,9 @@
 """Step time and peak memory of kfac_func against a re-statement of kfac-pytorch 0.4.2.
 
 Run ``python benchmarks/vs_reference.py`` (a few minutes on a 2-core CPU) or ``--quick``
-(tiny models, two repetitions, seconds: a smoke test, not a measurement).
+(tiny models, two repetitions, seconds: a smoke test, not a measurement). ``--out
+benchmarks/results/vs_reference.json`` keeps the run (command, commit, machine, every
+table); ``--tables`` rewrites the block of ``docs/performance.md`` from that file.
 
 The baseline
 ------------
@@ -98,9 +100,11 @@ except ImportError:  # a checkout without `pip install -e .`: use the repository
     import kfac_func as kf
 
 sys.path.insert(0, str(HERE))
+from stage_arithmetic import bf16_flags  # noqa: E402
 from step_time import (  # noqa: E402  (the sibling benchmark's plain helpers)
     KIND_NAMES,
     Kind,
+    checked_out,
     cpu_model,
     kind_weights,
     make_cnn,
@@ -654,6 +658,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="cProfile the adapter on the MLP")
     p.add_argument("--profile-steps", type=int, default=20, help="steps profiled by --profile")
     p.add_argument("--verbose", action="store_true", help="progress on stderr")
+    p.add_argument("--out", help="write the run's results file here (JSON)")
+    p.add_argument(
+        "--tables",
+        action="store_true",
+        help="rewrite the block of docs/performance.md from benchmarks/results/vs_reference.json",
+    )
     p.add_argument("--_memory-child", nargs=3, metavar=("MODEL", "VARIANT", "STEPS"),
                    help=argparse.SUPPRESS)  # fmt: skip
     args = p.parse_args(argv)
@@ -675,6 +685,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # the first layer's input needs no gradient: its full backward hook still gets grad_output
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    if args.tables:
+        changed = write_tables(RESULTS / "vs_reference.json", PAGE)
+        print(f"{PAGE}: vs-reference block {'rewritten' if changed else 'unchanged'}")
+        return 0
+    command = " ".join(["python", "benchmarks/vs_reference.py", *(argv or sys.argv[1:])])
     torch.set_num_threads(args.threads)
     if args._memory_child:
         model, variant, steps = args._memory_child
@@ -697,8 +712,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(flush=True)
 
+    checkout = checked_out(("benchmarks/results",), False)
     corr = check_correctness(args)
-    rows, losses = [], {}
+    rows, losses, records = [], {}, []
     amortized_ms = {}  # (model, intervals) -> {variant: ms per step}
     for model in args.models:
         res = measure(model, variants, kinds, args)
@@ -712,6 +728,17 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 ref, ours = ms[f"reference{suffix}"], ms[f"adapter{suffix}"]
                 fn = ms["functional"] if not suffix else float("nan")
+                records.append(
+                    {
+                        "model": model,
+                        "intervals": f"{iv[0]}/{iv[1]}",
+                        "method": method,
+                        "sgd_ms": ms["sgd"],
+                        "reference_ms": ref,
+                        "adapter_ms": ours,
+                        "functional_ms": None if suffix else fn,
+                    }
+                )
                 rows.append(
                     [
                         model,
@@ -744,11 +771,14 @@ def main(argv: list[str] | None = None) -> int:
         ],
         rows,
     )
-    qr_rows = []
+    qr_rows, qr_records, qr_accuracy = [], [], {}
     for model in args.models:
         for iv in args.intervals:
             ms = amortized_ms[model, iv]
             if "adapter-qr" in ms:
+                qr_records.append(
+                    {"model": model, "intervals": f"{iv[0]}/{iv[1]}", "qr_ms": ms["adapter-qr"]}
+                )
                 qr_rows.append(
                     [
                         model,
@@ -767,7 +797,8 @@ def main(argv: list[str] | None = None) -> int:
             ["model", "F/I", "reference", "adapter", "adapter-qr", "qr/ref", "qr/adapter"],
             qr_rows,
         )
-        for model, (med, worst) in check_qr_accuracy(args).items():
+        qr_accuracy = check_qr_accuracy(args)
+        for model, (med, worst) in qr_accuracy.items():
             print(
                 f"accuracy {model} adapter-qr vs adapter (same weights, 1/1): relative error "
                 f"of the preconditioned gradients median {med:.2e}, max {worst:.2e}"
@@ -779,6 +810,7 @@ def main(argv: list[str] | None = None) -> int:
             f"reference vs adapter (scaling='kfac-pytorch'), 4 steps F/I=1/2: {d:.2e} "
             f"({'OK' if d < 1e-3 else 'MISMATCH'}, float32 tolerance 1e-3)"
         )
+    memory: list[dict[str, Any]] = []
     if args.memory:
         mem_models = ["mlp"] if args.quick else args.models
         mem_variants = ["sgd", "reference", "adapter"] if args.quick else variants
@@ -789,6 +821,7 @@ def main(argv: list[str] | None = None) -> int:
                 d = mem[model, v]
                 peak = (d["hwm_kib"] - d["rss0_kib"]) / 1024 if d["hwm_kib"] >= 0 else math.nan
                 mrows.append([model, v, f"{d['rss0_kib'] / 1024:.0f}", f"{peak:.1f}"])
+                memory.append({"model": model, "variant": v, "peak_mib": peak})
         print()
         print(
             f"peak memory (fresh subprocess per variant, {args.mem_steps} steps of 1/1): "
@@ -800,9 +833,88 @@ def main(argv: list[str] | None = None) -> int:
     for model, ls in losses.items():
         print(f"final loss {model}: " + ", ".join(f"{v} {x:.4f}" for v, x in ls.items()))
     print("step kinds timed: " + ", ".join(KIND_NAMES[k] for k in kinds))
+    if args.out:
+        settings = {k: getattr(args, k) for k in ("reps", "warmup", "width", "mlp_batch")}
+        settings.update(cnn_batch=args.cnn_batch, damping=args.damping, lr=args.lr)
+        doc = {
+            "benchmark": "vs_reference",
+            "quick": args.quick,
+            "command": command,
+            **(checkout or {}),
+            "machine": {
+                "cpu": cpu_model(),
+                "cores": os.cpu_count(),
+                "threads": torch.get_num_threads(),
+                "torch": torch.__version__,
+                "bf16_flags": bf16_flags(),
+            },
+            "settings": settings,
+            "rows": records,
+            "qr": qr_records,
+            "qr_accuracy": {m: list(v) for m, v in qr_accuracy.items()},
+            "correctness": corr,
+            "memory": memory,
+            "final_loss": losses,
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+        print(f"wrote {args.out}")
     if args.profile:
         profile_adapter(args, args.profile_steps, top=15)
     return 0
+
+
+RESULTS = HERE / "results"
+PAGE = HERE.parent / "docs" / "performance.md"
+MARKS = ("<!-- vs-reference:start -->", "<!-- vs-reference:end -->")
+"""The comments around the block of ``docs/performance.md`` this benchmark writes."""
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The docs block of a results file: the amortized step of each model, schedule and
+    method against the reference's and SGD's, then the peak memory of a step."""
+    m, s = doc["machine"], doc["settings"]
+    flags = ", ".join(k for k, v in m["bf16_flags"].items() if v and "bf16" in k) or "no"
+    lines = [
+        f"Results: `benchmarks/results/vs_reference.json` (`{doc['command']}`), commit "
+        f"`{str(doc['commit'])[:10]}`; CPU `{m['cpu']}` (bfloat16 natively: {flags}), "
+        f"{m['threads']} thread(s), torch `{m['torch']}`; medians of {s['reps']} "
+        "repetitions, milliseconds per step amortized over a cycle of F/I steps.",
+        "",
+        "| model | F/I | method | SGD | reference | adapter | functional | adapter / "
+        "reference | functional / reference |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["rows"]:
+        fn, ref = r["functional_ms"], r["reference_ms"]
+        lines.append(
+            f"| {r['model']} | {r['intervals']} | {r['method']} | {r['sgd_ms']:.1f} | "
+            f"{r['reference_ms']:.1f} | {r['adapter_ms']:.1f} | "
+            f"{'-' if fn is None else f'{fn:.1f}'} | "
+            f"{r['adapter_ms'] / ref:.2f} | "
+            f"{'-' if fn is None else f'{fn / ref:.2f}'} |"
+        )
+    if doc["memory"]:
+        lines += ["", "| model | variant | step peak MiB |", "|---|---|---|"]
+        lines += [f"| {r['model']} | {r['variant']} | {r['peak_mib']:.1f} |" for r in doc["memory"]]
+    worst = max(doc["correctness"].values())
+    lines += [
+        "",
+        f"Reference and adapter precondition alike: max relative difference {worst:.0e} "
+        "over the models' preconditioned gradients (float32).",
+    ]
+    return "\n".join(lines)
+
+
+def write_tables(results: Path, page: Path) -> bool:
+    """Rewrite the block of ``page`` from the results file ``results``; whether it
+    changed."""
+    import race_report as rr
+
+    doc = json.loads(results.read_text())
+    if doc["quick"]:
+        raise ValueError(f"{results}: --quick results are a smoke test, not for the docs")
+    return rr.replace_block(page, MARKS, render(doc))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import torch
 NUMERICS = {
     "test_attention",
     "test_basis_moments",
+    "test_blocked_factors",
     "test_blocks",
     "test_broadcast_positions",
     "test_capture",

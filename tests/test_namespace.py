@@ -24,6 +24,7 @@ TOP = {
     "RECIPES",
     "Recipe",
     "Orthogonal",
+    "GrowingInterval",
     "KFACPreconditioner",
     "Settings",
     "ComputeMethod",

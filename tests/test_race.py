@@ -278,6 +278,33 @@ def test_quick_race_end_to_end(tmp_path: Path) -> None:
     assert rr.blocks_of(page.read_text())["lm"] == rr.PLACEHOLDER.format(w="lm")
 
 
+def test_a_race_in_parts_joins_into_one(tmp_path: Path) -> None:
+    """``--part`` races only the optimizers named (no AdamW, no summary); ``--merge``
+    joins the parts into the results a whole race writes, and refuses parts of other races
+    or an optimizer raced twice."""
+    import race
+
+    a, b, joined = tmp_path / "a", tmp_path / "b", tmp_path / "joined"
+    quick = ["--quick", "--threads", "1", "--workloads", "digits", "-q"]
+    assert race.main([*quick, "--optimizers", "adamw", "--out", str(a)]) == 0
+    assert race.main([*quick, "--optimizers", "kfac-moments", "--part", "--out", str(b)]) == 0
+    part = json.loads((b / "race_digits.json").read_text())
+    assert part["summary"] is None and {r["optimizer"] for r in part["runs"]} == {"kfac-moments"}
+    files = [str(a / "race_digits.json"), str(b / "race_digits.json")]
+    assert race.main(["--merge", *files, "--out", str(joined)]) == 0
+    doc = json.loads((joined / "race_digits.json").read_text())
+    _check(doc, joined, ["adamw", "kfac-moments"])
+    assert "--merge" in doc["command"] and len(doc["parts"]) == 2
+    with pytest.raises(SystemExit, match="both"):
+        race.merge_parts([Path(files[0]), Path(files[0])], joined)
+    with pytest.raises(SystemExit, match="AdamW"):
+        race.merge_parts([Path(files[1])], joined)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**part, "steps": part["steps"] + 1}))
+    with pytest.raises(SystemExit, match="steps"):
+        race.merge_parts([Path(files[0]), other], joined)
+
+
 @pytest.mark.slow
 def test_quick_race_every_workload_and_optimizer(tmp_path: Path) -> None:
     """Every workload (GPT-2 through ``kf.KFAC``, the CNN, the autoencoder) with every
