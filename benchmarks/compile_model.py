@@ -78,7 +78,11 @@ def variant(args: argparse.Namespace, compiled: bool, kfac: bool) -> tuple[Calla
     f, i = args.intervals
     pre = (
         kf.KFACPreconditioner(
-            model, factor_update_steps=f, inv_update_steps=i, scaling="fisher", damping=1e-3
+            model,
+            factor_update_steps=f,
+            inv_update_steps=i,
+            settings=kf.Settings(scaling="fisher"),
+            damping=1e-3,
         )
         if kfac
         else None

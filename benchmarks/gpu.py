@@ -123,6 +123,7 @@ try:
 except ImportError:  # a checkout without `pip install -e .`: use the repository's copy
     sys.path.insert(0, str(ROOT))
     import kfac_func as kf
+from kfac_func.adapter.settings import settings_from_keywords  # noqa: E402
 from kfac_func.core.decomposition import refresh_eigh  # noqa: E402
 
 TEST_FILES = (
@@ -347,6 +348,7 @@ def recommended_options() -> tuple[tuple[str, Any], ...]:
     recipe = kf.RECIPES["recommended"]
     skip = ("factor_update_steps", "inv_update_steps")
     options = {k: v for k, v in recipe.kfac_kwargs.items() if k not in skip}
+    options.update({k: getattr(recipe.settings, k) for k in recipe.settings.named()})
     options["moment_beta1"], options["moment_beta2"] = recipe.betas
     return tuple(options.items())
 
@@ -411,7 +413,8 @@ class Trainer:
                 "max_factor_dim": args.max_factor_dim,
                 **dict(v.options),
             }
-            self.pre = kf.KFACPreconditioner(self.model, **options)
+            settings = settings_from_keywords(options, v.optimizer, warn=False)
+            self.pre = kf.KFACPreconditioner(self.model, settings=settings, **options)
         self.loss = torch.zeros((), device=device)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:

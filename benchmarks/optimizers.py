@@ -23,13 +23,8 @@ schedule as in the example), ``kfac-ekfac`` (corrected eigenvalues),
 ``kfac-ekfac-adam`` (EKFAC with Adam grafting, no kl_clip), ``kfac-moments`` (Adam's
 step, first and second moments, in K-FAC's eigenbasis — SOAP's update with K-FAC's bases
 — in front of SGD without momentum, factors and eigenbases every 5 steps),
-``kfac-moments-fast`` (the same with the factor statistics of each call from at most 512
-of its rows — every k-th position, scaled; on digits, whose calls have no positions, it
-is ``kfac-moments`` with batched eigendecompositions — and equal-shaped factors
-decomposed in one batched ``eigh``), ``kfac-moments-fresh`` (``kfac-moments`` on SOAP's
+``kfac-moments-fresh`` (``kfac-moments`` on SOAP's
 schedule: factor statistics every step with decay 0.9 and eigenbases every 2 steps),
-``kfac-moments-drift`` (``kfac-moments-fresh`` whose eigenbases are checked every step and
-decomposed anew where they drifted from their factors: ``refresh_drift``),
 ``kfac-moments-wide`` (``kfac-moments-fresh`` whose layers with a factor side wider than
 512 take Muon's orthogonalized step on K-FAC's input curvature instead, their A factors
 in diagonal blocks of at most 512: ``Orthogonal(wider_than=512, block=512)``; the
@@ -83,6 +78,7 @@ from stage_arithmetic import Muon32  # noqa: E402
 from step_time import cpu_model, load_example  # noqa: E402
 
 import kfac_func as kf  # noqa: E402
+from kfac_func.adapter.settings import settings_from_keywords  # noqa: E402
 
 lm = load_example("transformer_lm")
 
@@ -96,9 +92,7 @@ LRS: dict[str, tuple[float, ...]] = {
     "kfac-ekfac": (0.1, 0.3),
     "kfac-ekfac-adam": (1e-3, 3e-3),
     "kfac-moments": (7e-3, 1.4e-2),
-    "kfac-moments-fast": (7e-3, 1.4e-2),
     "kfac-moments-fresh": (7e-3, 1.4e-2),
-    "kfac-moments-drift": (7e-3, 1.4e-2),
     "kfac-moments-wide": (7e-3, 1.4e-2),
     "kfac-moments-wide-whole": (7e-3, 1.4e-2),
     "kfac-moments-wide-2": (7e-3, 1.4e-2),
@@ -213,11 +207,6 @@ def _heavyball() -> Any | None:
     return heavyball
 
 
-DRIFT = 0.003
-"""``kfac-moments-drift``'s ``refresh_drift``: the smallest of the thresholds tried (0.003,
-0.01, 0.03) on ``lm`` at ``kfac-moments-fresh``'s tuned learning rate; it refreshed about
-as many bases per step as decompositions every 2 steps do."""
-
 NATIVE_BF16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX). Where it does not,
 Muon's Newton–Schulz iteration runs in float32 (``stage_arithmetic.Muon32``): emulated
@@ -272,37 +261,9 @@ KFAC = {
         0.8,
         {"eigenbasis_moments": True, "moment_beta2": 0.95, "moment_beta1": 0.9},
     ),
-    # the same with cheaper curvature: factor statistics from at most 512 rows of each
-    # call (every k-th position, scaled), equal-shaped factors decomposed in one eigh
-    "kfac-moments-fast": (
-        "eigen",
-        0.0,
-        0.0,
-        None,
-        (5, 5),
-        0.8,
-        {
-            "eigenbasis_moments": True,
-            "moment_beta2": 0.95,
-            "moment_beta1": 0.9,
-            "factor_rows": 512,
-            "batched_eigh": True,
-        },
-    ),
     # SOAP's schedule (statistics of every step, a short running average, the eigenbases
     # two steps old at most): a stale eigenbasis is what kept kfac-moments behind SOAP
     "kfac-moments-fresh": ("eigen", 0.0, 0.0, None, (1, 2), 0.9, MOMENTS),
-    # kfac-moments-fresh with each layer's eigenbases refreshed when they drift: checked
-    # every step, decomposed anew where A's or G's basis drifted past 0.003 (refresh_drift)
-    "kfac-moments-drift": (
-        "eigen",
-        0.0,
-        0.0,
-        None,
-        (1, 1),
-        0.9,
-        {**MOMENTS, "refresh_drift": DRIFT},
-    ),
     # the recommended recipe (kf.KFAC's): kfac-moments-fresh with the layers that have a
     # side wider than 512 on the orthogonalized step (no Gram and no eigh of their G
     # factors, their A factors in blocks), eigenbases every 2 steps, fewer in long runs
@@ -316,15 +277,17 @@ KFAC = {
 }
 """The K-FAC variants, all with ``scaling="fisher"``."""
 
-ORTHOGONAL: dict[str, str] = {
-    "kfac-muon": "orthogonal",
-    "kfac-muon-two-sided": "orthogonal-two-sided",
-    "kfac-muon-kfac-head": "orthogonal-kfac-head",
+ORTHOGONAL: dict[str, tuple[str, tuple[float, float]]] = {
+    "kfac-muon": ("orthogonal-two-sided", (0.5, 0.0)),
+    "kfac-muon-two-sided": ("orthogonal-two-sided", (0.25, 0.25)),
+    "kfac-muon-kfac-head": ("orthogonal-kfac-head", (0.5, 0.0)),
 }
-"""The orthogonal recipes of ``kf.KFAC`` (Muon's step on K-FAC's curvature), by the name
-they race under. As Muon's, their hidden matrices take the learning rate swept and the
-parameters left to AdamW take AdamW's middle value; the workload's output layers
-(``Workload.outputs``) are the head (``ortho_skip``)."""
+"""The orthogonal settings of ``kf.KFAC`` (Muon's step on K-FAC's curvature), by the name
+they race under: the recipe and the powers of A and G (``kfac-muon`` is the two-sided
+recipe made one-sided, what the retired recipe ``"orthogonal"`` was). As Muon's, their
+hidden matrices take the learning rate swept and the parameters left to AdamW take
+AdamW's middle value; the workload's output layers (``Workload.outputs``) are the head
+(``ortho_skip``)."""
 
 
 class Stepper:
@@ -433,11 +396,12 @@ class Stepper:
         self.opts = [] if adaptive else [sgd]
         if rest:
             self.opts.append(torch.optim.AdamW(rest, lr=LRS["adamw"][-1], weight_decay=0.0))
+        if adaptive:
+            kwargs["adaptive"] = kf.adapter.AdaptiveStepper(model, loss="cross_entropy")
+        # kfac-pytorch's arguments by name, the variant's other settings as one kf.Settings
+        settings = settings_from_keywords(kwargs, name, warn=False)
         self.pre = kf.KFACPreconditioner(
-            model,
-            lr=lambda step: sgd.param_groups[0]["lr"],
-            adaptive=kf.adapter.AdaptiveStepper(model, loss="cross_entropy") if adaptive else None,
-            **kwargs,
+            model, lr=lambda step: sgd.param_groups[0]["lr"], settings=settings, **kwargs
         )
 
     def zero_grad(self) -> None:
@@ -456,12 +420,14 @@ class Stepper:
 def _orthogonal_face(
     name: str, model: nn.Module, lr: float, settings: dict[str, Any], outputs: tuple[str, ...]
 ) -> kf.KFAC:
-    """``kf.KFAC`` with the orthogonal recipe of ``name`` (:data:`ORTHOGONAL`), its powers
-    from ``settings["ortho_powers"]`` when given, the layers under ``outputs`` as the head;
-    the other ``settings`` are preconditioner arguments."""
-    recipe = kf.RECIPES[ORTHOGONAL[name]]
-    base = recipe.kfac_kwargs["orthogonal"]
-    powers = tuple(settings.pop("ortho_powers", base.powers))
+    """``kf.KFAC`` with the orthogonal recipe and powers of ``name`` (:data:`ORTHOGONAL`),
+    the powers from ``settings["ortho_powers"]`` when given, the layers under ``outputs``
+    as the head; the other ``settings`` are preconditioner arguments."""
+    recipe_name, default = ORTHOGONAL[name]
+    recipe = kf.RECIPES[recipe_name]
+    base = recipe.settings.orthogonal
+    assert base is not None
+    powers = tuple(settings.pop("ortho_powers", default))
     head = "^(" + "|".join(re.escape(o) for o in outputs) + r")(\.|$)"
     return kf.KFAC(
         model,

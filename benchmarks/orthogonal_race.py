@@ -8,8 +8,9 @@ cheap step and give it K-FAC's curvature: the hidden matrices' Nesterov momentum
 preconditioned by powers of their damped factors, orthogonalized by Newton–Schulz (see
 ``kfac_func/step/orthogonal.py``). Raced here:
 
-- ``kfac-muon`` (recipe ``"orthogonal"``): one-sided, ``U (A + δI)^(-p)``, G not built
-  (diagonal); second knob ``p`` ∈ {1/2, 1};
+- ``kfac-muon`` (the recipe ``"orthogonal-two-sided"`` with a one-sided
+  ``kf.Orthogonal``; the recipe ``"orthogonal"`` until it was retired): one-sided,
+  ``U (A + δI)^(-p)``, G not built (diagonal); second knob ``p`` ∈ {1/2, 1};
 - ``kfac-muon-two-sided`` (``"orthogonal-two-sided"``): ``(G + δI)^(-q) U (A + δI)^(-q)``,
   second knob ``q`` ∈ {1/4, 1/2};
 - ``kfac-muon-kfac-head`` (``"orthogonal-kfac-head"``): the head, embeddings and norms on

@@ -33,9 +33,7 @@ dict, and the stage functions return new tensors).
   model without hooks.
 - ``forward+backward with K-FAC's hooks``: the same on the recipe's model, whose hooks
   build each call's Gram matrices (``update_factors_in_hook``); ``statistics in the
-  hooks`` is the difference of the two medians. The ``factor_rows`` rows do the same on
-  another copy whose preconditioner keeps at most a quarter of each call's rows (every
-  ``k``-th position, scaled: ``factor_rows=``, not the recipe's setting).
+  hooks`` is the difference of the two medians.
 - ``batch factors``: ``KFACPreconditioner._settle`` and ``_batch_factors`` (what
   ``step()`` calls first: the calls' Grams summed, scaled and symmetrised per group,
   ``step/batch_factors.py``).
@@ -155,7 +153,6 @@ from step_time import checked_out, print_table  # noqa: E402
 
 import kfac_func as kf  # noqa: E402
 from kfac_func.adapter.grads import copy_back  # noqa: E402
-from kfac_func.blocks.spec import thin_positions  # noqa: E402
 from kfac_func.core.basis_moments import adam_in_basis, from_basis, to_basis  # noqa: E402
 from kfac_func.core.orthogonal import FactorPowers, apply_powers, newton_schulz  # noqa: E402
 from kfac_func.state import KFACState, LayerState  # noqa: E402
@@ -285,21 +282,7 @@ class Bench:
         self.pre = kfac.pre
         self.kfac_model = kfac.model
         self.base_opts = list(kfac.face.optimizers) if kfac.face is not None else kfac.opts
-        # factor statistics from a quarter of each call's rows, on a copy of its own
         self.rows_per_call = self.x.numel()
-        # the layers factor_rows= thins (the others keep every row)
-        self.thinnable = sum(spec.block.thinnable(spec) for spec in self.pre.layers.values())
-        self.factor_rows = max(1, self.rows_per_call // 4)
-        thin = optimizers.Stepper(
-            RECIPE,
-            copy.deepcopy(base),
-            optimizers.LRS[RECIPE][0],
-            w,
-            10**6,
-            {"factor_rows": self.factor_rows, **self.overrides},
-        )
-        assert thin.pre is not None
-        self.thin, self.thin_pre = thin, thin.pre
         self.kinds: dict[str, list[bool]] = {}
         self.snapshot: KFACState | None = None
 
@@ -338,9 +321,6 @@ class Bench:
         out = self._time(key + " batch", batch)
         pre._micro, pre._grads_seen = [], set()
         return out, stats
-
-    def thin_unit(self) -> None:
-        self._collect(self.thin_pre, self.thin.model, "hooks thin")
 
     def stage_unit(self) -> None:
         """Every stage of the recipe's step, in the step's order, on the snapshot."""
@@ -447,7 +427,7 @@ class Bench:
     # ------------------------------------------------------------------ setup
 
     def units(self) -> list[Callable[[], None]]:
-        out = [self.plain_unit, self.stage_unit, self.thin_unit]
+        out = [self.plain_unit, self.stage_unit]
         out += [lambda n=n: self.steps_unit(n) for n in self.steppers]  # type: ignore[misc]
         return out
 
@@ -538,19 +518,14 @@ class Bench:
         """The arithmetic of each K-FAC stage (see the module docstring)."""
         s = self.state
         stats = Floor()
-        thin = Floor()
-        part, _ = thin_positions(self.x.unsqueeze(-1), self.factor_rows, 0)
-        kept = part.numel() / self.x.numel()
         grams: list[torch.Tensor] = []
-        for name, micro in self.stats.items():
+        for micro in self.stats.values():
             f = Floor()
             for mb in micro:
                 for gram in (*mb.a, *mb.g):
                     f.macs += gram.rows * gram.gram.numel()
                     grams.append(gram.gram)
             stats += f
-            spec = s.layers[name].spec
-            thin += f.times(kept if spec.block.thinnable(spec) else 1.0)
         factors = [t for ls in s.layers.values() for t in (ls.a_factor, ls.g_factor)]
         eigh, qr, carry, powers = Floor(), Floor(), Floor(), Floor()
         for name, ls in s.layers.items():
@@ -584,7 +559,6 @@ class Bench:
         hidden = [tuple(p.shape) for g in muon.param_groups for p in g["params"]]
         return {
             "statistics": stats,
-            "statistics thin": thin,
             "batch factors": Floor(bytes=tensor_bytes(grams) + tensor_bytes(factors)),
             "fold": Floor(bytes=3 * tensor_bytes(factors)),
             "eigh": eigh,
@@ -674,16 +648,8 @@ def build_rows(
         )
 
     fb, st, kf_, ot, wh = SECTIONS
-    n = bench.factor_rows
     add("plain forward+backward", fb, ms["plain"], "model copy without hooks", key="plain")
     add("forward+backward, K-FAC hooks", fb, ms["hooks"], "the recipe's model", key="hooks")
-    add(
-        f"forward+backward, K-FAC hooks, factor_rows={n}",
-        fb,
-        ms["hooks thin"],
-        f"{bench.thinnable} of {len(bench.state.layers)} layers thinned",
-        key="hooks thin",
-    )
     add(
         "statistics in the hooks",
         fb,
@@ -691,14 +657,6 @@ def build_rows(
         "difference of the rows above",
         floors["statistics"],
         key="statistics",
-    )
-    add(
-        f"statistics in the hooks, factor_rows={n}",
-        fb,
-        ms["hooks thin"] - ms["plain"],
-        "difference",
-        floors["statistics thin"],
-        key="statistics thin",
     )
     stage_rows = [
         ("batch factors", "hooks batch", "HookRecorder._batch_factors"),
@@ -941,8 +899,6 @@ def main(argv: list[str] | None = None) -> int:
                 "description": bench.w.description,
                 "layers": len(bench.state.layers),
                 "rows_per_call": bench.rows_per_call,
-                "factor_rows": bench.factor_rows,
-                "thinnable_layers": bench.thinnable,
                 "rows": rows,
                 "samples_ms": {k: [1e3 * s for s in v] for k, v in bench.samples.items()},
                 "kinds": bench.kinds,

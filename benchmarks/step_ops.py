@@ -24,16 +24,16 @@ Each step is split in two timed parts: ``zero_grad`` + forward + cross-entropy +
 - ``Muon``: ``torch.optim.Muon`` (``adjust_lr_fn="match_rms_adamw"``) over the blocks'
   2-D weight matrices, ``AdamW(foreach=True)`` over the rest (embeddings, norms, biases,
   head), as usual.
-- ``K-FAC``: ``KFACPreconditioner(scaling="fisher")`` ``.step()`` + ``SGD(foreach=True)``
-  over the preconditioned parameters (+ ``AdamW(foreach=True)`` over any others; none in
-  this model), in the LM example's two settings: ``eigen`` (its ``kfac``: SGD momentum
-  0.9, factor decay 0.95, KL clip 3e-5) and ``moments`` (its ``kfac-moments``:
-  ``eigenbasis_moments=True``, β₁ 0.9, β₂ 0.95, factor decay 0.8, no KL clip, SGD without
-  momentum), each eager and with ``sync_free=True, compile=True`` (the adapter compiles
-  every step kind: factor, decomposition and precondition-only steps, a graph each). The
-  preconditioner's ``lr`` (only the KL clip's scale) is the eigen SGD's 0.3 in both
-  settings (the moments have no clip): the compiled variants share the code Dynamo
-  compiles for ``kfac_func.update``, and a float argument that differs from one call to
+- ``K-FAC``: ``KFACPreconditioner(settings=Settings(scaling="fisher"))`` ``.step()`` +
+  ``SGD(foreach=True)`` over the preconditioned parameters (+ ``AdamW(foreach=True)`` over
+  any others; none in this model), in the LM example's two settings: ``eigen`` (its
+  ``kfac``: SGD momentum 0.9, factor decay 0.95, KL clip 3e-5) and ``moments`` (its
+  ``kfac-moments``: ``eigenbasis_moments=True``, β₁ 0.9, β₂ 0.95, factor decay 0.8, no KL
+  clip, SGD without momentum), each eager and with ``sync_free=True, compile=True`` (the
+  adapter compiles every step kind: factor, decomposition and precondition-only steps, a
+  graph each). The preconditioner's ``lr`` (only the KL clip's scale) is the eigen SGD's
+  0.3 in both settings (the moments have no clip): the compiled variants share the code
+  Dynamo compiles for ``kfac_func.update``, and a float argument that differs from one call to
   the next (another preconditioner's ``lr``, or a schedule's) is recompiled as a symbolic
   float, on which ``check_hyper``'s ``math.isnan`` cannot be traced (torch 2.13:
   ``Unsupported: torch.* op returned non-Tensor``). A variant that fails to compile is
@@ -203,13 +203,15 @@ class Stepper:
             # the KL clip's scale: the eigen SGD's (constant here) in both settings, as the
             # moments have no clip; see the module docstring for why it must not differ
             lr=lm.KFAC_DEFAULTS["kfac"][0],
-            scaling="fisher",
+            settings=kf.Settings(
+                scaling="fisher",
+                eigenbasis_moments=moments,
+                moment_beta2=0.95,
+                moment_beta1=0.9 if moments else 0.0,
+                sync_free=compiled,
+                compile=compiled and not count_only,
+            ),
             compute_method="eigen",
-            eigenbasis_moments=moments,
-            moment_beta2=0.95,
-            moment_beta1=0.9 if moments else 0.0,
-            sync_free=compiled,
-            compile=compiled and not count_only,
         )
 
     def step(

@@ -92,10 +92,9 @@ def run(variant: str, seed: int, args: argparse.Namespace, data: CharData) -> li
         kl_clip=None,
         lr=lambda step: sgd.param_groups[0]["lr"],
         skip_layers=skip,
-        scaling="fisher",
-        eigenbasis_moments=True,
-        moment_beta2=0.95,
-        moment_beta1=0.9,
+        settings=kf.Settings(
+            scaling="fisher", eigenbasis_moments=True, moment_beta2=0.95, moment_beta1=0.9
+        ),
     )
     schedule = lr_schedule(round(0.05 * args.steps), args.steps)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in optimizers]

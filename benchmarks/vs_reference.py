@@ -363,8 +363,10 @@ class Runner:
                 factor_update_steps=self.f,
                 inv_update_steps=self.i,
                 compute_method=method,
-                scaling="kfac-pytorch",
-                eigenbasis_refresh="qr" if variant == "adapter-qr" else "eigh",
+                settings=kf.Settings(
+                    scaling="kfac-pytorch",
+                    eigenbasis_refresh="qr" if variant == "adapter-qr" else "eigh",
+                ),
                 **hyper,
             )
         elif variant == "functional":
@@ -536,7 +538,7 @@ def check_correctness(args: Any, steps: int = 4) -> dict[str, float]:
                 factor_update_steps=1,
                 inv_update_steps=2,
                 compute_method=method,
-                scaling="kfac-pytorch",
+                settings=kf.Settings(scaling="kfac-pytorch"),
                 **hyper,
             )
             opts = [
@@ -570,7 +572,9 @@ def check_qr_accuracy(args: Any, steps: int = 12) -> dict[str, tuple[float, floa
         models = [copy.deepcopy(base), copy.deepcopy(base)]
         hyper = dict(damping=args.damping, factor_decay=0.95, kl_clip=1e-3, lr=args.lr)
         pres = [
-            kf.KFACPreconditioner(m, scaling="kfac-pytorch", eigenbasis_refresh=r, **hyper)
+            kf.KFACPreconditioner(
+                m, settings=kf.Settings(scaling="kfac-pytorch", eigenbasis_refresh=r), **hyper
+            )
             for m, r in zip(models, ("eigh", "qr"))
         ]
         opt = torch.optim.SGD(models[0].parameters(), lr=args.lr, momentum=0.9)

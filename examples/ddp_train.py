@@ -47,7 +47,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from kfac_func import KFACPreconditioner
+from kfac_func import KFACPreconditioner, Settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
@@ -167,7 +167,7 @@ def train(
             kl_clip=args.kl_clip if args.kl_clip > 0 else None,
             lr=lambda step: optimizer.param_groups[0]["lr"],
             grad_worker_fraction=grad_worker_fraction(strategy, world_size),
-            scaling=args.scaling,
+            settings=Settings(scaling=args.scaling),
         )
         if rank == 0:
             print(preconditioner.plan)

@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         inv_update_steps=10,
         damping=args.damping,
         lr=args.lr,
-        scaling="fisher",  # the loss averages over every token
+        settings=kf.Settings(scaling="fisher"),  # the loss averages over every token
         skip_layers=["Embedding"],
         grad_worker_fraction=STRATEGIES[args.strategy],
     )

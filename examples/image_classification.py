@@ -203,7 +203,7 @@ def make_optimizer(
         # square of the decay gives it the decay of an unclipped step, lr * decay * p
         kl_clip=(lambda step: s.kl_clip * decay(step) ** 2) if s.kl_clip > 0 else None,
         lr=lambda step: lr * decay(step),
-        scaling=s.scaling,
+        settings=kf.Settings(scaling=s.scaling),
     )
     return opt, pre
 

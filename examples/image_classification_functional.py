@@ -14,7 +14,8 @@ cosine decay to ``--decay-to`` of its first value and whose ``kl_clip`` that dec
 square (that example's module docstring says why).
 
 At the end, a check trains a few steps twice from the same initialisation and batches,
-once with this loop and once with ``kf.KFACPreconditioner(..., scaling="fisher")`` and
+once with this loop and once with
+``kf.KFACPreconditioner(..., settings=kf.Settings(scaling="fisher"))`` and
 ``torch.optim.SGD``, and prints the largest parameter difference (expected: zero or a
 few float32 roundings).
 

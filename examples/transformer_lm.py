@@ -310,12 +310,13 @@ def train(
             kl_clip=(lambda step: kl_clip * schedule(step) ** 2) if kl_clip > 0 else None,
             lr=lambda step: sgd.param_groups[0]["lr"],
             skip_layers=args.kfac_skip,
-            scaling=args.scaling,
+            settings=kf.Settings(
+                scaling=args.scaling,
+                eigenbasis_moments=moments,
+                moment_beta2=args.moment_beta2,
+                moment_beta1=args.momentum,
+            ),
             compute_method=args.kfac_method,
-            eigenbasis_moments=moments,
-            moment_beta2=args.moment_beta2,
-            moment_beta1=args.momentum,
-            factor_rows=args.factor_rows,
         )
         if args.verbose:
             print(preconditioner.layers)
@@ -428,13 +429,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=None,
         help="steps between decompositions (default: 5)",
-    )
-    add(
-        "--factor-rows",
-        type=int,
-        default=None,
-        help="at most this many rows (windows x positions) per layer call enter K-FAC's "
-        "factors: every k-th position, scaled (default: all)",
     )
     add(
         "--kfac-method",

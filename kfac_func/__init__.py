@@ -1,8 +1,9 @@
 """kfac_func: K-FAC for PyTorch as pure functions over immutable state pytrees.
 
 The top level holds what a training loop needs: the optimizer face (:class:`KFAC` and its
-recipes), the drop-in :class:`KFACPreconditioner`, the functional loop (:func:`register`,
-:func:`init`, :func:`capture`, :func:`update`, :func:`decompose`, :class:`StepOptions`), checkpoints
+recipes), the drop-in :class:`KFACPreconditioner` and its :class:`Settings`, the
+functional loop (:func:`register`, :func:`init`, :func:`capture`, :func:`update`,
+:func:`decompose`, :class:`StepOptions`), checkpoints
 (:func:`save_state`, :func:`save_dcp`, ...) and the errors and warnings these raise. The
 rest is in the subpackages: the step's stages and the adaptive step in
 :mod:`kfac_func.step`, the math of one layer in :mod:`kfac_func.core`, plans and
@@ -48,6 +49,7 @@ from kfac_func.adapter import (
     KFACPreconditioner,
     MissingStatisticsWarning,
     Recipe,
+    Settings,
 )
 from kfac_func.blocks import LayerTable, register
 from kfac_func.blocks.examples import BatchSizeError
@@ -87,6 +89,7 @@ __all__ = [
     "NonFiniteError",
     "Orthogonal",
     "Recipe",
+    "Settings",
     "StepOptions",
     "__version__",
     "capture",

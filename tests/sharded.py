@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac_func import KFACPreconditioner
+from kfac_func import KFACPreconditioner, Settings
 from kfac_func.distributed import DistributedStrategy
 
 F64 = torch.float64
@@ -39,10 +39,10 @@ EXTRAS: dict[str, dict[str, Any]] = {
         "graft_eps": 1e-4,
     },
 }
-"""Further settings by name: none, or eigenbasis moments with a first moment and Adam
-grafting (their running moments live on the grad workers; an epsilon of 1e-4, as Adam
-divides the directions the gradient does not reach by it, so that float64 rounding noise
-there, 1e-17, stays far below the tests' tolerances)."""
+"""Further fields of the preconditioner's ``Settings`` by name: none, or eigenbasis
+moments with a first moment and Adam grafting (their running moments live on the grad
+workers; an epsilon of 1e-4, as Adam divides the directions the gradient does not reach by
+it, so that float64 rounding noise there, 1e-17, stays far below the tests' tolerances)."""
 EXTRA_CONFIGS = (("MEM_OPT", "ekfac", ""), ("COMM_OPT", "ekfac", "moments"))
 EXTRA_CONFIGS += (("HYBRID_OPT", "eigen", "moments"),)
 """(strategy, method, extra) of the sharded tests besides STRATEGIES x METHODS."""
@@ -65,12 +65,11 @@ def make_preconditioner(
         factor_decay=0.9,
         kl_clip=1e-2,
         lr=LR,
-        scaling="fisher",
+        settings=Settings(scaling="fisher", **EXTRAS[extra]),
         factor_dtype=F64,
         inv_dtype=F64,
         compute_method=method,
         grad_worker_fraction=DistributedStrategy[strategy],
-        **EXTRAS[extra],
     )
 
 

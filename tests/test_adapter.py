@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from settings_keywords import with_settings
 from torch import nn
 
 import kfac_func as kf
@@ -196,7 +197,7 @@ def run_equivalence(
         net,
         factor_update_steps=factor_every,
         inv_update_steps=inv_every,
-        scaling=scaling,
+        settings=kf.Settings(scaling=scaling),
         compute_method=method,
         compute_eigenvalue_outer_product=outer,
         update_factors_in_hook=hook,
@@ -422,7 +423,7 @@ def small() -> nn.Module:
 )
 def test_validation_errors(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        KFACPreconditioner(small(), **kwargs)
+        KFACPreconditioner(small(), **with_settings(**kwargs))
 
 
 def test_valid_boundaries_are_accepted() -> None:
@@ -614,7 +615,7 @@ def test_accumulation_equals_functional_list_of_captures(scaling: str, hook: boo
         accumulation_steps=k,
         factor_update_steps=1,
         inv_update_steps=2,
-        scaling=scaling,
+        settings=kf.Settings(scaling=scaling),
         update_factors_in_hook=hook,
         factor_dtype=F64,
         inv_dtype=F64,
@@ -659,7 +660,11 @@ def test_accumulation_weighting_rule(scaling: str) -> None:
     ref = copy.deepcopy(net)
     decay = 0.9
     pre = KFACPreconditioner(
-        net, scaling=scaling, factor_decay=decay, factor_dtype=F64, inv_dtype=F64
+        net,
+        settings=kf.Settings(scaling=scaling),
+        factor_decay=decay,
+        factor_dtype=F64,
+        inv_dtype=F64,
     )
     layers = kf.register(ref)
     g = torch.Generator().manual_seed(7)
@@ -722,7 +727,9 @@ def test_grad_scaler_factors_equal_unscaled_run(scaling: str) -> None:
             scaler = torch.amp.GradScaler("cpu")
         elif mode == "callable":
             scaler = lambda: 1024.0  # noqa: E731
-        pre = KFACPreconditioner(net, grad_scaler=scaler, scaling=scaling, damping=0.01)
+        pre = KFACPreconditioner(
+            net, grad_scaler=scaler, settings=kf.Settings(scaling=scaling), damping=0.01
+        )
         for x, y in amp_data():
             opt.zero_grad()
             loss = xent(net(x), y)
@@ -766,6 +773,7 @@ def test_bf16_autocast_factors_close_to_float32(device: torch.device) -> None:
     """Same parameters and batches (no optimizer step), factors compared every step."""
     net32, net16 = amp_model().to(device), amp_model().to(device)
     kw: dict[str, Any] = dict(scaling="fisher", factor_decay=0.5, damping=0.01)
+    kw = with_settings(**kw)
     pre32, pre16 = KFACPreconditioner(net32, **kw), KFACPreconditioner(net16, **kw)
     assert pre16.factor_dtype == torch.float32
     for step, (x, y) in enumerate(amp_data()):
@@ -905,7 +913,12 @@ def make_trainer(
     net = make()
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
     pre = KFACPreconditioner(
-        net, factor_update_steps=2, inv_update_steps=3, factor_dtype=F64, inv_dtype=F64, **kw
+        net,
+        factor_update_steps=2,
+        inv_update_steps=3,
+        factor_dtype=F64,
+        inv_dtype=F64,
+        **with_settings(**kw),
     )
     return net, opt, pre
 

@@ -27,7 +27,7 @@ from gloo import gloo_group, one_thread, record_errors, spawn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from kfac_func import KFACPreconditioner
+from kfac_func import KFACPreconditioner, Settings
 from kfac_func.distributed import DistributedStrategy
 from kfac_func.distributed.plan import resolve_grad_workers
 
@@ -110,7 +110,7 @@ def make_preconditioner(model: nn.Module, cfg: dict[str, Any]) -> KFACPreconditi
         factor_decay=0.9,
         kl_clip=1e-2,
         lr=LR,
-        scaling="fisher",
+        settings=Settings(scaling="fisher"),
         factor_dtype=F64,
         inv_dtype=F64,
         **cfg,

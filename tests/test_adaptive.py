@@ -555,12 +555,14 @@ def test_bad_input_names_the_argument() -> None:
 def _adaptive_pre(model: nn.Module, interval: int = 2) -> kf.KFACPreconditioner:
     return kf.KFACPreconditioner(
         model,
-        scaling="fisher",
+        settings=kf.Settings(
+            scaling="fisher",
+            adaptive=AdaptiveStepper(model, loss="cross_entropy", interval=interval),
+        ),
         factor_dtype=DT,
         inv_dtype=DT,
         damping=1.0,
         kl_clip=None,
-        adaptive=AdaptiveStepper(model, loss="cross_entropy", interval=interval),
     )
 
 
@@ -610,7 +612,11 @@ def test_adapter_equals_the_functional_loop_and_resumes() -> None:
             torch.testing.assert_close(a[n], b[n], rtol=1e-12, atol=1e-15)
     with pytest.raises(ValueError, match="adaptive part"):
         kf.KFACPreconditioner(
-            _mlp(), kl_clip=None, scaling="fisher", factor_dtype=DT, inv_dtype=DT
+            _mlp(),
+            kl_clip=None,
+            settings=kf.Settings(scaling="fisher"),
+            factor_dtype=DT,
+            inv_dtype=DT,
         ).load_state_dict(saved)
     with pytest.raises(ValueError, match="scaling='fisher' in the state_dict"):
         kf.KFACPreconditioner(_mlp(), kl_clip=None).load_state_dict(saved)
@@ -619,9 +625,11 @@ def test_adapter_equals_the_functional_loop_and_resumes() -> None:
 def test_adapter_refuses_inconsistent_adaptive_settings() -> None:
     model = _mlp()
     with pytest.raises(ValueError, match="kl_clip=None"):
-        kf.KFACPreconditioner(model, adaptive=AdaptiveStepper(model))
+        kf.KFACPreconditioner(model, settings=kf.Settings(adaptive=AdaptiveStepper(model)))
     with pytest.raises(ValueError, match="same model"):
-        kf.KFACPreconditioner(model, kl_clip=None, adaptive=AdaptiveStepper(_mlp()))
+        kf.KFACPreconditioner(
+            model, kl_clip=None, settings=kf.Settings(adaptive=AdaptiveStepper(_mlp()))
+        )
     pre = _adaptive_pre(model)
     F.cross_entropy(model(torch.randn(4, 3, dtype=DT)), torch.zeros(4, dtype=torch.long)).backward()
     with pytest.raises(ValueError, match="loss_closure"):

@@ -16,6 +16,7 @@ import inspect
 import pytest
 from torch import nn
 
+from kfac_func import Settings
 from kfac_func.adapter.arguments import KFAC_PYTORCH_DEFAULTS, SharedArguments
 from kfac_func.adapter.preconditioner import KFACPreconditioner
 from kfac_func.parallel.gpt_neox import GPTNeoXKFACPreconditioner
@@ -27,7 +28,7 @@ SHARED = ["model", *SharedArguments.__annotations__]
 OTHER_DEFAULTS: dict[type, dict[str, object]] = {
     KFACPreconditioner: {},
     ParallelKFACPreconditioner: {"compute_eigenvalue_outer_product": False},
-    GPTNeoXKFACPreconditioner: {"compute_eigenvalue_outer_product": False, "loss_divisor": None},
+    GPTNeoXKFACPreconditioner: {"compute_eigenvalue_outer_product": False},
 }
 
 
@@ -48,14 +49,14 @@ def test_the_gpt_neox_constructor_takes_the_parallel_arguments() -> None:
     neox = inspect.signature(GPTNeoXKFACPreconditioner).parameters
     assert set(neox) == set(parallel)
     differ = {n for n in parallel if parallel[n].default != neox[n].default}
-    assert differ == {"loss_divisor", "include_plain_linear"}
+    assert differ == {"include_plain_linear"}  # and the settings' loss_divisor (see its docs)
 
 
 def test_a_constructor_hands_every_shared_argument_over() -> None:
     model = nn.Sequential(ColumnParallelLinear(4, 6), nn.Linear(6, 2))
     given = {"damping": 0.02, "factor_decay": 0.5, "kl_clip": None, "lr": 0.3}
     pre = ParallelKFACPreconditioner(
-        model, **given, loss_reduction="sum", loss_divisor=2.0, skip_layers=["1"]
+        model, **given, settings=Settings(loss_reduction="sum", loss_divisor=2.0), skip_layers=["1"]
     )
     assert {k: getattr(pre, k) for k in given} == given
     assert (pre.loss_reduction, pre.loss_divisor, pre.skip_layers) == ("sum", 2.0, ["1"])

@@ -185,7 +185,9 @@ def test_encoder_layer_adapter_equals_capture_and_update() -> None:
     table = kf.register(layer)
     assert len(table) == 8 and not table.skipped  # q, k, v, out, two linears, two norms
     g = torch.Generator().manual_seed(3)
-    pre = kf.KFACPreconditioner(layer, scaling="fisher", inv_dtype=DT, damping=0.01)
+    pre = kf.KFACPreconditioner(
+        layer, settings=kf.Settings(scaling="fisher"), inv_dtype=DT, damping=0.01
+    )
     state = kf.init(kf.register(ref), factor_dtype=DT, inv_dtype=DT)
     for _ in range(2):
         x, t = (

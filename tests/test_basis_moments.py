@@ -151,14 +151,13 @@ def test_dense_bases_against_eigh_and_carried_moments(beta1: float) -> None:
 def _adapter(model: nn.Module, **kw: object) -> kf.KFACPreconditioner:
     return kf.KFACPreconditioner(
         model,
-        scaling="fisher",
+        settings=kf.Settings(
+            scaling="fisher", eigenbasis_moments=True, moment_beta2=B2, moment_beta1=0.5
+        ),
         factor_dtype=DT,
         inv_dtype=DT,
         kl_clip=None,
         inv_update_steps=2,
-        eigenbasis_moments=True,
-        moment_beta2=B2,
-        moment_beta1=0.5,
         **kw,  # type: ignore[arg-type]
     )
 
@@ -229,11 +228,17 @@ def test_adapter_equals_update_and_resumes_from_checkpoints() -> None:
 
 def test_refused_settings() -> None:
     with pytest.raises(ValueError, match="needs an eigenbasis"):
-        kf.KFACPreconditioner(_model(), compute_method="inverse", eigenbasis_moments=True)
+        kf.KFACPreconditioner(
+            _model(), compute_method="inverse", settings=kf.Settings(eigenbasis_moments=True)
+        )
     with pytest.raises(ValueError, match="moment_beta2"):
-        kf.KFACPreconditioner(_model(), eigenbasis_moments=True, moment_beta2=1.0)
+        kf.KFACPreconditioner(
+            _model(), settings=kf.Settings(eigenbasis_moments=True, moment_beta2=1.0)
+        )
     with pytest.raises(ValueError, match="moment_beta1"):
-        kf.KFACPreconditioner(_model(), eigenbasis_moments=True, moment_beta1=-0.1)
+        kf.KFACPreconditioner(
+            _model(), settings=kf.Settings(eigenbasis_moments=True, moment_beta1=-0.1)
+        )
     state = kf.init(kf.register(_model()), compute_method="inverse")
     with pytest.raises(ValueError, match="needs an eigenbasis"):
         kf.update(state, {}, update_factors=False, eigenbasis_moments=True)

@@ -156,7 +156,7 @@ def _factors(
     torch.manual_seed(0)  # the same dropout masks in every run
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tied weights, damping
-        pre = kf.KFACPreconditioner(model, scaling=scaling, **kwargs)
+        pre = kf.KFACPreconditioner(model, settings=kf.Settings(scaling=scaling), **kwargs)
         for _ in range(2):
             model.zero_grad()
             logits = _logits(call(model, x, y))
@@ -280,7 +280,7 @@ def test_fisher_g_factor_is_the_per_example_gradient_covariance() -> None:
     torch.manual_seed(0)
     model = MLP().to(F64)
     x, y = _data("vector")
-    pre = kf.KFACPreconditioner(model, scaling="fisher")
+    pre = kf.KFACPreconditioner(model, settings=kf.Settings(scaling="fisher"))
     out = model(x=Inputs(x))
     out.retain_grad()
     F.cross_entropy(out, y).backward()
@@ -333,7 +333,7 @@ def test_flattened_rows_give_the_factors_of_the_unflattened_layer(moments: bool,
         torch.manual_seed(0)
         model = Flattening(flatten).to(F64)
         pre = kf.KFACPreconditioner(
-            model, scaling="fisher", eigenbasis_moments=moments, damping=1e-3
+            model, settings=kf.Settings(scaling="fisher", eigenbasis_moments=moments), damping=1e-3
         )
         F.cross_entropy(model(x=x), y.reshape(-1)).backward()
         pre.step()
@@ -362,7 +362,7 @@ def test_capture_of_flattened_rows_tells_the_batch_size() -> None:
 def test_layers_that_disagree_raise_at_step_and_leave_the_state() -> None:
     x, y = _data("sequence")
     model = SequenceFirst().to(F64)
-    pre = kf.KFACPreconditioner(model, scaling="fisher")
+    pre = kf.KFACPreconditioner(model, settings=kf.Settings(scaling="fisher"))
     before = {n: (ls.a_factor.clone(), ls.g_factor.clone()) for n, ls in pre.state.layers.items()}
     F.cross_entropy(model(x=x), y.reshape(-1)).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -383,7 +383,7 @@ def test_the_error_names_only_the_layers_that_disagree() -> None:
     (the old message listed every layer)."""
     x, y = _data("sequence")
     model = SequenceFirst(width=40).to(F64)
-    pre = kf.KFACPreconditioner(model, scaling="fisher")
+    pre = kf.KFACPreconditioner(model, settings=kf.Settings(scaling="fisher"))
     F.cross_entropy(model(x), y.reshape(-1)).backward()
     with pytest.raises(BatchSizeError) as err:
         pre.step()
@@ -398,7 +398,7 @@ def test_sequence_first_transformer_layers_raise_under_fisher() -> None:
     be known (the old guess took the sequence length)."""
     layer = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0, batch_first=False).to(F64)
     x = torch.randn(T, B, D, dtype=F64)
-    pre = kf.KFACPreconditioner(layer, scaling="fisher")
+    pre = kf.KFACPreconditioner(layer, settings=kf.Settings(scaling="fisher"))
     layer(x).sum().backward()
     with pytest.raises(BatchSizeError) as err:
         pre.step()
@@ -406,7 +406,7 @@ def test_sequence_first_transformer_layers_raise_under_fisher() -> None:
     assert "'self_attn.q_proj' saw (5, 4, 8) (4 examples)" in msg, msg
     assert "'norm1' saw (5, 4, 8) (5 examples) and 3 more say 5" in msg, msg
     layer = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0, batch_first=True).to(F64)
-    pre = kf.KFACPreconditioner(layer, scaling="fisher")
+    pre = kf.KFACPreconditioner(layer, settings=kf.Settings(scaling="fisher"))
     layer(x.transpose(0, 1)).sum().backward()
     pre.step()
     assert pre.steps == 1
@@ -424,7 +424,9 @@ def test_layers_that_disagree_need_no_batch_size_under_kfac_pytorch_scaling() ->
 def test_skipping_the_disagreeing_layer_resolves_the_error() -> None:
     x, y = _data("sequence")
     model = SequenceFirst().to(F64)
-    pre = kf.KFACPreconditioner(model, scaling="fisher", skip_layers=["^out$"])
+    pre = kf.KFACPreconditioner(
+        model, settings=kf.Settings(scaling="fisher"), skip_layers=["^out$"]
+    )
     F.cross_entropy(model(x), y.reshape(-1)).backward()
     pre.step()
     assert list(pre.state.layers) == ["body.0", "body.1"]

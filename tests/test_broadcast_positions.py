@@ -48,7 +48,12 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def _adapter_factors(layout: str, scaling: str) -> tuple[dict, dict]:
     model = Positions(layout).to(F64)
     pre = kf.KFACPreconditioner(
-        model, scaling=scaling, factor_dtype=F64, inv_dtype=F64, damping=0.01, kl_clip=None
+        model,
+        settings=kf.Settings(scaling=scaling),
+        factor_dtype=F64,
+        inv_dtype=F64,
+        damping=0.01,
+        kl_clip=None,
     )
     x, y = _batch()
     _loss(model(x), y).backward()

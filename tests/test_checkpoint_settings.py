@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from settings_keywords import with_settings
 from torch import nn
 
 import kfac_func as kf
@@ -24,7 +25,7 @@ def _model(norm: type[nn.Module] = nn.LayerNorm) -> nn.Module:
 
 def _trained(**kwargs: Any) -> dict[str, Any]:
     model = kwargs.pop("model", None) or _model()
-    pre = kf.KFACPreconditioner(model, **kwargs)
+    pre = kf.KFACPreconditioner(model, **with_settings(**kwargs))
     x = torch.randn(8, 2, 4) if kwargs.get("kfac_approx") else torch.randn(8, 4)
     for _ in range(2):
         model.zero_grad()
@@ -96,14 +97,16 @@ def test_settings_that_change_the_factors_meaning_must_match(
     saved: dict[str, Any], loading: dict[str, Any], named: str
 ) -> None:
     sd = _trained(**saved)
-    pre = kf.KFACPreconditioner(_model(), **loading)
+    pre = kf.KFACPreconditioner(_model(), **with_settings(**loading))
     before = {k: v.clone() for k, v in pre.state_dict()["layers"]["0"].items() if k in "AG"}
     with pytest.raises(ValueError, match="settings differ") as err:
         pre.load_state_dict(sd)
     assert named in str(err.value)
     assert pre.steps == 0  # nothing changed
     assert torch.equal(pre.state.layers["0"].a_factor, before["A"])
-    kf.KFACPreconditioner(_model(), **saved).load_state_dict(sd)  # the same settings load
+    kf.KFACPreconditioner(_model(), **with_settings(**saved)).load_state_dict(
+        sd
+    )  # the same settings load
 
 
 def test_layer_kinds_must_match() -> None:

@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from numerics import assert_same_decomposition, named
+from settings_keywords import with_settings
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
@@ -118,7 +119,7 @@ def _run(
         pre = kf.KFACPreconditioner(
             model,
             accumulation_steps=2,
-            scaling="fisher",
+            settings=kf.Settings(scaling="fisher"),
             inv_dtype=F64,
             damping=0.01,
             **kwargs,
@@ -200,11 +201,11 @@ def test_state_saved_without_wrappers_resumes_with_them() -> None:
         pre.step()
 
     plain = MODELS["none"]()
-    pre = kf.KFACPreconditioner(plain, **kw)
+    pre = kf.KFACPreconditioner(plain, **with_settings(**kw))
     train(plain, pre, batches[:2])
     wrapped = MODELS["checkpoint_wrapper"]()
     wrapped.load_state_dict(plain.state_dict())
-    resumed = kf.KFACPreconditioner(wrapped, **kw)
+    resumed = kf.KFACPreconditioner(wrapped, **with_settings(**kw))
     resumed.load_state_dict(pre.state_dict())
     train(plain, pre, batches[2:])
     train(wrapped, resumed, batches[2:])
@@ -318,7 +319,7 @@ def test_parallel_preconditioner_on_a_checkpointed_model(in_hook: bool) -> None:
         pre = ParallelKFACPreconditioner(
             model,
             accumulation_steps=2,
-            scaling="fisher",
+            settings=kf.Settings(scaling="fisher"),
             factor_dtype=F64,
             inv_dtype=F64,
             update_factors_in_hook=in_hook,

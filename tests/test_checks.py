@@ -200,7 +200,7 @@ class OnePlusNorm(nn.Module):
 
 def test_a_one_plus_weight_norm_mapped_as_rms_norm_is_told_what_it_computes() -> None:
     net = nn.Sequential(nn.Linear(3, D, dtype=DT), OnePlusNorm(D))
-    pre = kf.KFACPreconditioner(net, kinds={OnePlusNorm: "rms_norm"})
+    pre = kf.KFACPreconditioner(net, settings=kf.Settings(kinds={OnePlusNorm: "rms_norm"}))
     with pytest.raises(ValueError) as err:
         net(torch.randn(2, 3, dtype=DT))
     message = str(err.value)
@@ -225,7 +225,7 @@ def test_a_one_plus_weight_norm_with_offset_equals_rms_norm_of_one_plus_weight()
     ref.load_state_dict({**net.state_dict(), "1.weight": 1.0 + norm.weight.detach()})
     kinds = {OnePlusNorm: ("rms_norm", {"offset": 1.0})}
     pres = [
-        kf.KFACPreconditioner(net, kinds=kinds, factor_dtype=DT),
+        kf.KFACPreconditioner(net, settings=kf.Settings(kinds=kinds), factor_dtype=DT),
         kf.KFACPreconditioner(ref, factor_dtype=DT),
     ]
     x = torch.randn(5, 3, dtype=DT)

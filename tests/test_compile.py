@@ -92,7 +92,10 @@ def test_adapter_compile_equals_eager() -> None:
     for compile in (False, True):
         model = _mlp()
         pre = kf.KFACPreconditioner(
-            model, factor_update_steps=2, inv_update_steps=2, sync_free=True, compile=compile
+            model,
+            factor_update_steps=2,
+            inv_update_steps=2,
+            settings=kf.Settings(sync_free=True, compile=compile),
         )
         grads = []
         for i in range(3):  # step 1 only preconditions (compiled)
@@ -115,8 +118,9 @@ def test_adapter_compile_follows_hyperparameter_schedules() -> None:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
         pre = kf.KFACPreconditioner(
-            model, compile=compile, sync_free=True, lr=lambda k: 0.1 / (k + 1),
-            damping=lambda k: 0.01 * (1 + k), factor_update_steps=3, inv_update_steps=3,
+            model, settings=kf.Settings(compile=compile, sync_free=True),
+            lr=lambda k: 0.1 / (k + 1), damping=lambda k: 0.01 * (1 + k),
+            factor_update_steps=3, inv_update_steps=3,
         )  # fmt: skip
         out = []
         for i in range(7):

@@ -115,7 +115,10 @@ def test_every_step_kind_compiles_whole_and_equals_eager(case: str) -> None:
 def _adapter_run(compile: bool, nan_at: int | None = None) -> tuple[list[list[torch.Tensor]], Any]:
     model = _mlp(torch.float32)
     pre = kf.KFACPreconditioner(
-        model, factor_update_steps=2, inv_update_steps=4, sync_free=True, compile=compile
+        model,
+        factor_update_steps=2,
+        inv_update_steps=4,
+        settings=kf.Settings(sync_free=True, compile=compile),
     )
     gen = torch.Generator().manual_seed(2)
     x, y = torch.randn(32, 6, generator=gen), torch.randint(0, 3, (32,), generator=gen)
@@ -163,7 +166,9 @@ def test_the_adapter_compiles_every_step_kind_and_equals_eager() -> None:
 
 def test_sync_free_adapter_reads_nothing_in_any_step_kind() -> None:
     model = _mlp(torch.float32)
-    pre = kf.KFACPreconditioner(model, factor_update_steps=2, inv_update_steps=4, sync_free=True)
+    pre = kf.KFACPreconditioner(
+        model, factor_update_steps=2, inv_update_steps=4, settings=kf.Settings(sync_free=True)
+    )
     gen = torch.Generator().manual_seed(2)
     x, y = torch.randn(32, 6, generator=gen), torch.randint(0, 3, (32,), generator=gen)
     counts = []
@@ -269,10 +274,10 @@ def test_device_decisions_survive_save_and_load(tmp_path: Any) -> None:
         for field in ("factor_skips", "usable"):
             a, b = getattr(ls, field), getattr(back.layers[name], field)
             assert a is not None and b is not None and torch.equal(a, b), (name, field)
-    pre = kf.KFACPreconditioner(model, sync_free=True)
+    pre = kf.KFACPreconditioner(model, settings=kf.Settings(sync_free=True))
     F.cross_entropy(model(x), y).backward()
     pre.step()
-    other = kf.KFACPreconditioner(_mlp(torch.float32), sync_free=True)
+    other = kf.KFACPreconditioner(_mlp(torch.float32), settings=kf.Settings(sync_free=True))
     other.load_state_dict(pre.state_dict())
     for name, ls in pre.state.layers.items():
         assert torch.equal(ls.usable, other.state.layers[name].usable)  # type: ignore[arg-type]

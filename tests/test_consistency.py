@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,7 +36,9 @@ def test_factor_decay_zero_keeps_the_latest_batch_factors_in_both() -> None:
     factors are the last batch's, in the preconditioner as in ``update``."""
     assert kf.step.exp_decay_factor_averaging()(1) == 0.0
     model, plain = _model(), _model()  # the capture's forward must not feed the hooks
-    pre = kf.KFACPreconditioner(model, factor_decay=0.0, scaling="fisher", kl_clip=None)
+    pre = kf.KFACPreconditioner(
+        model, factor_decay=0.0, settings=kf.Settings(scaling="fisher"), kl_clip=None
+    )
     state = kf.init(kf.register(plain))
     for seed in (1, 2):
         x = torch.randn(5, 3, generator=torch.Generator().manual_seed(seed))
@@ -62,13 +66,19 @@ def test_convention_and_scaling_name_the_same_setting_in_both() -> None:
         kf.init(layers, scaling="natural")
     pre = kf.KFACPreconditioner(_model())
     assert pre.scaling == "kfac-pytorch" == pre.state.config.convention
-    pre = kf.KFACPreconditioner(_model(), convention="fisher")
+    # the preconditioner's alias, a deprecated keyword like the other settings
+    with pytest.deprecated_call():
+        pre = kf.KFACPreconditioner(_model(), convention="fisher")
     assert pre.scaling == "fisher" == pre.state.config.convention
-    kf.KFACPreconditioner(_model(), convention="fisher", scaling="fisher")
-    with pytest.raises(ValueError, match="name the same setting"):
-        kf.KFACPreconditioner(_model(), convention="fisher", scaling="kfac-pytorch")
-    with pytest.raises(ValueError, match="scaling must be one of"):
-        kf.KFACPreconditioner(_model(), convention="natural")
+    with pytest.deprecated_call():
+        kf.KFACPreconditioner(_model(), convention="fisher", scaling="fisher")
+    # a refused call warns about nothing: the error says what to change
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="name the same setting"):
+            kf.KFACPreconditioner(_model(), convention="fisher", scaling="kfac-pytorch")
+        with pytest.raises(ValueError, match="scaling must be one of"):
+            kf.KFACPreconditioner(_model(), convention="natural")
 
 
 def test_the_alias_gives_the_same_steps() -> None:
@@ -78,7 +88,8 @@ def test_the_alias_gives_the_same_steps() -> None:
     for kwargs in ({"scaling": "fisher"}, {"convention": "fisher"}):
         m = _model()
         m.load_state_dict(model.state_dict())
-        pre = kf.KFACPreconditioner(m, **kwargs)  # type: ignore[arg-type]
+        with pytest.deprecated_call():  # the settings' own keywords, still taken
+            pre = kf.KFACPreconditioner(m, **kwargs)  # type: ignore[arg-type]
         F.cross_entropy(m(x), y).backward()
         pre.step()
         out.append([p.grad.clone() for p in m.parameters() if p.grad is not None])

@@ -30,7 +30,7 @@ from gloo import gloo_group, record_errors, spawn
 from sharded import F64, GLOBAL_BATCH, LR, global_batch, whole
 from torch import nn
 
-from kfac_func import KFACPreconditioner
+from kfac_func import KFACPreconditioner, Settings
 from kfac_func.adapter import AdaptiveStepper
 from kfac_func.distributed import DistributedStrategy
 
@@ -84,30 +84,37 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "eigen": {"grad_worker_fraction": DistributedStrategy.MEM_OPT},
     "moments_adam": {
         "grad_worker_fraction": DistributedStrategy.HYBRID_OPT,
-        "eigenbasis_moments": True,
-        "moment_eps": EPS,
-        "grafting": "adam",
-        "graft_eps": EPS,
+        "settings": Settings(
+            scaling="fisher",
+            eigenbasis_moments=True,
+            moment_eps=EPS,
+            grafting="adam",
+            graft_eps=EPS,
+        ),
     },
     "ekfac_beta1": {
         "grad_worker_fraction": DistributedStrategy.COMM_OPT,
         "compute_method": "ekfac",
-        "eigenbasis_moments": True,
-        "moment_eps": EPS,
-        "moment_beta1": 0.9,
+        "settings": Settings(
+            scaling="fisher", eigenbasis_moments=True, moment_eps=EPS, moment_beta1=0.9
+        ),
     },
     "ekfac": {"grad_worker_fraction": DistributedStrategy.MEM_OPT, "compute_method": "ekfac"},
     "tp_moments_adam": {
         "mesh": "tp",
         "grad_worker_fraction": DistributedStrategy.MEM_OPT,
-        "eigenbasis_moments": True,
-        "moment_beta1": 0.9,
-        "moment_eps": EPS,
-        "grafting": "adam",
-        "graft_eps": EPS,
+        "settings": Settings(
+            scaling="fisher",
+            eigenbasis_moments=True,
+            moment_beta1=0.9,
+            moment_eps=EPS,
+            grafting="adam",
+            graft_eps=EPS,
+        ),
     },
 }
-"""The preconditioner's settings per configuration (besides those of :func:`setup`)."""
+"""The preconditioner's arguments per configuration (besides those of :func:`setup`), and
+its settings (:func:`setup`'s ``Settings(scaling="fisher")`` where none are given)."""
 
 
 def setup(
@@ -123,7 +130,7 @@ def setup(
         factor_decay=0.9,
         kl_clip=1e-2,
         lr=LR,
-        scaling="fisher",
+        settings=cfg.pop("settings", Settings(scaling="fisher")),
         factor_dtype=F64,
         inv_dtype=F64,
         **cfg,
@@ -210,7 +217,9 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         if world == 1:  # the adaptive step refuses sharded parameters, even on one rank
             model = make_model(world)
             try:
-                KFACPreconditioner(model, kl_clip=None, adaptive=AdaptiveStepper(model))
+                KFACPreconditioner(
+                    model, kl_clip=None, settings=Settings(adaptive=AdaptiveStepper(model))
+                )
             except ValueError as err:
                 out["adaptive_refused"] = str(err)
         torch.save(out, Path(tmp, f"rank{rank}-{world}.pt"))

@@ -20,9 +20,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from settings_keywords import with_settings
 from torch import nn
 
-from kfac_func import KFACPreconditioner
+from kfac_func import KFACPreconditioner, Settings
 from kfac_func.adapter import AdaptiveStepper
 from kfac_func.adapter.checkpoint_settings import SETTINGS_KEY
 
@@ -43,8 +44,7 @@ def setup() -> tuple[nn.Module, KFACPreconditioner]:
         inv_update_steps=2,
         factor_dtype=F64,
         inv_dtype=F64,
-        scaling="fisher",
-        adaptive=AdaptiveStepper(model, interval=2),
+        settings=Settings(scaling="fisher", adaptive=AdaptiveStepper(model, interval=2)),
     )
     return model, pre
 
@@ -120,10 +120,9 @@ def moments_setup(moments: bool = True) -> tuple[nn.Module, KFACPreconditioner]:
         kl_clip=1e-2,
         factor_dtype=F64,
         inv_dtype=F64,
-        scaling="fisher",
-        moment_eps=1e-4,
-        graft_eps=1e-4,
-        **extra,
+        **with_settings(
+            settings=Settings(scaling="fisher", moment_eps=1e-4, graft_eps=1e-4), **extra
+        ),
     )
     return model, pre
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from numerics import named
+from settings_keywords import with_settings
 from torch import nn
 
 import kfac_func as kf
@@ -396,7 +397,7 @@ def test_eigh_device_reaches_eigh_from_update_and_the_adapter(
     with patched(monkeypatch, "eigh", lambda x, i: False) as calls:
         kf.update(state, grads, captures=caps, eigh_device="cpu")
     assert calls and {dev.type for *_, dev in calls} == {"cpu"}
-    pre = kf.KFACPreconditioner(model, eigh_device="cpu", batched_eigh=True)
+    pre = kf.KFACPreconditioner(model, settings=kf.Settings(eigh_device="cpu", batched_eigh=True))
     assert pre.eigh_device == torch.device("cpu") and pre.batched_eigh
     x = torch.randn(8, 6, device=device)
     model(x).pow(2).mean().backward()
@@ -414,7 +415,7 @@ def test_bad_eigh_device_is_refused_naming_the_argument() -> None:
     with pytest.raises(ValueError, match="eigh_device must be None or a device"):
         kf.decompose(state, eigh_device="gpu0")
     with pytest.raises(ValueError, match="eigh_device must be None or a device"):
-        kf.KFACPreconditioner(model, eigh_device=2.5)  # type: ignore[arg-type]
+        kf.KFACPreconditioner(model, settings=kf.Settings(eigh_device=2.5))  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------- bf16 autocast
@@ -469,6 +470,7 @@ def test_adapter_factors_stay_float32_under_bf16_autocast(device: torch.device) 
     """The adapter (hooks) with the forward under autocast on the device, every step."""
     net32, net16 = mlp(device, depth=1), mlp(device, depth=1)
     kw: dict[str, Any] = dict(scaling="fisher", factor_decay=0.5, damping=0.01)
+    kw = with_settings(**kw)
     pre32, pre16 = kf.KFACPreconditioner(net32, **kw), kf.KFACPreconditioner(net16, **kw)
     g = torch.Generator().manual_seed(3)
     for _ in range(3):

@@ -92,7 +92,11 @@ def test_adapter_and_distributed_single_rank_agree_with_update() -> None:
         for k in o1:
             torch.testing.assert_close(o1[k], o2[k], rtol=0, atol=0)
     pre = kf.KFACPreconditioner(
-        model, max_factor_dim=6, scaling="fisher", factor_dtype=DT, inv_dtype=DT, damping=0.01
+        model,
+        settings=kf.Settings(max_factor_dim=6, scaling="fisher"),
+        factor_dtype=DT,
+        inv_dtype=DT,
+        damping=0.01,
     )
     F.cross_entropy(model(x), y).backward()
     pre.step()

@@ -104,7 +104,9 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             )
 
             model = make_model()
-            pre = kf.KFACPreconditioner(model, collective_timeout=timedelta(seconds=TIMEOUT_S))
+            pre = kf.KFACPreconditioner(
+                model, settings=kf.Settings(collective_timeout=timedelta(seconds=TIMEOUT_S))
+            )
             Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
             # every rank has built its groups (gloo connects them pairwise) before the last
             # one dies: dying sooner closes a connection another rank is still making

@@ -196,8 +196,10 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     assert result.returncode == 0, log
     assert "WARNING" not in log, log
     reference = (tmp_path / "api" / "adapter" / "index.html").read_text(encoding="utf-8")
-    for argument in ("grad_worker_fraction", "allreduce_method"):  # the adapter's own
+    for argument in ("grad_worker_fraction", "colocate_factors"):  # the adapter's own
         assert f"<code>{argument}</code>" in reference, argument
-    for argument in ("loglevel", "damping", "kinds"):  # those every preconditioner shares
+    for argument in ("loglevel", "damping", "settings"):  # those every preconditioner shares
         assert f'title="kfac_func.adapter.SharedArguments.{argument}"' in reference, argument
+    for setting in ("allreduce_method", "kinds", "eigenbasis_moments"):  # the rest, one value
+        assert f'title="kfac_func.Settings.{setting}"' in reference, setting
     assert (tmp_path / "assets" / "results" / "convergence.png").is_file()

@@ -186,7 +186,7 @@ def test_adapter_equals_capture_and_update() -> None:
     pre = kf.KFACPreconditioner(
         model,
         compute_method="ekfac",
-        scaling="fisher",
+        settings=kf.Settings(scaling="fisher"),
         inv_dtype=DT,
         damping=0.01,
         inv_update_steps=2,
@@ -227,7 +227,7 @@ def _ddp_train(
         model,
         grad_worker_fraction=kf.distributed.DistributedStrategy[strategy],
         compute_method="ekfac",
-        scaling="fisher",
+        settings=kf.Settings(scaling="fisher"),
         factor_dtype=DT,
         inv_dtype=DT,
         damping=0.01,

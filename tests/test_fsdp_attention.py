@@ -24,7 +24,7 @@ from gloo import gloo_group, one_thread, record_errors, spawn
 from sharded import F64, GLOBAL_BATCH, LR, whole
 from torch import nn
 
-from kfac_func import KFACPreconditioner
+from kfac_func import KFACPreconditioner, Settings
 from kfac_func.distributed import DistributedStrategy
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -103,7 +103,7 @@ def make_preconditioner(model: nn.Module, strategy: str, method: str) -> KFACPre
         factor_decay=0.9,
         kl_clip=1e-2,
         lr=LR,
-        scaling="fisher",
+        settings=Settings(scaling="fisher"),
         factor_dtype=F64,
         inv_dtype=F64,
         compute_method=method,

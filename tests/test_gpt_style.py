@@ -76,7 +76,7 @@ def preconditioner(model: nn.Module, **kw: Any) -> kf.KFACPreconditioner:
             damping=0.01,
             kl_clip=1e-2,
             lr=0.1,
-            scaling="fisher",
+            settings=kf.Settings(scaling="fisher"),
             factor_dtype=F64,
             inv_dtype=F64,
             **kw,

@@ -74,7 +74,11 @@ def test_adapter_distributed_step_and_checkpoints() -> None:
     model, ref = _model(), _model()
     table = kf.register(ref)
     pre = kf.KFACPreconditioner(
-        model, scaling="fisher", inv_dtype=DT, damping=0.1, kl_clip=None, grafting="adam"
+        model,
+        settings=kf.Settings(scaling="fisher", grafting="adam"),
+        inv_dtype=DT,
+        damping=0.1,
+        kl_clip=None,
     )
     state = kf.init(table, factor_dtype=DT, inv_dtype=DT)
     plan = kf.distributed.make_plan(table, 1)
@@ -100,4 +104,4 @@ def test_adapter_distributed_step_and_checkpoints() -> None:
     with pytest.raises(ValueError, match="grafting must be one of"):
         kf.update(state, grads, captures=caps, grafting="lion")
     with pytest.raises(ValueError, match="graft_beta2"):
-        kf.KFACPreconditioner(_model(), grafting="adam", graft_beta2=1.0)
+        kf.KFACPreconditioner(_model(), settings=kf.Settings(grafting="adam", graft_beta2=1.0))

@@ -64,16 +64,17 @@ def _model() -> nn.Module:
 
 
 def test_preconditioner_factors_within_the_bound_and_autocast_activations_as_they_are() -> None:
-    """The factors of one step of ``KFACPreconditioner(gram_dtype=torch.bfloat16)`` are
-    within the bound of the float32 ones (the Grams' bound, scaled as the factors are);
-    under ``torch.autocast`` the hooks take the layer's bfloat16 input as it is (its A is
-    then the Gram of exactly those values, within the last rounding of the sum)."""
+    """The factors of one step of a ``KFACPreconditioner`` with
+    ``settings=kf.Settings(gram_dtype=torch.bfloat16)`` are within the bound of the float32
+    ones (the Grams' bound, scaled as the factors are); under ``torch.autocast`` the hooks
+    take the layer's bfloat16 input as it is (its A is then the Gram of exactly those
+    values, within the last rounding of the sum)."""
     torch.manual_seed(1)
     x, y = torch.randn(64, 16) * 3, torch.randint(0, 5, (64,))
     factors = {}
     for dtype in (None, BF16):
         model = _model()
-        pre = kf.KFACPreconditioner(model, gram_dtype=dtype, factor_decay=0.0)
+        pre = kf.KFACPreconditioner(model, settings=kf.Settings(gram_dtype=dtype), factor_decay=0.0)
         F.cross_entropy(model(x), y).backward()
         pre.step()
         factors[dtype] = {n: ls.a_factor for n, ls in pre.state.layers.items()}
@@ -84,7 +85,7 @@ def test_preconditioner_factors_within_the_bound_and_autocast_activations_as_the
     assert bool((err <= allowed + 2.0**-23 * rows.abs().T @ rows.abs() / 64).all())
 
     model = _model()
-    pre = kf.KFACPreconditioner(model, gram_dtype=BF16, factor_decay=0.0)
+    pre = kf.KFACPreconditioner(model, settings=kf.Settings(gram_dtype=BF16), factor_decay=0.0)
     seen: list[torch.Tensor] = []
     model[2].register_forward_hook(lambda m, a, o: seen.append(a[0].detach()))
     with torch.autocast("cpu", dtype=BF16):
@@ -105,7 +106,7 @@ def test_the_face_chooses_bfloat16_statistics_where_the_cpu_multiplies_it() -> N
     assert kf.KFAC(_model(), recipe="kfac-pytorch").preconditioner.gram_dtype is None
     assert kf.KFACPreconditioner(_model()).gram_dtype is None  # kfac-pytorch's, exact
     with pytest.raises(ValueError, match="gram_dtype must be a floating"):
-        kf.KFACPreconditioner(_model(), gram_dtype=torch.int8)
+        kf.KFACPreconditioner(_model(), settings=kf.Settings(gram_dtype=torch.int8))
     with pytest.raises(ValueError, match="gram_dtype must be a floating"):
         kf.StepOptions(gram_dtype="bfloat16")  # type: ignore[arg-type]
 
@@ -120,7 +121,11 @@ def test_the_functional_step_takes_the_setting() -> None:
     _, grads, caps = kf.capture(model, params, x, lambda o: F.cross_entropy(o, y))
     _, state = kf.update(state, grads, captures=caps, gram_dtype=BF16, factor_decay=0.0)
     other = _model()
-    pre = kf.KFACPreconditioner(other, gram_dtype=BF16, factor_decay=0.0, scaling="fisher")
+    pre = kf.KFACPreconditioner(
+        other,
+        settings=kf.Settings(gram_dtype=BF16, scaling="fisher"),
+        factor_decay=0.0,
+    )
     F.cross_entropy(other(x), y).backward()
     pre.step()
     for name, ls in state.layers.items():

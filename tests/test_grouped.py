@@ -18,6 +18,7 @@ from numerics import (
     damped_rtol,
     moments_tolerance,
 )
+from settings_keywords import with_settings
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -182,7 +183,9 @@ def test_operations_of_the_grouped_step_do_not_grow_with_depth(kw: dict[str, Any
 def test_adapter_step_operations_do_not_grow_with_depth() -> None:
     def count(depth: int, **kw: Any) -> int:
         model = _deep(depth)
-        pre = kf.KFACPreconditioner(model, factor_update_steps=5, inv_update_steps=5, **kw)
+        pre = kf.KFACPreconditioner(
+            model, factor_update_steps=5, inv_update_steps=5, **with_settings(**kw)
+        )
         for _ in range(2):
             model.zero_grad()
             model(torch.randn(32, 4)).pow(2).mean().backward()
@@ -294,20 +297,14 @@ def test_a_non_finite_batch_factor_of_a_group_skips_that_layer_alone() -> None:
 def test_compiled_grouped_steps_equal_eager_as_the_counters_change() -> None:
     """The compiled precondition-only step of the adapter (grouped, under vmap) follows
     the step counter and the moments' counts from call to call, equal to eager."""
-    kw: dict[str, Any] = {
-        "factor_update_steps": 3,
-        "inv_update_steps": 3,
-        "sync_free": True,
-        "eigenbasis_moments": True,
-        "moment_beta1": 0.9,
-        "grafting": "adam",
-        "kl_clip": None,
-        "scaling": "fisher",
-    }
+    kw: dict[str, Any] = {"factor_update_steps": 3, "inv_update_steps": 3, "kl_clip": None}
+    settings = kf.Settings(
+        scaling="fisher", sync_free=True, eigenbasis_moments=True, moment_beta1=0.9, grafting="adam"
+    )
     models = [_deep(3), _deep(3)]
     pres = [
-        kf.KFACPreconditioner(models[0], compile=True, **kw),
-        kf.KFACPreconditioner(models[1], **kw),
+        kf.KFACPreconditioner(models[0], settings=settings.replace(compile=True), **kw),
+        kf.KFACPreconditioner(models[1], settings=settings, **kw),
     ]
     gen = torch.Generator().manual_seed(3)
     for _ in range(7):

@@ -23,6 +23,7 @@ from numerics import (
     eigenvector_sensitivity,
     moments_tolerance,
 )
+from settings_keywords import with_settings
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -289,7 +290,11 @@ def test_sync_free_update_distributed_one_rank_reads_nothing() -> None:
 def test_sync_free_adapter_steps_read_nothing(make: Any, kw: dict[str, Any]) -> None:
     model = make()
     pre = kf.KFACPreconditioner(
-        model, factor_update_steps=4, inv_update_steps=4, lr=0.1, sync_free=True, **kw
+        model,
+        factor_update_steps=4,
+        inv_update_steps=4,
+        lr=0.1,
+        **with_settings(settings=kf.Settings(sync_free=True), **kw),
     )
     x, y = _batch(model)
     counts = []

@@ -177,7 +177,9 @@ def test_per_layer_choice_adapter_and_checkpoints() -> None:
         kf.register(model, kfac_approx="shrink")
     x = torch.randn(4, 5, 3, dtype=DT)
     t = torch.randn(4, 2, dtype=DT)
-    pre = kf.KFACPreconditioner(model, kfac_approx="reduce", scaling="fisher", inv_dtype=DT)
+    pre = kf.KFACPreconditioner(
+        model, settings=kf.Settings(kfac_approx="reduce", scaling="fisher"), inv_dtype=DT
+    )
     F.mse_loss(model(x), t).backward()
     pre.step()
     state = kf.init(kf.register(model, kfac_approx="reduce"), factor_dtype=DT, inv_dtype=DT)

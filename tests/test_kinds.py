@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from numerics import named
+from settings_keywords import with_settings
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -78,7 +79,7 @@ def _factors(
 def _adapter_factors(
     net: nn.Module, x: torch.Tensor, loss_fn: Any, **kwargs: Any
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    pre = kf.KFACPreconditioner(net, factor_dtype=F64, **kwargs)
+    pre = kf.KFACPreconditioner(net, factor_dtype=F64, **with_settings(**kwargs))
     loss_fn(net(x)).backward()
     pre.step()
     out = {n: (s.a_factor, s.g_factor) for n, s in pre.state.layers.items()}
@@ -175,7 +176,7 @@ def test_wrong_mapping_raises_naming_the_module() -> None:
     )
     with pytest.raises(ValueError, match=pattern):
         kf.capture(net, dict(net.named_parameters()), x, lambda o: o.sum(), layers=layers)
-    pre = kf.KFACPreconditioner(net, kinds={MyRMSNorm: "layer_norm"})
+    pre = kf.KFACPreconditioner(net, settings=kf.Settings(kinds={MyRMSNorm: "layer_norm"}))
     with pytest.raises(ValueError, match=pattern):
         net(x)
     pre.remove()
@@ -309,7 +310,7 @@ def test_nanogpt_block_every_parameter_preconditioned_under_the_adapter(bias: bo
     model = Block(8, 2, bias)
     table = kf.register(model, kinds={LayerNorm: "layer_norm"})
     assert not table.skipped and table.split_parameters(model)[1] == []
-    pre = kf.KFACPreconditioner(model, kinds={LayerNorm: "layer_norm"})
+    pre = kf.KFACPreconditioner(model, settings=kf.Settings(kinds={LayerNorm: "layer_norm"}))
     x = torch.randn(3, 5, 8)
     for _ in range(2):
         model.zero_grad()

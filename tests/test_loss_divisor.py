@@ -52,9 +52,12 @@ def test_capture_with_loss_divisor_matches_the_whole_window() -> None:
 def test_adapter_with_loss_divisor_matches_the_whole_window() -> None:
     x, y = _window()
     whole, accum = _model(), _model()
-    pre_whole = kf.KFACPreconditioner(whole, scaling="fisher", inv_dtype=DT)
+    pre_whole = kf.KFACPreconditioner(whole, settings=kf.Settings(scaling="fisher"), inv_dtype=DT)
     pre_accum = kf.KFACPreconditioner(
-        accum, scaling="fisher", inv_dtype=DT, accumulation_steps=K, loss_divisor=K
+        accum,
+        settings=kf.Settings(scaling="fisher", loss_divisor=K),
+        inv_dtype=DT,
+        accumulation_steps=K,
     )
     F.cross_entropy(whole(x), y).backward()
     pre_whole.step()
@@ -75,4 +78,4 @@ def test_bad_loss_divisor_is_refused(bad: object) -> None:
     with pytest.raises(ValueError, match="loss_divisor must be a positive number"):
         kf.capture(model, dict(model.named_parameters()), x, lambda o: o.sum(), loss_divisor=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="loss_divisor must be a positive number"):
-        kf.KFACPreconditioner(model, loss_divisor=bad)  # type: ignore[arg-type]
+        kf.KFACPreconditioner(model, settings=kf.Settings(loss_divisor=bad))  # type: ignore[arg-type]

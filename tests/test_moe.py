@@ -126,7 +126,7 @@ def _oracle(net: Net, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tenso
 
 
 def _adapter(net: nn.Module, call: Any, **kw: Any) -> tuple[dict[str, torch.Tensor], Any]:
-    pre = kf.KFACPreconditioner(net, scaling="fisher", **kw)
+    pre = kf.KFACPreconditioner(net, settings=kf.Settings(scaling="fisher"), **kw)
     net.zero_grad()
     call(net).backward()
     grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
@@ -331,7 +331,9 @@ def test_experts_pooled_over_micro_batches_equal_the_whole_batch() -> None:
     assert (_routed_share(halves[0]) - _routed_share(halves[1])).abs().max() > 0.05
     micro = kf.step.accumulate_factors(state, halves, factor_decay=0.5)
     got = kf.KFACPreconditioner(
-        copy.deepcopy(net), scaling="fisher", accumulation_steps=2, loss_divisor=2
+        copy.deepcopy(net),
+        settings=kf.Settings(scaling="fisher", loss_divisor=2),
+        accumulation_steps=2,
     )
     for sl in (slice(0, 2), slice(2, 4)):  # the adapter: two backward passes, one step
         (_loss(got.model(x[sl]), y[sl]) / 2).backward()
@@ -355,7 +357,12 @@ def _ddp_run(rank: int | None) -> dict[str, Any]:
     net = _net()
     model: nn.Module = net if rank is None else nn.parallel.DistributedDataParallel(net)
     pre = kf.KFACPreconditioner(
-        model, scaling="fisher", factor_dtype=F64, inv_dtype=F64, damping=0.01, lr=0.1
+        model,
+        settings=kf.Settings(scaling="fisher"),
+        factor_dtype=F64,
+        inv_dtype=F64,
+        damping=0.01,
+        lr=0.1,
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     grads = []
@@ -430,7 +437,7 @@ def test_experts_that_compute_something_else_are_an_error_naming_them() -> None:
     x, y = _data()
     net = _net()
     net.moe.experts = _Relu(net.moe.experts).to(F64)
-    pre = kf.KFACPreconditioner(net, scaling="fisher")
+    pre = kf.KFACPreconditioner(net, settings=kf.Settings(scaling="fisher"))
     with pytest.raises(RuntimeError, match=r"'moe.experts' \(_Relu, kind 'moe'\): its output"):
         _loss(net(x), y).backward()
     pre.remove()
@@ -454,7 +461,10 @@ def test_experts_of_every_layer_are_one_group_and_equal_the_per_layer_step() -> 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             pre = kf.KFACPreconditioner(
-                model, scaling="fisher", grouped=grouped, damping=0.01, inv_dtype=F64
+                model,
+                settings=kf.Settings(scaling="fisher", grouped=grouped),
+                damping=0.01,
+                inv_dtype=F64,
             )
         for step in range(2):
             model.zero_grad()

@@ -26,6 +26,7 @@ TOP = {
     "Orthogonal",
     "GrowingInterval",
     "KFACPreconditioner",
+    "Settings",
     "ComputeMethod",
     "register",
     "LayerTable",

@@ -128,7 +128,11 @@ def test_adapter_equals_capture_and_update() -> None:
     x, y = _data()
     for in_hook in (True, False):
         pre = kf.KFACPreconditioner(
-            model, scaling="fisher", damping=0.01, update_factors_in_hook=in_hook, inv_dtype=DT
+            model,
+            settings=kf.Settings(scaling="fisher"),
+            damping=0.01,
+            update_factors_in_hook=in_hook,
+            inv_dtype=DT,
         )
         state = kf.init(kf.register(ref), factor_dtype=DT, inv_dtype=DT)
         model.zero_grad()

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from settings_keywords import with_settings
 from torch import nn
 
 import kfac_func as kf
@@ -67,7 +68,9 @@ def _stepper(model: nn.Module, opt: Any, before: Callable[[], None]) -> Callable
 
 def _adapter_step(**kwargs: Any) -> Callable[[], None]:
     model = _model()
-    pre = kf.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, **kwargs)
+    pre = kf.KFACPreconditioner(
+        model, factor_update_steps=1, inv_update_steps=1, **with_settings(**kwargs)
+    )
     return _stepper(model, torch.optim.SGD(model.parameters(), lr=0.1), pre.step)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from settings_keywords import with_settings
 from torch import nn
 
 import kfac_func as kf
@@ -68,7 +69,9 @@ def _manual(
     rest, one LambdaLR on each, the preconditioner's lr read from SGD's group."""
     model = _model()
     pre_box: list[torch.optim.Optimizer] = []
-    pre = kf.KFACPreconditioner(model, lr=lambda k: pre_box[0].param_groups[0]["lr"], **kfac_args)
+    pre = kf.KFACPreconditioner(
+        model, lr=lambda k: pre_box[0].param_groups[0]["lr"], **with_settings(**kfac_args)
+    )
     mine, rest = pre.layers.split_parameters(model)
     sgd = torch.optim.SGD(mine, lr=lr, **sgd_args)
     adamw = torch.optim.AdamW(rest, lr=lr)

@@ -6,6 +6,7 @@ the layers."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 import kfac_func as kf
+from kfac_func.adapter.recipes import HEAD_NAMES
 
 F64 = torch.float64
 
@@ -84,6 +86,10 @@ RECOMMENDED: dict[str, Any] = {
     "batched_eigh": True,
     "orthogonal": kf.Orthogonal(powers=(0.5, 0.0), wider_than=512, block=512),
 }
+FIELDS = {f.name for f in dataclasses.fields(kf.Settings)}
+ARGUMENTS = {k: v for k, v in RECOMMENDED.items() if k not in FIELDS}
+"""The recipe's kfac-pytorch arguments; its other settings are :data:`SETTINGS`'."""
+SETTINGS = kf.Settings(**{k: v for k, v in RECOMMENDED.items() if k in FIELDS})
 
 
 def test_the_default_is_the_recommended_recipe_step_for_step() -> None:
@@ -93,7 +99,9 @@ def test_the_default_is_the_recommended_recipe_step_for_step() -> None:
     model = _model()
     manual = copy.deepcopy(model)
     opt = kf.KFAC(model, skip_layers=["Embedding"])
-    pre = kf.KFACPreconditioner(manual, lr=0.014, skip_layers=["Embedding"], **RECOMMENDED)
+    pre = kf.KFACPreconditioner(
+        manual, lr=0.014, skip_layers=["Embedding"], settings=SETTINGS, **ARGUMENTS
+    )
     mine, rest = pre.layers.split_parameters(manual)
     opts = [
         torch.optim.SGD(mine, lr=0.014, momentum=0.0),
@@ -148,7 +156,9 @@ def test_the_default_steps_the_wide_layers_orthogonally_and_the_rest_in_the_eige
     native = torch.bfloat16 if _native_bf16(model) else None
     ortho = RECOMMENDED["orthogonal"]._replace(dtype=native)
     assert opt.preconditioner.orthogonal == ortho
-    pre = kf.KFACPreconditioner(manual, lr=0.014, **{**RECOMMENDED, "orthogonal": ortho})
+    pre = kf.KFACPreconditioner(
+        manual, lr=0.014, settings=SETTINGS.replace(orthogonal=ortho), **ARGUMENTS
+    )
     sgd = torch.optim.SGD(manual.parameters(), lr=0.014, momentum=0.0)
     _equal(train(model, opt.step), train(manual, lambda: (pre.step(), sgd.step())))
     wide, narrow = (opt.preconditioner.state.layers[n] for n in ("0", "2"))
@@ -252,21 +262,28 @@ def test_print_names_kfac_pytorchs_step() -> None:
     assert repr(opt).splitlines()[0] == "KFAC(recipe='kfac-pytorch', lr=0.001, current lr=0.001)"
 
 
+ONE_SIDED = kf.Orthogonal(powers=(0.5, 0.0), skip=HEAD_NAMES)
+"""The two-sided recipe made one-sided (what the retired recipe ``"orthogonal"`` was)."""
+
+
 @pytest.mark.parametrize(
-    ("recipe", "words"),
+    ("face", "words"),
     [
-        ("orthogonal", "Muon's step on K-FAC's input curvature (A^(-1/2)) on every layer"),
         (
-            "orthogonal-two-sided",
+            {"orthogonal": ONE_SIDED},
+            "Muon's step on K-FAC's input curvature (A^(-1/2)) on every layer",
+        ),
+        (
+            {},
             "Muon's step on K-FAC's curvature, both sides (G^(-1/4) · A^(-1/4)) on every layer",
         ),
     ],
 )
-def test_print_names_the_orthogonal_step(recipe: str, words: str) -> None:
+def test_print_names_the_orthogonal_step(face: dict[str, Any], words: str) -> None:
     """Muon's step on the hidden layers, the head (named ``head``) left to AdamW."""
     model = _model()
     model.add_module("head", nn.Linear(5, 5).to(F64))
-    opt = kf.KFAC(model, recipe=recipe)
+    opt = kf.KFAC(model, recipe="orthogonal-two-sided", **face)
     text = _step_words(opt)
     assert text == (
         f"{words} of one weight matrix but the head (named lm_head, head, classifier or "

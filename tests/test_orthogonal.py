@@ -14,9 +14,11 @@ import torch
 import torch.nn.functional as F
 from fixture_models import FIXTURES, Fixture, T
 from numerics import assert_close_where_determined, moments_tolerance
+from settings_keywords import with_settings
 from torch import nn
 
 import kfac_func as kf
+from kfac_func.adapter.recipes import HEAD_NAMES
 from kfac_func.blocks import grads_to_matrix
 from kfac_func.core.orthogonal import newton_schulz
 from kfac_func.step.orthogonal import Orthogonal, orthogonal_layers, orthogonal_table
@@ -169,12 +171,13 @@ ORTHO = Orthogonal(powers=(0.25, 0.25), skip=r"(^|\.)5$")  # DDP names it module
 def _adapter(model: nn.Module, **kw: Any) -> kf.KFACPreconditioner:
     return kf.KFACPreconditioner(
         model,
-        **{"orthogonal": ORTHO, **kw},
-        scaling="fisher",
+        **with_settings(
+            settings=kf.Settings(scaling="fisher", eigenbasis_moments=True),
+            **{"orthogonal": ORTHO, **kw},
+        ),
         kl_clip=None,
         damping=0.01,
         inv_update_steps=2,
-        eigenbasis_moments=True,
         factor_dtype=F64,
         inv_dtype=F64,
     )
@@ -292,13 +295,20 @@ def test_wider_than_steps_the_wide_layers_and_leaves_the_rest_exact() -> None:
     assert all(torch.equal(a[n], b[n]) for a, b in zip(want, got) for n in a)
 
 
+ONE_SIDED = Orthogonal(powers=(0.5, 0.0), skip=HEAD_NAMES)
+"""Muon's step on K-FAC's input curvature, the head left to AdamW: the two-sided recipe
+made one-sided (what the retired recipe ``"orthogonal"`` was)."""
+
+
 def test_recipes_of_the_optimizer_face() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Embedding(10, 8), nn.Flatten(), nn.Linear(16, 16), nn.LayerNorm(16), nn.ReLU(),
     )  # fmt: skip
     model.add_module("head", nn.Linear(16, 3))
-    muon = kf.KFAC(model, recipe="orthogonal")
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        kf.KFAC(model, recipe="orthogonal")  # retired: it never led its family's race
+    muon = kf.KFAC(model, recipe="orthogonal-two-sided", orthogonal=ONE_SIDED)
     pre = muon.preconditioner
     assert list(pre.layers) == ["2"]  # the hidden matrix; embedding, norm and head: AdamW
     assert pre.layers["2"].g_diagonal and set(pre.layers.skipped) >= {"0", "3", "head"}
@@ -318,7 +328,7 @@ def test_recipes_of_the_optimizer_face() -> None:
     assert losses[-1] < 0.5 * losses[0]
     assert pre.state.layers["2"].ortho_momentum is not None
     # the face's state dict carries the momentum: a resumed face steps as the first
-    resumed = kf.KFAC(model, recipe="orthogonal")
+    resumed = kf.KFAC(model, recipe="orthogonal-two-sided", orthogonal=ONE_SIDED)
     resumed.load_state_dict(muon.state_dict())
     assert torch.equal(
         resumed.preconditioner.state.layers["2"].ortho_momentum,
@@ -328,13 +338,15 @@ def test_recipes_of_the_optimizer_face() -> None:
 
 def test_refused_settings() -> None:
     with pytest.raises(ValueError, match="compute_method 'eigen'"):
-        kf.KFACPreconditioner(_model(), compute_method="inverse", orthogonal=Orthogonal())
+        kf.KFACPreconditioner(
+            _model(), compute_method="inverse", settings=kf.Settings(orthogonal=Orthogonal())
+        )
     with pytest.raises(ValueError, match="ortho_powers"):
         kf.StepOptions(orthogonal=True, ortho_powers=(0.5, 2.0))
     with pytest.raises(ValueError, match="ortho_steps"):
         kf.StepOptions(orthogonal=True, ortho_steps=0)
     with pytest.raises(ValueError, match="ortho_beta"):
-        kf.KFACPreconditioner(_model(), orthogonal=Orthogonal(beta=1.0))
+        kf.KFACPreconditioner(_model(), settings=kf.Settings(orthogonal=Orthogonal(beta=1.0)))
     state = kf.init(kf.register(_model()), compute_method="inverse")
     with pytest.raises(ValueError, match="compute_method 'eigen'"):
         kf.update(state, {}, update_factors=False, orthogonal=True)

@@ -108,7 +108,7 @@ def hyper(cfg: dict[str, Any]) -> dict[str, Any]:
         factor_decay=0.9,
         kl_clip=1e-2,
         lr=LR,
-        scaling="fisher",
+        settings=kf.Settings(scaling="fisher"),
         factor_dtype=F64,
         inv_dtype=F64,
         **cfg,

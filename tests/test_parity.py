@@ -64,7 +64,7 @@ def test_allreduce_method_follows_the_bucket_cap_by_default() -> None:
 
 @pytest.mark.parametrize("method", [AllreduceMethod.ALLREDUCE, "allreduce", "ALLREDUCE"])
 def test_allreduce_method_unbuckets_whatever_the_cap(method: Any) -> None:
-    pre = KFACPreconditioner(small(), allreduce_method=method)
+    pre = KFACPreconditioner(small(), settings=kf.Settings(allreduce_method=method))
     assert pre.allreduce_method is AllreduceMethod.ALLREDUCE
     assert pre.allreduce_bucket_cap_mb == 25.0  # as given
     assert pre.comm.bucket_cap_bytes == 0  # one collective per tensor
@@ -74,11 +74,11 @@ def test_allreduce_method_checks() -> None:
     with pytest.raises(ValueError, match="ALLREDUCE_BUCKETED needs allreduce_bucket_cap_mb > 0"):
         KFACPreconditioner(
             small(),
-            allreduce_method=AllreduceMethod.ALLREDUCE_BUCKETED,
+            settings=kf.Settings(allreduce_method=AllreduceMethod.ALLREDUCE_BUCKETED),
             allreduce_bucket_cap_mb=0,
         )
     with pytest.raises(ValueError, match="allreduce_method must be one of allreduce, allreduce_"):
-        KFACPreconditioner(small(), allreduce_method="ring")
+        KFACPreconditioner(small(), settings=kf.Settings(allreduce_method="ring"))
 
 
 WORLD, STEPS = 2, 3
@@ -103,7 +103,7 @@ def _allreduce_worker(rank: int, world: int, tmp: str) -> None:
             ddp = DistributedDataParallel(ddp_model())
             pre = KFACPreconditioner(
                 ddp,
-                allreduce_method=method,
+                settings=kf.Settings(allreduce_method=method),
                 damping=0.01,
                 factor_decay=0.9,
                 factor_dtype=F64,

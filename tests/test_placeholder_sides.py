@@ -214,13 +214,12 @@ def _adapter(case: Case, method: str, n: int) -> torch.Tensor:
     x, y = _batch(case, n)
     pre = kf.KFACPreconditioner(
         model,
-        scaling="fisher",
+        settings=kf.Settings(scaling="fisher", max_factor_dim=case.max_factor_dim),
         compute_method=method,
         damping=LAM,
         kl_clip=None,
         factor_dtype=DT,
         inv_dtype=DT,
-        max_factor_dim=case.max_factor_dim,
     )
     F.cross_entropy(model(x), y).backward()
     pre.step()

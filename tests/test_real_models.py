@@ -21,6 +21,7 @@ import torch
 from fixture_models import FIXTURES, Fixture, T
 from gloo import gloo_group, one_thread, record_errors, spawn
 from numerics import named
+from settings_keywords import with_settings
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -47,12 +48,11 @@ def _preconditioner(fx: Fixture, model: nn.Module, **kw: Any) -> kf.KFACPrecondi
         kw["kinds"] = fx.kinds
     return kf.KFACPreconditioner(
         model,
-        scaling="fisher",
-        loss_divisor=T,  # the models' losses average over tokens: T per sequence
         factor_dtype=F64,
         inv_dtype=F64,
         **HYPER,
-        **kw,
+        # the models' losses average over tokens: T per sequence
+        **with_settings(settings=kf.Settings(scaling="fisher", loss_divisor=T), **kw),
     )
 
 

@@ -99,7 +99,9 @@ def test_a_shifting_subclass_gets_the_factors_of_the_ids_it_looks_up() -> None:
     torch.testing.assert_close(ls.g_factor, rows.T @ rows / n, rtol=1e-10, atol=1e-14)
     # the drop-in preconditioner records the same call
     twin = Net(Shifted)
-    pre = kf.KFACPreconditioner(twin, factor_dtype=DT, inv_dtype=DT, scaling="fisher")
+    pre = kf.KFACPreconditioner(
+        twin, factor_dtype=DT, inv_dtype=DT, settings=kf.Settings(scaling="fisher")
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _loss(twin(x), y).backward()
@@ -188,7 +190,9 @@ def test_opt_learned_positions_get_the_factors_of_the_positions_looked_up() -> N
     mask = batch["attention_mask"]
     torch.testing.assert_close(ids, (torch.cumsum(mask, 1) * mask - 1) + 2, rtol=0, atol=0)
 
-    pre = kf.KFACPreconditioner(model, factor_dtype=DT, inv_dtype=DT, scaling="fisher")
+    pre = kf.KFACPreconditioner(
+        model, factor_dtype=DT, inv_dtype=DT, settings=kf.Settings(scaling="fisher")
+    )
     grads: list[torch.Tensor] = []
 
     def keep_grad(m: nn.Module, args: Any, out: torch.Tensor) -> None:

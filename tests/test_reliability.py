@@ -440,7 +440,7 @@ class Trainer:
         self.opt = torch.optim.SGD(net.parameters(), lr=0.1)
         if path == "adapter":
             self.pre = kf.KFACPreconditioner(
-                net, grad_scaler=scaler, loss_reduction=reduction, **HYPER
+                net, grad_scaler=scaler, settings=kf.Settings(loss_reduction=reduction), **HYPER
             )
             self._state = self.pre.state
         else:
@@ -893,7 +893,7 @@ def test_adapter_step_is_finite_or_raises_documented_error(
         kl_clip=kl_clip,
         compute_method=method,
         compute_eigenvalue_outer_product=outer,
-        scaling=scaling,
+        settings=kf.Settings(scaling=scaling),
         update_factors_in_hook=in_hook,
     )
     g = torch.Generator().manual_seed(seed)

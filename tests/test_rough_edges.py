@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from settings_keywords import with_settings
 from torch import nn
 
 import kfac_func as kf
@@ -62,7 +63,7 @@ def test_empty_mapping_is_refused_unless_allowed() -> None:
 
 def test_scaling_is_named() -> None:
     with pytest.raises(ValueError, match=r"scaling must be one of \('fisher', 'kfac-pytorch'\)"):
-        KFACPreconditioner(nn.Linear(2, 2), scaling="bogus")
+        KFACPreconditioner(nn.Linear(2, 2), settings=kf.Settings(scaling="bogus"))
 
 
 @pytest.mark.parametrize("name", ["damping", "lr", "factor_decay", "kl_clip"])
@@ -188,13 +189,12 @@ def _token_model_step(
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 5))
     pre = kf.KFACPreconditioner(
         model,
-        scaling=scaling,
         damping=damping,
         kl_clip=None,
         factor_dtype=dtype,
         factor_decay=0.5,
         lr=0.0,
-        **kwargs,
+        **with_settings(settings=kf.Settings(scaling=scaling), **kwargs),
     )
     x = torch.randn(4, tokens, 8)
     y = torch.randint(0, 5, (4, tokens))
@@ -273,7 +273,9 @@ def test_forward_without_backward_is_not_a_micro_batch(method: str) -> None:
     for evaluate in (False, True):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-        pre = KFACPreconditioner(model, compute_method=method, scaling="fisher", kl_clip=None)
+        pre = KFACPreconditioner(
+            model, compute_method=method, settings=kf.Settings(scaling="fisher"), kl_clip=None
+        )
         x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
         for step in range(3):
             if evaluate:

@@ -140,7 +140,9 @@ def test_the_adapter_equals_the_capture() -> None:
     model, ref = Net(), Net()
     g = torch.Generator().manual_seed(2)
     x, y = torch.randint(0, V, (4, 5), generator=g), torch.randint(0, C, (4, 5), generator=g)
-    pre = kf.KFACPreconditioner(model, factor_dtype=DT, inv_dtype=DT, scaling="fisher")
+    pre = kf.KFACPreconditioner(
+        model, factor_dtype=DT, inv_dtype=DT, settings=kf.Settings(scaling="fisher")
+    )
     _loss(model(x), y).backward()
     pre.step()
     _, _, caps = kf.capture(ref, dict(ref.named_parameters()), x, lambda o: _loss(o, y))

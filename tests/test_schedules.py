@@ -52,9 +52,9 @@ def test_the_summary_times_each_schedule_to_the_competitors_final_losses() -> No
 
 
 def test_the_schedules_replace_only_the_schedule() -> None:
-    named = schedules.schedules(768)
+    named = schedules.schedules()
     assert named["recipe"] == {}
-    allowed = {"inv_update_steps", "factor_update_steps", "factor_decay", "factor_rows"}
+    allowed = {"inv_update_steps", "factor_update_steps", "factor_decay"}
     assert all(set(s) <= allowed for s in named.values())
 
 
@@ -65,7 +65,7 @@ def test_schedules_quick(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     assert doc["quick"] is True and set(doc["workloads"]) == set(schedules.WORKLOADS)
     names = {r["name"] for r in doc["workloads"]["lm"]["summary"]}
-    assert names == {*schedules.COMPETITORS, *schedules.schedules(1)}
+    assert names == {*schedules.COMPETITORS, *schedules.schedules()}
 
 
 def test_the_committed_results_are_their_runs_summary() -> None:

@@ -70,13 +70,10 @@ def test_stages_quick(tmp_path: Path) -> None:
     soap = stages.optimizers._heavyball() is not None
     for name, w in doc["workloads"].items():
         rows = {r["name"]: r for r in w["rows"]}
-        n = w["factor_rows"]
         expected = [
             "plain forward+backward",
             "forward+backward, K-FAC hooks",
-            f"forward+backward, K-FAC hooks, factor_rows={n}",
             "statistics in the hooks",
-            f"statistics in the hooks, factor_rows={n}",
             *STAGE_ROWS,
             "step with eigh",
             "step without eigh",
@@ -110,18 +107,13 @@ def test_stages_quick(tmp_path: Path) -> None:
         )
         assert rows["fold (running average)"]["floor_macs"] == 0  # elementwise: bytes only
         assert rows["fold (running average)"]["floor_bytes"] > 0
-        # the thinned statistics do at most the arithmetic of all rows
-        full = rows["statistics in the hooks"]["floor_macs"]
-        assert 0 < rows[f"statistics in the hooks, factor_rows={n}"]["floor_macs"] <= full
         assert rows["Muon, as the race runs it, + AdamW"]["vs_muon"] == pytest.approx(1.0)
         assert rows["plain forward+backward"]["vs_plain"] == pytest.approx(1.0)
-        assert 0 <= w["thinnable_layers"] <= w["layers"]
         kinds = w["kinds"][stages.RECIPE]
         assert len(kinds) == 2 * doc["settings"]["reps"] and any(kinds) and not all(kinds)
         # every printed row is in the table
         for r in rows:
             assert r.strip() in proc.stdout, r
-    assert doc["workloads"]["lm"]["thinnable_layers"] > 0  # its nn.Linear layers
     assert "bf16 flags" in proc.stdout and "GFLOP/s" in proc.stdout
 
 

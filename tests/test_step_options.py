@@ -154,7 +154,9 @@ def test_the_preconditioner_steps_with_its_attributes_as_options() -> None:
     changing ``pre.damping`` between steps changes the next step."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
-    pre = kf.KFACPreconditioner(model, damping=1e-2, kl_clip=None, grafting="adam")
+    pre = kf.KFACPreconditioner(
+        model, damping=1e-2, kl_clip=None, settings=kf.Settings(grafting="adam")
+    )
     opts = pre._step_options(damping=0.5)
     assert (opts.damping, opts.grafting, opts.kl_clip) == (0.5, "adam", None)
     pre.grafting = None

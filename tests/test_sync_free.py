@@ -216,9 +216,9 @@ def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match=r"layer '2'.*'2\.bias'"):
         kf.update(state, short, sync_free=True, **PRECONDITION_ONLY)
     with pytest.raises(ValueError, match="sync_free=True as well"):
-        kf.KFACPreconditioner(_mlp(), compile=True)
+        kf.KFACPreconditioner(_mlp(), settings=kf.Settings(compile=True))
     with pytest.raises(TypeError, match="compile must be a bool"):
-        kf.KFACPreconditioner(_mlp(), sync_free=True, compile=1)  # type: ignore[arg-type]
+        kf.KFACPreconditioner(_mlp(), settings=kf.Settings(sync_free=True, compile=1))  # type: ignore[arg-type]
 
 
 def test_update_distributed_one_rank_equals_default() -> None:
@@ -247,7 +247,7 @@ def _adapter_run(sync_free: bool, method: str, nan_at: int | None) -> tuple[list
         inv_update_steps=3,
         damping=1e-2,
         compute_method=method,
-        sync_free=sync_free,
+        settings=kf.Settings(sync_free=sync_free),
     )
     gen = torch.Generator().manual_seed(2)
     x, y = torch.randn(64, 6, generator=gen), torch.randint(0, 3, (64,), generator=gen)

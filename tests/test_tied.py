@@ -294,11 +294,10 @@ def test_preconditioner_matches_functional(method: str, moments: bool) -> None:
     pre = kf.KFACPreconditioner(
         model,
         compute_method=method,
-        eigenbasis_moments=moments,
+        settings=kf.Settings(eigenbasis_moments=moments, scaling="fisher"),
         factor_dtype=torch.float64,
         inv_dtype=torch.float64,
         factor_decay=0.9,
-        scaling="fisher",
         **kw,
     )
     layers = kf.register(ref)

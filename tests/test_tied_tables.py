@@ -170,7 +170,11 @@ def _hooked_factors(model: Tables) -> tuple[torch.Tensor, torch.Tensor]:
     """The tied layer's factors after one step of KFACPreconditioner (module hooks)."""
     args, loss_fn = _tables_case(model)
     pre = kf.KFACPreconditioner(
-        model, factor_dtype=F64, inv_dtype=F64, factor_decay=0.0, scaling="fisher"
+        model,
+        factor_dtype=F64,
+        inv_dtype=F64,
+        factor_decay=0.0,
+        settings=kf.Settings(scaling="fisher"),
     )
     loss_fn(model(*args)).backward()
     pre.step()

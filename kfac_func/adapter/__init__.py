@@ -1,13 +1,14 @@
 """Stateful drop-ins for ordinary training loops: :class:`KFACPreconditioner` (module
 hooks feed the pure step; ``step()`` rewrites ``.grad``), its kfac-pytorch arguments, the
-optimizer face :class:`KFAC` with its recipes, :class:`LambdaParamScheduler`, and
+optimizer face :class:`KFAC` with its recipes, :class:`Settings` (everything the
+preconditioners take beyond kfac-pytorch's arguments), :class:`LambdaParamScheduler`, and
 :class:`AdaptiveStepper` (the adaptive step on a module's own parameters). The adapter owns
 no math.
 
-:class:`KFAC`, :class:`KFACPreconditioner` and their recipes and warnings are also at the
-top level (``kf.KFAC``, ...); :class:`LambdaParamScheduler` and :class:`AdaptiveStepper`
-and the keywords every preconditioner class shares, :class:`SharedArguments` with their
-defaults :data:`KFAC_PYTORCH_DEFAULTS`, are here.
+:class:`KFAC`, :class:`KFACPreconditioner`, :class:`Settings` and their recipes and
+warnings are also at the top level (``kf.KFAC``, ...); :class:`LambdaParamScheduler`,
+:class:`AdaptiveStepper` and the keywords every preconditioner class shares,
+:class:`SharedArguments` with their defaults :data:`KFAC_PYTORCH_DEFAULTS`, are here.
 
 Example:
     >>> from torch import nn
@@ -27,6 +28,7 @@ from kfac_func.adapter.optimizer import KFAC
 from kfac_func.adapter.preconditioner import ComputeMethod, KFACPreconditioner
 from kfac_func.adapter.recipes import RECIPES, Recipe
 from kfac_func.adapter.scheduler import LambdaParamScheduler
+from kfac_func.adapter.settings import Settings
 
 __all__ = [
     "KFAC",
@@ -39,5 +41,6 @@ __all__ = [
     "LambdaParamScheduler",
     "MissingStatisticsWarning",
     "Recipe",
+    "Settings",
     "SharedArguments",
 ]

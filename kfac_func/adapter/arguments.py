@@ -4,12 +4,14 @@
 :class:`~kfac_func.adapter.preconditioner.KFACPreconditioner`,
 :class:`~kfac_func.parallel.preconditioner.ParallelKFACPreconditioner` and
 :class:`~kfac_func.parallel.gpt_neox.GPTNeoXKFACPreconditioner` share (their names, types
-and documentation), :data:`KFAC_PYTORCH_DEFAULTS` their defaults. Each constructor takes
+and documentation): kfac-pytorch's, and ``settings=`` (:class:`~kfac_func.Settings`, the
+rest); :data:`KFAC_PYTORCH_DEFAULTS` gives their defaults. Each constructor takes
 them as ``**shared: Unpack[SharedArguments]`` (what type checkers read), shows them in its
 signature with :func:`shares_arguments` (what ``inspect.signature`` and ``help`` read),
 and hands them to :meth:`KFACArguments._set_arguments`, which checks them (numbers may
-also be ``step -> value`` callables) and stores them as attributes. ``HYPER`` names the
-hyperparameters that are saved in state dicts and printed.
+also be ``step -> value`` callables) and stores them, and the settings every class reads,
+as attributes. ``HYPER`` names the hyperparameters that are saved in state dicts and
+printed.
 """
 
 from __future__ import annotations
@@ -23,10 +25,8 @@ from typing import Any, TypedDict, TypeVar
 import torch
 from torch import nn
 
+from kfac_func.adapter.settings import SETTINGS, Settings, settings_from_keywords
 from kfac_func.blocks import LayerSpec
-from kfac_func.blocks.mapped import KindMap
-from kfac_func.captures import check_loss_divisor
-from kfac_func.core.conventions import CONVENTIONS, convention_argument
 from kfac_func.distributed.communicator import AllreduceMethod
 from kfac_func.distributed.plan import AssignmentStrategy
 from kfac_func.state import KFACState, init
@@ -160,7 +160,7 @@ class SharedArguments(TypedDict, total=False):
     :class:`~kfac_func.parallel.ParallelKFACPreconditioner` and
     :class:`~kfac_func.parallel.GPTNeoXKFACPreconditioner` share: kfac-pytorch 0.4.2's, with
     its defaults (:data:`KFAC_PYTORCH_DEFAULTS`, which a class may change where it says so),
-    and ours that every class takes. Each hyperparameter may be a number or a
+    and ``settings``, everything else. Each hyperparameter may be a number or a
     ``step -> value`` callable.
 
     Attributes:
@@ -190,11 +190,6 @@ class SharedArguments(TypedDict, total=False):
             the output-gradients with it (call ``scaler.unscale_`` before ``step()``).
         factor_dtype: the factors' dtype (None: the weights' promoted to at least
             float32; kfac-pytorch uses the autocast dtype).
-        gram_dtype: the dtype of the operands of the statistics' Gram products, summed
-            into the factors in at least float32 (see :class:`kfac_func.StepOptions`):
-            None, ``factor_dtype`` (kfac-pytorch's float32 products, exact);
-            ``torch.bfloat16`` where the hardware multiplies it natively (half the cost
-            or less; the activations of an autocast region are then used as they are).
         inv_dtype: the dtype decompositions are stored in.
         skip_layers: regexes searched in module names and class names; matches are not
             registered.
@@ -204,19 +199,11 @@ class SharedArguments(TypedDict, total=False):
         loglevel: the :mod:`logging` level of the construction report on the
             ``"kfac_func"`` logger: a ``Registered name="...": ...`` line per layer, the
             layer table and the layer assignments (DEBUG: silent unless shown).
-        scaling: the factors' convention, ``"kfac-pytorch"`` (None, the default:
-            hyperparameters carry over) or ``"fisher"`` (for new models); see
-            :mod:`kfac_func.core.conventions`. ``convention=`` (the functional API's name)
-            is an alias; both given and different: a ValueError.
-        convention: ``scaling``'s alias.
-        loss_reduction: ``"mean"`` or ``"sum"``, how the loss reduces the batch.
-        loss_divisor: what the loss was divided by besides (``k`` for ``loss / k`` over
-            ``k`` accumulated micro-batches); None: 1 (the GPT-NeoX preconditioner's
-            default, None, is ``accumulation_steps``).
-        kinds: ``{module class: kind}`` (or ``{cls: (kind, {"eps": ...})}``) for the
-            model's own classes that compute a registered kind, e.g. ``{LlamaRMSNorm:
-            "rms_norm"}`` (see :func:`kfac_func.register`); each mapped module's first
-            call is checked against the kind's computation.
+        settings: a :class:`~kfac_func.Settings`, everything kfac-pytorch does not
+            have (the factors' scaling, eigenbasis moments, ...); None: its defaults, which
+            are kfac-pytorch's behaviour. Its fields given as keywords of their own still
+            work, with a ``DeprecationWarning`` (see
+            :func:`~kfac_func.adapter.settings.settings_from_keywords`).
     """
 
     factor_update_steps: IntOrFn
@@ -233,16 +220,11 @@ class SharedArguments(TypedDict, total=False):
     symmetry_aware: bool
     grad_scaler: Any
     factor_dtype: torch.dtype | None
-    gram_dtype: torch.dtype | None
     inv_dtype: torch.dtype
     skip_layers: list[str] | None
     update_factors_in_hook: bool
     loglevel: int
-    scaling: str | None
-    convention: str | None
-    loss_reduction: str
-    loss_divisor: float | None
-    kinds: KindMap | None
+    settings: Settings | None
 
 
 KFAC_PYTORCH_DEFAULTS: SharedArguments = {
@@ -260,16 +242,11 @@ KFAC_PYTORCH_DEFAULTS: SharedArguments = {
     "symmetry_aware": False,
     "grad_scaler": None,
     "factor_dtype": None,
-    "gram_dtype": None,
     "inv_dtype": torch.float32,
     "skip_layers": None,
     "update_factors_in_hook": True,
     "loglevel": logging.DEBUG,
-    "scaling": None,
-    "convention": None,
-    "loss_reduction": "mean",
-    "loss_divisor": 1.0,
-    "kinds": None,
+    "settings": None,
 }
 """The defaults of :class:`SharedArguments`: kfac-pytorch 0.4.2's, and ours."""
 
@@ -319,26 +296,26 @@ class KFACArguments:
         model: nn.Module,
         given: SharedArguments,
         defaults: SharedArguments | None = None,
-        allreduce_method: AllreduceMethod | str | None = None,
+        takes: tuple[str, ...] = SETTINGS,
     ) -> SharedArguments:
         """Check and store the shared arguments ``given`` to the constructor, the others
         taking ``defaults`` (the class's own, as :func:`shares_arguments` shows them) or
-        kfac-pytorch's; returns them all. A name that is not a shared argument is a
-        TypeError naming the class, as Python's own."""
+        kfac-pytorch's, and the settings of ``settings=`` and of the deprecated keywords of
+        the fields in ``takes`` (:func:`~kfac_func.adapter.settings.settings_from_keywords`,
+        kept as :attr:`settings`); returns the shared arguments. A name that is neither is
+        a TypeError naming the class, as Python's own."""
+        owner = type(self).__name__
+        settings = settings_from_keywords(given, owner, takes)  # type: ignore[arg-type]
         for name in given:
             if name not in SharedArguments.__annotations__:
-                raise TypeError(
-                    f"{type(self).__name__}() got an unexpected keyword argument {name!r}"
-                )
+                raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}")
         a: SharedArguments = {**KFAC_PYTORCH_DEFAULTS, **(defaults or {}), **given}
-        # scaling= is the preconditioners' name, convention= the functional API's
-        scaling = convention_argument(a["convention"], a["scaling"], default="kfac-pytorch")
         cap = a["allreduce_bucket_cap_mb"]
         check_bucket_cap(cap)
         reduce_method: AllreduceMethod = (
             AllreduceMethod.for_bucket_cap(cap)
-            if allreduce_method is None
-            else parse_enum(AllreduceMethod, allreduce_method, "allreduce_method")
+            if settings.allreduce_method is None
+            else parse_enum(AllreduceMethod, settings.allreduce_method, "allreduce_method")
         )
         if reduce_method is AllreduceMethod.ALLREDUCE_BUCKETED and cap == 0:
             raise ValueError(
@@ -360,12 +337,6 @@ class KFACArguments:
         _check_number("lr", a["lr"], lambda v: v >= 0, ">= 0")
         if a["kl_clip"] is not None:
             _check_number("kl_clip", a["kl_clip"], lambda v: v > 0, "> 0 (or None to disable)")
-        if scaling not in CONVENTIONS:
-            raise ValueError(f"scaling must be one of {CONVENTIONS}, got {scaling!r}")
-        if a["loss_reduction"] not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {a['loss_reduction']!r}")
-        divisor = 1.0 if a["loss_divisor"] is None else a["loss_divisor"]
-        check_loss_divisor(divisor)
 
         self.model = model
         self.factor_update_steps = a["factor_update_steps"]
@@ -383,17 +354,17 @@ class KFACArguments:
         self.symmetry_aware = a["symmetry_aware"]
         self.grad_scaler = a["grad_scaler"]
         self.inv_dtype = a["inv_dtype"]
-        gram = a["gram_dtype"]
-        if gram is not None and not (isinstance(gram, torch.dtype) and gram.is_floating_point):
-            raise ValueError(f"gram_dtype must be a floating torch.dtype or None, got {gram!r}")
-        self.gram_dtype = gram
+        self.settings = settings
+        """The :class:`~kfac_func.Settings` this preconditioner was built with."""
+        self.gram_dtype = settings.gram_dtype
         skip = a["skip_layers"]
         self.skip_layers = [] if skip is None else list(skip)
         self.update_factors_in_hook = a["update_factors_in_hook"]
         self.loglevel = a["loglevel"]
-        self.scaling = scaling
-        self.loss_reduction = a["loss_reduction"]
-        self.loss_divisor = float(divisor)
+        self.scaling = settings.scaling
+        self.loss_reduction = settings.loss_reduction
+        divisor = settings.loss_divisor
+        self.loss_divisor = 1.0 if divisor is None else float(divisor)
         # the hyperparameters as constructed (a scheduler moves them later): a state dict
         # records them, so that loading it into the same construction replaces nothing
         # the constructor chose

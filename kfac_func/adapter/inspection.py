@@ -19,12 +19,12 @@ from kfac_func.step.diagnostics import DOMINANCE, JUDGE_LIMIT, damping_dominance
 from kfac_func.step.options import StepOptions
 from kfac_func.step.orthogonal import TABLE_SETTINGS
 
-__all__ = ["InspectionMixin", "check_factor_rows"]
+__all__ = ["InspectionMixin"]
 
 # the preconditioner's attributes a step passes on as they are (see _step_options)
 _STEP_ATTRS = (
     "factor_decay", "kl_clip", "lr", "grafting", "graft_beta2", "graft_eps",
-    "eigenbasis_moments", "moment_beta2", "moment_eps", "moment_beta1", "refresh_drift",
+    "eigenbasis_moments", "moment_beta2", "moment_eps", "moment_beta1",
     "sync_free", "batched_eigh", "eigh_device", "grouped",
 )  # fmt: skip
 
@@ -191,15 +191,3 @@ class InspectionMixin(PreconditionerBase):
             f"compute_method={self.compute_method.name.lower()}",
             f"distributed_strategy={self.distributed_strategy.name}",
         )
-
-
-def check_factor_rows(factor_rows: int | None, in_hook: bool) -> int | None:
-    """``factor_rows``, validated: None or a positive integer, with in-hook statistics (a
-    ValueError naming the argument otherwise)."""
-    if factor_rows is None:
-        return None
-    if isinstance(factor_rows, bool) or not isinstance(factor_rows, int) or factor_rows < 1:
-        raise ValueError(f"factor_rows must be None or a positive integer, got {factor_rows!r}")
-    if not in_hook:
-        raise ValueError("factor_rows needs update_factors_in_hook=True")
-    return factor_rows

@@ -25,10 +25,12 @@ from kfac_func.adapter.optimizer_state import OptimizerStateMixin, _States
 from kfac_func.adapter.parameter_places import ParameterPlaces
 from kfac_func.adapter.preconditioner import KFACPreconditioner
 from kfac_func.adapter.recipes import Recipe, recipe_named
+from kfac_func.adapter.settings import SETTINGS, Settings, settings_from_keywords
 
 __all__ = ["KFAC"]
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
+_FIELDS = (*SETTINGS, "convention")  # scaling's alias
 
 
 class KFAC(OptimizerStateMixin, torch.optim.Optimizer):
@@ -116,8 +118,13 @@ class KFAC(OptimizerStateMixin, torch.optim.Optimizer):
         kfac_lr: the preconditioner's ``lr`` (a number or ``step -> value``); None: the
             first group's current learning rate.
         **kfac_kwargs: the other arguments of :class:`~kfac_func.KFACPreconditioner`
-            (``damping``, ``skip_layers``, ``factor_update_steps``, ``scaling``, ...),
-            replacing the recipe's.
+            (``damping``, ``skip_layers``, ``factor_update_steps``, ...), replacing the
+            recipe's; ``settings=`` (a :class:`~kfac_func.Settings`) replaces the recipe's
+            settings value, and the fields of :class:`~kfac_func.Settings` are taken as
+            keywords of their own too (``scaling="kfac-pytorch"``,
+            ``eigenbasis_moments=False``, ...), each replacing that field alone, without
+            the preconditioner's ``DeprecationWarning``: the face reads them as overrides
+            of its recipe (a field given both ways is a ValueError).
 
     Raises:
         ValueError: an unknown recipe, a negative ``lr`` or ``weight_decay``, ``betas``
@@ -175,25 +182,29 @@ class KFAC(OptimizerStateMixin, torch.optim.Optimizer):
         wd = r.weight_decay if weight_decay is None else weight_decay
         self.weight_decay = None if wd is None else _check_number("weight_decay", wd)
         """The decoupled weight decay (None: the base optimizers' own)."""
+        # the settings the user chose: given as keywords, or named in settings=
+        user = kfac_kwargs.get("settings")
+        named = {"scaling" if k == "convention" else k for k in kfac_kwargs if k in _FIELDS}
+        named |= user.named() if isinstance(user, Settings) else set()
+        settings = settings_from_keywords(kfac_kwargs, "KFAC", base=r.settings, warn=False)
         kfac_kwargs = {**r.kfac_kwargs, **kfac_kwargs}
-        if betas is not None and kfac_kwargs.get("eigenbasis_moments", False):
+        if betas is not None and settings.eigenbasis_moments:
             for key, beta in (("moment_beta1", betas[0]), ("moment_beta2", betas[1])):
-                given = kfac_kwargs.setdefault(key, beta)
+                given = getattr(settings, key) if key in named else beta
                 if given != beta and betas_given:
                     raise ValueError(
                         f"KFAC: betas={betas} and {key}={given} disagree: give one of them"
                     )
+                settings = settings.replace(**{key: given})
         if r.automatic:
-            kfac_kwargs.setdefault("batched_eigh", True)
-            # refresh_drift decides on the host
-            sync_free = _one_cuda_process(model) and kfac_kwargs.get("refresh_drift") is None
-            kfac_kwargs.setdefault("sync_free", sync_free)
-            ortho = kfac_kwargs.get("orthogonal")
             native = _native_bf16(model)
-            if ortho is not None and ortho.dtype is None and native:
-                kfac_kwargs["orthogonal"] = ortho._replace(dtype=torch.bfloat16)
+            auto: dict[str, Any] = {"batched_eigh": True, "sync_free": _one_cuda_process(model)}
             if native and _single_precision(model, kfac_kwargs.get("factor_dtype")):
-                kfac_kwargs.setdefault("gram_dtype", torch.bfloat16)
+                auto["gram_dtype"] = torch.bfloat16
+            settings = settings.replace(**{k: v for k, v in auto.items() if k not in named})
+            ortho = settings.orthogonal
+            if ortho is not None and ortho.dtype is None and native:
+                settings = settings.replace(orthogonal=ortho._replace(dtype=torch.bfloat16))
         base_defaults = dict(r.base_kwargs) if base is torch.optim.SGD else {}
         if base is torch.optim.AdamW and self.weight_decay is not None:
             base_defaults["weight_decay"] = self.weight_decay
@@ -219,7 +230,7 @@ class KFAC(OptimizerStateMixin, torch.optim.Optimizer):
             return float(opt.param_groups[0]["lr"]) if opt is not None else 0.0
 
         self.preconditioner = KFACPreconditioner(
-            model, lr=follow if kfac_lr is None else kfac_lr, **kfac_kwargs
+            model, lr=follow if kfac_lr is None else kfac_lr, settings=settings, **kfac_kwargs
         )
         """The :class:`~kfac_func.KFACPreconditioner` (its ``state``, ``layers``, ``steps``)."""
         mine, rest = self.preconditioner.layers.split_parameters(model)

@@ -10,15 +10,14 @@ ranks, and rewrites ``.grad`` in place. The adapter owns no math and keeps one i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from typing_extensions import Unpack  # typing.Unpack is Python 3.11's
 
-from kfac_func.adapter.adaptive import AdaptiveStepper, check_adaptive
+from kfac_func.adapter.adaptive import check_adaptive
 from kfac_func.adapter.arguments import (
     HYPER,
     ComputeMethod,
@@ -30,7 +29,7 @@ from kfac_func.adapter.checkpointing import StateDictMixin
 from kfac_func.adapter.compiled import uncompiled
 from kfac_func.adapter.fallback import FallbackMixin
 from kfac_func.adapter.grads import copy_back
-from kfac_func.adapter.inspection import InspectionMixin, check_factor_rows
+from kfac_func.adapter.inspection import InspectionMixin
 from kfac_func.adapter.parameter_places import FollowParametersMixin
 from kfac_func.adapter.recording import HookRecorder
 from kfac_func.adapter.sync_free import SyncFreeMixin
@@ -49,11 +48,7 @@ from kfac_func.distributed.step import update_distributed
 from kfac_func.state import KFACState
 from kfac_func.step.adaptive import AdaptiveInfo, init_adaptive
 from kfac_func.step.basis import BasisMoments
-from kfac_func.step.decompose import check_eigh_device
-from kfac_func.step.drift import one_process_only
-from kfac_func.step.layer_step import Grafting
-from kfac_func.step.options import StepOptions
-from kfac_func.step.orthogonal import Orthogonal, orthogonal_table
+from kfac_func.step.orthogonal import orthogonal_table
 
 __all__ = ["AllreduceMethod", "ComputeMethod", "KFACPreconditioner"]
 
@@ -72,10 +67,12 @@ class KFACPreconditioner(
     preconditions the ``.grad`` of the registered layers in place. Under DDP the work is
     spread over the ranks by a KAISA plan (:attr:`plan`), after the ranks checked that they
     agree on it (:class:`kfac_func.distributed.RankMismatchError` otherwise). It takes
-    kfac-pytorch 0.4.2's arguments, with its defaults and checks, and the others that every
-    preconditioner class takes: the keywords of
-    :class:`~kfac_func.adapter.SharedArguments` (``**shared``), documented there.
-    Every hyperparameter may be a number or a ``step -> value`` callable. Its own:
+    kfac-pytorch 0.4.2's arguments, with its defaults and checks (the keywords of
+    :class:`~kfac_func.adapter.SharedArguments`, ``**shared``, documented there), and
+    everything kfac-pytorch does not have as one :class:`~kfac_func.Settings` value,
+    ``settings=`` (a field given as a keyword of its own still works, with a
+    ``DeprecationWarning``). Every hyperparameter may be a number or a ``step -> value``
+    callable. Its own:
 
     Args:
         model: the module (under DDP, its wrapper); its layers are registered with
@@ -87,49 +84,9 @@ class KFACPreconditioner(
         grad_worker_fraction: fraction of ranks preconditioning each layer, in [0, 1] (0:
             ``1/world``), or a :class:`~kfac_func.distributed.DistributedStrategy` (``COMM_OPT`` 1,
             ``HYBRID_OPT`` 0.5, ``MEM_OPT`` 1/world), kept as :attr:`distributed_strategy`.
-        collective_timeout: a ``timedelta`` bounding each collective (None: the group's).
-        eigenbasis_refresh: ``"eigh"``, or ``"qr"`` (one warm-started QR iteration per
-            refresh after the first; see :func:`kfac_func.core.decomposition.refresh_eigh`).
-        max_factor_dim: factor sides wider than this keep only their diagonal.
-        kfac_approx: ``"expand"`` or ``"reduce"`` for weight-sharing layers, or
-            ``{regex: approx}`` (see :func:`kfac_func.register`).
-        grafting: None, ``"sgd"`` or ``"adam"``: each layer's step takes that optimizer's
-            norm.
-        graft_beta2, graft_eps: Adam grafting's ``β₂`` and ``ε``.
-        eigenbasis_moments: Adam's step in K-FAC's eigenbasis (see
-            :func:`kfac_func.update`).
-        moment_beta2, moment_eps: the eigenbasis moments' ``β₂`` and ``ε``.
-        moment_beta1: the eigenbasis moments' ``β₁`` (0: no first moment).
-        refresh_drift: with ``eigenbasis_moments`` on one process (not ``sync_free``): a
-            decomposition step decomposes anew only the layers whose eigenbases have
-            drifted past this value (see :mod:`kfac_func.step.drift`); None: all of them.
-        orthogonal: a :class:`~kfac_func.Orthogonal`: Muon's step on K-FAC's curvature
-            for the layers holding one weight matrix; the others take Adam's step in
-            K-FAC's eigenbasis under ``eigenbasis_moments``, else are not registered (see
-            :func:`~kfac_func.step.orthogonal.orthogonal_table`). None: K-FAC's step.
-        adaptive: an :class:`~kfac_func.adapter.AdaptiveStepper` of ``model`` (one process, plain
-            parameters, ``kl_clip=None``): :meth:`step` then updates the parameters itself.
-        allreduce_method: ``ALLREDUCE_BUCKETED`` or ``ALLREDUCE`` (an
-            :class:`~kfac_func.distributed.AllreduceMethod` or name); None: ``ALLREDUCE`` iff
-            the cap is 0.
-        sync_free: step without reading the device on the host (finiteness decided by
-            ``torch.where``; skipped layers and factor updates counted in the state and
-            reported by :meth:`report_skipped`); see :mod:`kfac_func.step.sync_free`.
-        compile: with ``sync_free=True`` on one process, run every step (factor,
-            decomposition and precondition-only steps) through
-            ``torch.compile(fullgraph=True)``.
-        batched_eigh: decompose factors of equal shape, dtype and device with one
-            stacked ``eigh`` call per group.
-        grouped: on one process, compute the layers of one shape together (see
-            :func:`kfac_func.update`; transient memory: about the largest group's factors).
-        eigh_device: run ``eigh`` on this device (e.g. ``"cpu"``) and move the results
-            back to the factors' device; None: the factors' own.
-        factor_rows: at most this many rows (examples × positions) of a Linear layer's
-            call (or GPT-2's ``Conv1D``) enter its factor statistics: every ``k``-th
-            position, the offset turning with each factor update, the sums scaled to
-            estimate all rows (see
-            :func:`kfac_func.blocks.thinned_gram`). Cuts the cost of the factors of long
-            sequences; None (default): every row. Needs ``update_factors_in_hook``.
+
+    The settings are kept as :attr:`settings` and, field by field, as attributes
+    (``pre.eigenbasis_moments``, ``pre.orthogonal``, ...).
 
     Raises:
         ValueError: an argument out of range (named), no layer to precondition, or a
@@ -159,61 +116,33 @@ class KFACPreconditioner(
         *,
         colocate_factors: bool = True,
         grad_worker_fraction: DistributedStrategy | float = DistributedStrategy.COMM_OPT,
-        collective_timeout: timedelta | None = None,
-        eigenbasis_refresh: str = "eigh",
-        max_factor_dim: int | None = None,
-        kfac_approx: str | Mapping[str, str] = "expand",
-        grafting: str | None = None,
-        graft_beta2: float = 0.999,
-        graft_eps: float = 1e-8,
-        eigenbasis_moments: bool = False,
-        moment_beta2: float = 0.999,
-        moment_eps: float = 1e-8,
-        moment_beta1: float = 0.0,
-        refresh_drift: float | None = None,
-        orthogonal: Orthogonal | None = None,
-        adaptive: AdaptiveStepper | None = None,
-        allreduce_method: AllreduceMethod | str | None = None,
-        sync_free: bool = False,
-        compile: bool = False,
-        batched_eigh: bool = False,
-        eigh_device: torch.device | str | None = None,
-        grouped: bool = True,
-        factor_rows: int | None = None,
         **shared: Unpack[SharedArguments],
     ) -> None:
         model = uncompiled(model)  # layers named as in the eager model
-        self._set_sync_free(sync_free, compile, grouped)
-        self.batched_eigh, self.eigh_device = batched_eigh, check_eigh_device(eigh_device)
-        a = self._set_arguments(model, shared, allreduce_method=allreduce_method)
-        self.factor_rows = check_factor_rows(factor_rows, self.update_factors_in_hook)
+        a = self._set_arguments(model, shared)
+        s = self.settings
+        self.sync_free, self.compile, self.grouped = s.sync_free, s.compile, s.grouped
+        self.batched_eigh, self.eigh_device = s.batched_eigh, s.eigh_device
 
         # named as the model's state dict names them (no checkpoint_wrapper prefixes)
         table = register(
-            model, self.skip_layers, max_factor_dim=max_factor_dim, kfac_approx=kfac_approx,
-            kinds=a["kinds"],
+            model, self.skip_layers, max_factor_dim=s.max_factor_dim, kfac_approx=s.kfac_approx,
+            kinds=s.kinds,
         )  # fmt: skip
         self.layers = unwrapped(table)
         method = self.compute_method.name.lower()
+        orthogonal = s.orthogonal
         if orthogonal is not None:  # the skip pattern reads the names without wrappers
             orthogonal = orthogonal.check(method)
-            self.layers = orthogonal_table(self.layers, orthogonal, others=eigenbasis_moments)
+            self.layers = orthogonal_table(self.layers, orthogonal, others=s.eigenbasis_moments)
         self.orthogonal = orthogonal
-        self.max_factor_dim, self.kfac_approx = max_factor_dim, kfac_approx
-        if grafting is not None:
-            Grafting(grafting, graft_beta2, graft_eps).check()
-        self.grafting, self.graft_beta2, self.graft_eps = grafting, graft_beta2, graft_eps
-        if eigenbasis_moments:
-            BasisMoments(moment_beta2, moment_eps, moment_beta1).check(method)
-        self.eigenbasis_moments, self.moment_beta1 = eigenbasis_moments, moment_beta1
-        self.moment_beta2, self.moment_eps = moment_beta2, moment_eps
-        self.refresh_drift = StepOptions(
-            eigenbasis_moments=eigenbasis_moments,
-            orthogonal=orthogonal is not None,
-            sync_free=self.sync_free,
-            refresh_drift=refresh_drift,
-        ).drift_threshold(method)
-        self.adaptive = adaptive
+        self.max_factor_dim, self.kfac_approx = s.max_factor_dim, s.kfac_approx
+        self.grafting, self.graft_beta2, self.graft_eps = s.grafting, s.graft_beta2, s.graft_eps
+        if s.eigenbasis_moments:
+            BasisMoments(s.moment_beta2, s.moment_eps, s.moment_beta1).check(method)
+        self.eigenbasis_moments, self.moment_beta1 = s.eigenbasis_moments, s.moment_beta1
+        self.moment_beta2, self.moment_eps = s.moment_beta2, s.moment_eps
+        self.adaptive = adaptive = s.adaptive
         if not self.layers:
             raise no_layers_error(self.layers, type(model).__name__)
         check_packed_parameters(model, self.layers)  # the same on every rank: no collective
@@ -230,8 +159,6 @@ class KFACPreconditioner(
             compute_eigenvalue_outer_product=self.compute_eigenvalue_outer_product,
         )
         check_adaptive(adaptive, model, self.kl_clip, comm_world)
-        if refresh_drift is not None and comm_world > 1:
-            raise one_process_only(f"this is one of {comm_world} processes")
         self.colocate_factors = self.plan.colocate_factors
         self.grad_worker_fraction = self.plan.grad_worker_fraction
         # a strategy asked by name is kept (MEM_OPT on one rank, whose plan is also
@@ -246,15 +173,14 @@ class KFACPreconditioner(
             *("accumulation_steps", "scaling", "loss_reduction", "loss_divisor"),
             *("factor_dtype", "inv_dtype", "symmetry_aware"),
         )
-        settings = {k: getattr(self, k) for k in (*HYPER, *agreed)}
-        settings.update(
+        values = {k: getattr(self, k) for k in (*HYPER, *agreed)}
+        values.update(
             bucket_cap_mb=self._bucket_cap_mb,
-            eigenbasis_refresh=eigenbasis_refresh,
-            max_factor_dim=max_factor_dim,
-            kfac_approx=kfac_approx,
-            factor_rows=factor_rows,
-            grafting=(grafting, graft_beta2, graft_eps),
-            eigenbasis_moments=(eigenbasis_moments, moment_beta2, moment_eps, moment_beta1),
+            eigenbasis_refresh=s.eigenbasis_refresh,
+            max_factor_dim=s.max_factor_dim,
+            kfac_approx=s.kfac_approx,
+            grafting=(s.grafting, s.graft_beta2, s.graft_eps),
+            eigenbasis_moments=(s.eigenbasis_moments, s.moment_beta2, s.moment_eps, s.moment_beta1),
             orthogonal=orthogonal,
             # FSDP2 / tensor parallelism: every rank must see the same meshes and placements
             parameters=describe_parameters(model, self.layers),
@@ -263,10 +189,10 @@ class KFACPreconditioner(
             self.plan,
             bucket_cap_mb=self._bucket_cap_mb,
             symmetry_aware=self.symmetry_aware,
-            settings=settings,
-            timeout=collective_timeout,
+            settings=values,
+            timeout=s.collective_timeout,
         )
-        self._state = self._first_state(weight.device, eigenbasis_refresh=eigenbasis_refresh)
+        self._state = self._first_state(weight.device, eigenbasis_refresh=s.eigenbasis_refresh)
         # sharded models under MEM_OPT hold factors only for the layers each rank owns
         self._sharded = any(is_dtensor(p) for p in model.parameters())
         self._state = release_unowned(self._state, self.plan, self.comm.rank, self._sharded)

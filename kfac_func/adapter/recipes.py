@@ -4,7 +4,8 @@ argument, and kfac-pytorch's recipe one argument away.
 A :class:`Recipe` holds the defaults of everything the optimizer face decides: the
 learning rate, the betas (of Adam's step in K-FAC's eigenbasis and of AdamW on the other
 parameters), the decoupled weight decay, the base optimizer's keyword arguments and the
-preconditioner's. Arguments given to :class:`~kfac_func.KFAC` replace the recipe's.
+preconditioner's (kfac-pytorch's arguments, and a :class:`~kfac_func.Settings` value for
+the rest). Arguments given to :class:`~kfac_func.KFAC` replace the recipe's.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kfac_func.adapter.settings import Settings
 from kfac_func.step.hyper import GrowingInterval
 from kfac_func.step.orthogonal import Orthogonal
 
@@ -34,13 +36,14 @@ class Recipe:
         base_kwargs: the keyword arguments of the base optimizer (SGD) of the
             preconditioned parameters.
         kfac_kwargs: the keyword arguments of the
-            :class:`~kfac_func.KFACPreconditioner`.
+            :class:`~kfac_func.KFACPreconditioner` (kfac-pytorch's).
+        settings: the preconditioner's :class:`~kfac_func.Settings`.
         automatic: whether the face chooses the performance switches (batched
             decompositions, ``sync_free`` on one CUDA process) for the user.
 
     Example:
         >>> import kfac_func as kf
-        >>> kf.RECIPES["recommended"].kfac_kwargs["eigenbasis_moments"]
+        >>> kf.RECIPES["recommended"].settings.eigenbasis_moments
         True
         >>> kf.RECIPES["kfac-pytorch"].lr
         0.001
@@ -52,6 +55,7 @@ class Recipe:
     weight_decay: float | None
     base_kwargs: Mapping[str, Any] = field(default_factory=dict)
     kfac_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    settings: Settings = field(default_factory=Settings)
     automatic: bool = False
 
 
@@ -72,27 +76,26 @@ with no side that wide the recipe is Adam's step in K-FAC's eigenbasis on every 
 
 HEAD_NAMES = r"(^|\.)(lm_head|head|classifier|output)$"
 """The layer names the orthogonal recipes take for a model's head (``ortho_skip``): a
-head keeps AdamW's step (``"orthogonal"``, ``"orthogonal-two-sided"``) or K-FAC's
-(``"orthogonal-kfac-head"``), as Muon leaves it to AdamW; give ``orthogonal=`` to name
-another."""
+head keeps AdamW's step (``"orthogonal-two-sided"``), as Muon leaves it to AdamW, or
+K-FAC's (``"orthogonal-kfac-head"``); give ``orthogonal=`` to name another."""
 
 _ORTHOGONAL = {
     "kl_clip": None,
-    "scaling": "fisher",
     "factor_update_steps": 2,
     "factor_decay": 0.81,
     "inv_update_steps": 10,
 }
-"""The orthogonal recipes' preconditioner settings: no KL clip, the ``"fisher"`` scaling,
-factor statistics every 2 steps (decay 0.81: the memory in steps of 0.9 every step) and
+"""The orthogonal recipes' preconditioner arguments (with the ``"fisher"`` scaling): no
+KL clip, factor statistics every 2 steps (decay 0.81: the memory in steps of 0.9 every step) and
 factor powers every 10 steps. Cheaper than the recommended recipe's schedule: the
 orthogonalized step reads the factors through their powers only, a smooth function of
 them, where Adam's step in the eigenbasis needs the eigenbasis itself fresh."""
 
 
-def _orthogonal(name: str, powers: tuple[float, float], **kfac_kwargs: Any) -> Recipe:
-    """An orthogonal recipe: :data:`_ORTHOGONAL`'s settings, ``powers`` of the factors,
-    :data:`HEAD_NAMES` for the head, and ``kfac_kwargs``."""
+def _orthogonal(name: str, powers: tuple[float, float], moments: bool = False) -> Recipe:
+    """An orthogonal recipe: :data:`_ORTHOGONAL`'s arguments, ``powers`` of the factors,
+    :data:`HEAD_NAMES` for the head, the other layers on Adam's step in K-FAC's eigenbasis
+    with ``moments``."""
     ortho = Orthogonal(powers=powers, skip=HEAD_NAMES)
     return Recipe(
         name=name,
@@ -100,7 +103,8 @@ def _orthogonal(name: str, powers: tuple[float, float], **kfac_kwargs: Any) -> R
         betas=(0.9, 0.95),
         weight_decay=0.0,
         base_kwargs={"momentum": 0.0},
-        kfac_kwargs={**_ORTHOGONAL, "orthogonal": ortho, **kfac_kwargs},
+        kfac_kwargs=_ORTHOGONAL,
+        settings=Settings(scaling="fisher", orthogonal=ortho, eigenbasis_moments=moments),
         automatic=True,
     )
 
@@ -113,22 +117,21 @@ RECIPES: dict[str, Recipe] = {
         weight_decay=0.0,
         base_kwargs={"momentum": 0.0},
         kfac_kwargs={
-            "eigenbasis_moments": True,
             "kl_clip": None,
-            "scaling": "fisher",
             "factor_update_steps": 1,
             "inv_update_steps": GrowingInterval(),
             "factor_decay": 0.9,
-            "orthogonal": Orthogonal(powers=(0.5, 0.0), wider_than=WIDE, block=WIDE),
         },
+        settings=Settings(
+            scaling="fisher",
+            eigenbasis_moments=True,
+            orthogonal=Orthogonal(powers=(0.5, 0.0), wider_than=WIDE, block=WIDE),
+        ),
         automatic=True,
     ),
     "kfac-pytorch": Recipe(name="kfac-pytorch", lr=1e-3, betas=None, weight_decay=None),
-    "orthogonal": _orthogonal("orthogonal", (0.5, 0.0)),
     "orthogonal-two-sided": _orthogonal("orthogonal-two-sided", (0.25, 0.25)),
-    "orthogonal-kfac-head": _orthogonal(
-        "orthogonal-kfac-head", (0.5, 0.0), eigenbasis_moments=True
-    ),
+    "orthogonal-kfac-head": _orthogonal("orthogonal-kfac-head", (0.5, 0.0), moments=True),
 }
 """The named recipes: ``"recommended"`` (the default: Adam's step in K-FAC's eigenbasis,
 factor statistics every step, eigenbases every 2 steps, growing to every 32 as a long
@@ -138,11 +141,14 @@ curvature for the layers with a side wider than :data:`WIDE`; the optimizer race
 (kfac-pytorch's preconditioner defaults in front of plain SGD, AdamW with torch's
 defaults on the other parameters: what ``kf.KFAC`` was before the recommended recipe),
 and the orthogonal recipes (Muon's step on K-FAC's curvature, see
-:mod:`kfac_func.step.orthogonal`): ``"orthogonal"``, the hidden matrices' momentum times
-``(A + δI)^(-1/2)`` orthogonalized, their G factors diagonal, embeddings, norms and the
-head (:data:`HEAD_NAMES`) on AdamW; ``"orthogonal-two-sided"``,
-``(G + δI)^(-1/4) U (A + δI)^(-1/4)`` orthogonalized; ``"orthogonal-kfac-head"``, the
-first with the head, embeddings and norms on Adam's step in K-FAC's eigenbasis."""
+:mod:`kfac_func.step.orthogonal`): ``"orthogonal-two-sided"``, the hidden matrices'
+momentum preconditioned as ``(G + δI)^(-1/4) U (A + δI)^(-1/4)`` and orthogonalized,
+embeddings, norms and the head (:data:`HEAD_NAMES`) on AdamW; ``"orthogonal-kfac-head"``,
+the momentum times ``(A + δI)^(-1/2)`` orthogonalized, their G factors diagonal, and the
+head, embeddings and norms on Adam's step in K-FAC's eigenbasis. A one-sided recipe with
+the head on AdamW (``"orthogonal"``) was retired: in the orthogonal race it ended behind
+``"orthogonal-kfac-head"`` on the language model and GPT-2 and tied elsewhere (see
+docs/benchmarks.md)."""
 
 
 def recipe_named(name: str | Recipe) -> Recipe:

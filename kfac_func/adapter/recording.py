@@ -26,7 +26,15 @@ from kfac_func.adapter.arguments import ComputeMethod, PreconditionerBase
 from kfac_func.adapter.compiled import eager_forward, forget_compiled_code, opaque
 from kfac_func.adapter.coverage import warn_uncollected, watch_gradients
 from kfac_func.adapter.recompute import in_backward
-from kfac_func.blocks import LayerSpec, LayerTable, Rows, call_grams, joint_grams, thinned_gram
+from kfac_func.blocks import (
+    LayerSpec,
+    LayerTable,
+    Rows,
+    a_gram,
+    call_grams,
+    g_gram,
+    joint_grams,
+)
 from kfac_func.blocks.examples import BatchSizeError, CallExamples
 from kfac_func.blocks.taps import Site, call_sites, tap_hooks, tapped
 from kfac_func.captures import Captures, LayerCapture
@@ -76,7 +84,6 @@ class HookRecorder(PreconditionerBase):
     comm: Communicator
     factor_dtype: torch.dtype
     gram_dtype: torch.dtype | None
-    factor_rows: int | None = None
     _micro: list[_MicroBatch]
     _rows: dict[str, list[list[torch.Tensor | None]]]
     _handles: list[Any]
@@ -176,13 +183,6 @@ class HookRecorder(PreconditionerBase):
     def _gram(self) -> torch.dtype:
         """The dtype of the Gram products' operands (``gram_dtype``, else the factors')."""
         return self.gram_dtype or self.factor_dtype
-
-    def _turn(self) -> int:
-        """The number of factor updates so far: the offset of the positions that
-        ``factor_rows`` keeps turns with it (0 without ``factor_rows``)."""
-        if self.factor_rows is None:
-            return 0
-        return self.steps // max(1, int(self._value(self.factor_update_steps)))
 
     def _start_micro_batch(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if not self._collecting():
@@ -306,7 +306,7 @@ class HookRecorder(PreconditionerBase):
                 # the hook runs inside the user's autocast region: build the Gram in
                 # factor_dtype, not in the autocast dtype
                 with torch.autocast(x.device.type, enabled=False):
-                    item = thinned_gram(spec, x, "a", self._gram, self.factor_rows, self._turn())
+                    item = a_gram(spec, x, self._gram)
             micro.a.setdefault(spec.name, []).append(item)
 
     def _grad_hook(
@@ -341,9 +341,7 @@ class HookRecorder(PreconditionerBase):
                     if joint_input is not None:
                         a_item, item = joint_grams(spec, joint_input, gy, self._gram)
                     else:
-                        item = thinned_gram(
-                            spec, gy, "g", self._gram, self.factor_rows, self._turn()
-                        )
+                        item = g_gram(spec, gy, self._gram)
             if joint_input is not None:  # the call's input and gradient, kept as a pair
                 micro.a.setdefault(spec.name, []).append(a_item)
             micro.g.setdefault(spec.name, []).append(item)

@@ -1,6 +1,6 @@
 """The adapter's step without host synchronisation, and its compiled form.
 
-``KFACPreconditioner(model, sync_free=True)`` passes ``sync_free=True`` to
+``KFACPreconditioner(model, settings=Settings(sync_free=True))`` passes ``sync_free=True`` to
 :func:`kfac_func.update` (and :func:`kfac_func.distributed.update_distributed`): on one process no
 step reads anything on the host, whether it updates the factors, decomposes them or only
 preconditions (see :mod:`kfac_func.step.sync_free` and
@@ -36,7 +36,7 @@ class SyncFreeMixin:
         >>> from torch import nn
         >>> import kfac_func as kf
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-        >>> pre = kf.KFACPreconditioner(model, sync_free=True)
+        >>> pre = kf.KFACPreconditioner(model, settings=kf.Settings(sync_free=True))
         >>> model(torch.randn(16, 4)).pow(2).mean().backward()
         >>> pre.step()
         >>> pre.report_skipped()
@@ -50,20 +50,7 @@ class SyncFreeMixin:
     """Whether steps run compiled (``torch.compile``, fullgraph; one graph per step kind)."""
     grouped: bool
     """Whether a step on one process computes the layers of one shape together."""
-
-    def _set_sync_free(self, sync_free: bool, compile: bool, grouped: bool = True) -> None:
-        for name, value in (("sync_free", sync_free), ("compile", compile), ("grouped", grouped)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {value!r}")
-        if compile and not sync_free:
-            raise ValueError(
-                "compile=True compiles each step as one graph, which needs the checks on "
-                "the device: pass sync_free=True as well"
-            )
-        self.sync_free = sync_free
-        self.compile = compile
-        self.grouped = grouped
-        self._compiled: Callable[..., Any] | None = None
+    _compiled: Callable[..., Any] | None = None
 
     def _stepper(self) -> Callable[..., Any]:
         """:func:`kfac_func.update`, compiled when ``compile=True`` (at the first step; a

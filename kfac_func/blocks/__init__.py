@@ -22,7 +22,7 @@ import torch
 
 from kfac_func.blocks.base import LayerBlock
 from kfac_func.blocks.registry import block_of, blocks, register_block
-from kfac_func.blocks.spec import Gram, LayerSpec, Rows, diagonal_blocks, thin_positions
+from kfac_func.blocks.spec import Gram, LayerSpec, Rows, diagonal_blocks
 from kfac_func.blocks.table import LayerTable, register
 
 __all__ = [
@@ -43,7 +43,6 @@ __all__ = [
     "register",
     "register_block",
     "summed",
-    "thinned_gram",
 ]
 
 for _module in pkgutil.iter_modules(__path__):
@@ -108,37 +107,6 @@ def g_gram(spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype = torch.float32)
     """Gram statistics of one call's raw output-gradient (products from operands in
     ``dtype``, in at least float32)."""
     return summed(spec.block.g_gram(spec, r, dtype))
-
-
-def thinned_gram(
-    spec: LayerSpec,
-    t: torch.Tensor,
-    which: str,
-    dtype: torch.dtype = torch.float32,
-    budget: int | None = None,
-    offset: int = 0,
-) -> Gram:
-    """:func:`a_gram` (``which="a"``, ``t`` the input) or :func:`g_gram` (``"g"``, the
-    output-gradient) of one call, from at most ``budget`` of its rows when the kind allows
-    it (:meth:`LayerBlock.thinnable`): every ``k``-th position from ``offset % k`` on
-    (:func:`~kfac_func.blocks.spec.thin_positions`), the statistics scaled by
-    ``positions / kept`` so that they estimate those of every row. ``budget=None``: all.
-
-    Example:
-        >>> import torch
-        >>> spec = register(torch.nn.Linear(3, 2))[""]
-        >>> x = torch.ones(4, 10, 3)  # identical positions: the estimate is exact
-        >>> part = thinned_gram(spec, x, "a", budget=8, offset=0)
-        >>> whole = a_gram(spec, x)
-        >>> torch.equal(part.gram, whole.gram), part.rows == whole.rows
-        (True, True)
-    """
-    gram = a_gram if which == "a" else g_gram
-    if budget is None or not spec.block.thinnable(spec):
-        return gram(spec, t, dtype)
-    part, factor = thin_positions(t, budget, offset)
-    out = gram(spec, part, dtype)
-    return out if factor == 1.0 else out.scaled(factor)
 
 
 def call_grams(

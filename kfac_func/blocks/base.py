@@ -298,12 +298,6 @@ class LayerBlock(ABC):
         """Whether the layer uses ``kfac_approx="reduce"``."""
         return self.reducible and spec.option("kfac_approx") == "reduce"
 
-    def thinnable(self, spec: LayerSpec) -> bool:
-        """Whether the statistics of a call may come from a subsample of its positions
-        (:func:`kfac_func.blocks.spec.thin_positions`): the rows of :attr:`has_rows` kinds
-        without the per-example reduction, whose A and G are separate sums over rows."""
-        return self.has_rows and not self.joint and not self.reduced(spec)
-
     # --- examples ------------------------------------------------------------------
 
     def examples(self, spec: LayerSpec, x: torch.Tensor) -> int | None:

@@ -235,49 +235,6 @@ class Gram(NamedTuple):
     diagonal: bool = False
     groups: torch.Tensor | None = None
 
-    def scaled(self, factor: float) -> Gram:
-        """The statistics of ``factor`` times as many rows like these (the Gram and the
-        row count scaled): a subsample's estimate of the whole (see :func:`thin_positions`).
-
-        Example:
-            >>> Gram(torch.ones(2, 2), 4, 1).scaled(2.0)
-            Gram(gram=tensor([[2., 2.],
-                    [2., 2.]]), rows=8, spatial=1, diagonal=False, groups=None)
-        """
-        groups = None if self.groups is None else self.groups * factor
-        return Gram(
-            self.gram * factor, round(self.rows * factor), self.spatial, self.diagonal, groups
-        )
-
-
-def thin_positions(x: torch.Tensor, budget: int, offset: int) -> tuple[torch.Tensor, float]:
-    """Every ``k``-th position of ``x`` ``(examples, positions, ..., features)``, from
-    ``offset % k`` on, with ``k`` the smallest stride that leaves at most ``budget`` rows
-    (examples × positions × ...; every example keeps at least one position), and the
-    factor ``positions / kept positions`` that scales the subsample's statistics back to
-    the whole. A tensor within the budget, or without positions (fewer than 3
-    dimensions), is returned whole with factor 1.
-
-    Example:
-        >>> x = torch.arange(24.0).reshape(2, 6, 2)
-        >>> part, factor = thin_positions(x, budget=6, offset=1)
-        >>> part[0], factor
-        (tensor([[ 2.,  3.],
-                [ 6.,  7.],
-                [10., 11.]]), 2.0)
-    """
-    rows = x.shape[:-1].numel()
-    if x.dim() < 3 or rows <= budget:
-        return x, 1.0
-    positions = x.shape[1]
-    per_position = rows // positions
-    every = -(-rows // max(budget, 1))
-    while every < positions and per_position * -(-positions // every) > budget:
-        every += 1  # at most ceil(positions / every) positions are kept, whatever the offset
-    every = min(every, positions)
-    kept = x[:, offset % every :: every]
-    return kept, positions / kept.shape[1]
-
 
 def shape_error(
     spec: LayerSpec, what: str, expected: str, shape: torch.Size | tuple[int, ...]

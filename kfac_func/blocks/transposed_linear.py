@@ -66,11 +66,6 @@ class TransposedLinearBlock(LinearBlock):
     def formula(self, spec: LayerSpec) -> str:
         return "x @ weight + bias" if spec.has_bias else "x @ weight"
 
-    def thinnable(self, spec: LayerSpec) -> bool:
-        # the statistics are Linear's, separate sums over rows: positions may be thinned
-        # although the rows' preconditioning path (has_rows) is Linear's alone
-        return not self.reduced(spec)
-
     def _dims(self, name: str, module: nn.Module, weight: torch.Tensor) -> tuple[int, int]:
         d_in, d_out = super()._dims(name, module, weight)
         return d_out, d_in  # the weight is (in, out)

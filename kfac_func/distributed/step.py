@@ -40,7 +40,6 @@ from kfac_func.step.autocast import without_autocast
 from kfac_func.step.basis import carry_moments, moment_bases
 from kfac_func.step.checks import check_grads_mapping, layer_matrix
 from kfac_func.step.decompose import check_eigh_device
-from kfac_func.step.drift import one_process_only
 from kfac_func.step.grouped import preconditioned_layers
 from kfac_func.step.hyper import as_list, resolve
 from kfac_func.step.options import StepOptions, step_options
@@ -118,8 +117,6 @@ def update_distributed(
         1
     """
     opts = step_options(options, settings)
-    if opts.refresh_drift is not None:
-        raise one_process_only("update_distributed decomposes on schedule")
     names = check_plan(state, plan)
     check_grads_mapping(grads)  # before any collective
     # DTensor gradients (FSDP2, tensor parallelism): placements checked before any other

@@ -46,6 +46,7 @@ tied layers are untested.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 from torch import nn
 from typing_extensions import Unpack  # typing.Unpack is Python 3.11's
@@ -56,6 +57,7 @@ from kfac_func.adapter.arguments import (
     parse_enum,
     shares_arguments,
 )
+from kfac_func.adapter.settings import PARALLEL_SETTINGS, settings_from_keywords
 from kfac_func.parallel.preconditioner import (
     PARALLEL_DEFAULTS,
     ParallelArguments,
@@ -94,9 +96,10 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
 
     The arguments are :class:`~kfac_func.parallel.preconditioner.ParallelKFACPreconditioner`'s
     (the keywords of :class:`~kfac_func.parallel.ParallelArguments`,
-    ``**arguments``, are documented there), with its defaults but for ``loss_divisor`` and
-    ``include_plain_linear``. The process groups not given are the module's DeepSpeed
-    grid's data-parallel, slice-parallel and pipeline groups (none without a grid); the
+    ``**arguments``, are documented there), with its defaults but for
+    ``include_plain_linear`` and the settings' ``loss_divisor``. The process groups not
+    given are the module's DeepSpeed grid's data-parallel, slice-parallel and pipeline
+    groups (none without a grid); the
     pipeline group's rank is the stage. ``compute_method`` must be eigen (the default;
     ValueError otherwise, as in kfac-pytorch). ``accumulation_steps`` is DeepSpeed's
     ``gradient_accumulation_steps``, and ``loss_divisor``, what the backpropagated loss was
@@ -120,7 +123,7 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
             to precondition. The messages begin as kfac-pytorch's do.
     """
 
-    @shares_arguments({**PARALLEL_DEFAULTS, "loss_divisor": None}, ParallelArguments)
+    @shares_arguments(PARALLEL_DEFAULTS, ParallelArguments)
     def __init__(
         self,
         model: nn.Module,
@@ -161,6 +164,10 @@ class GPTNeoXKFACPreconditioner(ParallelKFACPreconditioner):
                 arguments["model_parallel_group"] = grid.get_slice_parallel_group()
             if arguments.get("pipeline_parallel_group") is None:
                 arguments["pipeline_parallel_group"] = grid.get_pipe_parallel_group()
-        if arguments.get("loss_divisor") is None:  # DeepSpeed's engine backpropagates loss / k
-            arguments["loss_divisor"] = arguments.get("accumulation_steps", 1)
-        super().__init__(model, include_plain_linear=include_plain_linear, **arguments)
+        given: dict[str, Any] = dict(arguments)
+        settings = settings_from_keywords(given, type(self).__name__, PARALLEL_SETTINGS)
+        if settings.loss_divisor is None:  # DeepSpeed's engine backpropagates loss / k
+            settings = settings.replace(loss_divisor=given.get("accumulation_steps", 1))
+        super().__init__(
+            model, include_plain_linear=include_plain_linear, **given, settings=settings
+        )

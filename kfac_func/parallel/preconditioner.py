@@ -43,6 +43,7 @@ from kfac_func.adapter.arguments import (
     log_registered,
     shares_arguments,
 )
+from kfac_func.adapter.settings import PARALLEL_SETTINGS
 from kfac_func.blocks.checks import check_hooks
 from kfac_func.parallel.base import Group
 from kfac_func.parallel.checkpointing import ParallelCheckpointing
@@ -101,7 +102,8 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
     there): the process groups, and those of
     :class:`~kfac_func.adapter.SharedArguments` with their defaults but
     ``compute_eigenvalue_outer_product=False`` (:data:`PARALLEL_DEFAULTS`, as kfac-pytorch's
-    GPT-NeoX preconditioner); ``allreduce_bucket_cap_mb`` and
+    GPT-NeoX preconditioner), ``settings=`` with the fields of
+    :data:`~kfac_func.adapter.settings.PARALLEL_SETTINGS` only; ``allreduce_bucket_cap_mb`` and
     ``symmetry_aware`` are accepted for compatibility (each collective here carries one
     layer's tensors); the ``loglevel`` report covers this stage and names the global and
     pipeline rank. Its own:
@@ -141,7 +143,7 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
         pipeline_parallel_group = arguments.pop("pipeline_parallel_group", None)
         factor_checkpoint_dir = arguments.pop("factor_checkpoint_dir", None)
         parallel_classes = arguments.pop("parallel_classes", None)
-        a = self._set_arguments(model, arguments, PARALLEL_DEFAULTS)
+        a = self._set_arguments(model, arguments, PARALLEL_DEFAULTS, PARALLEL_SETTINGS)
         if self.compute_method is ComputeMethod.EKFAC:
             raise ValueError(
                 "compute_method='ekfac' is not supported by the model-parallel "
@@ -161,7 +163,7 @@ class ParallelKFACPreconditioner(ParallelHookRecorder, ParallelStep, ParallelChe
             self.comm.mp_size,
             self.skip_layers,
             include_plain=include_plain_linear,
-            kinds=a["kinds"],
+            kinds=self.settings.kinds,
             parallel_classes=parallel_classes,
         )
         self.plan = make_parallel_plan(

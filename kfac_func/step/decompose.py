@@ -33,7 +33,6 @@ from kfac_func.step.decompose_groups import (
     solver_failed,
     warm_start,
 )
-from kfac_func.step.drift import drifted_layers
 from kfac_func.step.hyper import Hyper, resolve_checked
 
 __all__ = [
@@ -127,7 +126,6 @@ def decompose_layers(
     eigh_device: torch.device | str | None = None,
     grouped: bool = True,
     sync_free: bool = False,
-    refresh_drift: float | None = None,
 ) -> set[str]:
     """Decompose (in place) every layer of ``layers`` that :func:`needs_decomposition`:
     the decomposition stage of every step. Returns the layers that got a new one.
@@ -142,9 +140,7 @@ def decompose_layers(
     keeps its previous decomposition where the new one is not finite, as its ``usable``
     flag says (:func:`~kfac_func.step.decompose_groups.select_on_device`); should the
     solver itself fail (LAPACK not converging), the layers take the default mode's path
-    (a compiled step raises: the adapter reruns it eagerly). With ``refresh_drift`` only
-    the layers whose eigenbases drifted past it are decomposed anew
-    (:func:`~kfac_func.step.drift.drifted_layers`).
+    (a compiled step raises: the adapter reruns it eagerly).
 
     Example:
         >>> import torch
@@ -163,8 +159,6 @@ def decompose_layers(
         for name, ls in layers.items()
         if needs_decomposition(ls, config, update_inverses=update_inverses)
     ]
-    if refresh_drift is not None:
-        todo = drifted_layers(layers, todo, refresh_drift)
     if sync_free and todo:
         try:
             made = new_decompositions(

@@ -127,12 +127,6 @@ class StepOptions:
             default's dense path exactly (captured rows are not used). Needs
             ``nonfinite="skip"``. Under ``eigenbasis_moments`` a skipped step still counts
             in ``moment_count`` (the moments themselves keep their values).
-        refresh_drift: with ``eigenbasis_moments`` (``"eigen"``, one process, not
-            ``sync_free``): an ``update_inverses`` step decomposes anew only the layers
-            whose A or G eigenbasis has drifted past this value from its running factor
-            (the off-diagonal mass of ``QᵀFQ`` in the columns of the largest eigenvalues,
-            relative to theirs; see :mod:`kfac_func.step.drift`); the others keep their
-            bases and moments. None: every layer on every ``update_inverses`` step.
         batched_eigh: one batched eigh per factor shape across layers (see
             :func:`kfac_func.decompose`).
         eigh_device: the device eigh runs on (``"cpu"``: offload it); None: the factors'.
@@ -184,7 +178,6 @@ class StepOptions:
     ortho_dtype: torch.dtype | None = None
     ortho_wider_than: int | None = None
     sync_free: bool = False
-    refresh_drift: float | None = None
     batched_eigh: bool = False
     eigh_device: torch.device | str | None = None
     grouped: bool = True
@@ -204,7 +197,6 @@ class StepOptions:
             BasisMoments(self.moment_beta2, self.moment_eps, self.moment_beta1).check("eigen")
         if self.orthogonal:
             self.orthogonal_settings("eigen")
-        self.drift_threshold("eigen")
         object.__setattr__(self, "eigh_device", check_eigh_device(self.eigh_device))
         dt = self.gram_dtype
         if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
@@ -282,41 +274,6 @@ class StepOptions:
             self.ortho_wider_than,
         )
         return settings.check(compute_method)
-
-    def drift_threshold(self, compute_method: str) -> float | None:
-        """``refresh_drift`` checked for a state of ``compute_method`` (a ValueError says
-        what it needs).
-
-        Example:
-            >>> StepOptions(eigenbasis_moments=True, refresh_drift=0.003).drift_threshold("eigen")
-            0.003
-            >>> StepOptions(refresh_drift=0.003).drift_threshold("eigen")  # doctest: +ELLIPSIS
-            Traceback (most recent call last):
-            ...
-            ValueError: refresh_drift keeps a layer's eigenbasis while it has not drifted: ...
-        """
-        tau = self.refresh_drift
-        if tau is None:
-            return None
-        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau >= 0:
-            raise ValueError(f"refresh_drift must be None or a number >= 0, got {tau!r}")
-        needs = [
-            (
-                not self.eigenbasis_moments,
-                "eigenbasis_moments=True (the step that uses the "
-                "bases only; K-FAC's own step needs fresh eigenvalues too)",
-            ),
-            (self.orthogonal, "orthogonal=False (the orthogonalized step uses the eigenvalues)"),
-            (self.sync_free, "sync_free=False (it decides on the host)"),
-            (compute_method != "eigen", f"compute_method 'eigen', not {compute_method!r}"),
-        ]
-        for failed, what in needs:
-            if failed:
-                raise ValueError(
-                    "refresh_drift keeps a layer's eigenbasis while it has not drifted: it "
-                    f"needs {what}"
-                )
-        return float(tau)
 
     def at(self, step: int) -> StepOptions:
         """These options with every hyperparameter evaluated at ``step`` and checked (a

@@ -114,7 +114,6 @@ def update(
     opts = step_options(options, settings)
     step, config = state.step, state.config
     stage = opts.stage_settings(config.compute_method, step)
-    drift = opts.drift_threshold(config.compute_method)
     sync_free, grouped, nonfinite = opts.sync_free, opts.grouped, opts.nonfinite
     ortho = stage.orthogonal
     validate_grads(state.layers, grads)  # before anything changes, donated or not
@@ -158,7 +157,6 @@ def update(
         eigh_device=opts.eigh_device,
         grouped=grouped or opts.batched_eigh,
         sync_free=sync_free,
-        refresh_drift=drift,
     )
     carry_moments(layers, before, fresh, grouped=grouped)
     if config.compute_method == "ekfac" and micro is not None:
