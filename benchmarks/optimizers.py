@@ -267,9 +267,9 @@ KFAC = {
     # the recommended recipe (kf.KFAC's): kfac-moments-fresh with the layers that have a
     # side wider than 512 on the orthogonalized step (no Gram and no eigh of their G
     # factors, their A factors in blocks), eigenbases every 2 steps, fewer in long runs
-    "kfac-moments-wide": _wide(kf.GrowingInterval(), WIDE),
+    "kfac-moments-wide": _wide(kf.step.GrowingInterval(), WIDE),
     # the same with the wide layers' A factors whole (decomposed as one matrix)
-    "kfac-moments-wide-whole": _wide(kf.GrowingInterval(), WIDE._replace(block=None)),
+    "kfac-moments-wide-whole": _wide(kf.step.GrowingInterval(), WIDE._replace(block=None)),
     # the same with eigenbases every 2 steps however long the run
     "kfac-moments-wide-2": _wide(2, WIDE),
     # the quadratic model's learning rate and momentum, adaptive damping ("lr": its start)

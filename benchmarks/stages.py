@@ -952,10 +952,10 @@ def _recipe_settings(quick: bool) -> dict[str, Any]:
 
 def _plain(value: Any) -> Any:
     """A setting as JSON holds it (an :class:`~kfac_func.Orthogonal` or a
-    :class:`~kfac_func.GrowingInterval` as a dict, a dtype as its name)."""
+    :class:`~kfac_func.step.GrowingInterval` as a dict, a dtype as its name)."""
     if isinstance(value, kf.Orthogonal):
         return {k: _plain(v) for k, v in value._asdict().items()}
-    if isinstance(value, kf.GrowingInterval):
+    if isinstance(value, kf.step.GrowingInterval):
         return {"growing_interval": dataclasses.asdict(value)}
     return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
 

@@ -65,7 +65,7 @@ from kfac_func.checkpoint import (
 )
 from kfac_func.core import DecompositionError
 from kfac_func.state import KFACConfig, KFACState, init
-from kfac_func.step import GrowingInterval, NonFiniteError, Orthogonal, StepOptions
+from kfac_func.step import NonFiniteError, Orthogonal, StepOptions
 from kfac_func.step.decompose import decompose
 from kfac_func.step.update import update
 
@@ -80,7 +80,6 @@ __all__ = [
     "ComputeMethod",
     "DecompositionError",
     "FallbackWarning",
-    "GrowingInterval",
     "KFACConfig",
     "KFACPreconditioner",
     "KFACState",

@@ -24,7 +24,6 @@ TOP = {
     "RECIPES",
     "Recipe",
     "Orthogonal",
-    "GrowingInterval",
     "KFACPreconditioner",
     "Settings",
     "ComputeMethod",

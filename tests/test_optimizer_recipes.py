@@ -81,7 +81,7 @@ RECOMMENDED: dict[str, Any] = {
     "kl_clip": None,
     "scaling": "fisher",
     "factor_update_steps": 1,
-    "inv_update_steps": kf.GrowingInterval(),
+    "inv_update_steps": kf.step.GrowingInterval(),
     "factor_decay": 0.9,
     "batched_eigh": True,
     "orthogonal": kf.Orthogonal(powers=(0.5, 0.0), wider_than=512, block=512),

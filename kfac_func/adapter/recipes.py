@@ -135,7 +135,7 @@ RECIPES: dict[str, Recipe] = {
 }
 """The named recipes: ``"recommended"`` (the default: Adam's step in K-FAC's eigenbasis,
 factor statistics every step, eigenbases every 2 steps, growing to every 32 as a long
-run goes on (:class:`~kfac_func.GrowingInterval`), and Muon's step on K-FAC's input
+run goes on (:class:`~kfac_func.step.GrowingInterval`), and Muon's step on K-FAC's input
 curvature for the layers with a side wider than :data:`WIDE`; the optimizer race's
 ``kfac-moments-wide``) and ``"kfac-pytorch"``
 (kfac-pytorch's preconditioner defaults in front of plain SGD, AdamW with torch's
