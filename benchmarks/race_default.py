@@ -232,6 +232,21 @@ def run_workload(name: str, args: argparse.Namespace, log: Any) -> dict[str, Any
     return out
 
 
+def commits(doc: dict[str, Any]) -> str:
+    """The commit of a results document, or of each workload where they differ.
+
+    Example:
+        >>> commits({"commit": "0123456789ab", "dirty": False, "workloads": [{}]})
+        'commit `0123456789`'
+        >>> commits({"workloads": [{"workload": "lm", "commit": "aaaaaaaaaaaa", "dirty": False},
+        ...                        {"workload": "x", "commit": "bbbbbbbbbbbb", "dirty": False}]})
+        'lm: commit `aaaaaaaaaa`, x: commit `bbbbbbbbbb`'
+    """
+    if all("commit" not in w for w in doc["workloads"]):
+        return rr.commit_phrase(doc)
+    return ", ".join(f"{w['workload']}: {rr.commit_phrase(w)}" for w in doc["workloads"])
+
+
 def render(doc: dict[str, Any]) -> str:
     """The Markdown table of ``race_default.json``."""
 
@@ -239,7 +254,7 @@ def render(doc: dict[str, Any]) -> str:
         return rr.rounded(x, places)
 
     lines = [
-        f"Results: `benchmarks/results/{FILE}` (`{doc['command']}`), {rr.commit_phrase(doc)}"
+        f"Results: `benchmarks/results/{FILE}` (`{doc['command']}`), {commits(doc)}"
         + f"; `kf.KFAC(model)` at its default learning rate {doc['lr']:g}, seeds "
         + ", ".join(map(str, doc["eval_seeds"]))
         + f"; CPU `{doc['machine']['cpu']}`, {doc['machine']['threads']} thread(s). AdamW's "
@@ -275,27 +290,33 @@ def write_table(page: Path, results: Path) -> bool:
 
 def merge(folders: list[Path]) -> dict[str, Any]:
     """One ``race_default.json`` document from those in ``folders`` (runs of the same
-    commit, learning rate and seeds, on different workloads), workloads in the race's
-    order; ``command`` lists each run's.
+    learning rate, seeds and thread count, on different workloads), workloads in the race's
+    order; ``command`` lists each run's. Runs of different commits (a workload added to
+    the race later) keep each workload's commit in its entry, and the table says them.
 
     Raises:
-        ValueError: the documents differ in commit, learning rate, seeds or threads, or
-            share a workload.
+        ValueError: the documents differ in learning rate, seeds or threads, or share a
+            workload.
     """
     docs = [json.loads((f / FILE).read_text()) for f in folders]
-    keys = ("commit", "dirty", "lr", "eval_seeds", "quick")
     for d in docs[1:]:
-        for key in keys:
+        for key in ("lr", "eval_seeds", "quick"):
             if d[key] != docs[0][key]:
                 raise ValueError(f"--merge: {key} differs: {docs[0][key]!r} and {d[key]!r}")
         if d["machine"]["threads"] != docs[0]["machine"]["threads"]:
             raise ValueError("--merge: the runs used different thread counts")
-    found = [w for d in docs for w in d["workloads"]]
+    found = [
+        {**w, "commit": w.get("commit", d["commit"]), "dirty": w.get("dirty", d["dirty"])}
+        for d in docs
+        for w in d["workloads"]
+    ]
     names = [w["workload"] for w in found]
     if len(set(names)) != len(names):
         raise ValueError(f"--merge: a workload appears twice: {names}")
     order = list(rw.WORKLOADS)
     found.sort(key=lambda w: order.index(w["workload"]))
+    if len({(w["commit"], w["dirty"]) for w in found}) == 1:
+        found = [{k: v for k, v in w.items() if k not in ("commit", "dirty")} for w in found]
     return {**docs[0], "command": " ; ".join(d["command"] for d in docs), "workloads": found}
 
 

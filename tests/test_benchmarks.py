@@ -70,6 +70,24 @@ def test_vs_reference_quick() -> None:
     assert "adapter/ref" in proc.stdout and "step peak MiB" in proc.stdout
 
 
+def test_vs_reference_docs_block_is_the_committed_results() -> None:
+    """``docs/performance.md``'s drop-in table equals what ``vs_reference.py --tables``
+    renders from ``benchmarks/results/vs_reference.json``, every number found in it."""
+    from test_docs_numbers import appears, quoted_numbers, result_values
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import race_report as rr
+    import vs_reference as vr
+
+    path = ROOT / "benchmarks" / "results" / "vs_reference.json"
+    doc = json.loads(path.read_text())
+    block = rr.block_between(vr.PAGE.read_text(), vr.MARKS)
+    assert block == vr.render(doc), "stale: python benchmarks/vs_reference.py --tables"
+    assert not doc["quick"]
+    values = result_values([path])
+    assert not [n for _, n in quoted_numbers(block) if not appears(n, values)]
+
+
 @pytest.mark.slow
 def test_convergence_quick() -> None:
     proc = _run_quick("convergence.py")

@@ -155,8 +155,8 @@ def test_readme_set_up_and_test_commands_are_what_ci_runs() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     commands = _commands(readme)
-    set_up = "bash scripts/setup.sh"
-    script = [line.strip() for line in (ROOT / "scripts" / "setup.sh").read_text().splitlines()]
+    set_up = "bash tools/setup.sh"
+    script = [line.strip() for line in (ROOT / "tools" / "setup.sh").read_text().splitlines()]
     assert any(line.startswith('pip install "torch==2.13.0" -e') for line in script), script
     tests = ['python -m pytest -q -m "not slow"', "python -m pytest -q -m slow"]
     for command in [set_up, *tests, "mkdocs build --strict"]:

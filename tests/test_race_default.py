@@ -33,7 +33,8 @@ def test_the_default_learning_rate_is_the_one_the_race_results_give() -> None:
         pytest.skip("no race results committed")
     lr, fractions = rd.derive_lr(RESULTS)
     assert lr == kf.RECIPES["recommended"].lr
-    assert len(fractions) == 6 and max(f[f"{lr:g}"] for f in fractions.values()) < 1
+    assert len(fractions) == len(rd.rw.WORKLOADS)
+    assert max(f[f"{lr:g}"] for f in fractions.values()) < 1
 
 
 def test_quick_runs_end_to_end_and_merge(tmp_path: Path) -> None:
@@ -49,6 +50,13 @@ def test_quick_runs_end_to_end_and_merge(tmp_path: Path) -> None:
     run = doc["workloads"][0]["runs"][0]
     assert run["optimizer"] == "kfac-default" and run["lr"] == kf.RECIPES["recommended"].lr
     assert run["rows"][-1]["step"] == doc["workloads"][0]["steps"]
+    assert all("commit" not in w for w in doc["workloads"])  # one commit: said once
+    later = json.loads((tmp_path / "a" / rd.FILE).read_text())
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / rd.FILE).write_text(json.dumps({**later, "commit": "f" * 40}))
+    joined = rd.merge([tmp_path / "b", tmp_path / "c"])  # a workload added later
+    assert [w["commit"] for w in joined["workloads"]] == ["f" * 40, doc["commit"]]
+    assert rd.commits(joined).startswith(f"lm: commit `{'f' * 10}`")
     with pytest.raises(ValueError, match="appears twice"):
         rd.merge([tmp_path / "a", tmp_path / "a"])
     with pytest.raises(ValueError, match="takes no settings"):

