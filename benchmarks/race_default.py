@@ -239,12 +239,16 @@ def commits(doc: dict[str, Any]) -> str:
         >>> commits({"commit": "0123456789ab", "dirty": False, "workloads": [{}]})
         'commit `0123456789`'
         >>> commits({"workloads": [{"workload": "lm", "commit": "aaaaaaaaaaaa", "dirty": False},
-        ...                        {"workload": "x", "commit": "bbbbbbbbbbbb", "dirty": False}]})
-        'lm: commit `aaaaaaaaaa`, x: commit `bbbbbbbbbb`'
+        ...                        {"workload": "x", "commit": "bbbbbbbbbbbb", "dirty": False},
+        ...                        {"workload": "y", "commit": "aaaaaaaaaaaa", "dirty": False}]})
+        'commit `aaaaaaaaaa` (lm, y), commit `bbbbbbbbbb` (x)'
     """
     if all("commit" not in w for w in doc["workloads"]):
         return rr.commit_phrase(doc)
-    return ", ".join(f"{w['workload']}: {rr.commit_phrase(w)}" for w in doc["workloads"])
+    by: dict[str, list[str]] = {}
+    for w in doc["workloads"]:
+        by.setdefault(rr.commit_phrase(w), []).append(w["workload"])
+    return ", ".join(f"{phrase} ({', '.join(names)})" for phrase, names in by.items())
 
 
 def render(doc: dict[str, Any]) -> str:

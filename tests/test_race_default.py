@@ -56,7 +56,7 @@ def test_quick_runs_end_to_end_and_merge(tmp_path: Path) -> None:
     (tmp_path / "c" / rd.FILE).write_text(json.dumps({**later, "commit": "f" * 40}))
     joined = rd.merge([tmp_path / "b", tmp_path / "c"])  # a workload added later
     assert [w["commit"] for w in joined["workloads"]] == ["f" * 40, doc["commit"]]
-    assert rd.commits(joined).startswith(f"lm: commit `{'f' * 10}`")
+    assert rd.commits(joined).startswith(f"commit `{'f' * 10}` (lm)")
     with pytest.raises(ValueError, match="appears twice"):
         rd.merge([tmp_path / "a", tmp_path / "a"])
     with pytest.raises(ValueError, match="takes no settings"):
