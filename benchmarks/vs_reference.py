@@ -328,9 +328,24 @@ class ReferenceKFAC:
 
 
 def make_model(name: str, args: argparse.Namespace) -> tuple[nn.Module, tuple[int, ...], int]:
-    if name == "mlp":
-        return make_mlp(args.width, 10), (args.mlp_batch, args.width), 10
+    """The model ``name`` (``mlp``: width ``--width``; ``mlp-N``: width N; ``cnn``), the
+    shape of its input batch and its class count."""
+    if name.startswith("mlp"):
+        width = int(name.removeprefix("mlp-")) if name != "mlp" else args.width
+        return make_mlp(width, 10), (args.mlp_batch, width), 10
     return make_cnn(), (args.cnn_batch, 3, 32, 32), 10
+
+
+def model_name(value: str) -> str:
+    """``--models``'s type: ``mlp``, ``mlp-N`` (an MLP of width N) or ``cnn``.
+
+    Example:
+        >>> model_name("mlp-512"), model_name("cnn")
+        ('mlp-512', 'cnn')
+    """
+    if value in ("mlp", "cnn") or (value.startswith("mlp-") and value[4:].isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"--models: mlp, mlp-N or cnn, got {value!r}")
 
 
 class Runner:
@@ -638,9 +653,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--models",
         nargs="+",
-        choices=["mlp", "cnn"],
+        type=model_name,
         default=["mlp", "cnn"],
-        help="mlp: 4 Linear layers of --width; cnn: 3 Conv2d + Linear on 3x32x32 images",
+        help="mlp: 4 Linear layers of --width; mlp-N: of width N; cnn: 3 Conv2d + Linear "
+        "on 3x32x32 images",
     )
     p.add_argument("--intervals", nargs="+", default=["10/100", "1/1"], help="F/I intervals")
     p.add_argument("--no-inverse", dest="inverse", action="store_false", help="skip -inv variants")
