@@ -25,7 +25,10 @@ The variants
 - ``sgd``: zero_grad + forward + cross-entropy + backward + ``SGD(lr, momentum=0.9).step()``.
 - ``reference`` / ``reference-inv``: the same plus ``ReferenceKFAC.step()`` (eigen / inverse).
 - ``adapter`` / ``adapter-inv``: the same plus ``kfac_func.KFACPreconditioner(model,
-  factor_update_steps=F, inv_update_steps=I, ...).step()`` (scaling ``"kfac-pytorch"``).
+  factor_update_steps=F, inv_update_steps=I, ...).step()`` (scaling ``"kfac-pytorch"``;
+  its default ``grouped``: layer by layer on a CPU).
+- ``adapter-grouped``: ``adapter`` with ``grouped=True`` (the layers of one shape stacked
+  and computed together, the default on accelerators), eigen only.
 - ``functional``: ``kf.capture`` + ``kf.update(..., donate=True)`` (state from
   ``kf.init(convention="kfac-pytorch")``, eigen) + writing ``p.grad`` + the same
   ``SGD.step()``.
@@ -118,6 +121,7 @@ VARIANTS = [
     "sgd",
     "reference",
     "adapter",
+    "adapter-grouped",
     "functional",
     "reference-inv",
     "adapter-inv",
@@ -381,6 +385,7 @@ class Runner:
                 settings=kf.Settings(
                     scaling="kfac-pytorch",
                     eigenbasis_refresh="qr" if variant == "adapter-qr" else "eigh",
+                    grouped=True if variant == "adapter-grouped" else None,
                 ),
                 **hyper,
             )
@@ -744,6 +749,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 ref, ours = ms[f"reference{suffix}"], ms[f"adapter{suffix}"]
                 fn = ms["functional"] if not suffix else float("nan")
+                grp = ms["adapter-grouped"] if not suffix else float("nan")
                 records.append(
                     {
                         "model": model,
@@ -753,8 +759,10 @@ def main(argv: list[str] | None = None) -> int:
                         "reference_ms": ref,
                         "adapter_ms": ours,
                         "functional_ms": None if suffix else fn,
+                        "grouped_ms": None if suffix else grp,
                         "adapter_over_reference": ours / ref,
                         "functional_over_reference": None if suffix else fn / ref,
+                        "grouped_over_reference": None if suffix else grp / ref,
                         "width": make_model(model, args)[1][1] if model != "cnn" else None,
                     }
                 )
@@ -767,8 +775,10 @@ def main(argv: list[str] | None = None) -> int:
                         f"{ref:.1f}",
                         f"{ours:.1f}",
                         "-" if suffix else f"{fn:.1f}",
+                        "-" if suffix else f"{grp:.1f}",
                         f"{ours / ref:.2f}",
                         "-" if suffix else f"{fn / ref:.2f}",
+                        "-" if suffix else f"{grp / ref:.2f}",
                         f"{ours / ms['sgd']:.2f}",
                         f"{ref / ms['sgd']:.2f}",
                     ]
@@ -783,8 +793,10 @@ def main(argv: list[str] | None = None) -> int:
             "reference",
             "adapter",
             "functional",
+            "grouped",
             "adapter/ref",
             "functional/ref",
+            "grouped/ref",
             "adapter/SGD",
             "ref/SGD",
         ],
@@ -900,18 +912,22 @@ def render(doc: dict[str, Any]) -> str:
         f"{m['threads']} thread(s), torch `{m['torch']}`; medians of {s['reps']} "
         "repetitions, milliseconds per step amortized over a cycle of F/I steps.",
         "",
-        "| model | F/I | method | SGD | reference | adapter | functional | adapter / "
-        "reference | functional / reference |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | F/I | method | SGD | reference | adapter | functional | adapter, grouped | "
+        "adapter / reference | functional / reference | grouped / reference |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def opt(v: float | None, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
     for r in doc["rows"]:
-        fn, fr = r["functional_ms"], r["functional_over_reference"]
         lines.append(
             f"| {r['model']} | {r['intervals']} | {r['method']} | {r['sgd_ms']:.1f} | "
             f"{r['reference_ms']:.1f} | {r['adapter_ms']:.1f} | "
-            f"{'-' if fn is None else f'{fn:.1f}'} | "
+            f"{opt(r['functional_ms'], '.1f')} | {opt(r.get('grouped_ms'), '.1f')} | "
             f"{r['adapter_over_reference']:.2f} | "
-            f"{'-' if fr is None else f'{fr:.2f}'} |"
+            f"{opt(r['functional_over_reference'], '.2f')} | "
+            f"{opt(r.get('grouped_over_reference'), '.2f')} |"
         )
     if doc["memory"]:
         lines += ["", "| model | variant | step peak MiB |", "|---|---|---|"]

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import kfac_func as kf
 from kfac_func.core.stacks import stacked
-from kfac_func.step.grouping import plan_groups
+from kfac_func.step.grouping import grouped_here, plan_groups
 
 pytest.importorskip("transformers")
 
@@ -180,21 +180,33 @@ def test_operations_of_the_grouped_step_do_not_grow_with_depth(kw: dict[str, Any
     assert sum(per_layer.values()) > 2 * sum(deep.values())  # what grouping saves
 
 
-def test_adapter_step_operations_do_not_grow_with_depth() -> None:
-    def count(depth: int, **kw: Any) -> int:
-        model = _deep(depth)
-        pre = kf.KFACPreconditioner(
-            model, factor_update_steps=5, inv_update_steps=5, **with_settings(**kw)
-        )
-        for _ in range(2):
-            model.zero_grad()
-            model(torch.randn(32, 4)).pow(2).mean().backward()
-            with _Ops() as counter:
-                pre.step()
-        return sum(counter.ops.values())  # the second, precondition-only step
+def _adapter_ops(depth: int, **kw: Any) -> int:
+    """The operations of the adapter's second, precondition-only step on ``_deep(depth)``."""
+    model = _deep(depth)
+    pre = kf.KFACPreconditioner(
+        model, factor_update_steps=5, inv_update_steps=5, **with_settings(**kw)
+    )
+    for _ in range(2):
+        model.zero_grad()
+        model(torch.randn(32, 4)).pow(2).mean().backward()
+        with _Ops() as counter:
+            pre.step()
+    return sum(counter.ops.values())
 
-    assert count(2) == count(8)
-    assert count(2, sync_free=True) == count(8, sync_free=True)
+
+def test_adapter_step_operations_do_not_grow_with_depth() -> None:
+    assert _adapter_ops(2, grouped=True) == _adapter_ops(8, grouped=True)
+    assert _adapter_ops(2, grouped=True, sync_free=True) == _adapter_ops(
+        8, grouped=True, sync_free=True
+    )
+
+
+def test_layers_group_by_default_on_accelerators_only() -> None:
+    layers = kf.register(nn.Linear(2, 2))
+    cpu, meta = kf.init(layers).layers, kf.init(layers, device="meta").layers
+    assert (grouped_here(None, cpu), grouped_here(None, meta)) == (False, True)
+    assert (grouped_here(True, cpu), grouped_here(False, meta)) == (True, False)
+    assert _adapter_ops(8) > 2 * _adapter_ops(2)  # on a CPU, layer by layer
 
 
 def test_a_non_finite_layer_of_a_group_is_skipped_alone() -> None:
@@ -244,7 +256,7 @@ def test_a_group_is_stacked_once_and_then_reused() -> None:
     names = ["1.0", "2.0", "3.0"]
     qa = [state.layers[n].decomposition.qa for n in names]  # type: ignore[union-attr]
     assert stacked(qa)[1]  # decomposed one layer at a time: a fresh stack
-    kw: dict[str, Any] = {"update_factors": False, "update_inverses": False}
+    kw: dict[str, Any] = {"update_factors": False, "update_inverses": False, "grouped": True}
     g1, once = kf.update(state, grads, **kw)
     qa = [once.layers[n].decomposition.qa for n in names]  # type: ignore[union-attr]
     slab, fresh = stacked(qa)

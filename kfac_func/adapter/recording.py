@@ -50,6 +50,7 @@ from kfac_func.step.batch_factors import (
     factors_from_stats,
 )
 from kfac_func.step.checks import rows_cheaper_count
+from kfac_func.step.grouping import grouped_here
 
 __all__ = ["HookRecorder", "remove_handles"]
 
@@ -433,7 +434,8 @@ class HookRecorder(PreconditionerBase):
         loss, hold the micro-batches and must not keep them alive after the step).
         """
         out = {}
-        together = getattr(self, "grouped", False) and self.comm.world_size == 1
+        together = grouped_here(getattr(self, "grouped", False), self._state.layers)
+        together = together and self.comm.world_size == 1
         stats: dict[str, list[MicroBatchStats]] = {}
         for name, spec in self.layers.items():
             if self._reducer is None or not self._reducer.offered(name):

@@ -39,7 +39,7 @@ from kfac_func.step.orthogonal import Orthogonal
 
 __all__ = ["PARALLEL_SETTINGS", "SETTINGS", "Settings", "settings_from_keywords"]
 
-_FLAGS = ("eigenbasis_moments", "batched_eigh", "grouped", "sync_free", "compile")
+_FLAGS = ("eigenbasis_moments", "batched_eigh", "sync_free", "compile")
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,7 @@ class Settings:
             back to the factors' device; None: the factors' own.
         grouped: on one process, compute the layers of one shape together (see
             :func:`kfac_func.update`; transient memory: about the largest group's factors).
+            None: where the factors are on an accelerator, not on a CPU.
         sync_free: step without reading the device on the host (finiteness decided by
             ``torch.where``; skipped layers and factor updates counted in the state and
             reported by ``report_skipped()``); see :mod:`kfac_func.step.sync_free`.
@@ -135,7 +136,7 @@ class Settings:
     eigenbasis_refresh: str = "eigh"
     batched_eigh: bool = False
     eigh_device: torch.device | str | None = None
-    grouped: bool = True
+    grouped: bool | None = None
     sync_free: bool = False
     compile: bool = False
     allreduce_method: AllreduceMethod | str | None = None
@@ -145,6 +146,8 @@ class Settings:
         for name in _FLAGS:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.grouped is not None and not isinstance(self.grouped, bool):
+            raise TypeError(f"grouped must be a bool or None, got {self.grouped!r}")
         if self.compile and not self.sync_free:
             raise ValueError(
                 "compile=True compiles each step as one graph, which needs the checks on "
@@ -190,7 +193,7 @@ class Settings:
         """The fields that differ from their defaults.
 
         Example:
-            >>> sorted(Settings(scaling="fisher", grouped=True).named())
+            >>> sorted(Settings(scaling="fisher", grouped=None).named())
             ['scaling']
         """
         return {k for k, v in _DEFAULTS.items() if getattr(self, k) != v}

@@ -48,8 +48,9 @@ class SyncFreeMixin:
     """Whether steps decide on the device (no host synchronisation when only preconditioning)."""
     compile: bool
     """Whether steps run compiled (``torch.compile``, fullgraph; one graph per step kind)."""
-    grouped: bool
-    """Whether a step on one process computes the layers of one shape together."""
+    grouped: bool | None
+    """Whether a step on one process computes the layers of one shape together (None: on
+    accelerators)."""
     _compiled: Callable[..., Any] | None = None
 
     def _stepper(self) -> Callable[..., Any]:

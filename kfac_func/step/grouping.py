@@ -16,11 +16,29 @@ import torch
 from kfac_func.state import MOMENT_FIELDS, LayerState
 from kfac_func.step.checks import layer_grads
 
-__all__ = ["GROUPED_FIELDS", "group_key", "plan_groups"]
+__all__ = ["GROUPED_FIELDS", "group_key", "grouped_here", "plan_groups"]
 
 GROUPED_FIELDS = ("decomposition", *MOMENT_FIELDS, "ortho_power", "grad_skips", "usable")
 """The fields of a :class:`~kfac_func.state.LayerState` that the preconditioning reads
 and that a group stacks (the factors are not read: only their dtype is)."""
+
+
+def grouped_here(grouped: bool | None, layers: Mapping[str, LayerState]) -> bool:
+    """Whether a step computes the layers of one shape together: ``grouped`` as given,
+    or for None (the default) where the layers' factors are on an accelerator. On a CPU a
+    step is arithmetic, not kernel launches, and the stacking costs more than it saves
+    (see the ``grouped`` setting of :class:`kfac_func.StepOptions`).
+
+    Example:
+        >>> import kfac_func as kf
+        >>> layers = kf.init(kf.register(torch.nn.Linear(2, 2))).layers
+        >>> grouped_here(None, layers), grouped_here(True, layers)
+        (False, True)
+    """
+    if grouped is not None:
+        return grouped
+    first = next(iter(layers.values()), None)
+    return first is not None and first.a_factor.device.type != "cpu"
 
 
 def group_key(ls: LayerState, grads: Mapping[str, torch.Tensor]) -> Hashable:

@@ -42,7 +42,7 @@ __all__ = ["DEFAULT_DAMPING", "StepOptions", "step_options"]
 DEFAULT_DAMPING = 1e-3
 """The damping of a step given none (``StepOptions.damping=None``) that decomposes."""
 
-_FLAGS = ("eigenbasis_moments", "orthogonal", "sync_free", "batched_eigh", "grouped")
+_FLAGS = ("eigenbasis_moments", "orthogonal", "sync_free", "batched_eigh")
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,10 @@ class StepOptions:
             operations of those stages grow with the number of distinct layer shapes, not
             of layers. ``grouped=False`` runs every layer as a group of one, through the
             same code (the old factors and decompositions are then freed layer by layer);
-            the results are the same to rounding.
+            the results are the same to rounding. None (the default): grouped where the
+            factors are on an accelerator, where each operation is a kernel launch; one
+            layer at a time on a CPU, where stacking measured slower
+            (:func:`~kfac_func.step.grouping.grouped_here`).
 
     All hyperparameters (``damping``, ``factor_decay``, ``kl_clip``, ``lr``,
     ``update_factors``, ``update_inverses``) may be ``step -> value`` callables, evaluated
@@ -180,7 +183,7 @@ class StepOptions:
     sync_free: bool = False
     batched_eigh: bool = False
     eigh_device: torch.device | str | None = None
-    grouped: bool = True
+    grouped: bool | None = None
     gram_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
@@ -191,6 +194,8 @@ class StepOptions:
         for name in _FLAGS:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.grouped is not None and not isinstance(self.grouped, bool):
+            raise TypeError(f"grouped must be a bool or None, got {self.grouped!r}")
         check_sync_free(self.sync_free, self.nonfinite)
         self.grafting_settings()
         if self.eigenbasis_moments:

@@ -21,6 +21,7 @@ from kfac_func.state import KFACState, LayerState
 from kfac_func.step.autocast import without_autocast
 from kfac_func.step.basis import BasisMoments
 from kfac_func.step.grouped import precondition_layers
+from kfac_func.step.grouping import grouped_here
 from kfac_func.step.hyper import as_list
 from kfac_func.step.layer_step import Grafting
 from kfac_func.step.options import StepOptions, step_options
@@ -112,7 +113,7 @@ def precondition_grads(
         kl_clip=opts.kl_clip,
         lr=opts.lr,
         rows=None if stage.sync_free else rows,
-        grouped=opts.grouped,
+        grouped=grouped_here(opts.grouped, layers),
     )
 
 

@@ -35,6 +35,7 @@ from kfac_func.step.checks import validate_grads
 from kfac_func.step.decompose import decompose_layers
 from kfac_func.step.ekfac import update_scales
 from kfac_func.step.grouped import precondition_layers
+from kfac_func.step.grouping import grouped_here
 from kfac_func.step.hyper import as_list, resolve, take
 from kfac_func.step.options import StepOptions, step_options
 from kfac_func.step.orthogonal import orthogonal_layers, prepare_layers
@@ -114,7 +115,8 @@ def update(
     opts = step_options(options, settings)
     step, config = state.step, state.config
     stage = opts.stage_settings(config.compute_method, step)
-    sync_free, grouped, nonfinite = opts.sync_free, opts.grouped, opts.nonfinite
+    sync_free, nonfinite = opts.sync_free, opts.nonfinite
+    grouped = grouped_here(opts.grouped, state.layers)
     ortho = stage.orthogonal
     validate_grads(state.layers, grads)  # before anything changes, donated or not
     layers = state.layers if donate else dict(state.layers)
