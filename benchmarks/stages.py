@@ -18,7 +18,8 @@ with decay 0.9, eigendecompositions every 2 steps, SGD without momentum after it
 layers with a factor side wider than 512 take Muon's step on K-FAC's input curvature
 instead (``Orthogonal(powers=(0.5, 0), wider_than=512)``: their G factors diagonal, their
 A factor's damped ``-1/2`` power recomputed at each decomposition); the library's
-defaults otherwise (``grouped=True``: layers of one shape computed as stacks). On ``lm``
+defaults otherwise (``grouped``: layers of one shape computed as stacks on accelerators,
+one at a time on a CPU; the stage rows call the stages as the step does). On ``lm``
 and ``gpt2`` no side is that wide and the recipe is ``kfac-moments-fresh`` exactly; on
 ``lm4x`` the attention's input projection and both MLP layers are wide.
 
@@ -39,10 +40,11 @@ dict, and the stage functions return new tensors).
   ``step/batch_factors.py``).
 - ``fold``: ``step.accumulate.fold_layers`` (the running averages, their
   finiteness checks).
-- ``decomposition: eigh``: ``step.decompose.decompose_layers`` (``grouped=True``: one
-  batched ``eigh`` per shape, its checks, the precomputed ``1/(dg daᵀ + λ)``, the lone
-  factors one by one); ``of which the batched eighs``: ``step.decompose_groups.batched_eigenpairs``,
-  the first thing that function calls; ``decomposition: QR refresh``: the same function
+- ``decomposition: eigh``: ``step.decompose.decompose_layers`` (grouped, or with
+  ``batched_eigh``: one batched ``eigh`` per shape, its checks, the precomputed
+  ``1/(dg daᵀ + λ)``, the lone factors one by one; else factor by factor); ``of which the
+  batched eighs``: ``step.decompose_groups.batched_eigenpairs``, the first thing that
+  function calls; ``decomposition: QR refresh``: the same function
   with the state's ``eigenbasis_refresh="qr"`` (one warm-started power iteration + QR
   per factor, from the snapshot's eigenbases, factor by factor: refreshed sides are not
   batched; not the recipe's setting).
@@ -81,6 +83,20 @@ dict, and the stage functions return new tensors).
   two consecutive steps, as K-FAC's amortized step). ``AdamW``: ``torch.optim.AdamW``.
 - ``whole training step``: each optimizer's forward+backward and optimizer part in its
   own training steps.
+
+Under bfloat16 autocast (``--autocast``)
+---------------------------------------
+Where the CPU multiplies bfloat16 natively, ``--autocast`` runs every forward and loss
+(plain, with the hooks, and in every optimizer's training steps) under
+``torch.autocast(..., torch.bfloat16)``, as people train, and writes
+``benchmarks/results/stages_bf16.json``. Beside the recipe it times the recipe as it was
+before its statistics and schedule changed (``before``: ``kfac-moments-wide-2``, eigenbases
+every 2 steps, with ``gram_dtype=torch.float32``, the hooks' Grams in float32 inside the
+autocast region), in training steps of its own; the recipe's optimizer part is also
+amortized over ``HORIZON`` (2,000) steps of its growing refresh interval, from its medians
+with and without an ``eigh``. Each workload's ``targets`` hold the ratios the precision
+issue set: the forward+backward with the hooks over the plain one, and K-FAC's whole step
+over Muon's (both Muon and K-FAC under the same autocast), before and after.
 
 Floors
 ------
@@ -165,10 +181,18 @@ from kfac_func.step.decompose_groups import (  # noqa: E402
     needs_decomposition,
 )
 from kfac_func.step.grouped import precondition_layers  # noqa: E402
-from kfac_func.step.grouping import plan_groups  # noqa: E402
+from kfac_func.step.grouping import grouped_here, plan_groups  # noqa: E402
 from kfac_func.step.orthogonal import orthogonal_layers, prepare_layers  # noqa: E402
 
 RECIPE = rr.RECIPE
+BEFORE = "before"
+"""The stepper of ``--autocast`` runs that times the recipe as it was before its statistics
+and schedule changed: ``kfac-moments-wide-2`` (eigenbases every 2 steps however long the
+run) with float32 statistics (``gram_dtype=torch.float32``: the hooks' Grams in float32
+inside the autocast region)."""
+HORIZON = 2000
+"""The run over which the recipe's growing refresh interval is amortized (``lm_long``'s
+steps)."""
 QUICK_WIDE = 48
 """``--quick``'s ``wider_than`` for the recipe: the tiny models have no side wider than
 512, so the smoke test makes their MLP and head layers the wide ones (their attention
@@ -256,23 +280,28 @@ class Bench:
         gen = torch.Generator().manual_seed(1000 + args.seed)
         self.x, self.y = (t.to(self.device) for t in w.batch(gen))
         self.samples: dict[str, list[float]] = {}
+        self.autocast = args.autocast
         self.plain = copy.deepcopy(base)
         # the training steps of every optimizer: the race's recipes (learning rates at
         # the start of a long warm-up: small, so nothing diverges while timing)
-        names = ["adamw", "muon", "muon-fp32", RECIPE]
+        names = ["adamw", "muon", "muon-fp32", RECIPE, *([BEFORE] if args.autocast else [])]
         if optimizers._heavyball() is not None:
             names.insert(3, "soap")
         self.steppers: dict[str, optimizers.Stepper] = {}
         self.overrides = recipe_overrides(args.quick)
+        overrides = {
+            RECIPE: self.overrides,
+            BEFORE: {**self.overrides, "gram_dtype": torch.float32},
+        }
         for name in names:
-            recipe = "muon" if name == "muon-fp32" else name
+            recipe = {"muon-fp32": "muon", BEFORE: "kfac-moments-wide-2"}.get(name, name)
             st = optimizers.Stepper(
                 recipe,
                 copy.deepcopy(base),
                 optimizers.LRS[recipe][0],
                 w,
                 10**6,
-                self.overrides if name == RECIPE else None,
+                overrides.get(name),
             )
             if name == "muon-fp32":
                 float32_muon(st)
@@ -296,9 +325,14 @@ class Bench:
         self.samples.setdefault(key, []).append(time.perf_counter() - t0)
         return out
 
+    def _loss(self, model: nn.Module) -> torch.Tensor:
+        """The loss of the batch, its forward under bfloat16 autocast with ``--autocast``."""
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+            return self.w.loss(model(self.x), self.y)
+
     def _forward_backward(self, model: nn.Module) -> None:
         model.zero_grad(set_to_none=True)
-        self.w.loss(model(self.x), self.y).backward()
+        self._loss(model).backward()
 
     def plain_unit(self) -> None:
         self._time("plain", lambda: self._forward_backward(self.plain))
@@ -331,7 +365,7 @@ class Bench:
         self._time(
             "fold",
             lambda: fold_layers(
-                layers, lambda n, ls: batch.get(n), decay, cfg, opts.nonfinite, False
+                layers, lambda n, ls: batch.get(n), decay, cfg, opts.nonfinite, False, self.grouped
             ),
         )
         folded = dict(layers)
@@ -345,7 +379,7 @@ class Bench:
                 config,
                 update_inverses=True,
                 eigh_device=None,
-                grouped=True,
+                grouped=self.grouped or opts.batched_eigh,
             )
             return out, fresh
 
@@ -359,7 +393,9 @@ class Bench:
         pairs = self._time("batched eigh", lambda: batched_eigenpairs(folded, cfg, sides))
         self.batched_floor = Floor(sum(cube_macs(q, EIGH_MACS) for q, _ in pairs.values()))
         self._time("qr", lambda: decompose(self.qr_config))
-        self._time("carry", lambda: carry_moments(dict(decomposed), before, fresh, grouped=True))
+        self._time(
+            "carry", lambda: carry_moments(dict(decomposed), before, fresh, grouped=self.grouped)
+        )
         if self.wide:
             self._time(
                 "powers", lambda: prepare_layers(dict(decomposed), self.wide, self.ortho, fresh)
@@ -383,6 +419,7 @@ class Bench:
             kl_clip=opts.kl_clip,
             lr=opts.lr,
             changes={},
+            grouped=self.grouped,
         )
 
     def _projections(self) -> None:
@@ -417,7 +454,7 @@ class Bench:
 
             def fb() -> torch.Tensor:
                 st.zero_grad()
-                loss = self.w.loss(st.model(self.x), self.y)
+                loss = self._loss(st.model)
                 loss.backward()
                 return loss.detach()
 
@@ -442,6 +479,7 @@ class Bench:
         self.options = self.pre._step_options(
             damping=self.pre.damping, update_factors=True, update_inverses=True
         )
+        self.grouped = grouped_here(self.options.grouped, self.state.layers)
         self.qr_config = dataclasses.replace(self.state.config, eigenbasis_refresh="qr")
         method = self.state.config.compute_method
         settings = self.options.basis_settings(method)
@@ -658,6 +696,16 @@ def build_rows(
         floors["statistics"],
         key="statistics",
     )
+    before = BEFORE in bench.steppers
+    if before:  # the hooks of the recipe and of the recipe before, in their training steps
+        for name, label in ((RECIPE, "bfloat16"), (BEFORE, "float32")):
+            add(
+                f"  in training steps, {label} statistics",
+                fb,
+                median_ms(samples[f"{name} fb"]),
+                f"{name} stepper" + (" (before)" if name == BEFORE else ""),
+                key=f"{name} fb",
+            )
     stage_rows = [
         ("batch factors", "hooks batch", "HookRecorder._batch_factors"),
         ("fold (running average)", "fold", "fold_layers"),
@@ -724,6 +772,27 @@ def build_rows(
     )
     add("amortized (eigh every 2)", kf_, real, "mean of 2 steps", amortized_floor, "kfac")
     add("  not in a stage row", kf_, real - sum_amortized, "difference", key="kfac rest")
+    share = eigh_share(HORIZON)
+    eigh_ms, plain_ms = kind_ms(opt, kinds_, True), kind_ms(opt, kinds_, False)
+    long_ms = None
+    if eigh_ms is not None and plain_ms is not None:
+        long_ms = share * eigh_ms + (1 - share) * plain_ms
+    add(
+        f"amortized over {HORIZON:,} steps ({round(share * HORIZON)} with eigh)",
+        kf_,
+        long_ms,
+        "the two kinds weighted by the recipe's schedule",
+        floor_every + floor_fresh.times(share),
+        "kfac long",
+    )
+    if before:
+        add(
+            "before: float32 statistics, eigh every 2",
+            kf_,
+            pair_ms(samples[f"{BEFORE} opt"]),
+            "mean of 2 steps",
+            key="before",
+        )
     add(
         "Muon, as the race runs it, + AdamW",
         ot,
@@ -743,10 +812,21 @@ def build_rows(
     if "soap opt" in samples:
         add("SOAP (2-step mean)", ot, pair_ms(samples["soap opt"]), "heavyball.SOAP", key="soap")
     add("AdamW", ot, pair_ms(samples["adamw opt"]), "torch.optim.AdamW", key="adamw")
+    labels = {
+        RECIPE: f"K-FAC ({RECIPE}), amortized (eigh every 2)",
+        BEFORE: "K-FAC before: float32 statistics, eigh every 2",
+    }
     for name in bench.steppers:
         whole = pair_ms([a + b for a, b in zip(samples[f"{name} fb"], samples[f"{name} opt"])])
-        label = {RECIPE: f"K-FAC ({RECIPE}), amortized"}.get(name, name)
-        add(label, wh, whole, "forward+backward + optimizer", key=f"{name} whole")
+        add(labels.get(name, name), wh, whole, "forward+backward + optimizer", key=f"{name} whole")
+    if long_ms is not None:
+        add(
+            f"K-FAC ({RECIPE}), amortized over {HORIZON:,} steps",
+            wh,
+            median_ms(samples[f"{RECIPE} fb"]) + long_ms,
+            "forward+backward + the optimizer part above",
+            key="kfac long whole",
+        )
     at_floors = ms["plain"] + (floors["statistics"] + amortized_floor).ms(rates)
     add(
         "K-FAC's whole step at the floors",
@@ -762,6 +842,47 @@ def build_rows(
         r["vs_muon"] = None if v is None else v / muon
         r["vs_floor"] = None if v is None or not f else v / f
     return rows
+
+
+def eigh_share(horizon: int) -> float:
+    """The share of the recipe's first ``horizon`` steps that decompose (its
+    ``inv_update_steps``: a number, or a schedule of the step).
+
+    Example:
+        >>> round(eigh_share(2000), 4)
+        0.1585
+    """
+    inv = optimizers.KFAC[RECIPE][4][1]
+    every = inv if callable(inv) else (lambda _: inv)
+    return sum(s % int(every(s)) == 0 for s in range(horizon)) / horizon
+
+
+def targets(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The precision issue's ratios from a workload's rows of an ``--autocast`` run: the
+    forward+backward with the hooks over the plain one, and K-FAC's whole step over Muon's,
+    before and after (None without the before rows).
+
+    Example:
+        >>> rows = [{"key": k, "ms": v} for k, v in (("plain", 10.0), ("before fb", 20.0),
+        ...         (f"{RECIPE} fb", 12.0), ("muon whole", 20.0), ("before whole", 60.0),
+        ...         (f"{RECIPE} whole", 40.0), ("kfac long whole", 30.0))]
+        >>> targets(rows)["whole_over_muon_after"]
+        1.5
+    """
+    ms = {r["key"]: r["ms"] for r in rows if r["key"] is not None}
+    if "before fb" not in ms:
+        return {}
+
+    def over(a: str, b: str) -> float | None:
+        return None if ms.get(a) is None or not ms.get(b) else ms[a] / ms[b]
+
+    return {
+        "hooks_over_plain_before": over("before fb", "plain"),
+        "hooks_over_plain_after": over(f"{RECIPE} fb", "plain"),
+        "whole_over_muon_before": over("before whole", "muon whole"),
+        "whole_over_muon_after_every_2": over(f"{RECIPE} whole", "muon whole"),
+        "whole_over_muon_after": over("kfac long whole", "muon whole"),
+    }
 
 
 def _fmt(v: float | None, spec: str) -> str:
@@ -819,6 +940,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="where the models, batches and states live (default cpu; cuda on a GPU: the "
         "times then wait for the device, and the rates are the device's)",
     )
+    p.add_argument(
+        "--autocast",
+        action="store_true",
+        help="every forward and loss under bfloat16 autocast (where the CPU multiplies "
+        "bfloat16 natively), and the recipe before its bfloat16 statistics and growing "
+        "interval timed beside it",
+    )
     p.add_argument("--reps", type=int, default=9, help="timed repetitions (default 9)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up rounds (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch")
@@ -837,7 +965,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.reps, args.warmup = 2, 1
-    rr.settle_out(args, RESULTS, "stages.json", p.error)
+    if args.autocast and args.device == "cpu" and not optimizers.NATIVE_BF16:
+        p.error("--autocast: this CPU does not multiply bfloat16 natively (no amx_bf16 or "
+                "avx512_bf16); a bfloat16 run would time the emulation")  # fmt: skip
+    rr.settle_out(args, RESULTS, "stages_bf16.json" if args.autocast else "stages.json", p.error)
     if args.reps < 1 or args.warmup < 1 or args.threads < 1:
         p.error("--reps, --warmup and --threads must be >= 1")
     return args
@@ -900,6 +1031,7 @@ def main(argv: list[str] | None = None) -> int:
                 "layers": len(bench.state.layers),
                 "rows_per_call": bench.rows_per_call,
                 "rows": rows,
+                "targets": targets(rows),
                 "samples_ms": {k: [1e3 * s for s in v] for k, v in bench.samples.items()},
                 "kinds": bench.kinds,
             }

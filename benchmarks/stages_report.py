@@ -25,6 +25,25 @@ PAGE = ROOT / "docs" / "performance.md"
 MARKERS = ("<!-- stages:start -->", "<!-- stages:end -->")
 FLOOR_MARKERS = ("<!-- stage-floors:start -->", "<!-- stage-floors:end -->")
 HEADLINE = ROOT / "benchmarks" / "results" / "race_headline.json"
+BF16 = ROOT / "benchmarks" / "results" / "stages_bf16.json"
+BF16_MARKERS = ("<!-- stages-bf16:start -->", "<!-- stages-bf16:end -->")
+BF16_ROWS = (
+    ("plain", "plain forward+backward"),
+    ("before fb", "forward+backward with the hooks, before: float32 statistics"),
+    (f"{rr.RECIPE} fb", "… after: bfloat16 statistics"),
+    ("before", "K-FAC optimizer part, before: eigenbases every 2 steps"),
+    ("kfac", "… after, eigenbases every 2 steps (its first 256 steps)"),
+    ("kfac long", "… after, amortized over 2,000 steps"),
+    ("muon", "Muon's optimizer step (bfloat16 Newton–Schulz)"),
+    ("soap", "SOAP's optimizer step"),
+    ("before whole", "K-FAC's whole step, before"),
+    (f"{rr.RECIPE} whole", "… after, eigenbases every 2 steps"),
+    ("kfac long whole", "… after, amortized over 2,000 steps"),
+    ("muon whole", "Muon's whole step"),
+    ("soap whole", "SOAP's whole step"),
+    ("adamw whole", "AdamW's whole step"),
+)
+"""The rows of the before/after table of an ``--autocast`` run: row key and label."""
 COMPETITORS = {"muon": "Muon", "soap": "SOAP"}
 
 ROWS = (
@@ -150,6 +169,61 @@ def render_floors(
     return "\n".join(lines)
 
 
+def render_bf16(doc: dict[str, Any], source: str = "`benchmarks/results/stages_bf16.json`") -> str:
+    """The Markdown of an ``--autocast`` run: the recipe before and after its bfloat16
+    statistics and growing refresh interval, beside Muon, SOAP and AdamW (milliseconds),
+    then the issue's two ratios per workload.
+
+    Example:
+        >>> rows = [{"key": "plain", "ms": 2.0}, {"key": "before fb", "ms": 4.0}]
+        >>> t = {"hooks_over_plain_before": 2.0, "hooks_over_plain_after": 1.5}
+        >>> doc = {"workloads": {"lm": {"rows": rows, "targets": t}},
+        ...        "machine": {"cpu": "c", "bf16_flags": {"avx512_bf16": True}},
+        ...        "settings": {"threads": 1}, "commit": "abc", "dirty": False}
+        >>> text = render_bf16(doc)
+        >>> "| plain forward+backward | 2.0 |" in text, "| `lm` | 2.00× | 1.50× | - |" in text
+        (True, True)
+    """
+    names = list(doc["workloads"])
+    by = {w: {r["key"]: r for r in doc["workloads"][w]["rows"]} for w in names}
+    flags = ", ".join(k for k, v in doc["machine"]["bf16_flags"].items() if v and "bf16" in k)
+    lines = [
+        f"Results: {source} (`python benchmarks/stages.py --autocast`); milliseconds, "
+        "medians of the repetitions; every forward and loss under bfloat16 autocast.",
+        "<!-- settings -->",
+        _where(doc["machine"], doc["settings"]) + f" (bfloat16 natively: {flags or 'no'}), "
+        f"{rr.commit_phrase(doc)}.",
+        "",
+        "| row | " + " | ".join(f"`{w}`" for w in names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for key, label in BF16_ROWS:
+        if all(key not in by[w] for w in names):
+            continue
+        cells = [by[w].get(key) for w in names]
+        text = ["-" if c is None or c["ms"] is None else f"{c['ms']:.1f}" for c in cells]
+        lines.append(f"| {label} | " + " | ".join(text) + " |")
+    lines += [
+        "",
+        "| workload | forward+backward with the hooks over the plain one: before | after "
+        "| K-FAC's whole step over Muon's: before | after, every 2 steps | after, over "
+        "2,000 steps |",
+        "|---|---|---|---|---|---|",
+    ]
+    keys = (
+        "hooks_over_plain_before",
+        "hooks_over_plain_after",
+        "whole_over_muon_before",
+        "whole_over_muon_after_every_2",
+        "whole_over_muon_after",
+    )
+    for w in names:
+        t = doc["workloads"][w].get("targets", {})
+        cells = ["-" if t.get(k) is None else f"{t[k]:.2f}×" for k in keys]
+        lines.append(f"| `{w}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def block_of(page: str, marks: tuple[str, str] = MARKERS) -> str | None:
     """The text between the markers ``marks`` of ``page`` (None without them)."""
     return rr.block_between(page, marks)
@@ -162,6 +236,9 @@ def main() -> int:
     floors = render_floors(doc, json.loads(HEADLINE.read_text()))
     changed = rr.replace_block(PAGE, FLOOR_MARKERS, floors)
     print(f"{PAGE}: floor table {'rewritten' if changed else 'unchanged'}")
+    if BF16.exists():
+        changed = rr.replace_block(PAGE, BF16_MARKERS, render_bf16(json.loads(BF16.read_text())))
+        print(f"{PAGE}: bfloat16 table {'rewritten' if changed else 'unchanged'}")
     return 0
 
 

@@ -39,6 +39,7 @@ STAGE_ROWS = [
     "sum of stages, amortized (eigh every 2)",
 ]
 FLOORED = [r for r in STAGE_ROWS if "rest" not in r]
+LONG = f"amortized over 2,000 steps ({round(stages.eigh_share(2000) * 2000)} with eigh)"
 OTHERS = [
     "Muon, as the race runs it, + AdamW",
     "Muon, float32 Newton-Schulz + AdamW",
@@ -79,13 +80,14 @@ def test_stages_quick(tmp_path: Path) -> None:
             "step without eigh",
             "amortized (eigh every 2)",
             "  not in a stage row",
+            LONG,
             *(o for o in OTHERS if soap or "SOAP" not in o),
         ]
         assert [r for r in rows if not r.startswith(("adamw", "muon", "soap", "K-FAC"))] == (
             expected
         ), name
         whole = [r for r in rows if r.startswith(("adamw", "muon", "soap", "K-FAC"))]
-        assert len(whole) == (6 if soap else 5), whole
+        assert len(whole) == (7 if soap else 6), whole
         for r in w["rows"]:
             assert r["ms"] is not None and math.isfinite(r["ms"]), (name, r)
             assert r["vs_plain"] is not None and r["vs_muon"] is not None, (name, r)
@@ -115,6 +117,32 @@ def test_stages_quick(tmp_path: Path) -> None:
         for r in rows:
             assert r.strip() in proc.stdout, r
     assert "bf16 flags" in proc.stdout and "GFLOP/s" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not stages.optimizers.NATIVE_BF16, reason="bfloat16 is emulated here")
+def test_stages_quick_under_autocast(tmp_path: Path) -> None:
+    """``--autocast`` times the recipe before its bfloat16 statistics beside it, and its
+    targets are the rows' ratios."""
+    out = tmp_path / "stages_bf16.json"
+    run_benchmark("stages.py", "--quick", "--autocast", "--workloads", "lm", "--out", str(out))
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["autocast"] is True
+    w = doc["workloads"]["lm"]
+    ms = {r["key"]: r["ms"] for r in w["rows"] if r["key"]}
+    assert {"before fb", "before", "before whole", "kfac long", "kfac long whole"} <= set(ms)
+    t = w["targets"]
+    assert t["hooks_over_plain_before"] == pytest.approx(ms["before fb"] / ms["plain"])
+    assert t["whole_over_muon_after"] == pytest.approx(ms["kfac long whole"] / ms["muon whole"])
+    import stages_report
+
+    assert "| `lm` |" in stages_report.render_bf16(doc)
+
+
+def test_autocast_needs_native_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stages.optimizers, "NATIVE_BF16", False)
+    with pytest.raises(SystemExit):
+        stages.parse_args(["--autocast"])
 
 
 def test_quick_results_stay_out_of_the_committed_results() -> None:
@@ -197,3 +225,8 @@ def test_the_docs_stage_table_is_the_committed_results() -> None:
     headline = json.loads(stages_report.HEADLINE.read_text())
     floors = stages_report.block_of(page, stages_report.FLOOR_MARKERS)
     assert floors == stages_report.render_floors(doc, headline)
+    if stages_report.BF16.exists():  # the run under bfloat16 autocast
+        bf16 = json.loads(stages_report.BF16.read_text())
+        assert bf16["quick"] is False and bf16["settings"]["autocast"] is True
+        block = stages_report.block_of(page, stages_report.BF16_MARKERS)
+        assert block == stages_report.render_bf16(bf16)
