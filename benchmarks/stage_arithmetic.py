@@ -189,17 +189,25 @@ def matmul_macs(a: Sequence[int], b: Sequence[int]) -> float:
 
 
 def sided_macs(m: torch.Tensor, left: torch.Tensor | None, right: torch.Tensor | None) -> float:
-    """Multiply-adds of ``left @ m`` and ``m @ right`` (a side of None: no product).
+    """Multiply-adds of ``left @ m`` and ``m @ right`` (a side of None: no product; a
+    ``right`` of one dimension more than ``m``: its ``k`` diagonal blocks ``(..., k, w,
+    w)``, each multiplying ``w`` columns of ``m``, the last block's padding included, as
+    :func:`kfac_func.core.preconditioning.right_product` computes it).
 
     Example:
         >>> sided_macs(torch.zeros(2, 3), torch.zeros(2, 2), None)
         12.0
+        >>> sided_macs(torch.zeros(2, 3), None, torch.zeros(2, 2, 2))  # 2 blocks of 2
+        16.0
     """
     macs = 0.0
     if left is not None:
         macs += matmul_macs(left.shape, m.shape)
     if right is not None:
-        macs += matmul_macs(m.shape, right.shape)
+        shape = tuple(m.shape)
+        if right.dim() > m.dim():
+            shape = (*shape[:-2], right.shape[-3], shape[-2], right.shape[-1])
+        macs += matmul_macs(shape, right.shape)
     return macs
 
 

@@ -63,7 +63,8 @@ dict, and the stage functions return new tensors).
   elementwise part only); on the wide layers, ``powers applied``
   (``core.orthogonal.apply_powers``) and ``Newton–Schulz``
   (``core.orthogonal.newton_schulz``, in the recipe's iteration dtype) on the same stacks
-  of their momenta. ``rest of the precondition stage`` is the stage minus those.
+  of their momenta (a blocked layer's column blocks, as the step iterates them).
+  ``rest of the precondition stage`` is the stage minus those.
 - ``write-back to .grad``: ``adapter.grads.copy_back``; ``parameter update``: the
   recipe's base optimizers' ``step()`` (SGD; on ``gpt2`` AdamW too, for the tied
   embeddings).
@@ -134,6 +135,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
@@ -171,6 +173,7 @@ import kfac_func as kf  # noqa: E402
 from kfac_func.adapter.grads import copy_back  # noqa: E402
 from kfac_func.core.basis_moments import adam_in_basis, from_basis, to_basis  # noqa: E402
 from kfac_func.core.orthogonal import FactorPowers, apply_powers, newton_schulz  # noqa: E402
+from kfac_func.core.preconditioning import column_blocks  # noqa: E402
 from kfac_func.state import KFACState, LayerState  # noqa: E402
 from kfac_func.step.accumulate import fold_layers  # noqa: E402
 from kfac_func.step.basis import basis_of, carry_moments, moment_bases  # noqa: E402
@@ -254,11 +257,20 @@ class WideGroup:
     pa: torch.Tensor | None
     pg: torch.Tensor | None
 
+    def iterated(self) -> torch.Tensor:
+        """What the Newton–Schulz iteration runs on: ``u``, or where the A power is blocked
+        (one dimension more than ``u``, G kept diagonal) its column blocks, as
+        :func:`kfac_func.core.orthogonal.blocked_step` iterates them."""
+        if self.pa is None or self.pg is not None or self.pa.dim() <= self.u.dim():
+            return self.u
+        return column_blocks(self.u, self.pa.shape[-3], self.pa.shape[-1])
+
     def applied_floor(self) -> Floor:
         return Floor.products(sided_macs(self.u, self.pg, self.pa), self.u.dtype)
 
     def newton_schulz_floor(self) -> Floor:
-        shapes = [self.u.shape[-2:]] * (self.u.shape[0] if self.u.dim() == 3 else 1)
+        x = self.iterated()
+        shapes = [x.shape[-2:]] * math.prod(x.shape[:-2])
         return Floor.products(newton_schulz_macs(shapes), self.u.dtype)
 
 
@@ -433,7 +445,7 @@ class Bench:
     def _newton_schulz(self) -> None:
         assert self.ortho is not None
         for g in self.wide_groups:
-            newton_schulz(g.u, self.ortho.steps)
+            newton_schulz(g.iterated(), self.ortho.steps)
 
     def _moments(self) -> None:
         b = self.moment_settings
