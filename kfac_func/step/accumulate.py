@@ -79,7 +79,9 @@ def fold_deferred(
     folded A, folded G finite) as one bool tensor. The layer's counters assume a good
     update until :func:`settle_folds` reads the checks, in one host synchronisation for
     all the layers of a step (or :func:`settle_on_device` counts them, ``sync_free``:
-    then a layer whose updates so far were all skipped takes the batch as its first)."""
+    then a layer whose updates so far were all skipped takes the batch as its first).
+    On a CPU, where reading the checks synchronises nothing, the selection is skipped
+    when they all pass (the same factors, fewer passes over them)."""
     if ls.spec.block.stacked_uses and a.dim() == ls.a_factor.dim() + 1:
         # a tied layer's uses, kept apart until the window is complete (on every rank)
         a, g = combine_stacked(a, g)
@@ -91,6 +93,8 @@ def fold_deferred(
             g_factor=torch.where(empty, g, new.g_factor),
         )
     checks = all_finite_each([a, g, new.a_factor, new.g_factor])
+    if _all_passed(checks, sync_free):
+        return new, checks
     ok, na, ng = checks[0] & checks[1], checks[2], checks[3]
     old_a, old_g = ls.a_factor.to(a.device), ls.g_factor.to(g.device)
     new = new.replace(
@@ -98,6 +102,16 @@ def fold_deferred(
         g_factor=torch.where(ok, torch.where(ng, new.g_factor, g), old_g),
     )
     return new, checks
+
+
+def _all_passed(checks: torch.Tensor, sync_free: bool) -> bool:
+    """Whether the fold's ``checks`` all passed, where the host reads them for free: on a
+    CPU, outside ``sync_free`` steps and compiled graphs (False elsewhere: the device
+    selects). Every factor then is the running average as folded, and the selection
+    that keeps a layer's old factors where its batch's were not finite has nothing to do."""
+    if sync_free or checks.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    return bool(checks.all())
 
 
 def settle_folds(
@@ -388,9 +402,11 @@ def _fold_group(
         new_g = torch.where(per_row(empty, g), g, new_g)
     checks = all_finite_rows([a, g, new_a, new_g])
     ok = checks[:, 0] & checks[:, 1]
-    # selected into the new stacks themselves (no further group-sized temporary)
-    out_a = _select(ok, checks[:, 2], new_a, a, old_a)
-    out_g = _select(ok, checks[:, 3], new_g, g, old_g)
+    out_a, out_g = new_a, new_g
+    if not _all_passed(checks, sync_free):
+        # selected into the new stacks themselves (no further group-sized temporary)
+        out_a = _select(ok, checks[:, 2], new_a, a, old_a)
+        out_g = _select(ok, checks[:, 3], new_g, g, old_g)
     skips = _group_skips(states, ok) if sync_free else [None] * len(names)
     for name, ls, fa, fg, c, s in zip(
         names, states, out_a.unbind(0), out_g.unbind(0), checks.unbind(0), skips
