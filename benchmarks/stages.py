@@ -107,7 +107,8 @@ take at the machine's rates measured in the same run (one large float32 matmul, 
 in bfloat16; one large elementwise add for the memory bandwidth; the higher of a
 measurement before and after the workloads). The multiply-adds
 (``benchmarks/stage_arithmetic.py``): a Gram of ``r`` rows of width ``n``, ``r·n²``
-(full products, as torch computes them); an ``n``-wide ``eigh``, ``(4/3)·n³``; a QR
+(full products, as torch computes them; at the bfloat16 rate where the recipe's
+``gram_dtype`` is bfloat16); an ``n``-wide ``eigh``, ``(4/3)·n³``; a QR
 refresh, ``(7/3)·n³``; the projections, the four products of ``Qgᵀ M Qa`` and
 ``Qg V Qaᵀ``; the carry, ``Q_newᵀ Q_old`` per side and the moments' two sandwiches.
 Elementwise stages (batch factors, fold, moments, write-back, update) count bytes only.
@@ -567,15 +568,15 @@ class Bench:
     def floors(self) -> dict[str, Floor]:
         """The arithmetic of each K-FAC stage (see the module docstring)."""
         s = self.state
-        stats = Floor()
+        macs = 0.0
         grams: list[torch.Tensor] = []
         for micro in self.stats.values():
-            f = Floor()
             for mb in micro:
                 for gram in (*mb.a, *mb.g):
-                    f.macs += gram.rows * gram.gram.numel()
+                    macs += gram.rows * gram.gram.numel()
                     grams.append(gram.gram)
-            stats += f
+        # at the rate of the dtype the recipe's Gram products take their operands in
+        stats = Floor.products(macs, self.options.gram_dtype or torch.float32)
         factors = [t for ls in s.layers.values() for t in (ls.a_factor, ls.g_factor)]
         eigh, qr, carry, powers = Floor(), Floor(), Floor(), Floor()
         for name, ls in s.layers.items():
