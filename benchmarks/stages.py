@@ -576,7 +576,7 @@ class Bench:
                     macs += gram.rows * gram.gram.numel()
                     grams.append(gram.gram)
         # at the rate of the dtype the recipe's Gram products take their operands in
-        stats = Floor.products(macs, self.options.gram_dtype or torch.float32)
+        stats = Floor.products(macs, self.pre._gram)
         factors = [t for ls in s.layers.values() for t in (ls.a_factor, ls.g_factor)]
         eigh, qr, carry, powers = Floor(), Floor(), Floor(), Floor()
         for name, ls in s.layers.items():
