@@ -11,7 +11,9 @@ each workload and projects the full run's time; a long race can run in parts, on
 imported); the workloads and the grid are in ``race_workloads.py``, the rules and tables
 in ``race_report.py``. The zero-tuning row (``kf.KFAC(model)`` with no argument but the
 model, evaluated only) is ``race_default.py``'s, written beside these results without
-rerunning them.
+rerunning them. ``--autocast`` runs every optimizer's forward and loss under bfloat16
+autocast (where the CPU multiplies bfloat16 natively), each workload ``W`` as ``W_bf16``
+with a results file of its own.
 
 Tuning budget (the same for every optimizer of a workload)
 ----------------------------------------------------------
@@ -224,6 +226,24 @@ def estimate(w: rw.RaceWorkload, args: argparse.Namespace) -> float:
     return total
 
 
+def bf16_workload(w: rw.RaceWorkload) -> rw.RaceWorkload:
+    """``w`` with every forward and loss under bfloat16 autocast, as ``W_bf16`` (its own
+    results file; a workload that runs so already is returned as it is).
+
+    Example:
+        >>> bf16_workload(rw.WORKLOADS["lm"](True)).name
+        'lm_bf16'
+    """
+    if w.autocast:
+        return w
+    return dataclasses.replace(
+        w,
+        name=f"{w.name}_bf16",
+        autocast=True,
+        description=f"{w.description}; forward and loss under bfloat16 autocast",
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -307,8 +327,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="join the results files of parts of one workload's race (same commit, steps "
         "and tuning rules; each optimizer in one part) into --out and exit",
     )
+    p.add_argument(
+        "--autocast",
+        action="store_true",
+        help="every optimizer's forward and loss under bfloat16 autocast (refused where the "
+        "CPU does not multiply bfloat16 natively); a workload W races as W_bf16, into "
+        "race_W_bf16.json",
+    )
     p.add_argument("-q", "--silent", action="store_true", help="no line per run")
     args = p.parse_args(argv)
+    if args.autocast and not optimizers.NATIVE_BF16:
+        p.error("--autocast: this CPU does not multiply bfloat16 natively (no amx_bf16 or "
+                "avx512_bf16); the race would time the emulation")  # fmt: skip
     if args.quick:
         args.lr_points, args.eval_seeds, args.refine_points = 2, args.eval_seeds[:2], 1
     if args.out is None:
@@ -366,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
                 w = dataclasses.replace(w, steps=args.steps)
             if args.eval_every is not None:
                 w = dataclasses.replace(w, eval_every=args.eval_every)
+            if args.autocast:
+                w = bf16_workload(w)
             if args.estimate:
                 estimate(w, args)
                 continue
