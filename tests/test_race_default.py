@@ -53,7 +53,7 @@ def test_quick_runs_end_to_end_and_merge(tmp_path: Path) -> None:
     assert all("commit" not in w for w in doc["workloads"])  # one commit: said once
     later = json.loads((tmp_path / "a" / rd.FILE).read_text())
     (tmp_path / "c").mkdir()
-    (tmp_path / "c" / rd.FILE).write_text(json.dumps({**later, "commit": "f" * 40}))
+    (tmp_path / "c" / rd.FILE).write_text(json.dumps({**later, "commit": "f" * 40, "dirty": False}))
     joined = rd.merge([tmp_path / "b", tmp_path / "c"])  # a workload added later
     assert [w["commit"] for w in joined["workloads"]] == ["f" * 40, doc["commit"]]
     assert rd.commits(joined).startswith(f"commit `{'f' * 10}` (lm)")
