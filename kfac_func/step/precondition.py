@@ -79,9 +79,9 @@ def precondition_grads(
     result equals the default's without rows. Traceable by
     ``torch.compile(fullgraph=True)``.
 
-    ``grouped`` (the default) preconditions the layers of one shape together, as stacked
-    tensors (:mod:`kfac_func.step.grouped`); ``grouped=False`` one layer at a time. The
-    results are the same to rounding.
+    ``grouped=True`` (the default on accelerators) preconditions the layers of one shape
+    together, as stacked tensors (:mod:`kfac_func.step.grouped`); ``grouped=False`` (the
+    default on a CPU) one layer at a time. The results are the same to rounding.
 
     Returns:
         A new dict with the keys of ``grads``.
