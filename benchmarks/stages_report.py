@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,26 @@ def _cell(row: dict[str, Any] | None) -> str:
     return ms if row["vs_floor"] is None else f"{ms} ({row['vs_floor']:.1f}×)"
 
 
+def _ms(row: dict[str, Any] | None) -> str:
+    return "-" if row is None or row["ms"] is None else f"{row['ms']:.1f}"
+
+
+def _by_workload(
+    doc: dict[str, Any],
+    rows: Sequence[tuple[str, str]],
+    cell: Callable[[dict[str, Any] | None], str],
+) -> list[str]:
+    """A Markdown table of ``doc``'s workloads: a column each, a line per ``(key, label)``
+    of ``rows`` that some workload has, each workload's row written by ``cell``."""
+    names = list(doc["workloads"])
+    by = {w: {r["key"]: r for r in doc["workloads"][w]["rows"]} for w in names}
+    lines = ["| row | " + " | ".join(f"`{w}`" for w in names) + " |", "|---|" + "---|" * len(names)]
+    for key, label in rows:
+        if any(key in by[w] for w in names):
+            lines.append(f"| {label} | " + " | ".join(cell(by[w].get(key)) for w in names) + " |")
+    return lines
+
+
 def _where(machine: dict[str, Any], settings: dict[str, Any]) -> str:
     """The device the run timed: a GPU by its name, else the CPU and its threads."""
     if machine.get("device"):
@@ -98,8 +119,6 @@ def render(doc: dict[str, Any], source: str = "`benchmarks/results/stages.json`"
         >>> "| fold | 2.0 (4.0×) |" in render(doc)
         True
     """
-    names = list(doc["workloads"])
-    by = {w: {r["key"]: r for r in doc["workloads"][w]["rows"]} for w in names}
     lines = [
         f"Results: {source} (`python benchmarks/stages.py`); "
         "milliseconds, medians of the repetitions, and in brackets the row's time over "
@@ -109,13 +128,8 @@ def render(doc: dict[str, Any], source: str = "`benchmarks/results/stages.json`"
         f"Muon in {doc['machine'].get('muon_newton_schulz', 'bfloat16')}, "
         f"{rr.commit_phrase(doc)}.",
         "",
-        "| row | " + " | ".join(f"`{w}`" for w in names) + " |",
-        "|---|" + "---|" * len(names),
+        *_by_workload(doc, ROWS, _cell),
     ]
-    for key, label in ROWS:
-        if all(key not in by[w] for w in names):
-            continue
-        lines.append(f"| {label} | " + " | ".join(_cell(by[w].get(key)) for w in names) + " |")
     return "\n".join(lines)
 
 
@@ -184,8 +198,6 @@ def render_bf16(doc: dict[str, Any], source: str = "`benchmarks/results/stages_b
         >>> "| plain forward+backward | 2.0 |" in text, "| `lm` | 2.00× | 1.50× | - |" in text
         (True, True)
     """
-    names = list(doc["workloads"])
-    by = {w: {r["key"]: r for r in doc["workloads"][w]["rows"]} for w in names}
     flags = ", ".join(k for k, v in doc["machine"]["bf16_flags"].items() if v and "bf16" in k)
     lines = [
         f"Results: {source} (`python benchmarks/stages.py --autocast`); milliseconds, "
@@ -194,16 +206,7 @@ def render_bf16(doc: dict[str, Any], source: str = "`benchmarks/results/stages_b
         _where(doc["machine"], doc["settings"]) + f" (bfloat16 natively: {flags or 'no'}), "
         f"{rr.commit_phrase(doc)}.",
         "",
-        "| row | " + " | ".join(f"`{w}`" for w in names) + " |",
-        "|---|" + "---|" * len(names),
-    ]
-    for key, label in BF16_ROWS:
-        if all(key not in by[w] for w in names):
-            continue
-        cells = [by[w].get(key) for w in names]
-        text = ["-" if c is None or c["ms"] is None else f"{c['ms']:.1f}" for c in cells]
-        lines.append(f"| {label} | " + " | ".join(text) + " |")
-    lines += [
+        *_by_workload(doc, BF16_ROWS, _ms),
         "",
         "| workload | forward+backward with the hooks over the plain one: before | after "
         "| K-FAC's whole step over Muon's: before | after, every 2 steps | after, over "
@@ -217,7 +220,7 @@ def render_bf16(doc: dict[str, Any], source: str = "`benchmarks/results/stages_b
         "whole_over_muon_after_every_2",
         "whole_over_muon_after",
     )
-    for w in names:
+    for w in doc["workloads"]:
         t = doc["workloads"][w].get("targets", {})
         cells = ["-" if t.get(k) is None else f"{t[k]:.2f}×" for k in keys]
         lines.append(f"| `{w}` | " + " | ".join(cells) + " |")
