@@ -28,7 +28,9 @@ schedule: factor statistics every step with decay 0.9 and eigenbases every 2 ste
 ``kfac-moments-wide`` (``kfac-moments-fresh`` whose layers with a factor side wider than
 512 take Muon's orthogonalized step on K-FAC's input curvature instead, their A factors
 in diagonal blocks of at most 512: ``Orthogonal(wider_than=512, block=512)``; the
-recommended recipe), ``kfac-moments-wide-whole`` (the same with every A factor whole) and
+recommended recipe), ``kfac-moments-wide-whole`` (the same with every A factor whole),
+``kfac-moments-wide-2`` (eigenbases every 2 steps however long the run),
+``kfac-moments-wide-s2`` (factor statistics every 2 steps, decay 0.81) and
 ``kfac-adaptive`` (no optimizer: the quadratic model's learning rate and momentum,
 Levenberg–Marquardt damping; its "learning rates" are the starting dampings). Every
 optimizer gets the same schedule (linear warm-up, cosine decay to 10 %), the same
@@ -96,6 +98,7 @@ LRS: dict[str, tuple[float, ...]] = {
     "kfac-moments-wide": (7e-3, 1.4e-2),
     "kfac-moments-wide-whole": (7e-3, 1.4e-2),
     "kfac-moments-wide-2": (7e-3, 1.4e-2),
+    "kfac-moments-wide-s2": (7e-3, 1.4e-2),
     "kfac-adaptive": (0.1, 1.0),  # the starting damping: no learning rate to sweep
     "kfac-muon": (0.02, 0.05),
     "kfac-muon-two-sided": (0.02, 0.05),
@@ -238,10 +241,12 @@ MOMENTS = {"eigenbasis_moments": True, "moment_beta2": 0.95, "moment_beta1": 0.9
 K-FAC's eigenbasis, β₁ 0.9 and β₂ 0.95, as SOAP's)."""
 
 
-def _wide(inv: Any, orthogonal: kf.Orthogonal) -> tuple[Any, ...]:
+def _wide(inv: Any, orthogonal: kf.Orthogonal, factor: int = 1) -> tuple[Any, ...]:
     """A ``kfac-moments-wide`` variant of :data:`KFAC`: eigenbases every ``inv`` steps (or
-    on that schedule), ``orthogonal`` on the wide layers."""
-    return ("eigen", 0.0, 0.0, None, (1, inv), 0.9, {**MOMENTS, **GRAM, "orthogonal": orthogonal})
+    on that schedule), ``orthogonal`` on the wide layers, statistics every ``factor`` steps
+    (with the decay ``0.9 ** factor``: the same memory in steps)."""
+    settings = {**MOMENTS, **GRAM, "orthogonal": orthogonal}
+    return ("eigen", 0.0, 0.0, None, (factor, inv), round(0.9**factor, 4), settings)
 
 
 KFAC = {
@@ -272,6 +277,8 @@ KFAC = {
     "kfac-moments-wide-whole": _wide(kf.step.GrowingInterval(), WIDE._replace(block=None)),
     # the same with eigenbases every 2 steps however long the run
     "kfac-moments-wide-2": _wide(2, WIDE),
+    # the same with statistics every 2 steps (decay 0.81: the same memory in steps)
+    "kfac-moments-wide-s2": _wide(kf.step.GrowingInterval(), WIDE, factor=2),
     # the quadratic model's learning rate and momentum, adaptive damping ("lr": its start)
     "kfac-adaptive": ("eigen", 0.0, 0.0, None, (1, 5), 0.95, {}),
 }
