@@ -348,6 +348,8 @@ def recommended_options() -> tuple[tuple[str, Any], ...]:
     recipe = kf.RECIPES["recommended"]
     skip = ("factor_update_steps", "inv_update_steps")
     options = {k: v for k, v in recipe.kfac_kwargs.items() if k not in skip}
+    decay = options["factor_decay"]  # per step: the variant's intervals are fixed
+    options["factor_decay"] = decay.per_step if isinstance(decay, kf.step.DecayPerStep) else decay
     options.update({k: getattr(recipe.settings, k) for k in recipe.settings.named()})
     options["moment_beta1"], options["moment_beta2"] = recipe.betas
     return tuple(options.items())

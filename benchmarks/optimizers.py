@@ -27,10 +27,12 @@ step, first and second moments, in K-FAC's eigenbasis — SOAP's update with K-F
 schedule: factor statistics every step with decay 0.9 and eigenbases every 2 steps),
 ``kfac-moments-wide`` (``kfac-moments-fresh`` whose layers with a factor side wider than
 512 take Muon's orthogonalized step on K-FAC's input curvature instead, their A factors
-in diagonal blocks of at most 512: ``Orthogonal(wider_than=512, block=512)``; the
-recommended recipe), ``kfac-moments-wide-whole`` (the same with every A factor whole),
-``kfac-moments-wide-2`` (eigenbases every 2 steps however long the run),
-``kfac-moments-wide-s2`` (factor statistics every 2 steps, decay 0.81) and
+in diagonal blocks of at most 512: ``Orthogonal(wider_than=512, block=512)``, and
+statistics every other step from step 256; the recommended recipe),
+``kfac-moments-wide-whole`` (the same with every A factor whole),
+``kfac-moments-wide-2`` (eigenbases every 2 steps, statistics every step, however long
+the run), ``kfac-moments-wide-s2`` (factor statistics every 2 steps from the start, decay
+0.81) and
 ``kfac-adaptive`` (no optimizer: the quadratic model's learning rate and momentum,
 Levenberg–Marquardt damping; its "learning rates" are the starting dampings). Every
 optimizer gets the same schedule (linear warm-up, cosine decay to 10 %), the same
@@ -232,6 +234,9 @@ Newton–Schulz iteration, G kept diagonal), in bfloat16 where this CPU multipli
 natively, as Muon's; an A factor wider than 512 in diagonal blocks of at most 512
 (``kfac-moments-wide-whole``: the same step with every A factor whole)."""
 
+STATISTICS = kf.adapter.recipes.STATISTICS
+"""The recommended recipe's statistics schedule: every step, every other from step 256."""
+
 GRAM = {"gram_dtype": torch.bfloat16} if NATIVE_BF16 else {}
 """The recommended recipe's statistics: bfloat16 operands where this CPU multiplies them
 natively (as ``kf.KFAC`` chooses for a float32 model)."""
@@ -241,12 +246,13 @@ MOMENTS = {"eigenbasis_moments": True, "moment_beta2": 0.95, "moment_beta1": 0.9
 K-FAC's eigenbasis, β₁ 0.9 and β₂ 0.95, as SOAP's)."""
 
 
-def _wide(inv: Any, orthogonal: kf.Orthogonal, factor: int = 1) -> tuple[Any, ...]:
+def _wide(inv: Any, orthogonal: kf.Orthogonal, factor: Any = 1) -> tuple[Any, ...]:
     """A ``kfac-moments-wide`` variant of :data:`KFAC`: eigenbases every ``inv`` steps (or
     on that schedule), ``orthogonal`` on the wide layers, statistics every ``factor`` steps
-    (with the decay ``0.9 ** factor``: the same memory in steps)."""
+    (or on that schedule) with the decay that keeps 0.9's memory in steps."""
     settings = {**MOMENTS, **GRAM, "orthogonal": orthogonal}
-    return ("eigen", 0.0, 0.0, None, (factor, inv), round(0.9**factor, 4), settings)
+    decay = 0.9 if factor == 1 else kf.step.DecayPerStep(0.9, factor)
+    return ("eigen", 0.0, 0.0, None, (factor, inv), decay, settings)
 
 
 KFAC = {
@@ -271,13 +277,17 @@ KFAC = {
     "kfac-moments-fresh": ("eigen", 0.0, 0.0, None, (1, 2), 0.9, MOMENTS),
     # the recommended recipe (kf.KFAC's): kfac-moments-fresh with the layers that have a
     # side wider than 512 on the orthogonalized step (no Gram and no eigh of their G
-    # factors, their A factors in blocks), eigenbases every 2 steps, fewer in long runs
-    "kfac-moments-wide": _wide(kf.step.GrowingInterval(), WIDE),
+    # factors, their A factors in blocks), eigenbases every 2 steps, fewer in long runs,
+    # and statistics every other step from step 256
+    "kfac-moments-wide": _wide(kf.step.GrowingInterval(), WIDE, factor=STATISTICS),
     # the same with the wide layers' A factors whole (decomposed as one matrix)
-    "kfac-moments-wide-whole": _wide(kf.step.GrowingInterval(), WIDE._replace(block=None)),
-    # the same with eigenbases every 2 steps however long the run
+    "kfac-moments-wide-whole": _wide(
+        kf.step.GrowingInterval(), WIDE._replace(block=None), factor=STATISTICS
+    ),
+    # the same with eigenbases every 2 steps and statistics every step however long the run
     "kfac-moments-wide-2": _wide(2, WIDE),
-    # the same with statistics every 2 steps (decay 0.81: the same memory in steps)
+    # the same with statistics every 2 steps from the start (decay 0.81: the same memory
+    # in steps)
     "kfac-moments-wide-s2": _wide(kf.step.GrowingInterval(), WIDE, factor=2),
     # the quadratic model's learning rate and momentum, adaptive damping ("lr": its start)
     "kfac-adaptive": ("eigen", 0.0, 0.0, None, (1, 5), 0.95, {}),

@@ -93,9 +93,11 @@ Where the CPU multiplies bfloat16 natively, ``--autocast`` runs every forward an
 ``benchmarks/results/stages_bf16.json``. Beside the recipe it times the recipe as it was
 before its statistics and schedule changed (``before``: ``kfac-moments-wide-2``, eigenbases
 every 2 steps, with ``gram_dtype=torch.float32``, the hooks' Grams in float32 inside the
-autocast region), in training steps of its own; the recipe's optimizer part is also
-amortized over ``HORIZON`` (2,000) steps of its growing refresh interval, from its medians
-with and without an ``eigh``. Each workload's ``targets`` hold the ratios the precision
+autocast region), in training steps of its own; the recipe's step is also amortized
+over ``HORIZON`` (2,000) steps of its schedule: its optimizer part from its medians with
+and without an ``eigh``, the steps past 256 that gather no statistics as one without an
+``eigh`` less the batch factors and the fold, their forward+backward the plain one. Each
+workload's ``targets`` hold the ratios the precision
 issue set: the forward+backward with the hooks over the plain one, and K-FAC's whole step
 over Muon's (both Muon and K-FAC under the same autocast), before and after.
 
@@ -699,6 +701,17 @@ def build_rows(
         )
 
     fb, st, kf_, ot, wh = SECTIONS
+    statistics = ["hooks batch", "fold"]  # on the steps that gather statistics
+    opt, kinds_ = samples[f"{RECIPE} opt"], kinds[RECIPE]
+    share, gathered = eigh_share(HORIZON), statistics_share(HORIZON)
+    eigh_ms, plain_ms = kind_ms(opt, kinds_, True), kind_ms(opt, kinds_, False)
+    long_ms = long_fb = None
+    if eigh_ms is not None and plain_ms is not None:
+        # a step that gathers no statistics: one without an eigh less their two stages,
+        # its forward+backward the plain one (the hooks record nothing then)
+        bare_ms = plain_ms - sum(ms[k] for k in statistics)
+        long_ms = share * eigh_ms + (gathered - share) * plain_ms + (1 - gathered) * bare_ms
+        long_fb = gathered * median_ms(samples[f"{RECIPE} fb"]) + (1 - gathered) * ms["plain"]
     add("plain forward+backward", fb, ms["plain"], "model copy without hooks", key="plain")
     add("forward+backward, K-FAC hooks", fb, ms["hooks"], "the recipe's model", key="hooks")
     add(
@@ -719,6 +732,13 @@ def build_rows(
                 f"{name} stepper" + (" (before)" if name == BEFORE else ""),
                 key=f"{name} fb",
             )
+    add(
+        f"  amortized over {HORIZON:,} steps ({round(gathered * HORIZON)} with statistics)",
+        fb,
+        long_fb,
+        "the recipe's training steps and the plain row, weighted by its schedule",
+        key="kfac long fb",
+    )
     stage_rows = [
         ("batch factors", "hooks batch", "HookRecorder._batch_factors"),
         ("fold (running average)", "fold", "fold_layers"),
@@ -743,10 +763,12 @@ def build_rows(
         if key in ms:
             floor = floors.get(key if key != "hooks batch" else "batch factors")
             add(name, st, ms[key], source, floor, key)
-    every_step = ["hooks batch", "fold", "precondition", "copy back", "update"]
-    floor_every = sum(
-        (floors[k if k != "hooks batch" else "batch factors"] for k in every_step), Floor()
-    )
+    every_step = [*statistics, "precondition", "copy back", "update"]
+
+    def floor_of(keys: Sequence[str]) -> Floor:
+        return sum((floors[k if k != "hooks batch" else "batch factors"] for k in keys), Floor())
+
+    floor_every = floor_of(every_step)
     fresh = ["eigh", "carry", *(["powers"] if wide else [])]  # after a decomposition
     without = sum(ms[k] for k in every_step)
     with_eigh = without + sum(ms[k] for k in fresh)
@@ -764,8 +786,6 @@ def build_rows(
         amortized_floor,
         "sum amortized",
     )
-    opt = samples[f"{RECIPE} opt"]
-    kinds_ = kinds[RECIPE]
     real = pair_ms(opt)
     add(
         "step with eigh",
@@ -785,17 +805,13 @@ def build_rows(
     )
     add("amortized (eigh every 2)", kf_, real, "mean of 2 steps", amortized_floor, "kfac")
     add("  not in a stage row", kf_, real - sum_amortized, "difference", key="kfac rest")
-    share = eigh_share(HORIZON)
-    eigh_ms, plain_ms = kind_ms(opt, kinds_, True), kind_ms(opt, kinds_, False)
-    long_ms = None
-    if eigh_ms is not None and plain_ms is not None:
-        long_ms = share * eigh_ms + (1 - share) * plain_ms
     add(
-        f"amortized over {HORIZON:,} steps ({round(share * HORIZON)} with eigh)",
+        f"amortized over {HORIZON:,} steps ({round(share * HORIZON)} with eigh, "
+        f"{round(gathered * HORIZON)} with statistics)",
         kf_,
         long_ms,
-        "the two kinds weighted by the recipe's schedule",
-        floor_every + floor_fresh.times(share),
+        "the kinds of step weighted by the recipe's schedule",
+        floor_of(every_step[2:]) + floor_of(statistics).times(gathered) + floor_fresh.times(share),
         "kfac long",
     )
     if before:
@@ -832,12 +848,12 @@ def build_rows(
     for name in bench.steppers:
         whole = pair_ms([a + b for a, b in zip(samples[f"{name} fb"], samples[f"{name} opt"])])
         add(labels.get(name, name), wh, whole, "forward+backward + optimizer", key=f"{name} whole")
-    if long_ms is not None:
+    if long_ms is not None and long_fb is not None:
         add(
             f"K-FAC ({RECIPE}), amortized over {HORIZON:,} steps",
             wh,
-            median_ms(samples[f"{RECIPE} fb"]) + long_ms,
-            "forward+backward + the optimizer part above",
+            long_fb + long_ms,
+            "forward+backward (plain where no statistics) + the optimizer part above",
             key="kfac long whole",
         )
     at_floors = ms["plain"] + (floors["statistics"] + amortized_floor).ms(rates)
@@ -865,8 +881,22 @@ def eigh_share(horizon: int) -> float:
         >>> round(eigh_share(2000), 4)
         0.1585
     """
-    inv = optimizers.KFAC[RECIPE][4][1]
-    every = inv if callable(inv) else (lambda _: inv)
+    return _share(optimizers.KFAC[RECIPE][4][1], horizon)
+
+
+def statistics_share(horizon: int) -> float:
+    """The share of the recipe's first ``horizon`` steps that gather factor statistics (its
+    ``factor_update_steps``).
+
+    Example:
+        >>> round(statistics_share(2000), 3)
+        0.564
+    """
+    return _share(optimizers.KFAC[RECIPE][4][0], horizon)
+
+
+def _share(interval: Any, horizon: int) -> float:
+    every = interval if callable(interval) else (lambda _: interval)
     return sum(s % int(every(s)) == 0 for s in range(horizon)) / horizon
 
 
@@ -892,6 +922,7 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, float | None]:
     return {
         "hooks_over_plain_before": over("before fb", "plain"),
         "hooks_over_plain_after": over(f"{RECIPE} fb", "plain"),
+        "hooks_over_plain_after_long": over("kfac long fb", "plain"),
         "whole_over_muon_before": over("before whole", "muon whole"),
         "whole_over_muon_after_every_2": over(f"{RECIPE} whole", "muon whole"),
         "whole_over_muon_after": over("kfac long whole", "muon whole"),
@@ -1088,20 +1119,23 @@ def _recipe_settings(quick: bool) -> dict[str, Any]:
         "compute_method": method,
         "sgd_momentum": momentum,
         "kl_clip": clip,
-        "factor_update_steps": fac,
+        "factor_update_steps": _plain(fac),
         "inv_update_steps": _plain(inv),
-        "factor_decay": decay,
+        "factor_decay": _plain(decay),
         **{k: _plain(v) for k, v in extra.items()},
     }
 
 
 def _plain(value: Any) -> Any:
-    """A setting as JSON holds it (an :class:`~kfac_func.Orthogonal` or a
-    :class:`~kfac_func.step.GrowingInterval` as a dict, a dtype as its name)."""
+    """A setting as JSON holds it (an :class:`~kfac_func.Orthogonal`, a
+    :class:`~kfac_func.step.GrowingInterval` or a :class:`~kfac_func.step.DecayPerStep` as
+    a dict, a dtype as its name)."""
     if isinstance(value, kf.Orthogonal):
         return {k: _plain(v) for k, v in value._asdict().items()}
     if isinstance(value, kf.step.GrowingInterval):
         return {"growing_interval": dataclasses.asdict(value)}
+    if isinstance(value, kf.step.DecayPerStep):
+        return {"decay_per_step": value.per_step, "interval": _plain(value.interval)}
     return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
 
 

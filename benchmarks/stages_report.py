@@ -32,6 +32,7 @@ BF16_ROWS = (
     ("plain", "plain forward+backward"),
     ("before fb", "forward+backward with the hooks, before: float32 statistics"),
     (f"{rr.RECIPE} fb", "… after: bfloat16 statistics"),
+    ("kfac long fb", "… after, amortized over 2,000 steps (statistics every other step from 256)"),
     ("before", "K-FAC optimizer part, before: eigenbases every 2 steps"),
     ("kfac", "… after, eigenbases every 2 steps (its first 256 steps)"),
     ("kfac long", "… after, amortized over 2,000 steps"),
@@ -209,13 +210,14 @@ def render_bf16(doc: dict[str, Any], source: str = "`benchmarks/results/stages_b
         *_by_workload(doc, BF16_ROWS, _ms),
         "",
         "| workload | forward+backward with the hooks over the plain one: before | after "
-        "| K-FAC's whole step over Muon's: before | after, every 2 steps | after, over "
-        "2,000 steps |",
-        "|---|---|---|---|---|---|",
+        "| after, over 2,000 steps | K-FAC's whole step over Muon's: before | after, every "
+        "2 steps | after, over 2,000 steps |",
+        "|---|---|---|---|---|---|---|",
     ]
     keys = (
         "hooks_over_plain_before",
         "hooks_over_plain_after",
+        "hooks_over_plain_after_long",
         "whole_over_muon_before",
         "whole_over_muon_after_every_2",
         "whole_over_muon_after",

@@ -80,9 +80,9 @@ RECOMMENDED: dict[str, Any] = {
     "moment_beta2": 0.95,
     "kl_clip": None,
     "scaling": "fisher",
-    "factor_update_steps": 1,
+    "factor_update_steps": kf.step.GrowingInterval(first=1, until=256, most=2),
     "inv_update_steps": kf.step.GrowingInterval(),
-    "factor_decay": 0.9,
+    "factor_decay": kf.step.DecayPerStep(0.9, kf.step.GrowingInterval(first=1, until=256, most=2)),
     "batched_eigh": True,
     "orthogonal": kf.Orthogonal(powers=(0.5, 0.0), wider_than=512, block=512),
 }

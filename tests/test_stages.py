@@ -39,7 +39,8 @@ STAGE_ROWS = [
     "sum of stages, amortized (eigh every 2)",
 ]
 FLOORED = [r for r in STAGE_ROWS if "rest" not in r]
-LONG = f"amortized over 2,000 steps ({round(stages.eigh_share(2000) * 2000)} with eigh)"
+EIGHS, GATHERED = (round(f(2000) * 2000) for f in (stages.eigh_share, stages.statistics_share))
+LONG = f"amortized over 2,000 steps ({EIGHS} with eigh, {GATHERED} with statistics)"
 OTHERS = [
     "Muon, as the race runs it, + AdamW",
     "Muon, float32 Newton-Schulz + AdamW",
@@ -75,6 +76,7 @@ def test_stages_quick(tmp_path: Path) -> None:
             "plain forward+backward",
             "forward+backward, K-FAC hooks",
             "statistics in the hooks",
+            f"  amortized over 2,000 steps ({GATHERED} with statistics)",
             *STAGE_ROWS,
             "step with eigh",
             "step without eigh",

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kfac_func.adapter.settings import Settings
-from kfac_func.step.hyper import GrowingInterval
+from kfac_func.step.hyper import DecayPerStep, GrowingInterval
 from kfac_func.step.orthogonal import Orthogonal
 
-__all__ = ["HEAD_NAMES", "RECIPES", "WIDE", "Recipe", "recipe_named"]
+__all__ = ["HEAD_NAMES", "RECIPES", "STATISTICS", "WIDE", "Recipe", "recipe_named"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,13 @@ factors, where wider, in diagonal blocks no wider than this, so that no factor o
 wider than this is decomposed or (on the G side) gathered, at any model size. On a model
 with no side that wide the recipe is Adam's step in K-FAC's eigenbasis on every layer."""
 
+STATISTICS = GrowingInterval(first=1, until=256, most=2)
+"""The recommended recipe's ``factor_update_steps``: statistics every step for the first
+256 steps, then every other step, with the factor decay that keeps their memory in steps
+(``DecayPerStep(0.9, STATISTICS)``: 0.9, then 0.81). Every other step from the start
+reached Muon's final loss sooner on the short races' ``lm`` and ``gpt2`` but lost the lead
+over Muon on ``lm4x`` (see docs/benchmarks.md); young runs keep every step."""
+
 HEAD_NAMES = r"(^|\.)(lm_head|head|classifier|output)$"
 """The layer names the orthogonal recipes take for a model's head (``ortho_skip``): a
 head keeps AdamW's step (``"orthogonal-two-sided"``), as Muon leaves it to AdamW, or
@@ -118,9 +125,9 @@ RECIPES: dict[str, Recipe] = {
         base_kwargs={"momentum": 0.0},
         kfac_kwargs={
             "kl_clip": None,
-            "factor_update_steps": 1,
+            "factor_update_steps": STATISTICS,
             "inv_update_steps": GrowingInterval(),
-            "factor_decay": 0.9,
+            "factor_decay": DecayPerStep(0.9, STATISTICS),
         },
         settings=Settings(
             scaling="fisher",
@@ -134,8 +141,9 @@ RECIPES: dict[str, Recipe] = {
     "orthogonal-kfac-head": _orthogonal("orthogonal-kfac-head", (0.5, 0.0), moments=True),
 }
 """The named recipes: ``"recommended"`` (the default: Adam's step in K-FAC's eigenbasis,
-factor statistics every step, eigenbases every 2 steps, growing to every 32 as a long
-run goes on (:class:`~kfac_func.step.GrowingInterval`), and Muon's step on K-FAC's input
+factor statistics every step, then every other step from step 256 (:data:`STATISTICS`),
+eigenbases every 2 steps, growing to every 32 as a long run goes on
+(:class:`~kfac_func.step.GrowingInterval`), and Muon's step on K-FAC's input
 curvature for the layers with a side wider than :data:`WIDE`; the optimizer race's
 ``kfac-moments-wide``) and ``"kfac-pytorch"``
 (kfac-pytorch's preconditioner defaults in front of plain SGD, AdamW with torch's

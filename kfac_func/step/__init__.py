@@ -39,7 +39,12 @@ from kfac_func.step.adaptive import (
 )
 from kfac_func.step.curvature import curvature_gram
 from kfac_func.step.ekfac import correct_eigenvalues
-from kfac_func.step.hyper import GrowingInterval, NonFiniteError, exp_decay_factor_averaging
+from kfac_func.step.hyper import (
+    DecayPerStep,
+    GrowingInterval,
+    NonFiniteError,
+    exp_decay_factor_averaging,
+)
 from kfac_func.step.options import StepOptions
 from kfac_func.step.orthogonal import Orthogonal
 from kfac_func.step.precondition import precondition_grads
@@ -47,6 +52,7 @@ from kfac_func.step.sync_free import report_skipped
 
 __all__ = [
     "AdaptiveInfo",
+    "DecayPerStep",
     "GrowingInterval",
     "NonFiniteError",
     "Orthogonal",

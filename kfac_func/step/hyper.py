@@ -141,8 +141,9 @@ def exp_decay_factor_averaging(min_value: float = 0.95) -> Callable[[int], float
 
 @dataclass(frozen=True)
 class GrowingInterval:
-    """An ``inv_update_steps`` schedule for long runs: fresh eigenbases every ``first``
-    steps while the curvature moves fast, then half as often each time the run doubles:
+    """An ``inv_update_steps`` (or ``factor_update_steps``) schedule for long runs: fresh
+    eigenbases (or statistics) every ``first`` steps while the curvature moves fast, then
+    half as often each time the run doubles:
     ``first`` steps apart until step ``until``, ``2·first`` until ``2·until``, ``4·first``
     until ``4·until`` and so on, at most ``most`` apart. Each step where the interval
     doubles is a multiple of the new interval, so kfac-pytorch's rule (decompose where
@@ -180,6 +181,27 @@ class GrowingInterval:
         while step >= end and interval < self.most:
             interval, end = interval * 2, end * 2
         return min(interval, self.most)
+
+
+@dataclass(frozen=True)
+class DecayPerStep:
+    """A ``factor_decay`` for statistics gathered every ``interval`` steps (a number or a
+    schedule of the step, such as a :class:`GrowingInterval`): ``per_step`` to the power of
+    the interval at the step, so that the running average forgets at the same rate per
+    step, however many steps apart its statistics come.
+
+    Example:
+        >>> decay = DecayPerStep(0.9, GrowingInterval(first=1, until=256, most=2))
+        >>> [round(decay(t), 4) for t in (0, 255, 256, 4000)]
+        [0.9, 0.9, 0.81, 0.81]
+    """
+
+    per_step: float
+    interval: int | Callable[[int], int]
+
+    def __call__(self, step: int) -> float:
+        every = self.interval(step) if callable(self.interval) else self.interval
+        return float(self.per_step) ** int(every)
 
 
 def as_list(captures: Captures | Sequence[Captures]) -> list[Captures]:
