@@ -403,7 +403,8 @@ def render_headline(rows: Sequence[dict[str, Any]], recipe: str = RECIPE) -> str
         f"Time to target of `{recipe}`: `benchmarks/results/race_headline.json` (written by "
         "`python benchmarks/race.py --tables` from the race's results files: "
         f"`{WIDE_FILE}` on the workloads it raced, elsewhere the race's `{NARROW}`, which "
-        "is the same recipe there).",
+        "is the same recipe there for 256 steps; the runs of more steps, `digits`' 400 and "
+        "the CNN's 300, date from before the recipe's statistics thinned from step 256).",
         "",
         f"| workload | competitor | its final | its run: s | steps | {recipe}: s to it | "
         "steps | ratio of seconds |",

@@ -220,9 +220,13 @@ def test_bad_arguments_are_named(kwargs: dict[str, Any], match: str) -> None:
 
 def test_print_shows_the_recipe_and_the_layer_table() -> None:
     opt = kf.KFAC(_model(), skip_layers=["Embedding"])
-    head, step, where, table = repr(opt).split("\n", 3)
+    head, step, when, where, table = repr(opt).split("\n", 4)
     assert head == "KFAC(recipe='recommended', lr=0.014, current lr=0.014)"
     assert step.startswith("  step: ")
+    assert when == (
+        "  schedule: statistics every step, every 2 from step 256; decompositions every 2 "
+        "steps, twice as far apart each time the run doubles from step 256, at most every 32"
+    )
     assert where == (
         "  K-FAC preconditions 2 layers: SGD on their 4 parameters; AdamW on 1 other parameter"
     )

@@ -136,6 +136,8 @@ def test_stages_quick_under_autocast(tmp_path: Path) -> None:
     t = w["targets"]
     assert t["hooks_over_plain_before"] == pytest.approx(ms["before fb"] / ms["plain"])
     assert t["whole_over_muon_after"] == pytest.approx(ms["kfac long whole"] / ms["muon whole"])
+    # over the long run the steps without statistics take the plain forward+backward
+    assert t["hooks_over_plain_after_long"] == pytest.approx(ms["kfac long fb"] / ms["plain"])
     import stages_report
 
     assert "| `lm` |" in stages_report.render_bf16(doc)

@@ -3,7 +3,8 @@
 :func:`describe_step` reads the settings a :class:`~kfac_func.KFACPreconditioner` was
 built with (its method, eigenbasis moments, orthogonalized step, KL clip, grafting,
 adaptive step) and the table of its layers, so that the words follow any recipe or
-argument, not a recipe's name. :func:`counted` spells a count with its noun.
+argument, not a recipe's name; :func:`describe_schedule` says when it gathers statistics
+and decomposes. :func:`counted` spells a count with its noun.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from kfac_func.adapter.recipes import HEAD_NAMES
+from kfac_func.step.hyper import GrowingInterval
 from kfac_func.step.orthogonal import Orthogonal, takes_orthogonal
 
 if TYPE_CHECKING:
     from kfac_func.adapter.preconditioner import KFACPreconditioner
 
-__all__ = ["counted", "describe_step"]
+__all__ = ["counted", "describe_schedule", "describe_step"]
 
 _METHODS = {
     "EIGEN": "K-FAC's damped inverse (eigendecomposition, damping {damping})",
@@ -117,6 +119,39 @@ def describe_step(pre: KFACPreconditioner) -> str:
     if not extras:
         return words
     return f"{words}{'; ' if len(parts) > 1 else ' '}{', '.join(extras)}"
+
+
+def _every(interval: int | Callable[[int], int]) -> str:
+    """An update interval in words: a number, a :class:`GrowingInterval`, or a schedule."""
+    if isinstance(interval, GrowingInterval):
+        first, most, until = interval.first, interval.most, interval.until
+        words = _every(first)
+        if most == first:
+            return words
+        if most == 2 * first:
+            return f"{words}, every {most} from step {until}"
+        return f"{words}, twice as far apart each time the run doubles from step {until}, at most every {most}"  # noqa: E501
+    if callable(interval):
+        return "on a schedule"
+    return "every step" if int(interval) == 1 else f"every {int(interval)} steps"
+
+
+def describe_schedule(pre: KFACPreconditioner) -> str:
+    """When ``pre`` gathers factor statistics and decomposes, in words.
+
+    Example:
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> describe_schedule(kf.KFAC(model, recipe="kfac-pytorch").preconditioner)
+        'statistics every step; decompositions every step'
+        >>> print(describe_schedule(kf.KFAC(model).preconditioner))
+        statistics every step, every 2 from step 256; decompositions every 2 steps, twice as far apart each time the run doubles from step 256, at most every 32
+    """  # noqa: E501
+    return (
+        f"statistics {_every(pre.factor_update_steps)}; "
+        f"decompositions {_every(pre.inv_update_steps)}"
+    )
 
 
 def _extras(pre: KFACPreconditioner) -> list[str]:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from kfac_func.adapter.arguments import FloatOrFn
-from kfac_func.adapter.describe import counted, describe_step
+from kfac_func.adapter.describe import counted, describe_schedule, describe_step
 from kfac_func.adapter.optimizer_state import OptimizerStateMixin, _States
 from kfac_func.adapter.parameter_places import ParameterPlaces
 from kfac_func.adapter.preconditioner import KFACPreconditioner
@@ -85,8 +85,9 @@ class KFAC(OptimizerStateMixin, torch.optim.Optimizer):
       are ``torch.optim.Optimizer``'s; the base optimizers' own hooks run in their steps.
     - ``print(opt)`` shows the recipe, the learning rate it was built with and the
       current one, the step in words (read from the preconditioner's settings: see
-      :func:`~kfac_func.adapter.describe.describe_step`), the base optimizers and their
-      parameter counts, then the table of the layers K-FAC preconditions
+      :func:`~kfac_func.adapter.describe.describe_step`), when it gathers statistics and
+      decomposes, the base optimizers and their parameter counts, then the table of the
+      layers K-FAC preconditions
       (``opt.preconditioner.layers``).
 
     Build it on the model before or after wrapping it in DDP or sharding it with FSDP2
@@ -387,8 +388,9 @@ class KFAC(OptimizerStateMixin, torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         """The recipe, the learning rate it was built with and the current one, the step
-        in words (:func:`~kfac_func.adapter.describe.describe_step`), where the parameters
-        go, then the table of the layers (``opt.preconditioner.layers``)."""
+        in words (:func:`~kfac_func.adapter.describe.describe_step`), its schedule
+        (:func:`~kfac_func.adapter.describe.describe_schedule`), where the parameters go,
+        then the table of the layers (``opt.preconditioner.layers``)."""
         table = self.preconditioner.layers
         kfac = sum(len(g["params"]) for g in self._optimizers[0].param_groups)
         where = (
@@ -402,7 +404,8 @@ class KFAC(OptimizerStateMixin, torch.optim.Optimizer):
             f"{type(self).__name__}(recipe={self.recipe.name!r}, lr={self.built_lr:g}, "
             f"current lr={float(self.param_groups[0]['lr']):g})"
         )
-        return f"{head}\n  step: {describe_step(self.preconditioner)}\n  {where}\n{table}"
+        step, when = describe_step(self.preconditioner), describe_schedule(self.preconditioner)
+        return f"{head}\n  step: {step}\n  schedule: {when}\n  {where}\n{table}"
 
 
 def _check_number(name: str, value: float) -> float:
