@@ -20,7 +20,7 @@ recipe), ``soap`` and ``kron`` (``heavyball.SOAP`` / ``heavyball.PSGDKron``, eve
 parameter; skipped with a note when heavyball is not installed: it is a benchmark-only
 extra) and K-FAC in front of SGD with momentum: ``kfac`` (eigen, kl_clip following the
 schedule as in the example), ``kfac-ekfac`` (corrected eigenvalues),
-``kfac-ekfac-adam`` (EKFAC with Adam grafting, no kl_clip), ``kfac-moments`` (Adam's
+``kfac-moments`` (Adam's
 step, first and second moments, in K-FAC's eigenbasis — SOAP's update with K-FAC's bases
 — in front of SGD without momentum, factors and eigenbases every 5 steps),
 ``kfac-moments-fresh`` (``kfac-moments`` on SOAP's
@@ -94,7 +94,6 @@ LRS: dict[str, tuple[float, ...]] = {
     "kron": (1e-3, 3e-3),
     "kfac": (0.1, 0.3),
     "kfac-ekfac": (0.1, 0.3),
-    "kfac-ekfac-adam": (1e-3, 3e-3),
     "kfac-moments": (7e-3, 1.4e-2),
     "kfac-moments-fresh": (7e-3, 1.4e-2),
     "kfac-moments-wide": (7e-3, 1.4e-2),
@@ -260,7 +259,6 @@ KFAC = {
     # steps, factor decay, settings of the preconditioner)
     "kfac": ("eigen", 0.9, 0.0, 3e-5, (1, 5), 0.95, {}),
     "kfac-ekfac": ("ekfac", 0.9, 0.0, 3e-5, (1, 5), 0.95, {}),
-    "kfac-ekfac-adam": ("ekfac", 0.0, 0.0, None, (1, 5), 0.95, {"grafting": "adam"}),
     # Adam in K-FAC's eigenbasis (SOAP's update with K-FAC's bases): the first moment
     # inside the preconditioner, so SGD takes no momentum
     "kfac-moments": (

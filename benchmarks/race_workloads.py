@@ -30,7 +30,6 @@ DEFAULT_OPTIMIZERS = (
     "soap",
     "kron",
     "kfac",
-    "kfac-ekfac-adam",
     "kfac-moments",
     "kfac-moments-fresh",
 )
@@ -44,7 +43,6 @@ KNOBS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "kron": ("betas", ((0.9, 0.999), (0.95, 0.999))),
     "kfac": ("damping", (1e-3, 1e-2)),
     "kfac-ekfac": ("damping", (1e-3, 1e-2)),
-    "kfac-ekfac-adam": ("damping", (1e-3, 1e-2)),
     "kfac-moments": ("moment_beta2", (0.95, 0.999)),
     "kfac-moments-fresh": ("moment_beta2", (0.95, 0.999)),
     "kfac-moments-wide": ("moment_beta2", (0.95, 0.999)),

@@ -93,7 +93,7 @@ class KFACConfig:
                 raise ValueError(f"{name} must be a floating torch.dtype, got {dt!r}")
 
 
-MOMENT_FIELDS = ("graft_moment", "basis_moment", "basis_momentum", "ortho_momentum")
+MOMENT_FIELDS = ("basis_moment", "basis_momentum", "ortho_momentum")
 """The running moments a :class:`LayerState` may hold, each of its gradient matrix's
 shape."""
 
@@ -112,8 +112,6 @@ class LayerState:
         decomposition_failures: decompositions that failed even after the retries of
             :func:`kfac_func.core.decomposition.eigh_factor`, each time keeping the previous
             decomposition (static).
-        graft_moment: the running second moment of the layer's gradient matrix kept for
-            Adam grafting (``update(..., grafting="adam")``), or None.
         basis_moment: the running second moment of the layer's gradient in its
             eigenbasis (``update(..., eigenbasis_moments=True)``, see
             :mod:`kfac_func.core.basis_moments`), or None.
@@ -151,7 +149,6 @@ class LayerState:
     factor_updates: int = 0
     skipped_updates: int = 0
     decomposition_failures: int = 0
-    graft_moment: torch.Tensor | None = None
     basis_moment: torch.Tensor | None = None
     basis_momentum: torch.Tensor | None = None
     ortho_momentum: torch.Tensor | None = None

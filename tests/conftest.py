@@ -28,7 +28,6 @@ NUMERICS = {
     "test_diagonal",
     "test_ekfac",
     "test_embedding",
-    "test_grafting",
     "test_gram_precision",
     "test_grouped",
     "test_host_syncs",

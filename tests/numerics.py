@@ -275,7 +275,7 @@ def assert_same_states(
     """Equal K-FAC states in what they determine: factors entry by entry, decompositions
     by :func:`assert_same_decomposition`, eigenbasis moments rotated back to the
     parameters' space and projected where the factors determine them (entry by entry with
-    ``exact_moments``), Adam grafting's moments and the counters entry by entry."""
+    ``exact_moments``) and the counters entry by entry."""
     assert list(got.layers) == list(want.layers)
     for name, w in want.layers.items():
         g = got.layers[name]
@@ -303,7 +303,7 @@ def assert_same_states(
                 close(
                     _in_parameter_space(g, a, rel, gap), _in_parameter_space(w, b, rel, gap), field
                 )
-        for field in ("graft_moment", "grad_skips", "factor_skips", "usable"):
+        for field in ("grad_skips", "factor_skips", "usable"):
             a, b = getattr(g, field), getattr(w, field)
             assert (a is None) == (b is None), (name, field)
             if b is not None:

@@ -35,14 +35,12 @@ EXTRAS: dict[str, dict[str, Any]] = {
         "eigenbasis_moments": True,
         "moment_beta1": 0.9,
         "moment_eps": 1e-4,
-        "grafting": "adam",
-        "graft_eps": 1e-4,
     },
 }
 """Further fields of the preconditioner's ``Settings`` by name: none, or eigenbasis
-moments with a first moment and Adam grafting (their running moments live on the grad
-workers; an epsilon of 1e-4, as Adam divides the directions the gradient does not reach by
-it, so that float64 rounding noise there, 1e-17, stays far below the tests' tolerances)."""
+moments with a first moment (their running moments live on the grad workers; an epsilon
+of 1e-4, as Adam divides the directions the gradient does not reach by it, so that
+float64 rounding noise there, 1e-17, stays far below the tests' tolerances)."""
 EXTRA_CONFIGS = (("MEM_OPT", "ekfac", ""), ("COMM_OPT", "ekfac", "moments"))
 EXTRA_CONFIGS += (("HYBRID_OPT", "eigen", "moments"),)
 """(strategy, method, extra) of the sharded tests besides STRATEGIES x METHODS."""

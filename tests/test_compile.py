@@ -16,7 +16,6 @@ from numerics import named
 from torch import nn
 
 import kfac_func as kf
-from kfac_func.step.precondition import Grafting
 
 pytestmark = pytest.mark.slow
 
@@ -78,9 +77,7 @@ def test_compiled_precondition_grads_equals_eager() -> None:
     state, grads = _state()
 
     def fn(s: kf.KFACState, g: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return kf.step.precondition_grads(
-            s, g, damping=1e-2, kl_clip=1e-3, grafting=Grafting("sgd"), sync_free=True
-        )
+        return kf.step.precondition_grads(s, g, damping=1e-2, kl_clip=1e-3, sync_free=True)
 
     _close(torch.compile(fn, fullgraph=True)(state, grads), fn(state, grads))
 

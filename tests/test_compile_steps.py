@@ -51,7 +51,7 @@ def _mlp(dtype: torch.dtype) -> nn.Module:
 
 
 CASES = {
-    "eigen-graft-adam": ({}, {"grafting": "adam"}),
+    "eigen": ({}, {}),
     "inverse": ({"compute_method": "inverse"}, {}),
     "ekfac": ({"compute_method": "ekfac"}, {}),
     "moments-qr": (

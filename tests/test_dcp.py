@@ -2,10 +2,10 @@
 resharded across world sizes (4 -> 2 -> 1), resumes as the uninterrupted run.
 
 Three spawns on gloo, each running every configuration of :data:`CONFIGS`: plain eigen
-K-FAC under MEM_OPT, eigenbasis moments with Adam grafting under HYBRID_OPT (two grad
-workers per layer on 4 ranks), EKFAC with eigenbasis moments and a first moment
-(``moment_beta1 > 0``) under COMM_OPT, EKFAC under MEM_OPT, and eigenbasis moments with a
-first moment and Adam grafting under tensor parallelism (MEM_OPT). On 4 ranks the model
+K-FAC under MEM_OPT, eigenbasis moments under HYBRID_OPT (two grad workers per layer on 4
+ranks), EKFAC with eigenbasis moments and a first moment (``moment_beta1 > 0``) under
+COMM_OPT, EKFAC under MEM_OPT, and eigenbasis moments with a first moment under tensor
+parallelism (MEM_OPT). On 4 ranks the model
 (float64, sharded per Linear and at the root) trains with SGD with momentum on
 preconditioned gradients (MEM_OPT: each layer's factors and decomposition on its owner
 only); after ``SAVE_AT`` steps ``dcp.save`` writes
@@ -82,15 +82,9 @@ entropy's constant direction of the last layer's G) by it, so rounding noise of 
 grows by 1/EPS; 1e-8 would make float64 runs that sum in another order differ by 1e-9."""
 CONFIGS: dict[str, dict[str, Any]] = {
     "eigen": {"grad_worker_fraction": DistributedStrategy.MEM_OPT},
-    "moments_adam": {
+    "moments": {
         "grad_worker_fraction": DistributedStrategy.HYBRID_OPT,
-        "settings": Settings(
-            scaling="fisher",
-            eigenbasis_moments=True,
-            moment_eps=EPS,
-            grafting="adam",
-            graft_eps=EPS,
-        ),
+        "settings": Settings(scaling="fisher", eigenbasis_moments=True, moment_eps=EPS),
     },
     "ekfac_beta1": {
         "grad_worker_fraction": DistributedStrategy.COMM_OPT,
@@ -100,16 +94,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
         ),
     },
     "ekfac": {"grad_worker_fraction": DistributedStrategy.MEM_OPT, "compute_method": "ekfac"},
-    "tp_moments_adam": {
+    "tp_moments": {
         "mesh": "tp",
         "grad_worker_fraction": DistributedStrategy.MEM_OPT,
         "settings": Settings(
-            scaling="fisher",
-            eigenbasis_moments=True,
-            moment_beta1=0.9,
-            moment_eps=EPS,
-            grafting="adam",
-            graft_eps=EPS,
+            scaling="fisher", eigenbasis_moments=True, moment_beta1=0.9, moment_eps=EPS
         ),
     },
 }
@@ -195,7 +184,7 @@ def _one(rank: int, world: int, tmp: str, name: str) -> dict[str, Any]:
         steps = pre.steps
         grads = run(model, opt, pre, range(RESAVE_AT, STEPS), rank, world, tp)
     moments = {
-        n: int(ls.basis_moment is not None) + 2 * int(ls.graft_moment is not None)
+        n: int(ls.basis_moment is not None) + 2 * int(ls.basis_momentum is not None)
         for n, ls in pre.state.layers.items()
     }
     pre.remove()
@@ -267,8 +256,8 @@ def test_moments_are_kept(runs: Any) -> None:
     """The configurations with running moments hold them on one rank at the end (and
     those without hold none): the comparison above covers them."""
     kept = {name: set(runs[1][0][name]["moments"].values()) for name in CONFIGS}
-    want = {"eigen": {0}, "moments_adam": {3}, "ekfac_beta1": {1}, "ekfac": {0}}
-    assert kept == {**want, "tp_moments_adam": {3}}
+    want = {"eigen": {0}, "moments": {1}, "ekfac_beta1": {3}, "ekfac": {0}}
+    assert kept == {**want, "tp_moments": {3}}
 
 
 def test_each_rank_holds_its_layers_after_a_load(runs: Any) -> None:

@@ -1,5 +1,5 @@
 """`torch.distributed.checkpoint` on one process: the adaptive step's state and the
-running moments of grafting and eigenbasis moments, and the warning when a state dict lacks
+running moments of eigenbasis moments, and the warning when a state dict lacks
 the moments a preconditioner keeps.
 
 DCP loads *into* the tensors of a template state dict (a fresh preconditioner's), so the
@@ -112,7 +112,7 @@ def moments_setup(moments: bool = True) -> tuple[nn.Module, KFACPreconditioner]:
     model = nn.Sequential(nn.Linear(4, 7), nn.Tanh(), nn.Linear(7, 3)).to(F64)
     extra: dict[str, Any] = {}
     if moments:
-        extra = {"eigenbasis_moments": True, "moment_beta1": 0.9, "grafting": "adam"}
+        extra = {"eigenbasis_moments": True, "moment_beta1": 0.9}
     pre = KFACPreconditioner(
         model,
         damping=0.01,
@@ -120,9 +120,7 @@ def moments_setup(moments: bool = True) -> tuple[nn.Module, KFACPreconditioner]:
         kl_clip=1e-2,
         factor_dtype=F64,
         inv_dtype=F64,
-        **with_settings(
-            settings=Settings(scaling="fisher", moment_eps=1e-4, graft_eps=1e-4), **extra
-        ),
+        **with_settings(settings=Settings(scaling="fisher", moment_eps=1e-4), **extra),
     )
     return model, pre
 

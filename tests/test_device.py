@@ -60,7 +60,7 @@ def tensors_of(state: kf.KFACState) -> dict[str, torch.Tensor]:
     """Every tensor of the state's layers, by ``layer.field``."""
     out = {}
     for name, ls in state.layers.items():
-        for field in ("a_factor", "g_factor", "graft_moment", "basis_moment", "basis_momentum"):
+        for field in ("a_factor", "g_factor", "basis_moment", "basis_momentum"):
             t = getattr(ls, field, None)
             if isinstance(t, torch.Tensor):
                 out[f"{name}.{field}"] = t

@@ -49,7 +49,7 @@ TOL = 1e-6
 
 def configs(world: int) -> list[dict[str, Any]]:
     """Every strategy x eigen and inverse, then EKFAC and eigenbasis moments (with a first
-    moment and Adam grafting, :data:`sharded.EXTRA_CONFIGS`), per mesh."""
+    moment, :data:`sharded.EXTRA_CONFIGS`), per mesh."""
     meshes = ["fsdp"] if world == 2 else ["fsdp", "hsdp"]
     plain = [(s, m, "") for s in STRATEGIES for m in METHODS]
     return [

@@ -32,13 +32,8 @@ F64 = torch.float64
 SETTINGS: dict[str, dict[str, Any]] = {
     "eigen": {"kl_clip": 1e-2},
     "eigen-damped-later": {"kl_clip": None, "damping": lambda k: 0.01 * (k + 1)},
-    "moments-adam-graft": {
-        "eigenbasis_moments": True,
-        "moment_beta1": 0.9,
-        "grafting": "adam",
-        "kl_clip": None,
-    },
-    "sgd-graft-sync-free": {"grafting": "sgd", "sync_free": True, "kl_clip": 1e-2},
+    "moments": {"eigenbasis_moments": True, "moment_beta1": 0.9, "kl_clip": None},
+    "eigen-sync-free": {"sync_free": True, "kl_clip": 1e-2},
     "moments-sync-free": {"eigenbasis_moments": True, "sync_free": True, "kl_clip": None},
 }
 METHODS = ("eigen", "inverse", "ekfac")
@@ -121,13 +116,12 @@ def test_grouped_equals_per_layer_on_fixture_models(name: str, setting: str) -> 
 
 def test_grouped_equals_per_layer_in_float32() -> None:
     """In float32 Adam's step in an eigenbasis turns the rounding noise of a null direction
-    into a step as large as any other (see numerics), and Adam grafting then rescales the
-    whole layer by its norm: the comparison is of the moments without grafting, where the
-    factors determine the step (eigenvalues above 1e-3 of the largest, many float32 units
-    of rounding away from the noise), at float32's tolerance, raised to what the rounding of
-    the eigenvectors allows (:func:`numerics.moments_tolerance`)."""
+    into a step as large as any other (see numerics): the comparison is of the moments
+    where the factors determine the step (eigenvalues above 1e-3 of the largest, many
+    float32 units of rounding away from the noise), at float32's tolerance, raised to what
+    the rounding of the eigenvectors allows (:func:`numerics.moments_tolerance`)."""
     fx = FIXTURES["gpt2"]
-    setting = {**SETTINGS["moments-adam-graft"], "grafting": None}
+    setting = SETTINGS["moments"]
     grouped = _steps(fx, torch.float32, "eigen", setting, grouped=True)
     per_layer = _steps(fx, torch.float32, "eigen", setting, grouped=False)
     for (g1, _), (g2, s2) in zip(grouped, per_layer):
@@ -169,9 +163,9 @@ def _precondition_ops(depth: int, grouped: bool, **kw: Any) -> Counter[str]:
         {},
         {"sync_free": True},
         {"eigenbasis_moments": True, "moment_beta1": 0.9, "kl_clip": None},
-        {"grafting": "adam", "sync_free": True},
+        {"eigenbasis_moments": True, "sync_free": True, "kl_clip": None},
     ],
-    ids=["eigen", "sync-free", "moments", "adam-graft"],
+    ids=["eigen", "sync-free", "moments", "moments-sync-free"],
 )
 def test_operations_of_the_grouped_step_do_not_grow_with_depth(kw: dict[str, Any]) -> None:
     shallow, deep = _precondition_ops(2, True, **kw), _precondition_ops(8, True, **kw)
@@ -311,7 +305,7 @@ def test_compiled_grouped_steps_equal_eager_as_the_counters_change() -> None:
     the step counter and the moments' counts from call to call, equal to eager."""
     kw: dict[str, Any] = {"factor_update_steps": 3, "inv_update_steps": 3, "kl_clip": None}
     settings = kf.Settings(
-        scaling="fisher", sync_free=True, eigenbasis_moments=True, moment_beta1=0.9, grafting="adam"
+        scaling="fisher", sync_free=True, eigenbasis_moments=True, moment_beta1=0.9
     )
     models = [_deep(3), _deep(3)]
     pres = [

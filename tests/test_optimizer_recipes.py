@@ -301,9 +301,9 @@ def test_print_follows_the_settings_not_the_recipe_name() -> None:
     change them."""
     opt = kf.KFAC(_model(), compute_method="inverse", eigenbasis_moments=False, orthogonal=None)
     assert _step_words(opt) == "K-FAC's damped inverse (explicit inverses, damping 0.001)"
-    opt = kf.KFAC(_model(), recipe="kfac-pytorch", kl_clip=None, grafting="adam")
+    opt = kf.KFAC(_model(), recipe="kfac-pytorch", kl_clip=0.01)
     assert _step_words(opt) == (
-        "K-FAC's damped inverse (eigendecomposition, damping 0.001) grafted to Adam's step length"
+        "K-FAC's damped inverse (eigendecomposition, damping 0.001) with the KL clip 0.01"
     )
     opt = kf.KFAC(_model(), recipe="kfac-pytorch", damping=lambda step: 0.1)
     assert _step_words(opt).startswith("K-FAC's damped inverse (eigendecomposition, damping (sc")

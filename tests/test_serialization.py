@@ -363,6 +363,22 @@ def test_future_format_version(tmp_path: Path) -> None:
     assert f"reads format version {FORMAT_VERSION}" in msg and str(path) in msg
 
 
+def test_a_retired_grafting_moment_is_refused_naming_the_layer() -> None:
+    """A checkpoint written while Adam grafting ran holds its running moment; grafting was
+    retired, so it is refused, naming the layer (one written without it loads)."""
+    d = kf.state_to_dict(_trained())
+    meta = json.loads(bytes(d[META_KEY].tolist()))
+    kf.state_from_dict(
+        _with_meta(d, layers=[{**e, "graft_moment": False} for e in meta["layers"]]),
+        like=_fresh(_model()),
+    )
+    first = meta["layers"][0]
+    layers = [{**first, "graft_moment": True}, *meta["layers"][1:]]
+    with pytest.raises(kf.checkpoint.CheckpointFormatError, match="grafting was retired") as info:
+        kf.state_from_dict(_with_meta(d, layers=layers), like=_fresh(_model()))
+    assert repr(first["name"]) in str(info.value)
+
+
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
 @pytest.mark.parametrize("cut", ["last byte", "half", "all but 3 bytes"])
 def test_truncated_file(tmp_path: Path, suffix: str, cut: str) -> None:

@@ -92,7 +92,7 @@ def test_every_setting_is_documented_field_by_field() -> None:
     [
         {"scaling": "fisher"},
         {"eigenbasis_moments": True, "moment_beta2": 0.95, "moment_beta1": 0.5},
-        {"grafting": "adam", "grouped": False},
+        {"moment_eps": 1e-6, "grouped": False},
         {"sync_free": True, "batched_eigh": True},
     ],
     ids=lambda g: "+".join(g),

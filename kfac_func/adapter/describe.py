@@ -1,8 +1,8 @@
 """What a preconditioner's step is, in words: the first lines of ``print(kf.KFAC(model))``.
 
 :func:`describe_step` reads the settings a :class:`~kfac_func.KFACPreconditioner` was
-built with (its method, eigenbasis moments, orthogonalized step, KL clip, grafting,
-adaptive step) and the table of its layers, so that the words follow any recipe or
+built with (its method, eigenbasis moments, orthogonalized step, KL clip, adaptive
+step) and the table of its layers, so that the words follow any recipe or
 argument, not a recipe's name; :func:`describe_schedule` says when it gathers statistics
 and decomposes. :func:`counted` spells a count with its noun.
 """
@@ -84,7 +84,7 @@ def describe_step(pre: KFACPreconditioner) -> str:
     layers without the orthogonalized step (Adam's step in K-FAC's eigenbasis, K-FAC's
     damped inverse by its method, or EKFAC's step), then Muon's step on K-FAC's curvature
     when ``pre.orthogonal`` is set (its powers, the layers taking it and how many of
-    ``pre.layers`` do), then the KL clip, grafting and adaptive step when they are on.
+    ``pre.layers`` do), then the KL clip and adaptive step when they are on.
 
     Example:
         >>> from torch import nn
@@ -155,13 +155,10 @@ def describe_schedule(pre: KFACPreconditioner) -> str:
 
 
 def _extras(pre: KFACPreconditioner) -> list[str]:
-    """What acts on every layer's step: the KL clip, grafting, the adaptive step."""
+    """What acts on every layer's step: the KL clip, the adaptive step."""
     out = []
     if pre.kl_clip is not None:
         out.append(f"with the KL clip {_number(pre.kl_clip)}")
-    if pre.grafting is not None:
-        name = {"sgd": "SGD", "adam": "Adam"}.get(pre.grafting, pre.grafting)
-        out.append(f"grafted to {name}'s step length")
     if pre.adaptive is not None:
         out.append("then the adaptive step (learning rate, momentum and damping)")
     return out

@@ -23,7 +23,7 @@ __all__ = ["InspectionMixin"]
 
 # the preconditioner's attributes a step passes on as they are (see _step_options)
 _STEP_ATTRS = (
-    "factor_decay", "kl_clip", "lr", "grafting", "graft_beta2", "graft_eps",
+    "factor_decay", "kl_clip", "lr",
     "eigenbasis_moments", "moment_beta2", "moment_eps", "moment_beta1",
     "sync_free", "batched_eigh", "eigh_device", "grouped",
 )  # fmt: skip

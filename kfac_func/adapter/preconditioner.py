@@ -137,7 +137,6 @@ class KFACPreconditioner(
             self.layers = orthogonal_table(self.layers, orthogonal, others=s.eigenbasis_moments)
         self.orthogonal = orthogonal
         self.max_factor_dim, self.kfac_approx = s.max_factor_dim, s.kfac_approx
-        self.grafting, self.graft_beta2, self.graft_eps = s.grafting, s.graft_beta2, s.graft_eps
         if s.eigenbasis_moments:
             BasisMoments(s.moment_beta2, s.moment_eps, s.moment_beta1).check(method)
         self.eigenbasis_moments, self.moment_beta1 = s.eigenbasis_moments, s.moment_beta1
@@ -179,7 +178,6 @@ class KFACPreconditioner(
             eigenbasis_refresh=s.eigenbasis_refresh,
             max_factor_dim=s.max_factor_dim,
             kfac_approx=s.kfac_approx,
-            grafting=(s.grafting, s.graft_beta2, s.graft_eps),
             eigenbasis_moments=(s.eigenbasis_moments, s.moment_beta2, s.moment_eps, s.moment_beta1),
             orthogonal=orthogonal,
             # FSDP2 / tensor parallelism: every rank must see the same meshes and placements

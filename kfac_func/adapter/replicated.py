@@ -11,8 +11,8 @@ zeros of the decomposition's shapes and ``"decomposed": 0``. A fresh preconditio
 state dict is then a template DCP loads into, on any world size; on load each rank keeps
 the decompositions of its grad-worker layers only (:func:`entry_for_rank`).
 
-The running moments that the preconditioner's settings keep for each layer (Adam
-grafting's ``graft_moment``, the eigenbasis moments' ``basis_moment`` and, with
+The running moments that the preconditioner's settings keep for each layer (the
+eigenbasis moments' ``basis_moment`` and, with
 ``moment_beta1 > 0``, ``basis_momentum``, with their ``moment_count``, or the
 orthogonalized step's ``ortho_momentum`` on the layers taking it; see
 :func:`kept_moments`) travel the same way: every layer's, from its first grad worker,
@@ -80,18 +80,16 @@ def kept_moments(settings: Any, spec: LayerSpec) -> tuple[str, ...]:
     """The running moments (of :data:`~kfac_func.state.MOMENT_FIELDS`) that a
     preconditioner with these settings keeps for the layer of ``spec``: ``ortho_momentum``
     alone on a layer that takes the orthogonalized step (``orthogonal``, see
-    :func:`~kfac_func.step.orthogonal.takes_orthogonal`); on the others
-    ``graft_moment`` under ``grafting="adam"``, ``basis_moment`` under
-    ``eigenbasis_moments`` and ``basis_momentum`` with ``moment_beta1 > 0`` too.
+    :func:`~kfac_func.step.orthogonal.takes_orthogonal`); on the others ``basis_moment``
+    under ``eigenbasis_moments`` and ``basis_momentum`` with ``moment_beta1 > 0`` too.
 
     Example:
         >>> from types import SimpleNamespace
         >>> from torch import nn
         >>> import kfac_func as kf
         >>> spec = kf.register(nn.Linear(4, 3))[""]
-        >>> kept_moments(SimpleNamespace(grafting="adam", eigenbasis_moments=True,
-        ...                              moment_beta1=0.9), spec)
-        ('graft_moment', 'basis_moment', 'basis_momentum')
+        >>> kept_moments(SimpleNamespace(eigenbasis_moments=True, moment_beta1=0.9), spec)
+        ('basis_moment', 'basis_momentum')
         >>> kept_moments(SimpleNamespace(eigenbasis_moments=True,
         ...                              orthogonal=kf.Orthogonal(wider_than=4)), spec)
         ('ortho_momentum',)
@@ -99,14 +97,11 @@ def kept_moments(settings: Any, spec: LayerSpec) -> tuple[str, ...]:
     orthogonal = getattr(settings, "orthogonal", None)
     if orthogonal is not None and takes_orthogonal(spec, orthogonal):
         return ("ortho_momentum",)
-    out = []
-    if getattr(settings, "grafting", None) == "adam":
-        out.append("graft_moment")
-    if getattr(settings, "eigenbasis_moments", False):
-        out.append("basis_moment")
-        if float(getattr(settings, "moment_beta1", 0.0)) > 0:
-            out.append("basis_momentum")
-    return tuple(out)
+    if not getattr(settings, "eigenbasis_moments", False):
+        return ()
+    if float(getattr(settings, "moment_beta1", 0.0)) > 0:
+        return ("basis_moment", "basis_momentum")
+    return ("basis_moment",)
 
 
 def _moments(ls: LayerState, moments: Sequence[str]) -> tuple[list[torch.Tensor], list[float]]:

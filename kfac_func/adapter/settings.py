@@ -2,7 +2,7 @@
 
 :class:`~kfac_func.KFACPreconditioner` takes kfac-pytorch 0.4.2's arguments by name, with
 its defaults, and everything this library adds (the factors' scaling, Adam's step in
-K-FAC's eigenbasis, grafting, Muon's step, steps without host synchronisation, ...) as one
+K-FAC's eigenbasis, Muon's step, steps without host synchronisation, ...) as one
 frozen :class:`Settings` value, ``settings=``, as Distributed Shampoo's optimizer takes its
 config objects::
 
@@ -34,7 +34,6 @@ from kfac_func.core.conventions import CONVENTIONS, convention_argument
 from kfac_func.distributed.communicator import AllreduceMethod
 from kfac_func.step.basis import BasisMoments
 from kfac_func.step.decompose import check_eigh_device
-from kfac_func.step.layer_step import Grafting
 from kfac_func.step.orthogonal import Orthogonal
 
 __all__ = ["PARALLEL_SETTINGS", "SETTINGS", "Settings", "settings_from_keywords"]
@@ -70,9 +69,6 @@ class Settings:
         eigenbasis_moments: Adam's step in K-FAC's eigenbasis (see :func:`kfac_func.update`).
         moment_beta1: the eigenbasis moments' ``β₁`` (0: no first moment).
         moment_beta2, moment_eps: the eigenbasis moments' ``β₂`` and ``ε``.
-        grafting: None, ``"sgd"`` or ``"adam"``: each layer's step takes that optimizer's
-            norm.
-        graft_beta2, graft_eps: Adam grafting's ``β₂`` and ``ε``.
         orthogonal: a :class:`~kfac_func.Orthogonal`: Muon's step on K-FAC's curvature
             for the layers holding one weight matrix; the others take Adam's step in
             K-FAC's eigenbasis under ``eigenbasis_moments``, else are not registered (see
@@ -128,9 +124,6 @@ class Settings:
     moment_beta1: float = 0.0
     moment_beta2: float = 0.999
     moment_eps: float = 1e-8
-    grafting: str | None = None
-    graft_beta2: float = 0.999
-    graft_eps: float = 1e-8
     orthogonal: Orthogonal | None = None
     adaptive: AdaptiveStepper | None = None
     eigenbasis_refresh: str = "eigh"
@@ -164,8 +157,6 @@ class Settings:
             raise ValueError(f"gram_dtype must be a floating torch.dtype or None, got {gram!r}")
         if self.eigenbasis_moments:
             BasisMoments(self.moment_beta2, self.moment_eps, self.moment_beta1).check("eigen")
-        if self.grafting is not None:
-            Grafting(self.grafting, self.graft_beta2, self.graft_eps).check()
         if self.orthogonal is not None and not isinstance(self.orthogonal, Orthogonal):
             raise TypeError(f"orthogonal must be a kfac_func.Orthogonal, got {self.orthogonal!r}")
         if self.adaptive is not None and not isinstance(self.adaptive, AdaptiveStepper):

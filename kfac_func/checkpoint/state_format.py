@@ -299,6 +299,11 @@ def _decode_meta(d: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         seen.add(name)
         _get(entry, "factor_updates", int, f"layer {name!r} ")
         _get(entry, "skipped_updates", int, f"layer {name!r} ")
+        if entry.get("graft_moment"):
+            raise _fmt(
+                f"layer {name!r} holds Adam grafting's running moment ('graft_moment'): "
+                "grafting was retired, so this checkpoint's step cannot be resumed"
+            )
         # fields that files written before them lack: their defaults
         for field, default in (
             ("decomposition_failures", 0),

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import torch
 
-from kfac_func.core.grafting import graft_moment
-
 __all__ = [
     "adam_in_basis",
     "carry_moment",
     "carry_moments",
     "from_basis",
     "rotate_moment",
+    "second_moment",
     "to_basis",
 ]
 
@@ -62,6 +61,18 @@ def from_basis(v: torch.Tensor, qa: torch.Tensor | None, qg: torch.Tensor | None
     """
     out = v if qg is None else qg @ v
     return out if qa is None else out @ qa.mT
+
+
+def second_moment(moment: torch.Tensor | None, m: torch.Tensor, beta2: float) -> torch.Tensor:
+    """The running average of the squares: ``β₂ · moment + (1 − β₂) · M²`` (``(1 − β₂) ·
+    M²`` for the first).
+
+    Example:
+        >>> second_moment(None, torch.tensor([2.0]), 0.75)
+        tensor([1.])
+    """
+    sq = m.pow(2).mul_(1 - beta2)
+    return sq if moment is None else moment.mul(beta2).add_(sq.to(moment.dtype))
 
 
 def adam_in_basis(
@@ -99,7 +110,7 @@ def adam_in_basis(
         (tensor([[ 1., -1.]]), tensor([[0.4000, 0.9000]]))
     """
     projected = to_basis(m, qa, qg)
-    new = graft_moment(moment, projected, beta2)  # the running average of the squares
+    new = second_moment(moment, projected, beta2)
     v_hat = new / (1 - beta2 ** (count + 1))
     new_first = None
     if beta1 > 0:  # the first moment is kept in the basis: no second projection

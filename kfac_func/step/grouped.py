@@ -89,12 +89,9 @@ class _Unit:
             self.relaid = [rebuild(ls.decomposition, iter(v)) for ls, v in zip(self.states, views)]
         return [t for t, _ in out]
 
-    def run(self, fn: Any, *args: Any, shared: tuple[Any, ...] = ()) -> Any:
-        """``fn(*args, *shared)``: vmapped over the stacked ``args`` when batched (the
-        ``shared`` values are the same for every layer)."""
-        if not self.batched:
-            return fn(*args, *shared)
-        return vmap(fn, in_dims=(0,) * len(args) + (None,) * len(shared))(*args, *shared)
+    def run(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``: vmapped over the stacked ``args`` when batched."""
+        return vmap(fn)(*args) if self.batched else fn(*args)
 
     def per_layer(self, t: torch.Tensor) -> Sequence[torch.Tensor]:
         """A stacked result, one tensor per layer."""
@@ -123,7 +120,7 @@ def precondition_layers(
     with ``settings.sync_free`` each layer's finiteness (and its decomposition's
     ``usable`` flag) selects the result or the raw gradient on the device. With
     ``consume_rows``, each layer's entry is removed from a mutable ``rows`` once taken.
-    The new running moments of each layer (Adam grafting, eigenbasis moments, orthogonal
+    The new running moments of each layer (eigenbasis moments, orthogonal
     momenta; under ``sync_free`` the ``grad_skips`` counter too) go into
     ``changes[layer]`` (for ``LayerState.replace``).
 
@@ -243,14 +240,13 @@ def _compute(
         layer_rows = taken.get(name) if use_rows.get(name) else None
         stage = functools.partial(_stage, settings, kl_terms, unit.first, layer_rows)
         if torch.compiler.is_compiling():
-            # the step and the moments' count change from call to call, so they are
-            # symbolic in a compiled step: handed to the vmapped function as tensors, which
-            # its graph takes as inputs (a symbolic int closed over by vmap is not)
+            # the moments' count changes from call to call, so it is symbolic in a
+            # compiled step: handed to the vmapped function as a tensor, which its graph
+            # takes as an input (a symbolic int closed over by vmap is not)
             device = unit.m.device
             counts = [_scalar(ls.moment_count, device) for ls in unit.states]
             count = torch.stack(counts) if unit.batched else counts[0]
-            shared = (_scalar(settings.step, device),)
-            res = unit.run(stage, unit.m, unit.finite, unit.fields(), count, shared=shared)
+            res = unit.run(stage, unit.m, unit.finite, unit.fields(), count)
         else:
             res = unit.run(stage, unit.m, unit.finite, unit.fields())
         results.append((unit, res))
@@ -299,7 +295,6 @@ def _stage(
     finite: torch.Tensor,
     leaves: list[torch.Tensor],
     count: torch.Tensor | None = None,
-    step: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """One layer's preconditioned matrix ``p``, the tensors of its state that change
     (``change``) and its kl_clip term (``term``, 0 where ``finite`` is False): the
@@ -310,7 +305,7 @@ def _stage(
     if count is not None:  # compiled: the counters as tensors (see the caller)
         ls = ls.replace(moment_count=count)
     mine: dict[str, dict[str, object]] = {}
-    p = precondition_with(ls, m, settings, layer_rows, mine, step)
+    p = precondition_with(ls, m, settings, layer_rows, mine)
     new = mine.get(ls.spec.name, {})
     change: dict[str, object] = {
         k: v for k, v in new.items() if isinstance(v, torch.Tensor) and k != "moment_count"

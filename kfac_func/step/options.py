@@ -5,7 +5,7 @@
 step settings from it (each stage the ones it uses). The functions take it as
 ``options=`` and any of its fields as keywords, which override it:
 
-    opts = kf.StepOptions(damping=1e-2, grafting="adam", kl_clip=None)
+    opts = kf.StepOptions(damping=1e-2, eigenbasis_moments=True, kl_clip=None)
     grads, state = kf.update(state, grads, captures=caps, options=opts)
     grads, state = kf.update(state, grads, captures=caps, options=opts, lr=0.05)
 
@@ -33,7 +33,7 @@ from kfac_func.step.hyper import (
     resolve,
     resolve_checked,
 )
-from kfac_func.step.layer_step import Grafting, StageSettings
+from kfac_func.step.layer_step import StageSettings
 from kfac_func.step.orthogonal import Orthogonal
 from kfac_func.step.sync_free import check_sync_free
 
@@ -74,12 +74,6 @@ class StepOptions:
             see :func:`kfac_func.step.correct_eigenvalues`).
         nonfinite: ``"skip"`` (warn, keep that layer's state, pass its gradient
             unchanged) or ``"raise"`` (:class:`kfac_func.NonFiniteError`) on NaN/Inf.
-        grafting: ``"sgd"`` or ``"adam"``: each layer's preconditioned gradient takes the
-            norm of that optimizer's step for the layer (K-FAC's direction, the grafted
-            optimizer's length; see :mod:`kfac_func.core.grafting`), before ``kl_clip``
-            (usually None with grafting). Adam's running second moments live in the
-            state (``LayerState.graft_moment``), its bias correction counts from step 0.
-        graft_beta2, graft_eps: Adam grafting's ``β₂`` and ``eps``.
         eigenbasis_moments: divide each layer's gradient in its eigenbasis by the root of
             a running second moment of the gradient there (Adam's step in K-FAC's
             eigenbasis, the idea of SOAP; see :mod:`kfac_func.core.basis_moments`)
@@ -149,9 +143,9 @@ class StepOptions:
 
     Example:
         >>> import kfac_func as kf
-        >>> opts = kf.StepOptions(damping=1e-2, grafting="adam", kl_clip=None)
-        >>> opts.replace(lr=0.05).lr, opts.grafting_settings()
-        (0.05, Grafting(mode='adam', beta2=0.999, eps=1e-08))
+        >>> opts = kf.StepOptions(damping=1e-2, eigenbasis_moments=True, kl_clip=None)
+        >>> opts.replace(lr=0.05).lr, opts.basis_settings("eigen")
+        (0.05, BasisMoments(beta2=0.999, eps=1e-08, beta1=0.0))
         >>> kf.StepOptions(nonfinite="ignore")
         Traceback (most recent call last):
         ...
@@ -165,9 +159,6 @@ class StepOptions:
     update_factors: bool | Callable[[int], bool] = True
     update_inverses: bool | Callable[[int], bool] = True
     nonfinite: NonFinite = "skip"
-    grafting: str | None = None
-    graft_beta2: float = 0.999
-    graft_eps: float = 1e-8
     eigenbasis_moments: bool = False
     moment_beta2: float = 0.999
     moment_eps: float = 1e-8
@@ -197,7 +188,6 @@ class StepOptions:
         if self.grouped is not None and not isinstance(self.grouped, bool):
             raise TypeError(f"grouped must be a bool or None, got {self.grouped!r}")
         check_sync_free(self.sync_free, self.nonfinite)
-        self.grafting_settings()
         if self.eigenbasis_moments:
             BasisMoments(self.moment_beta2, self.moment_eps, self.moment_beta1).check("eigen")
         if self.orthogonal:
@@ -224,12 +214,12 @@ class StepOptions:
 
     def stage_settings(self, compute_method: str, step: int) -> StageSettings:
         """The preconditioning stage's settings at ``step`` for a state of
-        ``compute_method``: the damping then, and the checked grafting, eigenbasis moments
-        and orthogonalized step.
+        ``compute_method``: the damping then, and the checked eigenbasis moments and
+        orthogonalized step.
 
         Example:
             >>> s = StepOptions(damping=0.01, eigenbasis_moments=True).stage_settings("eigen", 0)
-            >>> s.damping, s.basis_moments is not None, s.grafting
+            >>> s.damping, s.basis_moments is not None, s.orthogonal
             (0.01, True, None)
         """
         return StageSettings(
@@ -237,16 +227,9 @@ class StepOptions:
             step,
             self.nonfinite,
             self.sync_free,
-            self.grafting_settings(),
             self.basis_settings(compute_method),
             self.orthogonal_settings(compute_method),
         )
-
-    def grafting_settings(self) -> Grafting | None:
-        """The grafting of this step, checked (None: no grafting)."""
-        if self.grafting is None:
-            return None
-        return Grafting(self.grafting, self.graft_beta2, self.graft_eps).check()
 
     def basis_settings(self, compute_method: str) -> BasisMoments | None:
         """The eigenbasis moments of this step for a state of ``compute_method``, checked

@@ -23,7 +23,6 @@ from kfac_func.step.basis import BasisMoments
 from kfac_func.step.grouped import precondition_layers
 from kfac_func.step.grouping import grouped_here
 from kfac_func.step.hyper import as_list
-from kfac_func.step.layer_step import Grafting
 from kfac_func.step.options import StepOptions, step_options
 from kfac_func.step.orthogonal import orthogonal_layers, prepare_layers
 from kfac_func.step.sync_free import usable_only
@@ -44,17 +43,14 @@ def precondition_grads(
 
     The settings are those of :class:`kfac_func.StepOptions` (``options=``, keywords, or
     both; the keywords override ``options``); this stage reads ``damping``, ``kl_clip``,
-    ``lr``, ``nonfinite``, the grafting and eigenbasis-moment settings, ``sync_free`` and
-    ``grouped``, and leaves the others to the stages that use them. ``grafting`` may also
-    be a :class:`Grafting` value, and ``basis_moments=`` a
-    :class:`~kfac_func.step.basis.BasisMoments` value, spelling out those settings.
+    ``lr``, ``nonfinite``, the eigenbasis-moment settings, ``sync_free`` and ``grouped``,
+    and leaves the others to the stages that use them. ``basis_moments=`` a
+    :class:`~kfac_func.step.basis.BasisMoments` value spells out the eigenbasis moments.
 
     With ``eigenbasis_moments``, each layer's gradient is scaled by the state's running moment
     in its eigenbasis instead of by the eigenvalues (see
-    :mod:`kfac_func.core.basis_moments`). With ``grafting``, each layer's preconditioned
-    gradient then takes the norm of the grafted optimizer's step (see
-    :mod:`kfac_func.core.grafting`). Running moments (Adam grafting's, the eigenbasis
-    moments) have this gradient folded in for the step without being stored:
+    :mod:`kfac_func.core.basis_moments`). The running moments have this gradient folded in
+    for the step without being stored:
     :func:`kfac_func.update` stores them. The preconditioned gradients of all layers are
     then scaled by ``min(1, sqrt(kl_clip / |lr² Σ P ⊙ grad|))`` unless ``kl_clip`` is
     None. ``rows`` (``{layer: [(input rows, output-gradient rows), ...]}``, see
@@ -118,13 +114,10 @@ def precondition_grads(
 
 
 def _spelled_out(settings: dict[str, Any]) -> dict[str, Any]:
-    """``settings`` with a :class:`Grafting` value of ``grafting`` and a
-    :class:`~kfac_func.step.basis.BasisMoments` value of ``basis_moments`` (the stage's
-    own spelling of them) as the fields of :class:`~kfac_func.StepOptions`."""
+    """``settings`` with a :class:`~kfac_func.step.basis.BasisMoments` value of
+    ``basis_moments`` (the stage's own spelling of it) as the fields of
+    :class:`~kfac_func.StepOptions`."""
     out = dict(settings)
-    graft = out.get("grafting")
-    if isinstance(graft, Grafting):
-        out.update(grafting=graft.mode, graft_beta2=graft.beta2, graft_eps=graft.eps)
     moments = out.pop("basis_moments", None)
     if isinstance(moments, BasisMoments):
         out.update(

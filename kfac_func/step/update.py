@@ -61,7 +61,7 @@ def update(
     (unless donated).
 
     The step's settings (damping, factor_decay, kl_clip, lr, update_factors,
-    update_inverses, nonfinite, grafting, eigenbasis moments, sync_free, grouped, ...) are
+    update_inverses, nonfinite, eigenbasis moments, sync_free, grouped, ...) are
     the fields of :class:`kfac_func.StepOptions`, described there: pass them as
     ``options=``, as keywords, or both (the keywords override ``options``).
 
@@ -107,7 +107,7 @@ def update(
         >>> new_grads, state = kf.update(state, grads, captures=caps, damping=1e-2)
         >>> state.step, sorted(new_grads) == sorted(params)
         (1, True)
-        >>> opts = kf.StepOptions(damping=1e-2, grafting="adam", kl_clip=None)
+        >>> opts = kf.StepOptions(damping=1e-2, eigenbasis_moments=True, kl_clip=None)
         >>> new_grads, state = kf.update(state, grads, captures=caps, options=opts, donate=True)
         >>> state.step
         2
