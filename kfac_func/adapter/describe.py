@@ -140,12 +140,12 @@ def describe_schedule(pre: KFACPreconditioner) -> str:
     """When ``pre`` gathers factor statistics and decomposes, in words.
 
     Example:
-        >>> from torch import nn
         >>> import kfac_func as kf
-        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-        >>> describe_schedule(kf.KFAC(model, recipe="kfac-pytorch").preconditioner)
+        >>> from torch import nn
+        >>> layer = nn.Linear(4, 2)
+        >>> describe_schedule(kf.KFAC(layer, recipe="kfac-pytorch").preconditioner)
         'statistics every step; decompositions every step'
-        >>> print(describe_schedule(kf.KFAC(model).preconditioner))
+        >>> print(describe_schedule(kf.KFAC(layer).preconditioner))
         statistics every step, every 2 from step 256; decompositions every 2 steps, twice as far apart each time the run doubles from step 256, at most every 32
     """  # noqa: E501
     return (
