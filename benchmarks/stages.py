@@ -97,9 +97,9 @@ autocast region), in training steps of its own; the recipe's step is also amorti
 over ``HORIZON`` (2,000) steps of its schedule: its optimizer part from its medians with
 and without an ``eigh``, the steps past 256 that gather no statistics as one without an
 ``eigh`` less the batch factors and the fold, their forward+backward the plain one. Each
-workload's ``targets`` hold the ratios the precision
-issue set: the forward+backward with the hooks over the plain one, and K-FAC's whole step
-over Muon's (both Muon and K-FAC under the same autocast), before and after.
+workload's ``targets`` hold the ratios the precision issue set: the forward+backward with
+the hooks over the plain one, and K-FAC's whole step over Muon's (both Muon and K-FAC
+under the same autocast), before and after.
 
 Floors
 ------
@@ -763,7 +763,8 @@ def build_rows(
         if key in ms:
             floor = floors.get(key if key != "hooks batch" else "batch factors")
             add(name, st, ms[key], source, floor, key)
-    every_step = [*statistics, "precondition", "copy back", "update"]
+    always = ["precondition", "copy back", "update"]  # on every step
+    every_step = [*statistics, *always]
 
     def floor_of(keys: Sequence[str]) -> Floor:
         return sum((floors[k if k != "hooks batch" else "batch factors"] for k in keys), Floor())
@@ -811,7 +812,7 @@ def build_rows(
         kf_,
         long_ms,
         "the kinds of step weighted by the recipe's schedule",
-        floor_of(every_step[2:]) + floor_of(statistics).times(gathered) + floor_fresh.times(share),
+        floor_of(always) + floor_of(statistics).times(gathered) + floor_fresh.times(share),
         "kfac long",
     )
     if before:
