@@ -27,6 +27,7 @@ from kfac_func.adapter.compiled import eager_forward, forget_compiled_code, opaq
 from kfac_func.adapter.coverage import warn_uncollected, watch_gradients
 from kfac_func.adapter.recompute import in_backward
 from kfac_func.blocks import (
+    Gram,
     LayerSpec,
     LayerTable,
     Rows,
@@ -71,6 +72,9 @@ class _MicroBatch:
     g: dict[str, list[Any]] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
     examples: CallExamples = field(default_factory=CallExamples)
+    # the last call's input statistics: (what they depend on, the input, its Gram); the
+    # input is held so that its memory is not another tensor's while the key names it
+    last_a: tuple[Any, torch.Tensor, Gram] | None = None
 
     def empty(self) -> bool:
         return not (self.a or self.g or self.calls)
@@ -302,13 +306,27 @@ class HookRecorder(PreconditionerBase):
         micro.calls[spec.name] = micro.calls.get(spec.name, 0) + 1
         micro.examples.add(spec, x)
         if not self._paired(spec):
-            item: Any = x
-            if self.update_factors_in_hook:
-                # the hook runs inside the user's autocast region: build the Gram in
-                # factor_dtype, not in the autocast dtype
-                with torch.autocast(x.device.type, enabled=False):
-                    item = a_gram(spec, x, self._gram)
+            item = self._input_gram(spec, micro, x) if self.update_factors_in_hook else x
             micro.a.setdefault(spec.name, []).append(item)
+
+    def _input_gram(self, spec: LayerSpec, micro: _MicroBatch, x: torch.Tensor) -> Gram:
+        """The input statistics of one call, in the Gram dtype (the hook runs inside the
+        user's autocast region: not in the autocast dtype). A call that reads the same
+        tensor as the micro-batch's previous call, unchanged since, with the same
+        statistics (:meth:`~kfac_func.blocks.LayerBlock.a_gram_key`) reuses its Gram:
+        an attention's query, key and value projections, or an MLP's gate and up
+        projections, read one input."""
+        kind = spec.block.a_gram_key(spec)
+        key = None
+        if kind is not None:
+            key = (kind, x.device, x.dtype, x.data_ptr(), x.shape, x.stride(), x._version)
+            last = micro.last_a
+            if last is not None and last[0] == key:
+                return last[2]
+        with torch.autocast(x.device.type, enabled=False):
+            gram = a_gram(spec, x, self._gram)
+        micro.last_a = None if key is None else (key, x, gram)
+        return gram
 
     def _grad_hook(
         self,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, MutableMapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
@@ -345,6 +345,21 @@ class LayerBlock(ABC):
     @abstractmethod
     def g_gram(self, spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype) -> Gram:
         """Gram statistics of one call's raw output-gradient."""
+
+    def a_gram_key(self, spec: LayerSpec) -> Hashable | None:
+        """What :meth:`a_gram` computes besides its input: layers whose keys are equal
+        make the same Gram of the same input, so one call's may serve the next (None:
+        never shared, the default).
+
+        Example:
+            >>> import torch
+            >>> from kfac_func.blocks import register
+            >>> specs = register(torch.nn.ModuleDict({"q": torch.nn.Linear(4, 4),
+            ...                                       "k": torch.nn.Linear(4, 2)}))
+            >>> specs["q"].block.a_gram_key(specs["q"]) == specs["k"].block.a_gram_key(specs["k"])
+            True
+        """
+        return None
 
     def joint_grams(
         self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor, dtype: torch.dtype

@@ -8,7 +8,7 @@ low-rank preconditioning path uses (:attr:`LinearBlock.has_rows`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -110,6 +110,21 @@ class LinearBlock(LayerBlock):
             rows = rows.reshape(x.shape[0], -1, rows.shape[-1]).mean(dim=1)
         d = spec.a_diagonal
         return Gram(row_gram(rows, spec.has_bias, d, spec.a_blocks), rows.shape[-2], spatial, d)
+
+    def a_gram_key(self, spec: LayerSpec) -> Hashable | None:
+        if (
+            type(self).a_gram is not LinearBlock.a_gram
+            or type(self).a_rows is not LinearBlock.a_rows
+        ):
+            return None  # a kind of its own, which may read its input otherwise
+        return (
+            type(self),
+            spec.in_dim,
+            spec.has_bias,
+            spec.a_diagonal,
+            spec.a_blocks,
+            self.reduced(spec),
+        )
 
     def g_gram(self, spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype) -> Gram:
         rows, spatial = self.g_rows(spec, r.to(dtype))

@@ -301,6 +301,8 @@ def row_gram(
         if w * blocks != width:  # the last block's padding: zero columns
             rows = torch.nn.functional.pad(rows, (0, w * blocks - width))
         split = rows.reshape(*rows.shape[:-1], blocks, w).movedim(-2, -3)
+        if rows.dtype.itemsize < 4:  # 16-bit products of strided blocks ran a tenth slower
+            split = split.contiguous()
         return split.mT @ split
     if diagonal:
         sq = (rows * rows).sum(dim=-2)
