@@ -318,7 +318,7 @@ class HookRecorder(PreconditionerBase):
         projections, read one input."""
         kind = spec.block.a_gram_key(spec)
         key = None
-        if kind is not None:
+        if kind is not None and _has_storage(x):
             key = (kind, x.device, x.dtype, x.data_ptr(), x.shape, x.stride(), x._version)
             last = micro.last_a
             if last is not None and last[0] == key:
@@ -452,6 +452,8 @@ class HookRecorder(PreconditionerBase):
         loss, hold the micro-batches and must not keep them alive after the step).
         """
         out = {}
+        for mb in self._micro:
+            mb.last_a = None
         together = grouped_here(getattr(self, "grouped", False), self._state.layers)
         together = together and self.comm.world_size == 1
         stats: dict[str, list[MicroBatchStats]] = {}
@@ -470,6 +472,16 @@ class HookRecorder(PreconditionerBase):
             specs = {name: self.layers[name] for name in stats}
             out = build_batch_factors(specs, stats.pop, self._state.config)
         return out
+
+
+def _has_storage(x: torch.Tensor) -> bool:
+    """Whether ``x`` has memory of its own to name (not a tensor of ``torch.func``'s
+    transforms or a fake one)."""
+    try:
+        x.data_ptr()
+    except RuntimeError:
+        return False
+    return True
 
 
 def remove_handles(handles: list[Any]) -> None:

@@ -347,18 +347,9 @@ class LayerBlock(ABC):
         """Gram statistics of one call's raw output-gradient."""
 
     def a_gram_key(self, spec: LayerSpec) -> Hashable | None:
-        """What :meth:`a_gram` computes besides its input: layers whose keys are equal
-        make the same Gram of the same input, so one call's may serve the next (None:
-        never shared, the default).
-
-        Example:
-            >>> import torch
-            >>> from kfac_func.blocks import register
-            >>> specs = register(torch.nn.ModuleDict({"q": torch.nn.Linear(4, 4),
-            ...                                       "k": torch.nn.Linear(4, 2)}))
-            >>> specs["q"].block.a_gram_key(specs["q"]) == specs["k"].block.a_gram_key(specs["k"])
-            True
-        """
+        """What :meth:`a_gram` reads besides its input: layers of equal keys make one Gram
+        of one input (a linear layer's: its block, width, bias, diagonal, blocks and
+        ``kfac_approx``); None, the default: never shared."""
         return None
 
     def joint_grams(

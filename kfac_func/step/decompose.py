@@ -19,6 +19,7 @@ from kfac_func.core.conventions import decomposition_dtype
 from kfac_func.core.decomposition import (
     Decomposition,
     DecompositionError,
+    EigenDecomposition,
 )
 from kfac_func.core.ekfac import from_eigen
 from kfac_func.core.layer_decomposition import Eigenpair, eigen_decompose, inverse_decompose
@@ -135,7 +136,8 @@ def decompose_layers(
     finite in one host synchronisation, and decomposes the other sides one by one with
     the checks and retries of :func:`redecompose` (float64, jitter; a layer that still
     fails keeps its previous decomposition, with a warning), one layer at a time: each
-    layer's previous decomposition is dropped as soon as its replacement exists. With
+    layer's previous decomposition is dropped as soon as its replacement exists, and a
+    layer whose A factor equals the previous layer's takes its eigenbasis. With
     ``sync_free`` nothing is read: every side is computed on the device and each layer
     keeps its previous decomposition where the new one is not finite, as its ``usable``
     flag says (:func:`~kfac_func.step.decompose_groups.select_on_device`); should the
@@ -176,19 +178,55 @@ def decompose_layers(
         pairs = batched_eigenpairs(layers, config, sides, eigh_device=device)
     outers = batched_outers(layers, config, pairs, damping) if grouped else {}
     fresh = set()
+    last_a: tuple[torch.Tensor, Eigenpair] | None = None
     for name in todo:
         old = layers[name]
         given = (pairs.pop((name, 0), None), pairs.pop((name, 1), None))
+        if (
+            given[0] is None
+            and last_a is not None
+            and warm_start(old, config) is None
+            and _same(last_a[0], old.a_factor)
+        ):
+            given = (last_a[1], given[1])
         layers[name] = redecompose(
             old, damping, config, eigh_device=device, eigenpairs=given, dgda=outers.pop(name, None)
         )
+        last_a = None
         if layers[name].decomposition_failures == old.decomposition_failures:
             fresh.add(name)
+            last_a = _a_eigenpair(old, layers[name], config)
             if sync_free:  # decided on the host after the solver's failure: applied
                 usable = torch.ones((), dtype=torch.bool, device=old.a_factor.device)
                 layers[name] = layers[name].replace(usable=usable)
         del old, given
     return fresh
+
+
+def _a_eigenpair(
+    old: LayerState, new: LayerState, config: KFACConfig
+) -> tuple[torch.Tensor, Eigenpair] | None:
+    """The A factor of a layer just decomposed from scratch and its eigenpair, for the next
+    layer to take if its A factor is the same (an attention's query, key and value
+    projections read one input, so their A factors are equal): an eigh of the equal
+    factor, in the same dtype on the same device, would give it again (to rounding: LAPACK
+    may round another copy of a matrix differently)."""
+    dec, spec = new.decomposition, old.spec
+    if (
+        config.compute_method != "eigen"
+        or not isinstance(dec, EigenDecomposition)
+        or dec.qa is None
+        or spec.diagonal[0]
+        or spec.placeholder[0]
+        or warm_start(old, config) is not None
+    ):
+        return None
+    return old.a_factor, (dec.qa, dec.da)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two factors are equal, entry for entry, in the same dtype and place."""
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
 
 
 def decompose_layer(

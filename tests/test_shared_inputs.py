@@ -1,7 +1,7 @@
 """Layers that read one input share its Gram in the hooks (an attention's query, key and
 value projections, an MLP's gate and up projections): the factors are exactly those of
 separate Grams, and a Gram is shared only for the same tensor, unchanged, with the same
-statistics."""
+statistics. Their equal A factors then share one eigendecomposition."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch import nn
 
 import kfac_func as kf
 import kfac_func.adapter.recording as recording
+import kfac_func.step.decompose as decompose
 from kfac_func import KFACPreconditioner
 
 
@@ -85,3 +86,29 @@ def test_a_changed_input_is_not_shared() -> None:
     torch.testing.assert_close(again.gram[:6, :6], 4 * first.gram[:6, :6])
     # the same values in another tensor are computed anew
     assert pre._input_gram(q, micro, h.clone()) is not again
+
+
+def test_equal_a_factors_share_one_eigendecomposition(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = Projections(copies=False)
+    pre = KFACPreconditioner(model, damping=0.01)
+    model(torch.randn(5, 7, 6)).square().sum().backward()
+    pre.step()
+    dec = {n: ls.decomposition for n, ls in pre.state.layers.items()}
+    assert dec["k"].qa is dec["q"].qa and dec["up"].qa is dec["gate"].qa
+    assert dec["v"].qa is not dec["q"].qa  # no bias: another A factor
+    assert dec["q"].qg is not dec["k"].qg  # and each its own G
+    # as each layer's own eigh: the same factors decomposed with nothing shared. Equal
+    # factors at other addresses may decompose differently to rounding (LAPACK's blocking
+    # follows the alignment), and nearly equal eigenvalues turn that into other vectors:
+    # the decompositions compare as the matrices they make
+    monkeypatch.setattr(decompose, "_same", lambda a, b: False)
+    alone = dict(pre.state.layers)
+    decompose.decompose_layers(alone, 0.01, pre.state.config, update_inverses=True)
+    for name in ("k", "up"):
+        own, shared = alone[name].decomposition, dec[name]
+        assert own.qa is not shared.qa
+        torch.testing.assert_close(shared.da, own.da, rtol=1e-6, atol=0)
+        for d in (shared, own):
+            made = d.qa @ torch.diag(d.da) @ d.qa.T
+            torch.testing.assert_close(made, pre.state.layers[name].a_factor, rtol=0, atol=1e-6)
