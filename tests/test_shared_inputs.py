@@ -88,23 +88,38 @@ def test_a_changed_input_is_not_shared() -> None:
     assert pre._input_gram(q, micro, h.clone()) is not again
 
 
-def test_equal_a_factors_share_one_eigendecomposition(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("batched", [False, True])
+def test_equal_a_factors_share_one_eigendecomposition(
+    monkeypatch: pytest.MonkeyPatch, batched: bool
+) -> None:
     torch.manual_seed(0)
     model = Projections(copies=False)
-    pre = KFACPreconditioner(model, damping=0.01)
+    pre = KFACPreconditioner(model, damping=0.01, settings=kf.Settings(batched_eigh=batched))
+    stacked: list[tuple[str, int]] = []
+    batch = decompose.batched_eigenpairs
+
+    def spy(layers, config, sides, **kw):  # type: ignore[no-untyped-def]
+        stacked.extend(sides)
+        return batch(layers, config, sides, **kw)
+
+    monkeypatch.setattr(decompose, "batched_eigenpairs", spy)
     model(torch.randn(5, 7, 6)).square().sum().backward()
     pre.step()
     dec = {n: ls.decomposition for n, ls in pre.state.layers.items()}
     assert dec["k"].qa is dec["q"].qa and dec["up"].qa is dec["gate"].qa
     assert dec["v"].qa is not dec["q"].qa  # no bias: another A factor
     assert dec["q"].qg is not dec["k"].qg  # and each its own G
+    if batched:  # the takers' A factors are not stacked for the batched eigh
+        assert ("q", 0) in stacked and ("k", 0) not in stacked and ("up", 0) not in stacked
+        assert ("k", 1) in stacked
+    monkeypatch.setattr(decompose, "batched_eigenpairs", batch)
     # as each layer's own eigh: the same factors decomposed with nothing shared. Equal
     # factors at other addresses may decompose differently to rounding (LAPACK's blocking
     # follows the alignment), and nearly equal eigenvalues turn that into other vectors:
     # the decompositions compare as the matrices they make
     monkeypatch.setattr(decompose, "_same", lambda a, b: False)
     alone = dict(pre.state.layers)
-    decompose.decompose_layers(alone, 0.01, pre.state.config, update_inverses=True)
+    decompose.decompose_layers(alone, 0.01, pre.state.config, update_inverses=True, grouped=batched)
     for name in ("k", "up"):
         own, shared = alone[name].decomposition, dec[name]
         assert own.qa is not shared.qa

@@ -9,8 +9,9 @@ decomposed never stops training: its layer keeps its previous decomposition.
 
 from __future__ import annotations
 
+import itertools
 import warnings
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -173,29 +174,26 @@ def decompose_layers(
             select_on_device(layers, made, config)
             return set(todo)
     pairs: dict[tuple[str, int], Eigenpair] = {}
+    takers = _takers(layers, todo, config)  # their A factor's eigenpair is the previous layer's
     if grouped:
-        sides = [(name, side) for name in todo for side in (0, 1)]
+        sides = [(name, side) for name in todo for side in (0, 1) if side or name not in takers]
         pairs = batched_eigenpairs(layers, config, sides, eigh_device=device)
     outers = batched_outers(layers, config, pairs, damping) if grouped else {}
     fresh = set()
-    last_a: tuple[torch.Tensor, Eigenpair] | None = None
+    last_a: Eigenpair | None = None  # the previous layer's A eigenpair, where it has one
     for name in todo:
         old = layers[name]
         given = (pairs.pop((name, 0), None), pairs.pop((name, 1), None))
-        if (
-            given[0] is None
-            and last_a is not None
-            and warm_start(old, config) is None
-            and _same(last_a[0], old.a_factor)
-        ):
-            given = (last_a[1], given[1])
+        if name in takers and last_a is not None:
+            given = (last_a, given[1])
         layers[name] = redecompose(
             old, damping, config, eigh_device=device, eigenpairs=given, dgda=outers.pop(name, None)
         )
-        last_a = None
+        dec, last_a = layers[name].decomposition, None
         if layers[name].decomposition_failures == old.decomposition_failures:
             fresh.add(name)
-            last_a = _a_eigenpair(old, layers[name], config)
+            if isinstance(dec, EigenDecomposition) and dec.qa is not None:
+                last_a = (dec.qa, dec.da)
             if sync_free:  # decided on the host after the solver's failure: applied
                 usable = torch.ones((), dtype=torch.bool, device=old.a_factor.device)
                 layers[name] = layers[name].replace(usable=usable)
@@ -203,30 +201,33 @@ def decompose_layers(
     return fresh
 
 
-def _a_eigenpair(
-    old: LayerState, new: LayerState, config: KFACConfig
-) -> tuple[torch.Tensor, Eigenpair] | None:
-    """The A factor of a layer just decomposed from scratch and its eigenpair, for the next
-    layer to take if its A factor is the same (an attention's query, key and value
-    projections read one input, so their A factors are equal): an eigh of the equal
-    factor, in the same dtype on the same device, would give it again (to rounding: LAPACK
-    may round another copy of a matrix differently)."""
-    dec, spec = new.decomposition, old.spec
-    if (
-        config.compute_method != "eigen"
-        or not isinstance(dec, EigenDecomposition)
-        or dec.qa is None
-        or spec.diagonal[0]
-        or spec.placeholder[0]
-        or warm_start(old, config) is not None
-    ):
-        return None
-    return old.a_factor, (dec.qa, dec.da)
+def _takers(layers: Mapping[str, LayerState], todo: list[str], config: KFACConfig) -> set[str]:
+    """The layers of ``todo`` whose A factor equals the previous one's (an attention's
+    query, key and value projections read one input, so their A factors are equal): they
+    take its eigenpair instead of an ``eigh`` of their own, which would give it again (to
+    rounding: LAPACK may round another copy of a matrix differently). Compared on a CPU
+    only, where reading the factors costs no synchronisation; eigenbases decomposed from
+    scratch only (not refreshed by QR)."""
+    out: set[str] = set()
+    if config.compute_method != "eigen":
+        return out
+    for before, name in itertools.pairwise(todo):
+        a, b = layers[before], layers[name]
+        if not any(
+            ls.spec.diagonal[0] or warm_start(ls, config) is not None for ls in (a, b)
+        ) and _same(a.a_factor, b.a_factor):
+            out.add(name)
+    return out
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two factors are equal, entry for entry, in the same dtype and place."""
-    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+    """Whether two factors on a CPU are equal, entry for entry, in the same dtype."""
+    return (
+        a.device.type == b.device.type == "cpu"
+        and a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a, b)
+    )
 
 
 def decompose_layer(
