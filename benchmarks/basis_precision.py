@@ -220,17 +220,22 @@ def main(argv: list[str] | None = None) -> int:
     checkout = checked_out(("benchmarks/results",), args.require_clean)
     if checkout is None:
         return 2
-    torch.set_num_threads(args.threads)
     lr, settings = tuned_setting(RESULTS / "race_lm4x_bf16.json")
     w = dataclasses.replace(rw.WORKLOADS["lm4x"](args.quick), autocast=True)
     seeds = args.seeds[:1] if args.quick else args.seeds
     runs = []
-    for stage in ("float32", *STAGES):
-        for seed in seeds:
-            with bfloat16_stage(stage):
-                rows, split = optimizers.train(RECIPE, lr, w, seed, w.eval_every, settings)
-            runs.append({"stage": stage, "seed": seed, "final": rows[-1]["test_loss"], **split})
-            print(f"{stage:12s} seed {seed}: final {runs[-1]['final']:.4f}", flush=True)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        for stage in ("float32", *STAGES):
+            for seed in seeds:
+                with bfloat16_stage(stage):
+                    rows, split = optimizers.train(RECIPE, lr, w, seed, w.eval_every, settings)
+                final = rows[-1]["test_loss"]
+                runs.append({"stage": stage, "seed": seed, "final": final, **split})
+                print(f"{stage:12s} seed {seed}: final {final:.4f}", flush=True)
+    finally:  # a caller in this process (the tests) keeps its thread count
+        torch.set_num_threads(previous)
     summary = summarize(runs)
     for row in summary:
         print(

@@ -61,7 +61,9 @@ def test_the_bfloat16_stages_compute_the_library_stages() -> None:
 @pytest.mark.skipif(not bp.optimizers.NATIVE_BF16, reason="this CPU has no native bfloat16")
 def test_the_smoke_run_writes_a_row_a_stage(tmp_path: Path) -> None:
     out = tmp_path / "basis_precision.json"
+    threads = torch.get_num_threads()
     assert bp.main(["--quick", "--threads", "1", "--out", str(out)]) == 0
+    assert torch.get_num_threads() == threads  # the tests after it keep theirs
     doc = json.loads(out.read_text())
     rows = {r["stage"]: r for r in doc["summary"]}
     assert list(rows) == ["float32", *bp.STAGES]
