@@ -160,8 +160,27 @@ class LayerState:
     usable: torch.Tensor | None = None
 
     def replace(self, **changes: object) -> LayerState:
-        """A copy with ``changes`` applied."""
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        """A copy with ``changes`` applied (fields of this class; a TypeError names any
+        other). The class checks nothing on construction, so the copy is made directly,
+        several times faster than ``dataclasses.replace``: a step replaces each layer's
+        state a few times.
+
+        Example:
+            >>> import kfac_func as kf
+            >>> ls = kf.init(kf.register(torch.nn.Linear(2, 1))).layers[""]
+            >>> ls.replace(factor_updates=3).factor_updates, ls.factor_updates
+            (3, 0)
+        """
+        unknown = changes.keys() - _LAYER_FIELDS
+        if unknown:
+            raise TypeError(f"LayerState has no fields {sorted(unknown)}")
+        new = object.__new__(LayerState)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(changes)
+        return new
+
+
+_LAYER_FIELDS = frozenset(f.name for f in dataclasses.fields(LayerState))
 
 
 class AdaptiveRecord(NamedTuple):

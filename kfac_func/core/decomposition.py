@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +32,7 @@ __all__ = [
     "EigenDecomposition",
     "InverseDecomposition",
     "all_finite",
+    "all_finite_together",
     "condition_estimate",
     "damped_inverse",
     "decomposition_from_fields",
@@ -130,6 +131,25 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
+def all_finite_together(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every entry of every tensor is finite, in one host read where they are: a
+    finite sum of their sums proves it; otherwise each is checked (:func:`all_finite`).
+
+    Example:
+        >>> all_finite_together([torch.ones(2), torch.zeros(3)])
+        True
+        >>> all_finite_together([torch.ones(2), torch.tensor([float("inf")])])
+        False
+    """
+    total: torch.Tensor | None = None
+    for t in tensors:
+        if t.numel():
+            total = t.sum() if total is None else total + t.sum()
+    if total is None or bool(torch.isfinite(total)):
+        return True
+    return all(all_finite(t) for t in tensors)
+
+
 class DecompositionError(ArithmeticError):
     """A factor could not be decomposed, not even in float64 with added jitter.
 
@@ -186,6 +206,17 @@ def _device_name(device: torch.device) -> str:
     return "the CPU" if device.type == "cpu" else str(device)
 
 
+def _attempt_name(dt: torch.dtype, jitter: float, device: torch.device | None) -> Callable[[], str]:
+    """How an attempt of :func:`_robust` is named in its messages ("float64 + 1e-06·I on
+    the CPU"), formatted only when a message needs it."""
+
+    def name() -> str:
+        text = str(dt).removeprefix("torch.") + (f" + {jitter:.2g}·I" if jitter else "")
+        return text if device is None else f"{text} on {_device_name(device)}"
+
+    return name
+
+
 def _robust(
     factor: torch.Tensor,
     compute_dtype: torch.dtype,
@@ -209,36 +240,37 @@ def _robust(
         raise DecompositionError(f"{what}: the factor holds NaN/Inf")
     home = factor.device
     run_on = torch.device(device) if device is not None else home
-    scale = float(factor.detach().diagonal(dim1=-2, dim2=-1).abs().double().mean())
-    scale = scale if scale > 0 else 1.0
     plan = [(compute_dtype, 0.0)] if compute_dtype != torch.float64 else []
-    plan += [(torch.float64, rel * scale) for rel in _JITTERS]
+    plan += [(torch.float64, rel) for rel in _JITTERS]
     tried: list[str] = []
     solver: str | None = None  # the first solver error, when one was met
-    for dt, jitter in plan:
-        where = f"{str(dt).removeprefix('torch.')}" + (f" + {jitter:.2g}·I" if jitter else "")
-        if run_on != home:
-            where += f" on {_device_name(run_on)}"
+    scale: float | None = None  # the mean |diagonal|, read once a retry needs it
+    for dt, rel in plan:
+        if rel and scale is None:
+            scale = float(factor.detach().diagonal(dim1=-2, dim2=-1).abs().double().mean())
+            scale = scale if scale > 0 else 1.0
+        jitter = rel * (scale or 1.0)
+        where = _attempt_name(dt, jitter, run_on if run_on != home else None)
         try:
             out = tuple(t.to(home, dtype) for t in attempt(factor.to(run_on, dt), jitter))
         except RuntimeError as err:  # torch.linalg.LinAlgError, cuSOLVER errors and kin
             first = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
-            tried.append(f"{where}: {first}")
+            tried.append(f"{where()}: {first}")
             if solver_error(err):
                 dt_name = str(dt).removeprefix("torch.")
                 solver = solver or f"{dt_name} on {_device_name(run_on)}: {first}"
                 run_on = torch.device("cpu")
             continue
-        if all(all_finite(t) for t in out):
+        if all_finite_together(out):
             if solver is not None:
                 warnings.warn(
                     f"{label + ': ' if label else ''}{what} raised a solver error ({solver}); "
-                    f"the retry in {where} succeeded",
+                    f"the retry in {where()} succeeded",
                     RuntimeWarning,
                     stacklevel=2,
                 )
             return out
-        tried.append(f"{where}: non-finite result in {str(dtype).removeprefix('torch.')}")
+        tried.append(f"{where()}: non-finite result in {str(dtype).removeprefix('torch.')}")
     raise DecompositionError(
         f"{what} failed ({'; '.join(tried)}); condition estimate {condition_estimate(factor):.3g}"
     )
@@ -275,13 +307,14 @@ def eigh_factor(
         if jitter:
             f = f + jitter * torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
         d, q = torch.linalg.eigh(f)
-        return q, d - jitter if jitter else d
+        # eigh returns column-major eigenvectors; a row-major copy makes later products
+        # take the same BLAS path on every rank, whether the tensor was computed or
+        # received (made here, before the check of the results reads it)
+        return q.contiguous(), d - jitter if jitter else d
 
     cdt = compute_dtype or torch.promote_types(dtype, torch.float32)
     q, d = _robust(factor, cdt, attempt, "eigh", dtype, device=device, label=label)
-    # eigh returns column-major eigenvectors; a row-major copy makes later products take
-    # the same BLAS path on every rank, whether the tensor was computed or received
-    return q.contiguous(), d.clamp(min=0.0)
+    return q, d.clamp(min=0.0)
 
 
 def refresh_eigh(

@@ -80,8 +80,9 @@ def fold_deferred(
     update until :func:`settle_folds` reads the checks, in one host synchronisation for
     all the layers of a step (or :func:`settle_on_device` counts them, ``sync_free``:
     then a layer whose updates so far were all skipped takes the batch as its first).
-    On a CPU, where reading the checks synchronises nothing, the selection is skipped
-    when they all pass (the same factors, fewer passes over them)."""
+    On a CPU, where reading the checks synchronises nothing, the folded factors are
+    checked first and the selection is skipped when they pass (the same factors, fewer
+    passes over them)."""
     if ls.spec.block.stacked_uses and a.dim() == ls.a_factor.dim() + 1:
         # a tied layer's uses, kept apart until the window is complete (on every rank)
         a, g = combine_stacked(a, g)
@@ -92,8 +93,12 @@ def fold_deferred(
             a_factor=torch.where(empty, a, new.a_factor),
             g_factor=torch.where(empty, g, new.g_factor),
         )
+    if _host_reads(a, sync_free) and bool(torch.isfinite(new.a_factor.sum() + new.g_factor.sum())):
+        # a finite sum proves the folded factors finite, and NaN/Inf in a batch factor
+        # would have reached its fold: the batch's are finite too
+        return new, torch.ones(4, dtype=torch.bool, device=a.device)
     checks = all_finite_each([a, g, new.a_factor, new.g_factor])
-    if _all_passed(checks, sync_free):
+    if _host_reads(a, sync_free) and bool(checks.all()):
         return new, checks
     ok, na, ng = checks[0] & checks[1], checks[2], checks[3]
     old_a, old_g = ls.a_factor.to(a.device), ls.g_factor.to(g.device)
@@ -104,14 +109,12 @@ def fold_deferred(
     return new, checks
 
 
-def _all_passed(checks: torch.Tensor, sync_free: bool) -> bool:
-    """Whether the fold's ``checks`` all passed, where the host reads them for free: on a
-    CPU, outside ``sync_free`` steps and compiled graphs (False elsewhere: the device
-    selects). Every factor then is the running average as folded, and the selection
-    that keeps a layer's old factors where its batch's were not finite has nothing to do."""
-    if sync_free or checks.device.type != "cpu" or torch.compiler.is_compiling():
-        return False
-    return bool(checks.all())
+def _host_reads(t: torch.Tensor, sync_free: bool) -> bool:
+    """Whether the host reads the fold's checks for free: on a CPU, outside ``sync_free``
+    steps and compiled graphs (elsewhere the device selects). Where every check passes,
+    every factor is the running average as folded, and the selection that keeps a layer's
+    old factors where its batch's were not finite has nothing to do."""
+    return not sync_free and t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def settle_folds(
@@ -403,7 +406,7 @@ def _fold_group(
     checks = all_finite_rows([a, g, new_a, new_g])
     ok = checks[:, 0] & checks[:, 1]
     out_a, out_g = new_a, new_g
-    if not _all_passed(checks, sync_free):
+    if not (_host_reads(checks, sync_free) and bool(checks.all())):
         # selected into the new stacks themselves (no further group-sized temporary)
         out_a = _select(ok, checks[:, 2], new_a, a, old_a)
         out_g = _select(ok, checks[:, 3], new_g, g, old_g)

@@ -221,11 +221,14 @@ def _takers(layers: Mapping[str, LayerState], todo: list[str], config: KFACConfi
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two factors on a CPU are equal, entry for entry, in the same dtype."""
+    """Whether two factors on a CPU are equal, entry for entry, in the same dtype (their
+    diagonals compared first: factors that differ almost always differ there, at a small
+    fraction of the cost of comparing every entry)."""
     return (
         a.device.type == b.device.type == "cpu"
         and a.shape == b.shape
         and a.dtype == b.dtype
+        and torch.equal(a.diagonal(dim1=-2, dim2=-1), b.diagonal(dim1=-2, dim2=-1))
         and torch.equal(a, b)
     )
 

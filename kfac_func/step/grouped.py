@@ -73,15 +73,16 @@ class _Unit:
         # amax along a dimension are several times faster than aminmax)
         self.finite = torch.isfinite(rows.amin(1)) & torch.isfinite(rows.amax(1))
 
-    def fields(self) -> list[torch.Tensor]:
-        """The tensors of :data:`GROUPED_FIELDS`, stacked when batched (a stack that the
-        layers' tensors are already views of is taken as it is, see :func:`stacked`).
-        Sets :attr:`relaid`: the layers' decompositions as views of fresh stacks (their
-        new layout, for the state; None when there is nothing to change)."""
-        per = [[t for f in GROUPED_FIELDS for t in leaves_of(getattr(ls, f))] for ls in self.states]
+    def fields(self) -> list[torch.Tensor] | None:
+        """The tensors of :data:`GROUPED_FIELDS`, stacked, when batched (a stack that the
+        layers' tensors are already views of is taken as it is, see :func:`stacked`);
+        None for one layer (its state holds them as they are). Sets :attr:`relaid`: the
+        layers' decompositions as views of fresh stacks (their new layout, for the state;
+        None when there is nothing to change)."""
         self.relaid: list[Any] | None = None
         if not self.batched:
-            return per[0]
+            return None
+        per = [[t for f in GROUPED_FIELDS for t in leaves_of(getattr(ls, f))] for ls in self.states]
         out = [stacked(xs) for xs in zip(*per)]
         k = len(leaves_of(self.first.decomposition))
         if any(fresh for _, fresh in out[:k]) and not torch.compiler.is_compiling():
@@ -293,15 +294,18 @@ def _stage(
     layer_rows: Rows | None,
     m: torch.Tensor,
     finite: torch.Tensor,
-    leaves: list[torch.Tensor],
+    leaves: list[torch.Tensor] | None,
     count: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """One layer's preconditioned matrix ``p``, the tensors of its state that change
     (``change``) and its kl_clip term (``term``, 0 where ``finite`` is False): the
     function a group runs under vmap. ``first`` gives the static parts of the layer state,
-    ``leaves`` the tensors of :data:`GROUPED_FIELDS` (as :meth:`_Unit.fields` lists them)."""
-    taken = iter(leaves)
-    ls = first.replace(**{f: rebuild(getattr(first, f), taken) for f in GROUPED_FIELDS})
+    ``leaves`` the tensors of :data:`GROUPED_FIELDS` (as :meth:`_Unit.fields` lists them;
+    None: ``first``'s own, a unit of one layer)."""
+    ls = first
+    if leaves is not None:
+        taken = iter(leaves)
+        ls = first.replace(**{f: rebuild(getattr(first, f), taken) for f in GROUPED_FIELDS})
     if count is not None:  # compiled: the counters as tensors (see the caller)
         ls = ls.replace(moment_count=count)
     mine: dict[str, dict[str, object]] = {}
