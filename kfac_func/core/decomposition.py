@@ -428,4 +428,6 @@ def damped_inverse(
 
     cdt = compute_dtype or torch.promote_types(dtype, torch.float32)
     (inv,) = _robust(factor, cdt, attempt, "inverse", dtype, label=label)
-    return inv.contiguous()  # row-major, as in eigh_factor
+    # row-major, as in eigh_factor: the transpose of a symmetric matrix's inverse is its
+    # inverse, and LAPACK returns it column-major, so the row-major form is a view
+    return inv.mT.contiguous()

@@ -339,7 +339,7 @@ def _dense(
         del f
         return q.to(home, dtype).contiguous(), d.to(home, dtype).clamp(min=0.0)
     eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
-    return (torch.linalg.inv(f + damping * eye).to(dtype).contiguous(),)
+    return (torch.linalg.inv(f + damping * eye).to(dtype).mT.contiguous(),)
 
 
 def _diagonal(
