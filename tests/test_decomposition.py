@@ -107,6 +107,17 @@ def test_every_attempt_failing_names_factor_attempts_and_condition(
     assert calls.count(torch.float64) == 3  # float64, then two jitters
 
 
+def test_eigh_results_whose_sum_overflows_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """eigh's results are checked by the sum of their sums first; a sum that overflows
+    with every entry finite goes to the exact checks, which keep the first attempt."""
+    f = torch.diag(torch.tensor([3e38, 2e38, 1.0]))  # finite; its sum overflows float32
+    with _failing(monkeypatch, "eigh", lambda x, i: False) as calls:
+        q, d = eigh_factor(f, dtype=torch.float32)
+    assert calls == [torch.float32]  # no retry
+    torch.testing.assert_close(d, torch.tensor([1.0, 2e38, 3e38]), rtol=1e-6, atol=0)
+    assert torch.equal(q.abs(), torch.eye(3).flip(1))
+
+
 def test_nonfinite_factor_is_refused_without_attempts(monkeypatch: pytest.MonkeyPatch) -> None:
     f = _spd(3)
     f[1, 2] = float("nan")

@@ -222,6 +222,27 @@ def test_nonfinite_captures_never_enter_the_factors(field: str, value: float) ->
     assert all(bool(torch.isfinite(t).all()) for t in out.values())
 
 
+def test_a_fold_whose_sum_overflows_is_still_taken() -> None:
+    """The fold reads its checks from the sums of the folded factors first; a sum that
+    overflows with every entry finite goes to the exact checks, which take the fold."""
+    from kfac_func.step.accumulate import fold_deferred, settle_folds
+
+    state = kf.init(kf.register(nn.Linear(3, 2)))  # float32 factors
+    ls = state.layers[""]
+    big = torch.diag(torch.full((4,), 3e38))  # finite entries, sum 1.2e39: inf in float32
+    ls = ls.replace(a_factor=big, factor_updates=1)
+    a, g = torch.diag(torch.full((4,), 2e38)), torch.eye(2)
+    new, checks = fold_deferred(ls, a, g, 0.5, state.config)
+    assert not torch.isfinite(new.a_factor.sum()) and torch.isfinite(new.a_factor).all()
+    assert checks.tolist() == [True, True, True, True]
+    torch.testing.assert_close(new.a_factor, 0.5 * big + 0.5 * a, rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is reported as non-finite
+        layers = {"": new}
+        settle_folds(layers, [("", checks, ls)], "skip")
+    assert layers[""].skipped_updates == 0
+
+
 def test_nonfinite_gradients_are_named_and_passed_through() -> None:
     _, state, grads, caps = _setup()
     bad = dict(grads)
