@@ -124,16 +124,13 @@ def all_finite(t: torch.Tensor) -> bool:
         >>> all_finite(torch.tensor([1.0, 2.0])), all_finite(torch.tensor([1.0, float("nan")]))
         (True, False)
     """
-    if t.numel() == 0:
-        return True
-    if bool(torch.isfinite(t.sum())):
-        return True
-    return bool(torch.isfinite(t).all())
+    return all_finite_together((t,))
 
 
 def all_finite_together(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether every entry of every tensor is finite, in one host read where they are: a
-    finite sum of their sums proves it; otherwise each is checked (:func:`all_finite`).
+    finite sum of their sums proves it; only after a sum that overflowed (or one that is
+    not finite) is each checked entry by entry.
 
     Example:
         >>> all_finite_together([torch.ones(2), torch.zeros(3)])
@@ -147,7 +144,7 @@ def all_finite_together(tensors: Sequence[torch.Tensor]) -> bool:
             total = t.sum() if total is None else total + t.sum()
     if total is None or bool(torch.isfinite(total)):
         return True
-    return all(all_finite(t) for t in tensors)
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 class DecompositionError(ArithmeticError):

@@ -13,6 +13,7 @@ from collections.abc import Callable, Hashable, MutableMapping, Sequence
 import torch
 
 from kfac_func.captures import Captures
+from kfac_func.core.decomposition import all_finite_together
 from kfac_func.core.stacks import per_row, stacked
 from kfac_func.core.tied_factors import combine_stacked
 from kfac_func.state import KFACConfig, KFACState, LayerState
@@ -81,8 +82,8 @@ def fold_deferred(
     all the layers of a step (or :func:`settle_on_device` counts them, ``sync_free``:
     then a layer whose updates so far were all skipped takes the batch as its first).
     On a CPU, where reading the checks synchronises nothing, the folded factors are
-    checked first and the selection is skipped when they pass (the same factors, fewer
-    passes over them)."""
+    checked first (:func:`~kfac_func.core.decomposition.all_finite_together`) and the
+    selection is skipped when they pass (the same factors, fewer passes over them)."""
     if ls.spec.block.stacked_uses and a.dim() == ls.a_factor.dim() + 1:
         # a tied layer's uses, kept apart until the window is complete (on every rank)
         a, g = combine_stacked(a, g)
@@ -93,13 +94,10 @@ def fold_deferred(
             a_factor=torch.where(empty, a, new.a_factor),
             g_factor=torch.where(empty, g, new.g_factor),
         )
-    if _host_reads(a, sync_free) and bool(torch.isfinite(new.a_factor.sum() + new.g_factor.sum())):
-        # a finite sum proves the folded factors finite, and NaN/Inf in a batch factor
-        # would have reached its fold: the batch's are finite too
+    if _host_reads(a, sync_free) and all_finite_together((new.a_factor, new.g_factor)):
+        # NaN/Inf in a batch factor would have reached its fold: the batch's are finite
         return new, torch.ones(4, dtype=torch.bool, device=a.device)
     checks = all_finite_each([a, g, new.a_factor, new.g_factor])
-    if _host_reads(a, sync_free) and bool(checks.all()):
-        return new, checks
     ok, na, ng = checks[0] & checks[1], checks[2], checks[3]
     old_a, old_g = ls.a_factor.to(a.device), ls.g_factor.to(g.device)
     new = new.replace(
