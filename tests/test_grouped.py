@@ -170,8 +170,10 @@ def _precondition_ops(depth: int, grouped: bool, **kw: Any) -> Counter[str]:
 def test_operations_of_the_grouped_step_do_not_grow_with_depth(kw: dict[str, Any]) -> None:
     shallow, deep = _precondition_ops(2, True, **kw), _precondition_ops(8, True, **kw)
     assert shallow == deep
-    per_layer = _precondition_ops(8, False, **kw)
-    assert sum(per_layer.values()) > 2 * sum(deep.values())  # what grouping saves
+    # what grouping saves: layer by layer, a model of 16 blocks takes more than twice the
+    # operations of the grouped step (the same at every depth, as asserted above)
+    per_layer = _precondition_ops(16, False, **kw)
+    assert sum(per_layer.values()) > 2 * sum(deep.values())
 
 
 def _adapter_ops(depth: int, **kw: Any) -> int:

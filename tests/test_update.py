@@ -243,6 +243,25 @@ def test_a_fold_whose_sum_overflows_is_still_taken() -> None:
     assert layers[""].skipped_updates == 0
 
 
+def test_a_gradient_whose_sum_overflows_is_still_preconditioned() -> None:
+    """The default mode reads a lone layer's gradient check from the sum of its matrix; a
+    sum that overflows with every entry finite goes to the exact check, and the gradient
+    is preconditioned like any other (the same numbers as grouped, which checks each
+    entry's extremes)."""
+    state = kf.decompose(
+        kf.init(kf.register(nn.Linear(2, 2)), convention="kfac-pytorch"), damping=1.0
+    )
+    grads = {"weight": torch.full((2, 2), 3e38), "bias": torch.zeros(2)}
+    assert not torch.isfinite(grads["weight"].sum())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is reported as non-finite
+        alone = kf.step.precondition_grads(state, grads, kl_clip=None, grouped=False)
+    stacked = kf.step.precondition_grads(state, grads, kl_clip=None, grouped=True)
+    # identity factors damped by 1: the gradient halved, not passed through unchanged
+    torch.testing.assert_close(alone["weight"], grads["weight"] / 2, rtol=0, atol=0)
+    torch.testing.assert_close(alone["weight"], stacked["weight"], rtol=0, atol=0)
+
+
 def test_nonfinite_gradients_are_named_and_passed_through() -> None:
     _, state, grads, caps = _setup()
     bad = dict(grads)

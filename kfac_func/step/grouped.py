@@ -30,6 +30,7 @@ import torch
 from torch.func import vmap
 
 from kfac_func.blocks import LayerSpec, Rows
+from kfac_func.core.decomposition import all_finite
 from kfac_func.core.factors import rows_match
 from kfac_func.core.preconditioning import kl_clip_scale_of_vector, kl_clip_term
 from kfac_func.core.stacks import stacked
@@ -52,16 +53,23 @@ __all__ = ["precondition_layers", "preconditioned_layers"]
 class _Unit:
     """Layers computed together (stacked, under vmap) or one layer (as it is)."""
 
-    def __init__(self, names: list[str], layers: Mapping[str, LayerState], grads: Any) -> None:
+    def __init__(
+        self, names: list[str], layers: Mapping[str, LayerState], grads: Any, on_device: bool
+    ) -> None:
         self.names = names
         self.states = [layers[n] for n in names]
         self.first = self.states[0]
         self.batched = len(names) > 1
         spec = self.first.spec
         pairs = [layer_grads(ls.spec, grads) for ls in self.states]
+        # a layer alone whose check the host reads (the default mode) is proved finite
+        # by its sum, read with the others' (see _check); None: the layer counts only
+        # if it passed, so its results need no selection on the device
+        self.finite: torch.Tensor | None = None
         if not self.batched:
             self.m = spec.block.to_matrix(spec, *pairs[0])
-            self.finite = all_finite_tensor(self.m)
+            if on_device:
+                self.finite = all_finite_tensor(self.m)
             return
         w = torch.stack([p[0] for p in pairs])
         if pairs[0][1] is None:
@@ -123,7 +131,8 @@ def precondition_layers(
     ``consume_rows``, each layer's entry is removed from a mutable ``rows`` once taken.
     The new running moments of each layer (eigenbasis moments, orthogonal
     momenta; under ``sync_free`` the ``grad_skips`` counter too) go into
-    ``changes[layer]`` (for ``LayerState.replace``).
+    ``changes[layer]`` (for ``LayerState.replace``). The caller has checked ``grads``
+    (:func:`~kfac_func.step.checks.validate_grads`, before anything changed).
 
     Example:
         >>> import torch
@@ -138,11 +147,10 @@ def precondition_layers(
         >>> out["1.bias"]
         tensor([0.5000, 0.5000, 0.5000])
     """
-    validate_grads(layers, grads)
     clip, rate = clip_and_rate(kl_clip, lr, settings.step)
     decomposed = [name for name, ls in layers.items() if ls.decomposition is not None]
     taken = {name: take(rows, name, consume_rows) for name in decomposed}
-    units, kept, results = _compute(
+    kept, results = _compute(
         layers, grads, decomposed, taken, settings, changes, clip is not None, grouped
     )
     sync_free = settings.sync_free
@@ -151,7 +159,7 @@ def precondition_layers(
     if clip is not None and terms:
         # summed in name order, so that ranks listing the layers in another order, and
         # every grouping, round it alike
-        order = [name for unit in units for name in unit.names]
+        order = [name for unit, _ in results for name in unit.names]
         place = {name: k for k, name in enumerate(order)}
         names = sorted(order)
         vector = torch.cat(terms) if len(terms) > 1 else terms[0]
@@ -205,10 +213,13 @@ def preconditioned_layers(
     validate_grads(layers, grads)
     chosen = [n for n in names if layers[n].decomposition is not None]
     taken = {n: None if rows is None else rows.get(n) for n in chosen}
-    _, kept, results = _compute(layers, grads, chosen, taken, settings, changes, False)
+    kept, results = _compute(layers, grads, chosen, taken, settings, changes, False)
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for unit, res in results:
-        ps, flags = unit.per_layer(res["p"]), unit.per_layer(res["select"])
+        select = res["select"]
+        if select is None:  # a layer alone that passed the host's check
+            select = torch.ones((), dtype=torch.bool, device=res["p"].device)
+        ps, flags = unit.per_layer(res["p"]), unit.per_layer(select)
         out.update((n, (p, f)) for n, p, f in zip(unit.names, ps, flags) if n in kept)
     return out
 
@@ -222,22 +233,26 @@ def _compute(
     changes: dict[str, dict[str, object]] | None,
     kl_terms: bool,
     grouped: bool = True,
-) -> tuple[list[_Unit], set[str], list[tuple[_Unit, dict[str, Any]]]]:
-    """The units of ``names`` (decomposed layers; each alone unless ``grouped``), the
-    layers whose results count (every one under ``sync_free``; in the default mode the
-    finite ones, see :func:`_check`) and each unit's results of :func:`_stage` (with their
-    kl_clip terms if ``kl_terms``); the changes of the counted layers' states go into
-    ``changes`` (:func:`_record`)."""
+) -> tuple[set[str], list[tuple[_Unit, dict[str, Any]]]]:
+    """The layers of ``names`` (decomposed layers) whose results count (every one under
+    ``sync_free``; in the default mode the finite ones, see :func:`_check`) and the
+    results of :func:`_stage` (with their kl_clip terms if ``kl_terms``) of each unit
+    (layers stacked together, or one alone: each alone unless ``grouped``) that has a
+    layer that counts; the changes of the counted layers' states go into ``changes``
+    (:func:`_record`)."""
     nonfinite = settings.nonfinite
     alone: list[str] = []
     if not settings.sync_free and settings.basis_moments is None and settings.orthogonal is None:
         alone = [n for n in names if rows_cheaper(layers[n].spec, taken.get(n))]
     plan = plan_groups(layers, names, grads, alone=alone if grouped else names)
-    units = [_Unit(group, layers, grads) for group in plan]
+    units = [_Unit(group, layers, grads, settings.sync_free) for group in plan]
     use_rows = {} if settings.sync_free else _check(units, layers, grads, taken, alone, nonfinite)
+    kept = set(names) if settings.sync_free else set(use_rows)
     results = []
     for unit in units:
         name = unit.names[0]
+        if unit.finite is None and name not in kept:  # a layer alone that failed the check
+            continue
         layer_rows = taken.get(name) if use_rows.get(name) else None
         stage = functools.partial(_stage, settings, kl_terms, unit.first, layer_rows)
         if torch.compiler.is_compiling():
@@ -251,10 +266,9 @@ def _compute(
         else:
             res = unit.run(stage, unit.m, unit.finite, unit.fields())
         results.append((unit, res))
-    kept = set(names) if settings.sync_free else set(use_rows)
     for unit, res in results:
         _record(unit, res, kept, settings, changes)
-    return units, kept, results
+    return kept, results
 
 
 def _record(
@@ -293,15 +307,16 @@ def _stage(
     first: LayerState,
     layer_rows: Rows | None,
     m: torch.Tensor,
-    finite: torch.Tensor,
+    finite: torch.Tensor | None,
     leaves: list[torch.Tensor] | None,
     count: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """One layer's preconditioned matrix ``p``, the tensors of its state that change
-    (``change``) and its kl_clip term (``term``, 0 where ``finite`` is False): the
-    function a group runs under vmap. ``first`` gives the static parts of the layer state,
-    ``leaves`` the tensors of :data:`GROUPED_FIELDS` (as :meth:`_Unit.fields` lists them;
-    None: ``first``'s own, a unit of one layer)."""
+    (``change``) and its kl_clip term (``term``, 0 where ``finite`` is False; ``finite``
+    None: a layer alone that passed the host's check): the function a group runs under
+    vmap. ``first`` gives the static parts of the layer state, ``leaves`` the tensors of
+    :data:`GROUPED_FIELDS` (as :meth:`_Unit.fields` lists them; None: ``first``'s own, a
+    unit of one layer)."""
     ls = first
     if leaves is not None:
         taken = iter(leaves)
@@ -316,14 +331,15 @@ def _stage(
     }
     select = finite
     if settings.sync_free:
-        if ls.usable is not None:  # a decomposition the device judged (see decompose_groups)
-            select = finite & ls.usable
-        change = keep_where(ls, change, select)
+        assert finite is not None
+        chosen = finite if ls.usable is None else finite & ls.usable  # see decompose_groups
+        change = keep_where(ls, change, chosen)
         change["grad_skips"] = count_skips(ls, finite)
+        select = chosen
     out: dict[str, Any] = {"p": p, "change": change, "select": select}
     if kl_terms:
         term = kl_clip_term(p, m)
-        out["term"] = torch.where(select, term, torch.zeros_like(term))
+        out["term"] = term if select is None else torch.where(select, term, torch.zeros_like(term))
     return out
 
 
@@ -358,9 +374,17 @@ def _check(
 ) -> dict[str, bool]:
     """The default mode's checks, read in one host synchronisation: every layer's
     finiteness (warned about, in the layers' order, or raised), and whether the rows of
-    each of ``alone`` reproduce its gradient. Returns ``{finite layer: use its rows}``."""
-    flags = [u.finite.reshape(-1) for u in units]
-    order = [name for u in units for name in u.names]
+    each of ``alone`` reproduce its gradient. Returns ``{finite layer: use its rows}``.
+
+    A layer alone is read by the sum of its gradient matrix: a finite sum proves every
+    entry finite, and only a sum that is not (an overflow, or a NaN/Inf) is checked entry
+    by entry."""
+    flags = [u.finite.reshape(-1) for u in units if u.finite is not None]
+    order = [name for u in units if u.finite is not None for name in u.names]
+    sums = [u.m.sum().reshape(1) for u in units if u.finite is None]
+    if sums:
+        flags.append(torch.isfinite(torch.cat(sums) if len(sums) > 1 else sums[0]))
+        order += [u.names[0] for u in units if u.finite is None]
     for name in alone:
         spec = layers[name].spec
         w, b = layer_grads(spec, grads)
@@ -372,6 +396,9 @@ def _check(
     read = torch.cat([f.to(flags[0].device) for f in flags]).tolist()
     finite = dict(zip(order, read))
     by_rows = dict(zip(alone, read[len(order) :]))
+    for u in units:
+        if u.finite is None and not finite[u.names[0]]:  # the sum is not finite: exactly
+            finite[u.names[0]] = all_finite(u.m)
     out: dict[str, bool] = {}
     for name in layers:
         if name not in finite:

@@ -20,6 +20,7 @@ from kfac_func.core.decomposition import EigenDecomposition, InverseDecompositio
 from kfac_func.state import KFACState, LayerState
 from kfac_func.step.autocast import without_autocast
 from kfac_func.step.basis import BasisMoments
+from kfac_func.step.checks import validate_grads
 from kfac_func.step.grouped import precondition_layers
 from kfac_func.step.grouping import grouped_here
 from kfac_func.step.hyper import as_list
@@ -93,6 +94,7 @@ def precondition_grads(
     """
     opts = step_options(options, _spelled_out(settings))
     stage = opts.stage_settings(state.config.compute_method, state.step)
+    validate_grads(state.layers, grads)
     ortho = stage.orthogonal
     layers: Mapping[str, LayerState] = state.layers
     if ortho is not None:  # momenta from zero, powers where missing (update stores both)
