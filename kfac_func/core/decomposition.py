@@ -142,7 +142,7 @@ def all_finite_together(tensors: Sequence[torch.Tensor]) -> bool:
     for t in tensors:
         if t.numel():
             total = t.sum() if total is None else total + t.sum()
-    if total is None or bool(torch.isfinite(total)):
+    if total is None or math.isfinite(float(total)):
         return True
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 

@@ -23,6 +23,7 @@ its gradient) are computed on the device and read in one host synchronisation;
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -381,24 +382,24 @@ def _check(
     by entry."""
     flags = [u.finite.reshape(-1) for u in units if u.finite is not None]
     order = [name for u in units if u.finite is not None for name in u.names]
-    sums = [u.m.sum().reshape(1) for u in units if u.finite is None]
-    if sums:
-        flags.append(torch.isfinite(torch.cat(sums) if len(sums) > 1 else sums[0]))
-        order += [u.names[0] for u in units if u.finite is None]
     for name in alone:
         spec = layers[name].spec
         w, b = layer_grads(spec, grads)
         layer_rows = rows[name]
         assert layer_rows is not None
         flags.append(rows_match(spec, w, b, layer_rows).reshape(1))
-    if not flags:
+    lone = [u for u in units if u.finite is None]
+    # one read: the flags as 0/1, then the lone layers' sums (in float32: a sum that
+    # overflows it is checked exactly below)
+    parts = [f.float() for f in flags] + [u.m.sum().reshape(1).float() for u in lone]
+    if not parts:
         return {}
-    read = torch.cat([f.to(flags[0].device) for f in flags]).tolist()
-    finite = dict(zip(order, read))
-    by_rows = dict(zip(alone, read[len(order) :]))
-    for u in units:
-        if u.finite is None and not finite[u.names[0]]:  # the sum is not finite: exactly
-            finite[u.names[0]] = all_finite(u.m)
+    device = parts[0].device
+    read = (torch.cat([t.to(device) for t in parts]) if len(parts) > 1 else parts[0]).tolist()
+    finite = {name: bool(v) for name, v in zip(order, read)}
+    by_rows = {name: bool(v) for name, v in zip(alone, read[len(order) :])}
+    for u, total in zip(lone, read[len(order) + len(alone) :]):
+        finite[u.names[0]] = math.isfinite(total) or all_finite(u.m)
     out: dict[str, bool] = {}
     for name in layers:
         if name not in finite:
