@@ -44,6 +44,7 @@ from kfac_func.distributed.dtensor import whole_input, whole_output_grad
 from kfac_func.distributed.kaisa import offer_factors, start_factor_reduction
 from kfac_func.distributed.plan import Plan
 from kfac_func.distributed.reducer import OrderedReducer
+from kfac_func.step.autocast import autocast_off
 from kfac_func.step.batch_factors import (
     LayerFactors,
     MicroBatchStats,
@@ -323,7 +324,7 @@ class HookRecorder(PreconditionerBase):
             last = micro.last_a
             if last is not None and last[0] == key:
                 return last[2]
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             gram = a_gram(spec, x, self._gram)
         micro.last_a = None if key is None else (key, x, gram)
         return gram
@@ -356,7 +357,7 @@ class HookRecorder(PreconditionerBase):
             a_item: Any = joint_input
             item: Any = gy
             if self.update_factors_in_hook and not self._ekfac:
-                with torch.autocast(gy.device.type, enabled=False):
+                with autocast_off(gy.device.type):
                     if joint_input is not None:
                         a_item, item = joint_grams(spec, joint_input, gy, self._gram)
                     else:
@@ -405,7 +406,7 @@ class HookRecorder(PreconditionerBase):
             return  # step() raises it
         if self._reducer is None:
             self._reducer = start_factor_reduction(self._state, self.plan, self.comm)
-        with torch.autocast(micro.g[name][0].gram.device.type, enabled=False):
+        with autocast_off(micro.g[name][0].gram.device.type):
             batch = self._layer_factors(name, spec)
         offer_factors(self._reducer, self._state.layers[name], batch)
 

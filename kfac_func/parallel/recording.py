@@ -23,6 +23,7 @@ from kfac_func.blocks import LayerSpec, a_gram, g_gram
 from kfac_func.parallel.base import MicroBatchRecord, ParallelBase
 from kfac_func.parallel.plan import Split
 from kfac_func.parallel.shards import is_shard
+from kfac_func.step.autocast import autocast_off
 
 __all__ = ["ParallelHookRecorder"]
 
@@ -51,7 +52,7 @@ class ParallelHookRecorder(ParallelBase):
             return None
         if not self.update_factors_in_hook:
             return t
-        with torch.autocast(t.device.type, enabled=False):
+        with autocast_off(t.device.type):
             gram = a_gram if kind == "a" else g_gram
             return gram(spec, t, self.gram_dtype or self.factor_dtype)
 

@@ -18,7 +18,7 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
-__all__ = ["without_autocast"]
+__all__ = ["autocast_off", "without_autocast"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -26,6 +26,21 @@ R = TypeVar("R")
 # the device types whose autocast a step turns off (the others have no autocast of
 # their own in the backends this library supports)
 _DEVICE_TYPES = ("cpu", "cuda")
+
+
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager[object]:
+    """A region with ``device_type``'s autocast off: ``torch.autocast(device_type,
+    enabled=False)`` where it is on, else nothing to enter (entering an autocast region
+    costs more than many a small layer's statistics).
+
+    Example:
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16), autocast_off("cpu"):
+        ...     (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+        torch.float32
+    """
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def without_autocast(fn: Callable[P, R]) -> Callable[P, R]:
