@@ -118,15 +118,20 @@ def test_eigh_results_whose_sum_overflows_are_kept(monkeypatch: pytest.MonkeyPat
     assert torch.equal(q.abs(), torch.eye(3).flip(1))
 
 
-def test_nonfinite_factor_is_refused_without_attempts(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("raises", [False, True], ids=["nan-result", "solver-error"])
+def test_nonfinite_factor_is_refused_without_retries(
+    monkeypatch: pytest.MonkeyPatch, raises: bool
+) -> None:
+    """A factor holding NaN is refused once its first attempt fails, whether the solver
+    returned NaN or raised: no float64 or jittered retry."""
     f = _spd(3)
     f[1, 2] = float("nan")
     with (
-        _failing(monkeypatch, "inv", lambda x, i: False) as calls,
-        pytest.raises(DecompositionError, match="NaN/Inf"),
+        _failing(monkeypatch, "inv", lambda x, i: raises) as calls,
+        pytest.raises(DecompositionError, match="the factor holds NaN/Inf"),
     ):
-        damped_inverse(f, 1e-3, dtype=torch.float64)
-    assert calls == []
+        damped_inverse(f, 1e-3, dtype=torch.float32)
+    assert calls == [torch.float32]
 
 
 def test_condition_estimate() -> None:

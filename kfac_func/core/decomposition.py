@@ -214,6 +214,13 @@ def _attempt_name(dt: torch.dtype, jitter: float, device: torch.device | None) -
     return name
 
 
+def _refuse_nonfinite(factor: torch.Tensor, what: str, tried: list[str]) -> None:
+    """After the first failed attempt (none ``tried`` before it), raise
+    :class:`DecompositionError` if the factor itself holds NaN/Inf."""
+    if not tried and not all_finite(factor):
+        raise DecompositionError(f"{what}: the factor holds NaN/Inf")
+
+
 def _robust(
     factor: torch.Tensor,
     compute_dtype: torch.dtype,
@@ -232,9 +239,11 @@ def _robust(
     The attempts run on ``device`` (default: the factor's). After a GPU solver error
     (:func:`solver_error`) the remaining attempts run on the CPU, and a success after one
     is reported with a ``RuntimeWarning`` that starts with ``label`` (e.g. the layer and
-    the factor)."""
-    if not all_finite(factor):
-        raise DecompositionError(f"{what}: the factor holds NaN/Inf")
+    the factor).
+
+    A factor that holds NaN/Inf is refused once the first attempt fails (its results are
+    not finite, or it raised), without a retry: it is not checked before, as a factor
+    folded in this step is known finite already."""
     home = factor.device
     run_on = torch.device(device) if device is not None else home
     plan = [(compute_dtype, 0.0)] if compute_dtype != torch.float64 else []
@@ -251,6 +260,7 @@ def _robust(
         try:
             out = tuple(t.to(home, dtype) for t in attempt(factor.to(run_on, dt), jitter))
         except RuntimeError as err:  # torch.linalg.LinAlgError, cuSOLVER errors and kin
+            _refuse_nonfinite(factor, what, tried)
             first = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
             tried.append(f"{where()}: {first}")
             if solver_error(err):
@@ -267,6 +277,7 @@ def _robust(
                     stacklevel=2,
                 )
             return out
+        _refuse_nonfinite(factor, what, tried)
         tried.append(f"{where()}: non-finite result in {str(dtype).removeprefix('torch.')}")
     raise DecompositionError(
         f"{what} failed ({'; '.join(tried)}); condition estimate {condition_estimate(factor):.3g}"

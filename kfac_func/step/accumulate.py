@@ -62,7 +62,8 @@ def fold_checked(
     """
     new, checks = fold_deferred(ls, a, g, decay, config)
     layers = {ls.spec.name: new}
-    settle_folds(layers, [(ls.spec.name, checks, ls)], nonfinite)
+    if checks is not None:
+        settle_folds(layers, [(ls.spec.name, checks, ls)], nonfinite)
     return layers[ls.spec.name]
 
 
@@ -73,7 +74,7 @@ def fold_deferred(
     decay: float,
     config: KFACConfig,
     sync_free: bool = False,
-) -> tuple[LayerState, torch.Tensor]:
+) -> tuple[LayerState, torch.Tensor | None]:
     """:func:`fold_checked` decided on the device: the layer with the batch factors
     folded in where they are finite (else its factors as they were), each running factor
     that held NaN/Inf restarted from the batch's, and the four checks (batch A, batch G,
@@ -83,7 +84,8 @@ def fold_deferred(
     then a layer whose updates so far were all skipped takes the batch as its first).
     On a CPU, where reading the checks synchronises nothing, the folded factors are
     checked first (:func:`~kfac_func.core.decomposition.all_finite_together`) and the
-    selection is skipped when they pass (the same factors, fewer passes over them)."""
+    selection is skipped when they pass (the same factors, fewer passes over them): the
+    checks are None then, every one passed and nothing is left to settle."""
     if ls.spec.block.stacked_uses and a.dim() == ls.a_factor.dim() + 1:
         # a tied layer's uses, kept apart until the window is complete (on every rank)
         a, g = combine_stacked(a, g)
@@ -96,7 +98,7 @@ def fold_deferred(
         )
     if _host_reads(a, sync_free) and all_finite_together((new.a_factor, new.g_factor)):
         # NaN/Inf in a batch factor would have reached its fold: the batch's are finite
-        return new, torch.ones(4, dtype=torch.bool, device=a.device)
+        return new, None
     checks = all_finite_each([a, g, new.a_factor, new.g_factor])
     ok, na, ng = checks[0] & checks[1], checks[2], checks[3]
     old_a, old_g = ls.a_factor.to(a.device), ls.g_factor.to(g.device)
@@ -374,7 +376,8 @@ def _fold_one(
     counters of the layer before (all that is kept of it)."""
     before = layers[name]
     layers[name], checks = fold_deferred(before, batch[0], batch[1], decay, config, sync_free)
-    pending.append((name, checks, before.replace(a_factor=_NONE, g_factor=_NONE)))
+    if checks is not None:  # (None: every check passed, read on the host already)
+        pending.append((name, checks, before.replace(a_factor=_NONE, g_factor=_NONE)))
 
 
 def _fold_group(
