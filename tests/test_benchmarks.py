@@ -252,3 +252,12 @@ def test_scale_quick(tmp_path: Path) -> None:
     assert doc["digest"]["gib_s"] > doc["digest"]["old_gib_s"] > 0
     assert set(doc["machine"]["bf16_flags"]) >= {"avx512_bf16", "amx_bf16"}
     assert "| kfac |" in proc.stdout
+
+
+def test_gram_blocks_quick(tmp_path: Path) -> None:
+    out = tmp_path / "gram_blocks.json"
+    proc = run_benchmark("gram_blocks.py", "--quick", "--out", str(out))
+    assert "triangle/one" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["quick"] and {r["blocked"] for r in doc["rows"]} == {True, False}
+    assert all(r["max_relative_error"] < 1e-2 for r in doc["rows"])

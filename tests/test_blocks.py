@@ -13,6 +13,7 @@ from torch import nn
 
 import kfac_func as kf
 from kfac_func.blocks import registry
+from kfac_func.blocks import spec as spec_module
 from kfac_func.blocks.base import LayerBlock
 from kfac_func.blocks.registry import block_of, register_block
 from kfac_func.blocks.spec import Gram, LayerSpec, row_gram
@@ -183,3 +184,41 @@ def test_split_parameters_recipe() -> None:
     assert [names[id(p)] for p in rest] == ["norm.weight", "norm.bias"]
     with pytest.raises(ValueError, match="registered from"):
         table.split_parameters(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(800, 300), (2, 600, 512), (40, 16)],
+    ids=["blocked-uneven", "blocked-batched", "one-product"],
+)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_gram_of_is_the_product_of_the_rows(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """``gram_of`` multiplies only the upper block triangle of large products (the
+    blocked shapes here: at least ``_BLOCKED_WORK`` multiply-adds, widths that its four
+    blocks do and do not divide, a leading batch dimension): every entry is the dot
+    product of its two columns, within the rounding of one sum over the rows (and of the
+    bfloat16 result), and each block below the diagonal is the transpose of its mirror;
+    the ones column's row and column hold the column sums and the row count."""
+    torch.manual_seed(0)
+    rows = torch.randn(*shape, dtype=torch.float64).to(dtype)
+    n, d = shape[-2], shape[-1]
+    blocked = n * d * d >= spec_module._BLOCKED_WORK
+    assert blocked == (d >= 300)
+    got = spec_module.gram_of(rows).double()
+    r = rows.double()
+    exact = r.mT @ r
+    # a sum of n products rounds by at most n·u times the sum of their magnitudes
+    unit = torch.finfo(torch.float32 if dtype == torch.bfloat16 else dtype).eps / 2
+    bound = n * unit * (r.abs().mT @ r.abs())
+    if dtype == torch.bfloat16:  # and the product is stored in bfloat16
+        bound = bound + exact.abs() * torch.finfo(dtype).eps / 2
+    assert ((got - exact).abs() <= bound).all()
+    if blocked:
+        step = -(-d // spec_module._GRAM_BLOCKS)
+        block = torch.arange(d) // step
+        off = block[:, None] != block[None, :]
+        assert torch.equal((got - got.mT)[..., off], torch.zeros_like(got[..., off]))
+    ones = row_gram(rows, True).double()
+    torch.testing.assert_close(ones[..., :d, :d], got, rtol=0, atol=0)
+    torch.testing.assert_close(ones[..., :d, d], r.sum(-2), rtol=0, atol=float(bound.max()))
+    assert (ones[..., d, d] == n).all()

@@ -275,6 +275,40 @@ def diagonal_blocks(m: torch.Tensor, blocks: int) -> torch.Tensor:
     return torch.diagonal(split, dim1=-4, dim2=-2).movedim(-1, -3).contiguous()
 
 
+# the column blocks of gram_of, and the least work (rows · width²) and width it pays at
+_GRAM_BLOCKS = 4
+_BLOCKED_WORK = 64 * 2**20
+_BLOCKED_WIDTH = 256
+
+
+def gram_of(rows: torch.Tensor) -> torch.Tensor:
+    """``rowsᵀ rows`` over the last two dimensions. On a CPU, for products of at least
+    ``_BLOCKED_WORK`` multiply-adds (``rows.shape[-2]`` at least half the width, the width
+    at least ``_BLOCKED_WIDTH``), only its upper block triangle is multiplied, in four
+    column blocks: a symmetric rank-k product (BLAS ``syrk``) made of general products,
+    five eighths of the multiply-adds; each block below the diagonal is the transpose of
+    its mirror. Each entry is the same dot product over the rows either way
+    (``benchmarks/gram_blocks.py`` times both).
+
+    Example:
+        >>> rows = torch.arange(6.0).reshape(3, 2)
+        >>> gram_of(rows)
+        tensor([[20., 26.],
+                [26., 35.]])
+    """
+    n, d = rows.shape[-2], rows.shape[-1]
+    if rows.device.type != "cpu" or d < _BLOCKED_WIDTH or 2 * n < d or n * d * d < _BLOCKED_WORK:
+        return rows.mT @ rows
+    out = rows.new_empty(*rows.shape[:-2], d, d)
+    step = -(-d // _GRAM_BLOCKS)
+    for lo in range(0, d, step):
+        hi = min(lo + step, d)
+        band = rows[..., lo:hi].mT @ rows[..., lo:]  # block row: this block and the right
+        out[..., lo:hi, lo:] = band
+        out[..., hi:, lo:hi] = band[..., hi - lo :].mT
+    return out
+
+
 def row_gram(
     rows: torch.Tensor, with_ones: bool, diagonal: bool = False, blocks: int = 1
 ) -> torch.Tensor:
@@ -310,7 +344,7 @@ def row_gram(
             return sq
         n = torch.full((*sq.shape[:-1], 1), rows.shape[-2], dtype=rows.dtype, device=rows.device)
         return torch.cat([sq, n], dim=-1)
-    xx = rows.mT @ rows
+    xx = gram_of(rows)
     if not with_ones:
         return xx
     s = rows.sum(dim=-2)
