@@ -7,7 +7,7 @@ with its bfloat16 flags, every row).
 ``kfac_func.blocks.spec.gram_of`` multiplies only the diagonal and upper blocks of a
 symmetric product (four column blocks: five eighths of the multiply-adds) and copies the
 upper blocks' transposes below the diagonal, on a CPU and above a size threshold. This
-script times, for each (rows, width) and dtype, the single product ``rows.mT @ rows``
+script times, for each (batch, rows, width) and dtype, the single product ``rows.mT @ rows``
 and the four-block triangle, one thread, medians of ``--reps`` timings (each a mean over
 enough calls to last 20 ms), in an order alternated between repetitions; ``blocked`` says
 whether ``gram_of`` chooses the triangle for that shape. The hooks' statistics are these
@@ -50,8 +50,9 @@ SHAPES = [
     (1536, 768),
     (4096, 768),
     (1536, 1024),
+    (2, 768, 385),  # lm4x's block-diagonal A factors of its 768-wide inputs (with a bias)
 ]
-QUICK_SHAPES = [(64, 16), (600, 512)]
+QUICK_SHAPES = [(64, 16), (2, 600, 512)]
 
 
 def one_product(rows: torch.Tensor) -> torch.Tensor:
@@ -81,9 +82,9 @@ def mean_ms(fn: Callable[[], Any], budget: float) -> float:
     return 1e3 * (time.perf_counter() - t0) / calls
 
 
-def measure(shape: tuple[int, int], dtype: torch.dtype, reps: int, budget: float) -> dict:
-    n, d = shape
-    rows = torch.randn(n, d, generator=torch.Generator().manual_seed(0)).to(dtype)
+def measure(shape: tuple[int, ...], dtype: torch.dtype, reps: int, budget: float) -> dict:
+    n, d = shape[-2:]
+    rows = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(dtype)
     exact = rows.double().mT @ rows.double()
     err = (triangle(rows).double() - exact).abs().max() / exact.abs().max()
     times: dict[str, list[float]] = {"one": [], "triangle": []}
@@ -94,6 +95,7 @@ def measure(shape: tuple[int, int], dtype: torch.dtype, reps: int, budget: float
     one, tri = (statistics.median(times[k]) for k in ("one", "triangle"))
     blocked = _chooses_blocks(rows)
     return {
+        "batch": shape[0] if len(shape) == 3 else 1,
         "rows": n,
         "width": d,
         "dtype": str(dtype).removeprefix("torch."),
@@ -107,7 +109,7 @@ def measure(shape: tuple[int, int], dtype: torch.dtype, reps: int, budget: float
 
 def _chooses_blocks(rows: torch.Tensor) -> bool:
     """Whether ``gram_of`` takes the triangle for ``rows`` (its threshold)."""
-    n, d = rows.shape
+    n, d = rows.shape[-2:]
     return d >= spec._BLOCKED_WIDTH and 2 * n >= d and n * d * d >= spec._BLOCKED_WORK
 
 
@@ -127,10 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     rows = [measure(s, dt, reps, budget) for dt in (torch.float32, torch.bfloat16) for s in shapes]
     print_table(
-        ["dtype", "rows", "width", "one product ms", "triangle ms", "triangle/one", "blocked"],
+        ["dtype", "batch", "rows", "width", "one ms", "triangle ms", "triangle/one", "blocked"],
         [
             [
                 r["dtype"],
+                str(r["batch"]),
                 str(r["rows"]),
                 str(r["width"]),
                 f"{r['one_product_ms']:.3f}",

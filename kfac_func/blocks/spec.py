@@ -337,7 +337,7 @@ def row_gram(
         split = rows.reshape(*rows.shape[:-1], blocks, w).movedim(-2, -3)
         if rows.dtype.itemsize < 4:  # 16-bit products of strided blocks ran a tenth slower
             split = split.contiguous()
-        return split.mT @ split
+        return gram_of(split)
     if diagonal:
         sq = (rows * rows).sum(dim=-2)
         if not with_ones:
