@@ -59,16 +59,6 @@ def one_product(rows: torch.Tensor) -> torch.Tensor:
     return rows.mT @ rows
 
 
-def triangle(rows: torch.Tensor) -> torch.Tensor:
-    """The four-block triangle whatever the size (``gram_of`` without its threshold)."""
-    saved = spec._BLOCKED_WORK, spec._BLOCKED_WIDTH
-    spec._BLOCKED_WORK, spec._BLOCKED_WIDTH = 0, 0
-    try:
-        return spec.gram_of(rows)
-    finally:
-        spec._BLOCKED_WORK, spec._BLOCKED_WIDTH = saved
-
-
 def mean_ms(fn: Callable[[], Any], budget: float) -> float:
     """Mean milliseconds of ``fn()`` over enough calls to last about ``budget`` seconds."""
     fn()
@@ -86,14 +76,14 @@ def measure(shape: tuple[int, ...], dtype: torch.dtype, reps: int, budget: float
     n, d = shape[-2:]
     rows = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(dtype)
     exact = rows.double().mT @ rows.double()
-    err = (triangle(rows).double() - exact).abs().max() / exact.abs().max()
+    err = (spec._block_triangle(rows).double() - exact).abs().max() / exact.abs().max()
     times: dict[str, list[float]] = {"one": [], "triangle": []}
     for rep in range(reps):
-        order = [("one", one_product), ("triangle", triangle)]
+        order = [("one", one_product), ("triangle", spec._block_triangle)]
         for name, fn in order if rep % 2 else order[::-1]:
             times[name].append(mean_ms(lambda fn=fn: fn(rows), budget))
     one, tri = (statistics.median(times[k]) for k in ("one", "triangle"))
-    blocked = _chooses_blocks(rows)
+    blocked = spec._in_blocks(rows)
     return {
         "batch": shape[0] if len(shape) == 3 else 1,
         "rows": n,
@@ -105,12 +95,6 @@ def measure(shape: tuple[int, ...], dtype: torch.dtype, reps: int, budget: float
         "blocked": blocked,
         "max_relative_error": float(err),
     }
-
-
-def _chooses_blocks(rows: torch.Tensor) -> bool:
-    """Whether ``gram_of`` takes the triangle for ``rows`` (its threshold)."""
-    n, d = rows.shape[-2:]
-    return d >= spec._BLOCKED_WIDTH and 2 * n >= d and n * d * d >= spec._BLOCKED_WORK
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -296,9 +296,20 @@ def gram_of(rows: torch.Tensor) -> torch.Tensor:
         tensor([[20., 26.],
                 [26., 35.]])
     """
+    return _block_triangle(rows) if _in_blocks(rows) else rows.mT @ rows
+
+
+def _in_blocks(rows: torch.Tensor) -> bool:
+    """Whether :func:`gram_of` multiplies ``rows``' upper block triangle (its threshold)."""
     n, d = rows.shape[-2], rows.shape[-1]
-    if rows.device.type != "cpu" or d < _BLOCKED_WIDTH or 2 * n < d or n * d * d < _BLOCKED_WORK:
-        return rows.mT @ rows
+    wide = d >= _BLOCKED_WIDTH and 2 * n >= d and n * d * d >= _BLOCKED_WORK
+    return wide and rows.device.type == "cpu"
+
+
+def _block_triangle(rows: torch.Tensor) -> torch.Tensor:
+    """``rowsᵀ rows`` from its diagonal and upper blocks (:data:`_GRAM_BLOCKS` column
+    blocks), the lower blocks their mirrors' transposes, whatever the size."""
+    d = rows.shape[-1]
     out = rows.new_empty(*rows.shape[:-2], d, d)
     step = -(-d // _GRAM_BLOCKS)
     for lo in range(0, d, step):

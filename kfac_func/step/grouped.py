@@ -31,7 +31,6 @@ import torch
 from torch.func import vmap
 
 from kfac_func.blocks import LayerSpec, Rows
-from kfac_func.core.decomposition import all_finite
 from kfac_func.core.factors import rows_match
 from kfac_func.core.preconditioning import kl_clip_scale_of_vector, kl_clip_term
 from kfac_func.core.stacks import stacked
@@ -398,8 +397,8 @@ def _check(
     read = (torch.cat([t.to(device) for t in parts]) if len(parts) > 1 else parts[0]).tolist()
     finite = {name: bool(v) for name, v in zip(order, read)}
     by_rows = {name: bool(v) for name, v in zip(alone, read[len(order) :])}
-    for u, total in zip(lone, read[len(order) + len(alone) :]):
-        finite[u.names[0]] = math.isfinite(total) or all_finite(u.m)
+    for u, total in zip(lone, read[len(order) + len(alone) :]):  # a sum not finite: exactly
+        finite[u.names[0]] = math.isfinite(total) or bool(torch.isfinite(u.m).all())
     out: dict[str, bool] = {}
     for name in layers:
         if name not in finite:
