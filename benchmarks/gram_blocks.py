@@ -10,8 +10,10 @@ upper blocks' transposes below the diagonal, on a CPU and above a size threshold
 script times, for each (batch, rows, width) and dtype, the single product ``rows.mT @ rows``
 and the four-block triangle, one thread, medians of ``--reps`` timings (each a mean over
 enough calls to last 20 ms), in an order alternated between repetitions; ``blocked`` says
-whether ``gram_of`` chooses the triangle for that shape. The hooks' statistics are these
-products, in bfloat16 under bfloat16 autocast where the CPU multiplies it natively.
+whether ``gram_of`` chooses the triangle for that shape and dtype (``blocked_work``: a
+threshold of its own for 16-bit products on a CPU with AMX tiles). The hooks' statistics
+are these products, in bfloat16 under bfloat16 autocast where the CPU multiplies it
+natively.
 
 No timing is asserted anywhere; the numbers are printed for people to read.
 """
@@ -53,6 +55,7 @@ SHAPES = [
     (2, 768, 385),  # lm4x's block-diagonal A factors of its 768-wide inputs (with a bias)
 ]
 QUICK_SHAPES = [(64, 16), (2, 600, 512)]
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 def one_product(rows: torch.Tensor) -> torch.Tensor:
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = QUICK_SHAPES if args.quick else SHAPES
     reps, budget = (1, 0.002) if args.quick else (args.reps, 0.02)
     started = time.perf_counter()
-    rows = [measure(s, dt, reps, budget) for dt in (torch.float32, torch.bfloat16) for s in shapes]
+    rows = [measure(s, dt, reps, budget) for dt in DTYPES for s in shapes]
     print_table(
         ["dtype", "batch", "rows", "width", "one ms", "triangle ms", "triangle/one", "blocked"],
         [
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         "bf16_flags": bf16_flags(),
         "threshold": {
             "blocks": spec._GRAM_BLOCKS,
-            "work": spec._BLOCKED_WORK,
+            "work": {str(dt).removeprefix("torch."): spec.blocked_work(dt) for dt in DTYPES},
             "width": spec._BLOCKED_WIDTH,
         },
         "rows": rows,

@@ -187,6 +187,33 @@ def test_split_parameters_recipe() -> None:
 
 
 @pytest.mark.parametrize(
+    ("width", "blocks", "ones"),
+    [(9, 3, True), (10, 2, False), (9, 2, True), (8, 3, False), (7, 3, True)],
+    ids=["pad-and-ones", "exact", "exact-with-ones", "pad", "ones-alone-in-a-block"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_diagonal_statistics_are_the_blocks_of_the_whole(
+    width: int, blocks: int, ones: bool, dtype: torch.dtype
+) -> None:
+    """``row_gram(..., blocks=k)`` (its column blocks built in one copy, or viewed in
+    place) holds the diagonal blocks of the whole Gram (with the ones column where
+    asked, zero where the last block is padded), each entry within the rounding of one
+    sum over the rows (and of a bfloat16 result)."""
+    torch.manual_seed(0)
+    rows = torch.randn(3, 6, width, dtype=torch.float64).to(dtype)
+    got = row_gram(rows, ones, blocks=blocks).double()
+    r = rows.double()
+    if ones:
+        r = torch.cat([r, torch.ones(*r.shape[:-1], 1, dtype=r.dtype)], dim=-1)
+    exact = spec_module.diagonal_blocks(r.mT @ r, blocks)
+    absolute = spec_module.diagonal_blocks(r.abs().mT @ r.abs(), blocks)
+    unit = torch.finfo(torch.float32).eps / 2
+    bound = 6 * unit * absolute + exact.abs() * torch.finfo(dtype).eps / 2
+    assert got.shape == exact.shape
+    assert ((got - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize(
     "shape",
     [(800, 300), (2, 600, 512), (40, 16)],
     ids=["blocked-uneven", "blocked-batched", "one-product"],
@@ -194,16 +221,18 @@ def test_split_parameters_recipe() -> None:
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_gram_of_is_the_product_of_the_rows(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     """``gram_of`` multiplies only the upper block triangle of large products (the
-    blocked shapes here: at least ``_BLOCKED_WORK`` multiply-adds, widths that its four
-    blocks do and do not divide, a leading batch dimension): every entry is the dot
-    product of its two columns, within the rounding of one sum over the rows (and of the
-    bfloat16 result), and each block below the diagonal is the transpose of its mirror;
-    the ones column's row and column hold the column sums and the row count."""
+    blocked shapes here: widths that its four blocks do and do not divide, a leading
+    batch dimension; in float64 at least ``blocked_work`` multiply-adds): every entry,
+    of ``gram_of`` and of the block triangle itself, is the dot product of its two
+    columns, within the rounding of one sum over the rows (and of the bfloat16 result),
+    and each block below the diagonal is the transpose of its mirror; the ones column's
+    row and column hold the column sums and the row count."""
     torch.manual_seed(0)
     rows = torch.randn(*shape, dtype=torch.float64).to(dtype)
     n, d = shape[-2], shape[-1]
-    blocked = n * d * d >= spec_module._BLOCKED_WORK
-    assert blocked == (d >= 300)
+    large = d >= 300
+    if dtype == torch.float64:
+        assert spec_module._in_blocks(rows) == large
     got = spec_module.gram_of(rows).double()
     r = rows.double()
     exact = r.mT @ r
@@ -213,11 +242,13 @@ def test_gram_of_is_the_product_of_the_rows(shape: tuple[int, ...], dtype: torch
     if dtype == torch.bfloat16:  # and the product is stored in bfloat16
         bound = bound + exact.abs() * torch.finfo(dtype).eps / 2
     assert ((got - exact).abs() <= bound).all()
-    if blocked:
+    if large:
+        triangle = spec_module._block_triangle(rows).double()
+        assert ((triangle - exact).abs() <= bound).all()
         step = -(-d // spec_module._GRAM_BLOCKS)
         block = torch.arange(d) // step
         off = block[:, None] != block[None, :]
-        assert torch.equal((got - got.mT)[..., off], torch.zeros_like(got[..., off]))
+        assert torch.equal((triangle - triangle.mT)[..., off], torch.zeros_like(triangle[..., off]))
     ones = row_gram(rows, True).double()
     torch.testing.assert_close(ones[..., :d, :d], got, rtol=0, atol=0)
     torch.testing.assert_close(ones[..., :d, d], r.sum(-2), rtol=0, atol=float(bound.max()))

@@ -50,9 +50,10 @@ class GroupNormBlock(ScaleShiftBlock):
         )
 
     def unit_rows(
-        self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor
+        self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         _check(spec, x)
+        x, r = x.to(dtype), r.to(dtype)
         n, groups = x.shape[0], spec.option("num_groups")
         xhat = normalise(x.reshape(n, groups, -1), (2,), spec.option("eps"), center=True)
         return _channel_rows(spec, xhat.reshape(x.shape)), _channel_rows(spec, r)
@@ -70,9 +71,10 @@ class BatchNormBlock(ScaleShiftBlock):
         return self.scale_shift_spec(name, module, eps=float(module.eps))
 
     def unit_rows(
-        self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor
+        self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         _check(spec, x)
+        x, r = x.to(dtype), r.to(dtype)
         dims = (0, *range(2, x.dim()))
         xhat = normalise(x, dims, spec.option("eps"), center=True)
         return _channel_rows(spec, xhat), _channel_rows(spec, r)
@@ -115,7 +117,8 @@ class ChannelScaleBlock(ScaleShiftBlock):
         return [*super().notes(spec), f"a scale in the forward of {spec.module!r}"]
 
     def unit_rows(
-        self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor
+        self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         _check(spec, x)
+        x, r = x.to(dtype), r.to(dtype)
         return _channel_rows(spec, x), _channel_rows(spec, r)

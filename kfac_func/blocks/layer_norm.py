@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kfac_func.blocks.mapped import mapped_params, mapping_error
@@ -119,16 +120,16 @@ class _TrailingNorm(ScaleShiftBlock):
         return super().mismatch_hint(spec, call)
 
     def unit_rows(
-        self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor
+        self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         shape = spec.weight_shape
         k = len(shape)
         if x.dim() < k or tuple(x.shape[-k:]) != shape:
             raise shape_error(spec, "input", f"trailing dimensions {shape}", x.shape)
-        dims = tuple(range(x.dim() - k, x.dim()))
-        eps = resolved_eps(spec.option("eps"), x.dtype)
-        xhat = normalise(x, dims, eps, center=self.center)
-        return xhat.reshape(-1, spec.groups), r.reshape(-1, spec.groups)
+        eps = resolved_eps(spec.option("eps"), x.dtype)  # the module's: its input's dtype
+        norm = F.layer_norm if self.center else F.rms_norm  # one fused pass each
+        xhat = norm(x.to(dtype), shape, eps=eps)
+        return xhat.reshape(-1, spec.groups), r.to(dtype).reshape(-1, spec.groups)
 
 
 @register_block

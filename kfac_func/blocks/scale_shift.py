@@ -68,9 +68,9 @@ class ScaleShiftBlock(JointBlock):
 
     @abstractmethod
     def unit_rows(
-        self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor
+        self, spec: LayerSpec, x: torch.Tensor, r: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x̂, g)`` of one call as ``(rows, units)`` matrices (computed in ``x``'s dtype)."""
+        """``(x̂, g)`` of one call as ``(rows, units)`` matrices, computed in ``dtype``."""
 
     def a_dim(self, spec: LayerSpec) -> int:
         return 1
@@ -92,12 +92,16 @@ class ScaleShiftBlock(JointBlock):
             raise shape_error(
                 spec, "output-gradient", f"the input's shape {tuple(x.shape)}", r.shape
             )
-        xhat, g = self.unit_rows(spec, x.to(dtype), r.to(dtype))
+        # elementwise statistics, no products: in at least float32 (a 16-bit ``dtype``
+        # would only add casts) and at least the call's own precision
+        wide = torch.promote_types(torch.promote_types(x.dtype, r.dtype), dtype)
+        wide = torch.promote_types(wide, torch.float32)
+        xhat, g = self.unit_rows(spec, x, r, wide)
         rows, units = g.shape
         if units != spec.groups:
             raise shape_error(spec, "input", f"{spec.groups} units", x.shape)
         gram = unit_grams(xhat * g, g if spec.has_bias else None)
-        ones = torch.full((units, 1), float(rows), dtype=dtype, device=g.device)
+        ones = torch.full((units, 1), float(rows), dtype=wide, device=g.device)
         return Gram(ones, rows, 1, True), Gram(gram, rows, 1)
 
     def check_grads(

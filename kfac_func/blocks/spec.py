@@ -8,6 +8,7 @@ computes from one call; :func:`row_gram` and :func:`shape_error` are shared by t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -251,9 +252,6 @@ def with_ones(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([rows, ones], dim=-1)
 
 
-_append_ones = with_ones  # row_gram's argument of the same name hides the function
-
-
 def diagonal_blocks(m: torch.Tensor, blocks: int) -> torch.Tensor:
     """The ``blocks`` diagonal blocks of the square matrices ``m`` (last two dimensions,
     side ``n``), each ``w = ceil(n / blocks)`` wide, stacked: ``(..., blocks, w, w)``; the
@@ -275,19 +273,21 @@ def diagonal_blocks(m: torch.Tensor, blocks: int) -> torch.Tensor:
     return torch.diagonal(split, dim1=-4, dim2=-2).movedim(-1, -3).contiguous()
 
 
-# the column blocks of gram_of, and the least work (rows · width²) and width it pays at
+# the column blocks of gram_of, and the least work (rows · width²) and width it pays at;
+# 16-bit operands on AMX tiles: a least work of its own (benchmarks/gram_blocks.py)
 _GRAM_BLOCKS = 4
 _BLOCKED_WORK = 64 * 2**20
+_BLOCKED_WORK_AMX_16 = 768 * 2**20
 _BLOCKED_WIDTH = 256
 
 
 def gram_of(rows: torch.Tensor) -> torch.Tensor:
     """``rowsᵀ rows`` over the last two dimensions. On a CPU, for products of at least
-    ``_BLOCKED_WORK`` multiply-adds (``rows.shape[-2]`` at least half the width, the width
-    at least ``_BLOCKED_WIDTH``), only its upper block triangle is multiplied, in four
-    column blocks: a symmetric rank-k product (BLAS ``syrk``) made of general products,
-    five eighths of the multiply-adds; each block below the diagonal is the transpose of
-    its mirror. Each entry is the same dot product over the rows either way
+    :func:`blocked_work` multiply-adds (``rows.shape[-2]`` at least half the width, the
+    width at least ``_BLOCKED_WIDTH``), only its upper block triangle is multiplied, in
+    four column blocks: a symmetric rank-k product (BLAS ``syrk``) made of general
+    products, five eighths of the multiply-adds; each block below the diagonal is the
+    transpose of its mirror. Each entry is the same dot product over the rows either way
     (``benchmarks/gram_blocks.py`` times both).
 
     Example:
@@ -299,10 +299,30 @@ def gram_of(rows: torch.Tensor) -> torch.Tensor:
     return _block_triangle(rows) if _in_blocks(rows) else rows.mT @ rows
 
 
+def blocked_work(dtype: torch.dtype) -> int:
+    """The least multiply-adds of a CPU Gram product of ``dtype`` that :func:`gram_of`
+    splits into blocks. A 16-bit product on a CPU with AMX tiles runs at several times
+    float32's rate and pays a fixed cost per call (packing its operands into tiles):
+    blocks pay there only from twelve times float32's threshold.
+
+    Example:
+        >>> blocked_work(torch.float32) == 64 * 2**20
+        True
+    """
+    return _BLOCKED_WORK_AMX_16 if dtype.itemsize == 2 and _amx_tiles() else _BLOCKED_WORK
+
+
+@functools.cache
+def _amx_tiles() -> bool:
+    """Whether this CPU multiplies on AMX tiles (False where torch cannot say)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False
+
+
 def _in_blocks(rows: torch.Tensor) -> bool:
     """Whether :func:`gram_of` multiplies ``rows``' upper block triangle (its threshold)."""
     n, d = rows.shape[-2], rows.shape[-1]
-    wide = d >= _BLOCKED_WIDTH and 2 * n >= d and n * d * d >= _BLOCKED_WORK
+    wide = d >= _BLOCKED_WIDTH and 2 * n >= d and n * d * d >= blocked_work(rows.dtype)
     return wide and rows.device.type == "cpu"
 
 
@@ -320,13 +340,36 @@ def _block_triangle(rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _column_blocks(rows: torch.Tensor, with_ones: bool, blocks: int) -> torch.Tensor:
+    """``rows`` (with a column of ones appended under ``with_ones``, zero columns padding
+    the last block) as ``blocks`` stacked column blocks, ``(..., blocks, n, w)``: a
+    strided view where nothing is appended or padded in a dtype of at least 32 bits,
+    else one contiguous copy (16-bit products of strided blocks ran a tenth slower)."""
+    n, d = rows.shape[-2], rows.shape[-1]
+    width = d + int(with_ones)
+    w = -(-width // blocks)
+    if w * blocks == d and rows.dtype.itemsize >= 4:
+        return rows.reshape(*rows.shape[:-1], blocks, w).movedim(-2, -3)
+    out = rows.new_empty(*rows.shape[:-2], blocks, n, w)
+    for b, lo in enumerate(range(0, w * blocks, w)):
+        block, hi = out[..., b, :, :], min(lo + w, d)
+        if hi > lo:
+            block[..., : hi - lo].copy_(rows[..., lo:hi])
+        if hi < lo + w:  # the ones column and the padding
+            block[..., max(hi - lo, 0) :].zero_()
+            if with_ones and lo <= d < lo + w:
+                block[..., d - lo].fill_(1)
+    return out
+
+
 def row_gram(
     rows: torch.Tensor, with_ones: bool, diagonal: bool = False, blocks: int = 1
 ) -> torch.Tensor:
-    """``rowsᵀ rows``; with ``with_ones`` as if a column of ones were appended (no copy);
-    with ``diagonal`` only its diagonal ``Σ rows²``; with ``blocks > 1`` only its
-    diagonal blocks (:func:`diagonal_blocks`' shape and padding), each from its own
-    columns: ``blocks`` times fewer products than the whole Gram.
+    """``rowsᵀ rows`` in at least float32 (a 16-bit product's result widened); with
+    ``with_ones`` as if a column of ones were appended (no copy); with ``diagonal`` only
+    its diagonal ``Σ rows²``; with ``blocks > 1`` only its diagonal blocks
+    (:func:`diagonal_blocks`' shape and padding), each from its own columns: ``blocks``
+    times fewer products than the whole Gram.
 
     Example:
         >>> row_gram(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), True, diagonal=True)
@@ -337,29 +380,29 @@ def row_gram(
         <BLANKLINE>
                 [[ 2.,  0.],
                  [ 0.,  0.]]])
+        >>> row_gram(torch.ones(2, 1, dtype=torch.bfloat16), True).dtype
+        torch.float32
     """
+    wide = torch.promote_types(rows.dtype, torch.float32)
     if blocks > 1:
-        if with_ones:
-            rows = _append_ones(rows)
-        width = rows.shape[-1]
-        w = -(-width // blocks)
-        if w * blocks != width:  # the last block's padding: zero columns
-            rows = torch.nn.functional.pad(rows, (0, w * blocks - width))
-        split = rows.reshape(*rows.shape[:-1], blocks, w).movedim(-2, -3)
-        if rows.dtype.itemsize < 4:  # 16-bit products of strided blocks ran a tenth slower
-            split = split.contiguous()
-        return gram_of(split)
+        return gram_of(_column_blocks(rows, with_ones, blocks)).to(wide)
+    d, batch = rows.shape[-1], rows.shape[:-2]
     if diagonal:
-        sq = (rows * rows).sum(dim=-2)
+        sq = (rows * rows).sum(dim=-2).to(wide)  # (a float32 sum of 16-bit rows ran 2x slower)
         if not with_ones:
             return sq
-        n = torch.full((*sq.shape[:-1], 1), rows.shape[-2], dtype=rows.dtype, device=rows.device)
-        return torch.cat([sq, n], dim=-1)
+        out = sq.new_empty(*batch, d + 1)
+        out[..., :d] = sq
+        out[..., d] = rows.shape[-2]
+        return out
     xx = gram_of(rows)
     if not with_ones:
-        return xx
+        return xx.to(wide)
+    # the Gram with the ones column's row and column, assembled (and widened) in place
+    out = torch.empty(*batch, d + 1, d + 1, dtype=wide, device=rows.device)
+    out[..., :d, :d] = xx
     s = rows.sum(dim=-2)
-    n = torch.full((*s.shape[:-1], 1), rows.shape[-2], dtype=rows.dtype, device=rows.device)
-    top = torch.cat([xx, s.unsqueeze(-1)], dim=-1)
-    bottom = torch.cat([s, n], dim=-1).unsqueeze(-2)
-    return torch.cat([top, bottom], dim=-2)
+    out[..., :d, d] = s
+    out[..., d, :d] = s
+    out[..., d, d] = rows.shape[-2]
+    return out
