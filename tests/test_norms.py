@@ -121,6 +121,33 @@ def test_sequences_sum_over_positions_and_channel_norms_over_pixels() -> None:
     torch.testing.assert_close(g_grams[0].gram, torch.einsum("nui,nuj->uij", v, v))
 
 
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+def test_statistics_with_16_bit_grams_are_float32_with_the_modules_eps(norm: str) -> None:
+    """A norm's statistics are elementwise (no products to speed up): with bfloat16
+    ``gram_dtype`` they are computed in float32 from the float32 call, not from bfloat16
+    casts, and an ``eps`` of None is the machine epsilon of the module's input (float32),
+    not of the statistics' dtype. Inputs of mean square 1e-4, where the two epsilons
+    differ by 80 times the mean square; against float64 within float32 rounding."""
+    torch.manual_seed(0)
+    module = nn.LayerNorm(D) if norm == "layer_norm" else nn.RMSNorm(D)
+    spec = kf.register(nn.Sequential(module))["0"]
+    x, r = 1e-2 * torch.randn(4, 3, D), torch.randn(4, 3, D)
+    _, (got,) = kf.blocks.call_grams(spec, [x], [r], torch.bfloat16)
+    eps = module.eps if module.eps is not None else torch.finfo(torch.float32).eps
+    x64, r64 = x.double(), r.double()
+    if norm == "layer_norm":
+        xhat = F.layer_norm(x64, (D,), eps=eps)
+    else:
+        xhat = F.rms_norm(x64, (D,), eps=eps)
+    v = torch.stack([xhat * r64, r64], dim=-1).reshape(-1, D, 2)[
+        ..., : 2 if norm == "layer_norm" else 1
+    ]
+    assert got.gram.dtype == torch.float32
+    torch.testing.assert_close(
+        got.gram.double(), torch.einsum("nui,nuj->uij", v, v), rtol=1e-5, atol=1e-6
+    )
+
+
 def test_adapter_equals_capture_and_update() -> None:
     model = nn.Sequential(nn.Linear(4, D), nn.LayerNorm(D), nn.Tanh(), nn.Linear(D, C)).to(DT)
     ref = _model(lambda: nn.LayerNorm(D))
