@@ -66,7 +66,8 @@ class StepOptions:
             within ``3 · 2⁻⁸ · Σ|x||y|`` of the exact one, at half the cost or less
             where the hardware multiplies bfloat16 natively (CPUs with AVX-512 BF16 or
             AMX, CUDA GPUs). Captures made under ``torch.autocast`` then keep their
-            bfloat16 activations as they are.
+            bfloat16 activations as they are. The norms' statistics, elementwise with no
+            products to speed up, stay in at least float32 whatever this is.
         update_inverses: recompute the decompositions this step (layers without one are
             always decomposed once their factors hold data). Under
             ``compute_method="ekfac"`` the corrected eigenvalues are updated from the
