@@ -131,3 +131,28 @@ def test_the_functional_step_takes_the_setting() -> None:
     for name, ls in state.layers.items():
         torch.testing.assert_close(ls.a_factor, pre.state.layers[name].a_factor)
         torch.testing.assert_close(ls.g_factor, pre.state.layers[name].g_factor)
+
+
+class _TiedPair(nn.Module):
+    """An embedding and a head sharing its weight (one ``"tied"`` layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(5, 3), nn.Linear(3, 5, bias=False)
+        self.head.weight = self.emb.weight
+
+
+@pytest.mark.parametrize("kind", ["embedding", "tied"])
+def test_token_counts_with_16_bit_grams_are_exact(kind: str) -> None:
+    """An embedding's A statistic is its token counts: integers, exact in float32, so a
+    bfloat16 ``gram_dtype`` (8 significant bits: 257 would round to 256) leaves them
+    exact. Counts 257, 1 and 0 of three tokens."""
+    ids = torch.cat([torch.zeros(257, dtype=torch.long), torch.tensor([3])])[None]
+    if kind == "embedding":
+        spec = kf.register(nn.Sequential(nn.Embedding(5, 3)))["0"]
+        got = a_gram(spec, ids, BF16)
+    else:
+        spec = kf.register(_TiedPair())["head"]
+        got = spec.block.joint_grams(spec, ids, torch.randn(1, ids.shape[1], 3), BF16)[0]
+    assert got.gram.dtype == torch.float32
+    assert got.gram.tolist() == [257.0, 0.0, 0.0, 1.0, 0.0]

@@ -188,7 +188,9 @@ class EmbeddingBlock(LayerBlock):
             raise shape_error(spec, "input", "integer token indices", x.shape)
         flat = x.reshape(-1)
         try:
-            counts = torch.bincount(flat, minlength=spec.in_dim).to(dtype)
+            # integers: exact in float32, where 16 bits would round counts above 256
+            wide = torch.promote_types(dtype, torch.float32)
+            counts = torch.bincount(flat, minlength=spec.in_dim).to(wide)
         except RuntimeError as err:  # negative indices
             raise ValueError(f"layer {spec.name!r} ({spec.kind}): {err}") from None
         if counts.shape[0] != spec.in_dim:

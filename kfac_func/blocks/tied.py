@@ -186,7 +186,9 @@ class TiedBlock(JointBlock):
                 raise shape_error(spec, "embedding input", "integer token indices", x.shape)
             flat = x.reshape(-1)
             try:
-                counts = torch.bincount(flat, minlength=v).to(dtype)
+                # exact in float32, where 16 bits would round counts above 256
+                wide = torch.promote_types(dtype, torch.float32)
+                counts = torch.bincount(flat, minlength=v).to(wide)
             except RuntimeError as err:  # negative indices
                 raise ValueError(f"layer {spec.name!r} ({spec.kind}): {err}") from None
             if counts.shape[0] != v:
