@@ -67,7 +67,8 @@ class StepOptions:
             where the hardware multiplies bfloat16 natively (CPUs with AVX-512 BF16 or
             AMX, CUDA GPUs). Captures made under ``torch.autocast`` then keep their
             bfloat16 activations as they are. The norms' statistics, elementwise with no
-            products to speed up, stay in at least float32 whatever this is.
+            products to speed up, and an embedding's token counts (integers) stay in at
+            least float32 whatever this is.
         update_inverses: recompute the decompositions this step (layers without one are
             always decomposed once their factors hold data). Under
             ``compute_method="ekfac"`` the corrected eigenvalues are updated from the
