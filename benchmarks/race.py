@@ -63,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import optimizers
 import race_report
 import race_workloads as rw
+from stage_arithmetic import bf16_flags
 from step_time import checked_out, cpu_model, git_commit
 
 import kfac_func as kf
@@ -192,6 +193,7 @@ def machine(threads: int) -> dict[str, Any]:
         "kfac_func": kf.__version__,
         "muon_newton_schulz": optimizers.MUON_PRECISION,
         "native_bf16": optimizers.NATIVE_BF16,
+        "bf16_flags": bf16_flags(),
     }
     # heavyball has no __version__: its installed distribution's
     info["heavyball"] = _version("heavyball") if optimizers._heavyball() is not None else None

@@ -272,6 +272,22 @@ def run_phrase(label: str, run: dict[str, Any]) -> str:
     )
 
 
+def bf16_phrase(machine: dict[str, Any]) -> str:
+    """The CPU's bfloat16 flags as the docs name them, where the run recorded them.
+
+    Example:
+        >>> bf16_phrase({"bf16_flags": {"avx512_bf16": True, "amx_bf16": False}})
+        ' (bfloat16 natively: avx512_bf16)'
+        >>> bf16_phrase({"cpu": "X"})
+        ''
+    """
+    flags = machine.get("bf16_flags")
+    if flags is None:
+        return ""
+    named = ", ".join(k for k, v in flags.items() if v and "bf16" in k)
+    return f" (bfloat16 natively: {named or 'no'})"
+
+
 def commit_phrase(doc: dict[str, Any]) -> str:
     """How a results document's commit reads in the docs (``dirty``: said).
 
@@ -314,8 +330,8 @@ def render(doc: dict[str, Any], plot: bool = False) -> str:
         f"Results: `benchmarks/results/race_{w}.json` (`{doc['command']}`).",
         "<!-- settings -->",
         f"{doc['description']}; {doc['steps']} steps, test loss every {doc['eval_every']}. "
-        f"CPU `{machine['cpu']}`, {machine['threads']} thread(s), torch `{machine['torch']}`, "
-        f"{commit_phrase(doc)}.",
+        f"CPU `{machine['cpu']}`{bf16_phrase(machine)}, {machine['threads']} thread(s), "
+        f"torch `{machine['torch']}`, {commit_phrase(doc)}.",
         "",
         f"Tuning: {doc['tuning']['statement']} Targets: AdamW's final test loss "
         f"{_loss(t['reference_loss'])}, the best's ({t['best']}) {_loss(t['best_loss'])}"
