@@ -146,7 +146,7 @@ class _TiedPair(nn.Module):
 def test_token_counts_with_16_bit_grams_are_exact(kind: str) -> None:
     """An embedding's A statistic is its token counts: integers, exact in float32, so a
     bfloat16 ``gram_dtype`` (8 significant bits: 257 would round to 256) leaves them
-    exact. Counts 257, 1 and 0 of three tokens."""
+    exact. Token 0 is looked up 257 times, token 3 once, the others never."""
     ids = torch.cat([torch.zeros(257, dtype=torch.long), torch.tensor([3])])[None]
     if kind == "embedding":
         spec = kf.register(nn.Sequential(nn.Embedding(5, 3)))["0"]
