@@ -25,7 +25,14 @@ from kfac_func.blocks.base import LayerBlock
 from kfac_func.blocks.checks import overrides_forward
 from kfac_func.blocks.mapped import mapped_params, mapping_error
 from kfac_func.blocks.registry import register_block
-from kfac_func.blocks.spec import CheckedCall, Gram, LayerSpec, row_gram, shape_error
+from kfac_func.blocks.spec import (
+    CheckedCall,
+    Gram,
+    LayerSpec,
+    row_gram,
+    shape_error,
+    token_counts,
+)
 
 __all__ = ["EmbeddingBlock", "embed_scale"]
 
@@ -186,19 +193,7 @@ class EmbeddingBlock(LayerBlock):
         """Token counts ``(V,)``: the diagonal of ``Σ onehot onehotᵀ``."""
         if x.is_floating_point() or x.is_complex():
             raise shape_error(spec, "input", "integer token indices", x.shape)
-        flat = x.reshape(-1)
-        try:
-            # integers: exact in float32, where 16 bits would round counts above 256
-            wide = torch.promote_types(dtype, torch.float32)
-            counts = torch.bincount(flat, minlength=spec.in_dim).to(wide)
-        except RuntimeError as err:  # negative indices
-            raise ValueError(f"layer {spec.name!r} ({spec.kind}): {err}") from None
-        if counts.shape[0] != spec.in_dim:
-            raise ValueError(
-                f"layer {spec.name!r} ({spec.kind}): token index {counts.shape[0] - 1} is out "
-                f"of range for {spec.in_dim} embeddings"
-            )
-        return Gram(counts, flat.numel(), 1, True)
+        return Gram(token_counts(spec, x, spec.in_dim, dtype), x.numel(), 1, True)
 
     def g_gram(self, spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype) -> Gram:
         if r.dim() == 0 or r.shape[-1] != spec.out_dim:

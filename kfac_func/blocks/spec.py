@@ -28,6 +28,7 @@ __all__ = [
     "diagonal_blocks",
     "row_gram",
     "shape_error",
+    "token_counts",
     "with_ones",
 ]
 
@@ -244,6 +245,33 @@ def shape_error(
     return ValueError(
         f"layer {spec.name!r} ({spec.kind}): {what} must have {expected}, got shape {tuple(shape)}"
     )
+
+
+def token_counts(
+    spec: LayerSpec, ids: torch.Tensor, vocab: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """How often each of ``vocab`` token ids occurs in ``ids``: an embedding's A statistic,
+    in ``dtype`` widened to at least float32 (counts are integers, which 16 bits would
+    round above 256).
+
+    Raises:
+        ValueError: an id is negative or not below ``vocab`` (naming the layer).
+
+    Example:
+        >>> spec = LayerSpec("emb", "embedding", "emb.weight", None, 4, 2)
+        >>> token_counts(spec, torch.tensor([[0, 3, 3]]), 4, torch.bfloat16)
+        tensor([1., 0., 0., 2.])
+    """
+    try:
+        counts = torch.bincount(ids.reshape(-1), minlength=vocab)
+    except RuntimeError as err:  # negative indices
+        raise ValueError(f"layer {spec.name!r} ({spec.kind}): {err}") from None
+    if counts.shape[0] != vocab:
+        raise ValueError(
+            f"layer {spec.name!r} ({spec.kind}): token index {counts.shape[0] - 1} is out "
+            f"of range for {vocab} embeddings"
+        )
+    return counts.to(torch.promote_types(dtype, torch.float32))
 
 
 def with_ones(rows: torch.Tensor) -> torch.Tensor:

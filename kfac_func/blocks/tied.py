@@ -60,7 +60,7 @@ from torch import nn
 
 from kfac_func.blocks.base import JointBlock
 from kfac_func.blocks.registry import register_block
-from kfac_func.blocks.spec import Gram, LayerSpec, row_gram, shape_error
+from kfac_func.blocks.spec import Gram, LayerSpec, row_gram, shape_error, token_counts
 
 __all__ = ["EMBEDDING_KINDS", "EmbeddingUse", "HeadUse", "TiedBlock", "newly_tied", "tied_specs"]
 
@@ -184,18 +184,7 @@ class TiedBlock(JointBlock):
                 )
             if x.is_floating_point() or x.is_complex():
                 raise shape_error(spec, "embedding input", "integer token indices", x.shape)
-            flat = x.reshape(-1)
-            try:
-                # exact in float32, where 16 bits would round counts above 256
-                wide = torch.promote_types(dtype, torch.float32)
-                counts = torch.bincount(flat, minlength=v).to(wide)
-            except RuntimeError as err:  # negative indices
-                raise ValueError(f"layer {spec.name!r} ({spec.kind}): {err}") from None
-            if counts.shape[0] != v:
-                raise ValueError(
-                    f"layer {spec.name!r} ({spec.kind}): token index {counts.shape[0] - 1} is "
-                    f"out of range for {v} embeddings"
-                )
+            counts = token_counts(spec, x, v, dtype)
             rows = r.to(dtype).reshape(-1, d) * self.embedding_scale(spec)
             gram = row_gram(rows, False, spec.a_diagonal)
             if spec.has_bias:  # the embedding does not use the head's bias: zeros there
