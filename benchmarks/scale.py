@@ -470,8 +470,9 @@ def _cell(value: Any, fmt: str) -> str:
 def render(before: dict[str, Any], after: dict[str, Any]) -> str:
     """The docs block of two runs (the library before and after, the same benchmark): the
     summary of each optimizer side by side, K-FAC's state by field, and the digest."""
+    import race_report as rr
+
     machine = after["machine"]
-    flags = ", ".join(k for k, v in machine["bf16_flags"].items() if v and "bf16" in k)
     lines = [
         f"Results: `benchmarks/results/scale_before.json` and `benchmarks/results/scale.json` "
         f"(`{after['command']}`; before: the same script on the library at commit "
@@ -480,8 +481,8 @@ def render(before: dict[str, Any], after: dict[str, Any]) -> str:
         f"GPT-2 from `{after['settings']['config']}`: {after['rows'][0]['parameters']:,} "
         "parameters, "
         f"batch {after['settings']['batch']}×{after['settings']['length']} tokens, "
-        f"{after['settings']['steps']} steps (the first not timed); CPU `{machine['cpu']}` "
-        f"(bfloat16 natively: {flags or 'no'}), {machine['threads']} thread(s), torch "
+        f"{after['settings']['steps']} steps (the first not timed); CPU `{machine['cpu']}`"
+        f"{rr.bf16_phrase(machine)}, {machine['threads']} thread(s), torch "
         f"`{machine['torch']}`, commit `{str(after['commit'])[:10]}`.",
         "",
         "| optimizer | run | " + " | ".join(h for k, h, _ in COLUMNS[1:]) + " |",

@@ -199,13 +199,12 @@ def render_bf16(doc: dict[str, Any], source: str = "`benchmarks/results/stages_b
         >>> "| plain forward+backward | 2.0 |" in text, "| `lm` | 2.00× | 1.50× | - |" in text
         (True, True)
     """
-    flags = ", ".join(k for k, v in doc["machine"]["bf16_flags"].items() if v and "bf16" in k)
     lines = [
         f"Results: {source} (`python benchmarks/stages.py --autocast`); milliseconds, "
         "medians of the repetitions; every forward and loss under bfloat16 autocast.",
         "<!-- settings -->",
-        _where(doc["machine"], doc["settings"]) + f" (bfloat16 natively: {flags or 'no'}), "
-        f"{rr.commit_phrase(doc)}.",
+        _where(doc["machine"], doc["settings"])
+        + f"{rr.bf16_phrase(doc['machine'])}, {rr.commit_phrase(doc)}.",
         "",
         *_by_workload(doc, BF16_ROWS, _ms),
         "",

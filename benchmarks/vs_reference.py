@@ -905,11 +905,12 @@ MARKS = ("<!-- vs-reference:start -->", "<!-- vs-reference:end -->")
 def render(doc: dict[str, Any]) -> str:
     """The docs block of a results file: the amortized step of each model, schedule and
     method against the reference's and SGD's, then the peak memory of a step."""
+    import race_report as rr
+
     m, s = doc["machine"], doc["settings"]
-    flags = ", ".join(k for k, v in m["bf16_flags"].items() if v and "bf16" in k) or "no"
     lines = [
         f"Results: `benchmarks/results/vs_reference.json` (`{doc['command']}`), commit "
-        f"`{str(doc['commit'])[:10]}`; CPU `{m['cpu']}` (bfloat16 natively: {flags}), "
+        f"`{str(doc['commit'])[:10]}`; CPU `{m['cpu']}`{rr.bf16_phrase(m)}, "
         f"{m['threads']} thread(s), torch `{m['torch']}`; medians of {s['reps']} "
         "repetitions, milliseconds per step amortized over a cycle of F/I steps.",
         "",
