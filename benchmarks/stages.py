@@ -36,7 +36,7 @@ dict, and the stage functions return new tensors).
   build each call's Gram matrices (``update_factors_in_hook``); ``statistics in the
   hooks`` is the difference of the two medians.
 - ``batch factors``: ``KFACPreconditioner._settle`` and ``_batch_factors`` (what
-  ``step()`` calls first: the calls' Grams summed, scaled and symmetrised per group,
+  ``step()`` calls first: the calls' Grams summed and scaled per group,
   ``step/batch_factors.py``).
 - ``fold``: ``step.accumulate.fold_layers`` (the running averages, their
   finiteness checks).

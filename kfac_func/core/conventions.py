@@ -26,7 +26,8 @@ output-gradients of the user's loss, so ``r = c · g`` with ``g`` the per-exampl
     micro-batches, are averaged as per-call covariances. The running average starts at the
     identity. Decompositions run in float32 and are stored in ``inv_dtype``.
 
-Both conventions symmetrise factors (``(M + Mᵀ)/2``), clamp eigenvalues at zero, damp the
+Both conventions take the factors as their Gram products make them (symmetric up to
+rounding, see :mod:`kfac_func.core.factors`), clamp eigenvalues at zero, damp the
 eigen method as ``(G ⊗ A + λI)⁻¹`` and the inverse method as ``(G + λI)⁻¹ ⊗ (A + λI)⁻¹``,
 except on a placeholder side (a norm layer's ``A = 1``, see
 :attr:`kfac_func.blocks.LayerSpec.placeholder`), which both apply as the undamped identity.

@@ -292,7 +292,9 @@ def eigh_factor(
     device: torch.device | str | None = None,
     label: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(eigenvectors, eigenvalues clamped at 0)`` of one symmetric factor, in ``dtype``.
+    """``(eigenvectors, eigenvalues clamped at 0)`` of one symmetric factor, in ``dtype``:
+    of its upper triangle (mirrored), for a factor symmetric only up to rounding; the
+    eigenvectors column-major, as LAPACK returns them.
 
     eigh runs in ``compute_dtype`` (default: ``dtype`` promoted to float32); if it fails
     or returns NaN/Inf it is retried in float64, then in float64 on ``F + εI`` with ε
@@ -314,11 +316,12 @@ def eigh_factor(
     def attempt(f: torch.Tensor, jitter: float) -> tuple[torch.Tensor, torch.Tensor]:
         if jitter:
             f = f + jitter * torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
-        d, q = torch.linalg.eigh(f)
-        # eigh returns column-major eigenvectors; a row-major copy makes later products
-        # take the same BLAS path on every rank, whether the tensor was computed or
-        # received (made here, before the check of the results reads it)
-        return q.contiguous(), d - jitter if jitter else d
+        # f.mT: the same symmetric matrix, already in the column-major layout LAPACK
+        # works in, so eigh skips its transposing copy of the input; the eigenvectors
+        # stay column-major, as LAPACK returns them (a row-major copy is another
+        # transposing pass, as costly as the first)
+        d, q = torch.linalg.eigh(f.mT)
+        return q, d - jitter if jitter else d
 
     cdt = compute_dtype or torch.promote_types(dtype, torch.float32)
     q, d = _robust(factor, cdt, attempt, "eigh", dtype, device=device, label=label)
@@ -432,10 +435,12 @@ def damped_inverse(
 
     def attempt(f: torch.Tensor, jitter: float) -> tuple[torch.Tensor]:
         eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
-        return (torch.linalg.inv(f + (damping + jitter) * eye),)
+        # the damped factor is symmetric: inverted as its transpose, a column-major view,
+        # LAPACK skips its transposing copy of the input
+        return (torch.linalg.inv((f + (damping + jitter) * eye).mT),)
 
     cdt = compute_dtype or torch.promote_types(dtype, torch.float32)
     (inv,) = _robust(factor, cdt, attempt, "inverse", dtype, label=label)
-    # row-major, as in eigh_factor: the transpose of a symmetric matrix's inverse is its
-    # inverse, and LAPACK returns it column-major, so the row-major form is a view
-    return inv.mT.contiguous()
+    # the inverse of the transpose is the transpose of the inverse: LAPACK returns it
+    # column-major, so the row-major inverse is a view
+    return inv.mT

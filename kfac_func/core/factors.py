@@ -3,6 +3,11 @@
 Pure tensor functions: no module, no hook, no process group. Each layer kind
 (:mod:`kfac_func.blocks`) turns one call's inputs and output-gradients into Gram
 statistics; a factor is the scaled sum of them (scales: :mod:`kfac_func.core.conventions`).
+A Gram ``XᵀX`` is symmetric up to the rounding of its product (exactly, where each entry
+is summed in one order, as BLAS libraries on CPUs do), and the factors are not
+symmetrised again: that was a transposing pass per factor and step for values the
+decompositions do not need (``eigh`` reads one triangle, see
+:func:`~kfac_func.core.decomposition.eigh_factor`; an inverse is as exact either way).
 Factors carry a leading ``groups`` dimension for grouped convolutions (one block per
 group: K-FAC is block-diagonal over groups).
 """
@@ -25,18 +30,7 @@ __all__ = [
     "mean_over_rows",
     "rows_match",
     "rows_reproduce",
-    "symmetrize",
 ]
-
-
-def symmetrize(m: torch.Tensor) -> torch.Tensor:
-    """``(M + Mᵀ) / 2`` over the last two dimensions.
-
-    ``Mᵀ`` is made contiguous first (a blocked transposing copy) and ``M`` added to it:
-    the same values as ``(M + M.mT) / 2`` (addition commutes exactly), 2–5× faster for
-    large factors than an addition that reads one operand column by column.
-    """
-    return m.mT.contiguous().add_(m).mul_(0.5)
 
 
 def factor_from_grams(
@@ -47,7 +41,7 @@ def factor_from_grams(
     loss_scale: float | None = None,
 ) -> torch.Tensor:
     """A factor from the per-call Grams of one batch: A without ``batch_size``/``loss_scale``,
-    G with them. Diagonal Grams make a diagonal factor (not symmetrised: it is a vector).
+    G with them. Diagonal Grams make a diagonal factor (a vector).
     Grams that carry ``groups`` make each group's mean (:func:`mean_over_rows`)."""
     if grams[0].groups is not None:
         return mean_over_rows(grams)[0]
@@ -60,7 +54,7 @@ def factor_from_grams(
     total = grams[0].gram * scales[0]
     for g, k in zip(grams[1:], scales[1:]):
         total.add_(g.gram, alpha=k)
-    return total if grams[0].diagonal else symmetrize(total)
+    return total
 
 
 def mean_over_rows(grams: Sequence[Gram]) -> tuple[torch.Tensor, float | torch.Tensor]:
@@ -91,7 +85,7 @@ def mean_over_rows(grams: Sequence[Gram]) -> tuple[torch.Tensor, float | torch.T
         total = first.gram * (1.0 / n)  # as a_scales("fisher") scales each call
         for g in grams[1:]:
             total.add_(g.gram, alpha=1.0 / n)
-        return (total if first.diagonal else symmetrize(total)), float(n)
+        return total, float(n)
     rows = first.groups.to(first.gram.dtype)
     total = first.gram.clone()
     for g in grams[1:]:
@@ -99,7 +93,7 @@ def mean_over_rows(grams: Sequence[Gram]) -> tuple[torch.Tensor, float | torch.T
         total.add_(g.gram)
         rows = rows + g.groups.to(rows.dtype)
     total = group_means(total, rows)
-    return (total if first.diagonal else symmetrize(total)), rows
+    return total, rows
 
 
 def group_means(sums: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """The batch factors of a step: each layer's A and G from this step's statistics.
 
 :func:`factors_from_stats` makes one layer's batch factors from its Grams (each Gram
-scaled, then symmetrised, a handful of operations per factor). :func:`build_batch_factors`
+scaled and summed, a handful of operations per factor). :func:`build_batch_factors`
 makes them for a step's layers: the Grams of the layers whose statistics have the same
 shape, dtype, device and kind (one call in one micro-batch: the common case) are stacked
-and scaled and symmetrised in those few operations, so that a factor step's operations
+and scaled in those few operations, so that a factor step's operations
 grow with the number of shapes, not of layers. The numbers are the one-layer ones
 exactly (the same elementwise operations, in the same dtype); a layer with several calls
 or micro-batches, a tied one, and one alone in its shape take the one-layer function.
@@ -20,7 +20,7 @@ import torch
 from kfac_func.blocks import Gram, LayerSpec, call_grams
 from kfac_func.captures import Captures
 from kfac_func.core.conventions import a_scales, g_scales, micro_batch_weights
-from kfac_func.core.factors import factor_from_grams, group_means, mean_over_rows, symmetrize
+from kfac_func.core.factors import factor_from_grams, group_means, mean_over_rows
 from kfac_func.core.stacks import per_row, stacked
 from kfac_func.core.tied_factors import is_tied, tied_batch_factors
 from kfac_func.state import KFACConfig
@@ -269,12 +269,12 @@ def from_pooled(terms: Sequence[torch.Tensor]) -> LayerFactors | None:
 
 
 def _scaled(grams: Sequence[Gram], scales: Sequence[float]) -> torch.Tensor:
-    """The stack of ``gram · scale``, symmetrised unless the Grams are diagonals: what
-    :func:`~kfac_func.core.factors.factor_from_grams` computes for each."""
+    """The stack of ``gram · scale``: what :func:`~kfac_func.core.factors.factor_from_grams`
+    computes for each."""
     stack, fresh = stacked([g.gram for g in grams])
     if all(s == scales[0] for s in scales):
         total = stack.mul_(scales[0]) if fresh else stack * scales[0]
     else:
         k = per_row(torch.tensor(scales, dtype=stack.dtype, device=stack.device), stack)
         total = stack.mul_(k) if fresh else stack * k
-    return total if grams[0].diagonal else symmetrize(total)
+    return total

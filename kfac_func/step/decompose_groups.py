@@ -335,11 +335,11 @@ def _dense(
     f = stack.to(run_on if eigen else home, cdt)
     del stack  # the caller hands over its only reference: freed before the copies below
     if eigen:
-        d, q = torch.linalg.eigh(f)
+        d, q = torch.linalg.eigh(f.mT)  # column-major in and out, as eigh_factor's
         del f
-        return q.to(home, dtype).contiguous(), d.to(home, dtype).clamp(min=0.0)
+        return q.to(home, dtype), d.to(home, dtype).clamp(min=0.0)
     eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
-    return (torch.linalg.inv(f + damping * eye).to(dtype).mT.contiguous(),)
+    return (torch.linalg.inv((f + damping * eye).mT).to(dtype).mT,)
 
 
 def _diagonal(
