@@ -368,3 +368,27 @@ def test_qr_refresh_in_update_decomposes_exactly_once(monkeypatch: pytest.Monkey
 def test_bad_eigenbasis_refresh_is_refused() -> None:
     with pytest.raises(ValueError, match="eigenbasis_refresh must be one of"):
         kf.init(kf.register(nn.Linear(2, 2)), eigenbasis_refresh="power")
+
+
+def test_eigh_reads_the_upper_triangle_and_keeps_lapacks_layout() -> None:
+    """A factor symmetric only up to rounding is decomposed as its upper triangle,
+    mirrored; the eigenvectors are column-major as LAPACK returns them, and of an exactly
+    symmetric factor the same bits as ``eigh`` of the factor itself."""
+    f = _spd(9, dtype=torch.float32)
+    q, d = eigh_factor(f, dtype=torch.float32)
+    d_ref, q_ref = _EIGH(f)
+    assert q.mT.is_contiguous() and not q.is_contiguous()
+    assert torch.equal(q, q_ref) and torch.equal(d, d_ref.clamp(min=0.0))
+    lower = torch.tril(torch.ones(9, 9, dtype=torch.bool), diagonal=-1)
+    skewed = torch.where(lower, f + 1e-3, f)  # only the lower triangle moved
+    q2, d2 = eigh_factor(skewed, dtype=torch.float32)
+    assert torch.equal(q2, q) and torch.equal(d2, d)
+
+
+def test_damped_inverse_is_row_major() -> None:
+    """The damped inverse comes back row-major (the transpose of LAPACK's column-major
+    result of the factor's transpose, a view), equal to ``inv(F + λI)``."""
+    f = _spd(7, dtype=torch.float64)
+    inv = damped_inverse(f, 0.1, dtype=torch.float64)
+    assert inv.is_contiguous()
+    torch.testing.assert_close(inv, _INV(f + 0.1 * torch.eye(7, dtype=torch.float64)))

@@ -3,8 +3,8 @@
 Pure tensor functions: no module, no hook, no process group. Each layer kind
 (:mod:`kfac_func.blocks`) turns one call's inputs and output-gradients into Gram
 statistics; a factor is the scaled sum of them (scales: :mod:`kfac_func.core.conventions`).
-A Gram ``XᵀX`` is symmetric up to the rounding of its product (exactly, where each entry
-is summed in one order, as BLAS libraries on CPUs do), and the factors are not
+A Gram ``XᵀX`` is symmetric up to the rounding of its product (often exactly: where the
+BLAS library sums ``(i, j)`` and ``(j, i)`` in one order), and the factors are not
 symmetrised again: that was a transposing pass per factor and step for values the
 decompositions do not need (``eigh`` reads one triangle, see
 :func:`~kfac_func.core.decomposition.eigh_factor`; an inverse is as exact either way).
