@@ -28,26 +28,53 @@ def per_row(flags: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def stacked(xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool]:
     """``(torch.stack(xs), True)``; or ``(base, False)`` where ``xs`` are already the
     consecutive views ``base[0], base[1], ...`` of one tensor (as the unbound results of
-    an earlier grouped step are): no copy then. Always a copy when compiling.
+    an earlier grouped step are): no copy then. Always a copy when compiling. Matrices
+    held column-major (as LAPACK returns eigenvectors) are stacked column-major, so that
+    products on the stack take the same path as on each matrix.
 
     Example:
         >>> slab = torch.zeros(3, 2)
         >>> stacked(slab.unbind(0))[0] is slab, stacked([torch.ones(2), torch.ones(2)])[1]
         (True, True)
+        >>> stacked([torch.ones(2, 3).mT, torch.zeros(2, 3).mT])[0].stride()
+        (6, 1, 3)
     """
-    first, base = xs[0], xs[0]._base
-    if (
-        base is not None
-        and not torch.compiler.is_compiling()
-        and base.dim() == first.dim() + 1
-        and base.shape[0] == len(xs)
-        and base.shape[1:] == first.shape
-        and base.stride()[1:] == first.stride()
-        and base.dtype == first.dtype
+    base = xs[0]._base
+    if base is not None and not torch.compiler.is_compiling():
+        for whole in (base, base.mT) if base.dim() >= 3 else (base,):
+            if _views_of(xs, whole, base):
+                return whole, False
+    stack = torch.stack(list(xs))
+    if all(_column_major(x) for x in xs):  # a few operations whatever the count
+        return stack.mT.contiguous().mT, True
+    return stack, True
+
+
+def _column_major(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a stack of column-major matrices (read from its strides, without
+    an operation)."""
+    if x.dim() < 2 or x.is_contiguous():
+        return False
+    n, m = x.shape[-2], x.shape[-1]
+    expected, size = [1, n], n * m
+    for d in range(x.dim() - 3, -1, -1):
+        expected.insert(0, size)
+        size *= x.shape[d]
+    return list(x.stride()) == expected
+
+
+def _views_of(xs: Sequence[torch.Tensor], whole: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether ``xs`` are ``whole[0], whole[1], ...`` (``whole``: ``base`` or its
+    transpose, ``base`` the tensor they are views of)."""
+    first = xs[0]
+    return (
+        whole.dim() == first.dim() + 1
+        and whole.shape[0] == len(xs)
+        and whole.shape[1:] == first.shape
+        and whole.stride()[1:] == first.stride()
+        and whole.dtype == first.dtype
         and all(
-            x._base is base and x.storage_offset() == base.storage_offset() + i * base.stride(0)
+            x._base is base and x.storage_offset() == whole.storage_offset() + i * whole.stride(0)
             for i, x in enumerate(xs)
         )
-    ):
-        return base, False
-    return torch.stack(list(xs)), True
+    )
