@@ -41,9 +41,10 @@ def stacked(xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool]:
     """
     base = xs[0]._base
     if base is not None and not torch.compiler.is_compiling():
-        for whole in (base, base.mT) if base.dim() >= 3 else (base,):
-            if _views_of(xs, whole, base):
-                return whole, False
+        if _views_of(xs, base, base):
+            return base, False
+        if base.dim() >= 3 and _views_of(xs, base.mT, base):  # a column-major stack
+            return base.mT, False
     stack = torch.stack(list(xs))
     if all(_column_major(x) for x in xs):  # a few operations whatever the count
         return stack.mT.contiguous().mT, True
