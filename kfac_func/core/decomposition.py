@@ -385,7 +385,7 @@ def power_refresh(
     diag = r.diagonal(dim1=-2, dim2=-1)
     sign = torch.where(diag < 0, -1.0, 1.0).to(qn.dtype)
     qn, d = (qn * sign.unsqueeze(-2)).to(dtype), (diag * sign).to(dtype)
-    return qn.contiguous(), d.clamp(min=0.0)
+    return qn, d.clamp(min=0.0)  # column-major, as QR returns it (and eigh_factor's)
 
 
 def eigenvalue_outer(dg: torch.Tensor, da: torch.Tensor, damping: float) -> torch.Tensor:
