@@ -308,8 +308,9 @@ class Communicator:
         """Send ``tensors`` from ``src`` to the ``ranks`` group (which must hold ``src``).
 
         Only members of ``ranks`` may call it; on ``src`` the tensors are returned as
-        they are, elsewhere they are buffers of the right shape and dtype that the
-        result replaces (inputs are never modified).
+        they are (when they are contiguous, the layout the others receive), elsewhere
+        they are buffers of the right shape and dtype that the result replaces (inputs
+        are never modified).
         """
         if src not in ranks:
             raise ValueError(f"broadcast source rank {src} is not in group {ranks}")
@@ -329,10 +330,12 @@ class Communicator:
         self.calls[f"{kind} (broadcast)"] += 1
 
         def finish() -> list[torch.Tensor]:
-            if self.rank == src and not any(sym):
+            if self.rank == src and not any(sym) and all(t.is_contiguous() for t in tensors):
                 return list(tensors)
-            # receivers (and a source that packed triangles) read the sent values back,
-            # so every rank of the group holds bit-identical tensors
+            # receivers (and a source that packed triangles, or sent a tensor of another
+            # layout, as eigh's column-major eigenvectors) read the sent values back, so
+            # every rank of the group holds bit-identical tensors, laid out alike (so that
+            # their products round alike)
             out, offset = [], 0
             for t, flat, s in zip(tensors, flats, sym):
                 out.append(_unpack(buf[offset : offset + flat.numel()], t, s))

@@ -222,11 +222,7 @@ def decompose_owned(
                         q, d = got or eigh_side(
                             factor, previous, device=eigh_device, label=label, **kw
                         )
-                        # received eigenvectors are row-major: the owner sends (and
-                        # keeps) that layout too, so that every grad worker's products
-                        # round alike
-                        spread = len(lp.grad_workers) > 1
-                        sent = [d] if q is None else [q.contiguous() if spread else q, d]
+                        sent = [d] if q is None else [q, d]
                     else:
                         sent = [inverse_side(factor, damping, label=label, **kw)]
                     ok.fill_(1.0)
