@@ -32,7 +32,8 @@ statistics every other step from step 256; the recommended recipe),
 ``kfac-moments-wide-whole`` (the same with every A factor whole),
 ``kfac-moments-wide-2`` (eigenbases every 2 steps, statistics every step, however long
 the run), ``kfac-moments-wide-s2`` (factor statistics every 2 steps from the start, decay
-0.81) and
+0.81), ``kfac-moments-wide-p8`` (the wide layers' powers refreshed on the decomposition
+steps that are multiples of 8: ``Orthogonal(every=8)``) and
 ``kfac-adaptive`` (no optimizer: the quadratic model's learning rate and momentum,
 Levenberg–Marquardt damping; its "learning rates" are the starting dampings). Every
 optimizer gets the same schedule (linear warm-up, cosine decay to 10 %), the same
@@ -100,6 +101,7 @@ LRS: dict[str, tuple[float, ...]] = {
     "kfac-moments-wide-whole": (7e-3, 1.4e-2),
     "kfac-moments-wide-2": (7e-3, 1.4e-2),
     "kfac-moments-wide-s2": (7e-3, 1.4e-2),
+    "kfac-moments-wide-p8": (7e-3, 1.4e-2),
     "kfac-adaptive": (0.1, 1.0),  # the starting damping: no learning rate to sweep
     "kfac-muon": (0.02, 0.05),
     "kfac-muon-two-sided": (0.02, 0.05),
@@ -287,6 +289,12 @@ KFAC = {
     # the same with statistics every 2 steps from the start (decay 0.81: the same memory
     # in steps)
     "kfac-moments-wide-s2": _wide(kf.step.GrowingInterval(), WIDE, factor=2),
+    # the same with the wide layers' powers refreshed on every 8th step at most (on the
+    # decomposition steps that are multiples of 8): their step reads the factors through
+    # a smooth power, not an eigenbasis that must be fresh
+    "kfac-moments-wide-p8": _wide(
+        kf.step.GrowingInterval(), WIDE._replace(every=8), factor=STATISTICS
+    ),
     # the quadratic model's learning rate and momentum, adaptive damping ("lr": its start)
     "kfac-adaptive": ("eigen", 0.0, 0.0, None, (1, 5), 0.95, {}),
 }

@@ -396,3 +396,44 @@ def test_ddp_two_ranks_equal_one_process(tmp_path: Path, fraction: float) -> Non
                     rtol=1e-6, atol=1e-9,
                 )  # fmt: skip
     assert set(kept) == {"0", "3"}
+
+
+def test_every_holds_the_wide_layers_decompositions_between_its_multiples() -> None:
+    """``every=3``: on steps that decompose every layer, the two wide layers keep their
+    decomposition and powers (the same tensors) except on steps 0, 3, 6, while the narrow
+    layer gets a new one each step; the distributed step on one rank holds the same
+    layers and returns the same gradients."""
+    wide = Orthogonal(powers=(0.5, 0.0), wider_than=12, every=3)
+    model = _model()
+    table = orthogonal_table(kf.register(model), wide, others=True)
+    state = kf.init(table, factor_dtype=F64, inv_dtype=F64)
+    dist = state
+    plan = kf.distributed.make_plan(table, world_size=1)
+    comm = kf.distributed.Communicator(plan)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    kw = {
+        "kl_clip": None, "damping": 0.01, "eigenbasis_moments": True, "orthogonal": True,
+        "ortho_powers": (0.5, 0.0), "ortho_wider_than": 12, "ortho_every": 3,
+    }  # fmt: skip
+    for step in range(7):
+        x, y = _batch(step)
+        _, grads, caps = kf.capture(model, params, x, lambda o, y=y: F.cross_entropy(o, y))
+        old = state.layers
+        out, state = kf.update(state, grads, captures=caps, **kw)
+        got, dist = kf.distributed.update_distributed(
+            dist, grads, captures=caps, plan=plan, comm=comm, **kw
+        )
+        for n in out:
+            torch.testing.assert_close(got[n], out[n], rtol=1e-12, atol=1e-15)
+        kept = {n for n, ls in state.layers.items() if ls.decomposition is old[n].decomposition}
+        assert kept == (set() if step % 3 == 0 else {"3", "5"}), step
+        if step:  # the powers go with the decompositions
+            assert all(
+                (state.layers[n].ortho_power is old[n].ortho_power) == (n in kept)
+                for n in ("3", "5")
+            )
+        params = {k: v.add(out[k], alpha=-0.05) for k, v in params.items()}
+    with pytest.raises(ValueError, match="ortho_every must be a positive int"):
+        kf.StepOptions(orthogonal=True, ortho_every=0).orthogonal_settings("eigen")
+    pre = _adapter(_model(), orthogonal=wide)  # the adapter hands the setting to its step
+    assert pre._step_options().ortho_every == 3

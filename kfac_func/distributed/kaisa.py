@@ -20,7 +20,7 @@ the layers it owns, and decompositions live only on grad workers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -170,26 +170,33 @@ def decompose_owned(
     update_inverses: bool,
     batched_eigh: bool = False,
     eigh_device: torch.device | None = None,
+    hold: Collection[str] = (),
 ) -> tuple[dict[str, LayerState], set[str]]:
     """The layers with the decompositions of this step, and the names of those that got a
-    new one on this rank (``batched_eigh``: the factors this rank owns, together)."""
+    new one on this rank (``batched_eigh``: the factors this rank owns, together); the
+    layers in ``hold`` keep theirs where they have one (as in
+    :func:`~kfac_func.step.decompose.decompose_layers`)."""
     cfg = state.config
     cdt = decomposition_dtype(cfg.convention, cfg.inv_dtype)
     eigen = cfg.compute_method in ("eigen", "ekfac")
     outer = cfg.compute_method == "eigen" and cfg.compute_eigenvalue_outer_product
     rank = comm.rank
+
+    def now(name: str) -> bool:
+        return update_inverses and name not in hold
+
     todo: list[tuple[str, Pending, Pending, str | None]] = []
     owned = [  # (layer, 0 for A or 1 for G) this rank decomposes, with batched_eigh
         (n, side)
         for n in (names if batched_eigh else ())
         for side, owner in enumerate((plan.layers[n].a_owner, plan.layers[n].g_owner))
-        if owner == rank and needs_decomposition(layers[n], cfg, update_inverses=update_inverses)
+        if owner == rank and needs_decomposition(layers[n], cfg, update_inverses=now(n))
     ]
     pairs = batched_eigenpairs(layers, cfg, owned, eigh_device=eigh_device)
     for name in names:
         lp, ls = plan.layers[name], layers[name]
         if rank not in lp.grad_workers or not needs_decomposition(
-            ls, cfg, update_inverses=update_inverses
+            ls, cfg, update_inverses=now(name)
         ):
             continue
         parts, failure = [], None

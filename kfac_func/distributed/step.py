@@ -43,7 +43,7 @@ from kfac_func.step.decompose import check_eigh_device
 from kfac_func.step.grouped import preconditioned_layers
 from kfac_func.step.hyper import as_list, resolve
 from kfac_func.step.options import StepOptions, step_options
-from kfac_func.step.orthogonal import orthogonal_layers, prepare_layers
+from kfac_func.step.orthogonal import held_layers, orthogonal_layers, prepare_layers
 from kfac_func.step.precondition import captured_rows
 from kfac_func.step.sync_free import apply_selected, leave_sync_free, report_layers
 
@@ -147,6 +147,7 @@ def update_distributed(
     # stage 3: the owners' decompositions on the grad workers, the eigenbasis moments
     # carried into new bases, EKFAC's corrected eigenvalues from this step's statistics
     before = moment_bases(layers)
+    inverses_now = bool(resolve(opts.update_inverses, step))
     layers, fresh = decompose_owned(
         state,
         layers,
@@ -154,9 +155,10 @@ def update_distributed(
         plan,
         comm,
         stage.damping,
-        bool(resolve(opts.update_inverses, step)),
+        inverses_now,
         opts.batched_eigh,
         check_eigh_device(opts.eigh_device),
+        hold=held_layers(layers, stage.orthogonal, step) if inverses_now else (),
     )
     carry_moments(layers, before, fresh)
     ortho = opts.orthogonal_settings(state.config.compute_method)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Collection, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -128,9 +128,12 @@ def decompose_layers(
     eigh_device: torch.device | str | None = None,
     grouped: bool = True,
     sync_free: bool = False,
+    hold: Collection[str] = (),
 ) -> set[str]:
     """Decompose (in place) every layer of ``layers`` that :func:`needs_decomposition`:
-    the decomposition stage of every step. Returns the layers that got a new one.
+    the decomposition stage of every step. Returns the layers that got a new one. The
+    layers named in ``hold`` keep their decomposition where they have one, even on an
+    ``update_inverses`` step (:func:`kfac_func.step.orthogonal.held_layers`).
 
     The factors of one shape are decomposed together on the device (``grouped``; see
     :mod:`kfac_func.step.decompose_groups`). The default mode reads whether they came out
@@ -160,7 +163,7 @@ def decompose_layers(
     todo = [
         name
         for name, ls in layers.items()
-        if needs_decomposition(ls, config, update_inverses=update_inverses)
+        if needs_decomposition(ls, config, update_inverses=update_inverses and name not in hold)
     ]
     if sync_free and todo:
         try:

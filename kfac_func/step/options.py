@@ -110,6 +110,9 @@ class StepOptions:
         ortho_wider_than: None, or only the layers with a factor side wider than this
             take the orthogonalized step; the others take the step's other
             preconditioning.
+        ortho_every: the layers taking the orthogonalized step get new decompositions
+            (and powers) only on the ``update_inverses`` steps whose number is a multiple
+            of this (1: on every one; see :class:`kfac_func.Orthogonal`).
         sync_free: decide on the device (see :mod:`kfac_func.step.sync_free`): each
             layer's gradient is checked for NaN/Inf there and ``torch.where`` selects its
             preconditioned or its raw gradient; the kl_clip scale stays a tensor. On one
@@ -173,6 +176,7 @@ class StepOptions:
     ortho_skip: str | None = None
     ortho_dtype: torch.dtype | None = None
     ortho_wider_than: int | None = None
+    ortho_every: int = 1
     sync_free: bool = False
     batched_eigh: bool = False
     eigh_device: torch.device | str | None = None
@@ -262,6 +266,7 @@ class StepOptions:
             self.ortho_skip,
             self.ortho_dtype,
             self.ortho_wider_than,
+            every=self.ortho_every,
         )
         return settings.check(compute_method)
 

@@ -37,6 +37,7 @@ from kfac_func.step.hyper import check_hyper
 __all__ = [
     "TABLE_SETTINGS",
     "Orthogonal",
+    "held_layers",
     "orthogonal_layers",
     "orthogonal_table",
     "precondition_orthogonal",
@@ -69,6 +70,12 @@ class Orthogonal(NamedTuple):
             wide side: its statistics, decompositions, power and memory grow with
             ``n · block`` instead of ``n²``, ``n³``. Set by
             :func:`orthogonal_table` when the table is built.
+        every: the layers taking the orthogonalized step are decomposed again (new
+            powers) only on the decomposition steps whose number is a multiple of this
+            (1: on every one). Their step reads the factors through the damped powers
+            only, a smooth function of them, where Adam's step in the eigenbasis needs
+            the eigenbasis itself fresh; a layer without a decomposition gets one on any
+            decomposition step.
     """
 
     powers: tuple[float, float] = (0.5, 0.0)
@@ -79,6 +86,7 @@ class Orthogonal(NamedTuple):
     dtype: torch.dtype | None = None
     wider_than: int | None = None
     block: int | None = None
+    every: int = 1
 
     def check(self, compute_method: str) -> Orthogonal:
         """This, validated for a state of ``compute_method`` (a ValueError names the bad
@@ -104,8 +112,9 @@ class Orthogonal(NamedTuple):
             raise ValueError(f"ortho_powers must be two numbers in [0, 1], got {self.powers!r}")
         check_hyper("ortho_damping", self.damping, lambda v: v >= 0, ">= 0")
         check_hyper("ortho_beta", self.beta, lambda v: 0 <= v < 1, "in [0, 1)")
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
-            raise ValueError(f"ortho_steps must be a positive int, got {self.steps!r}")
+        for name, n in (("ortho_steps", self.steps), ("ortho_every", self.every)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be a positive int, got {n!r}")
         if self.skip is not None:
             re.compile(self.skip)
         for name, w in (("ortho_wider_than", self.wider_than), ("ortho_block", self.block)):
@@ -217,6 +226,27 @@ def orthogonal_layers(layers: Mapping[str, LayerState], settings: Orthogonal) ->
     """
     rx = None if settings.skip is None else re.compile(settings.skip)
     return [name for name, ls in layers.items() if _orthogonal(ls.spec, rx, settings.wider_than)]
+
+
+def held_layers(
+    layers: Mapping[str, LayerState], settings: Orthogonal | None, step: int
+) -> set[str]:
+    """The layers of ``layers`` that keep their decompositions on the decomposition step
+    ``step``: those taking the orthogonalized step under ``settings`` when ``step`` is
+    not a multiple of ``settings.every``; none otherwise.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import kfac_func as kf
+        >>> state = kf.init(kf.register(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))))
+        >>> wide = Orthogonal(wider_than=5, every=4)
+        >>> held_layers(state.layers, wide, 6), held_layers(state.layers, wide, 8)
+        ({'0', '1'}, set())
+    """
+    if settings is None or step % settings.every == 0:
+        return set()
+    return set(orthogonal_layers(layers, settings))
 
 
 def prepare_layers(

@@ -38,7 +38,7 @@ from kfac_func.step.grouped import precondition_layers
 from kfac_func.step.grouping import grouped_here
 from kfac_func.step.hyper import as_list, resolve, take
 from kfac_func.step.options import StepOptions, step_options
-from kfac_func.step.orthogonal import orthogonal_layers, prepare_layers
+from kfac_func.step.orthogonal import held_layers, orthogonal_layers, prepare_layers
 from kfac_func.step.precondition import captured_rows
 from kfac_func.step.sync_free import leave_sync_free
 
@@ -159,6 +159,7 @@ def update(
         eigh_device=opts.eigh_device,
         grouped=grouped or opts.batched_eigh,
         sync_free=sync_free,
+        hold=held_layers(layers, ortho, step) if inverses_now else (),
     )
     carry_moments(layers, before, fresh, grouped=grouped)
     if config.compute_method == "ekfac" and micro is not None:
