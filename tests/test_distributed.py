@@ -547,6 +547,36 @@ def test_bucket_caps_change_the_number_of_collectives(spawned: Any) -> None:
             assert tiny > FACTOR_UPDATES * 2, _label(c)  # more than one bucket
 
 
+def _broadcast_worker(rank: int, world: int, tmp: str) -> None:
+    with gloo_group(rank, world, tmp), record_errors(Path(tmp, f"rank{rank}.error")):
+        plan = kf.distributed.make_plan({"fc": (3, 2)}, world_size=world)
+        comm = kf.distributed.Communicator(plan)
+        g = torch.Generator().manual_seed(0)
+        rows, cols = torch.randn(5, 4, generator=g), torch.randn(4, 5, generator=g).mT
+        out: dict[str, list[Any]] = {"values": [], "contiguous": [], "same": []}
+        for sent in ((rows, rows + 1), (rows, cols)):  # row-major; one column-major
+            if rank:
+                sent = (torch.zeros(5, 4), torch.zeros(5, 4))
+            got = comm.broadcast(sent, src=0, ranks=(0, 1), kind="test").wait()
+            out["values"] += [t.clone() for t in got]
+            out["contiguous"] += [t.is_contiguous() for t in got]
+            out["same"] += [a is b for a, b in zip(got, sent)]
+        torch.save(out, Path(tmp, f"rank{rank}.pt"))
+
+
+def test_broadcast_leaves_every_rank_the_same_layout(tmp_path: Path) -> None:
+    """A broadcast's source keeps row-major tensors as they are, and reads a broadcast that
+    holds a column-major one (eigh's eigenvectors) back from the buffer as the receivers
+    do: every rank ends with equal, row-major tensors, whose products round alike."""
+    spawn(_broadcast_worker, 2, tmp_path)
+    src, dst = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    for a, b in zip(src["values"], dst["values"]):
+        assert torch.equal(a, b)
+    assert src["contiguous"] == dst["contiguous"] == [True] * 4
+    assert src["same"] == [True, True, False, False]  # row-major tensors without a copy
+    assert dst["same"] == [False] * 4
+
+
 # --------------------------------------------------------------------------- no process group
 
 

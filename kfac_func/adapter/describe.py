@@ -75,6 +75,8 @@ def _orthogonal_words(o: Orthogonal, taking: int) -> str:
         layers += f" but those matching {o.skip!r}"
     if o.block is not None:
         layers += f", A in blocks of at most {o.block}"
+    if o.every > 1:
+        layers += f", its powers renewed at most every {o.every} steps"
     here = "none here" if taking == 0 else f"{counted(taking, 'layer')} here"
     return f"{what} on {layers}: {here}"
 
@@ -93,7 +95,7 @@ def describe_step(pre: KFACPreconditioner) -> str:
         >>> describe_step(kf.KFAC(model, recipe="kfac-pytorch").preconditioner)
         "K-FAC's damped inverse (eigendecomposition, damping 0.001) with the KL clip 0.001"
         >>> print(describe_step(kf.KFAC(model).preconditioner))
-        Adam's step in K-FAC's eigenbasis (betas 0.9, 0.95) on 2 layers; Muon's step on K-FAC's input curvature (A^(-1/2)) on the layers with a factor side wider than 512, A in blocks of at most 512: none here
+        Adam's step in K-FAC's eigenbasis (betas 0.9, 0.95) on 2 layers; Muon's step on K-FAC's input curvature (A^(-1/2)) on the layers with a factor side wider than 512, A in blocks of at most 512, its powers renewed at most every 8 steps: none here
         >>> model.add_module("head", nn.Linear(2, 2))
         >>> print(describe_step(kf.KFAC(model, recipe="orthogonal-two-sided").preconditioner))
         Muon's step on K-FAC's curvature, both sides (G^(-1/4) · A^(-1/4)) on every layer of one weight matrix but the head (named lm_head, head, classifier or output): 2 layers here
