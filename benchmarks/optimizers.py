@@ -27,14 +27,13 @@ step, first and second moments, in K-FAC's eigenbasis — SOAP's update with K-F
 schedule: factor statistics every step with decay 0.9 and eigenbases every 2 steps),
 ``kfac-moments-wide`` (``kfac-moments-fresh`` whose layers with a factor side wider than
 512 take Muon's orthogonalized step on K-FAC's input curvature instead, their A factors
-in diagonal blocks of at most 512, their powers renewed at most every 8 steps:
-``Orthogonal(wider_than=512, block=512, every=8)``, and statistics every other step from
-step 256; the recommended recipe; ``kfac-moments-wide-p8`` in the race that adopted
-``every=8``, where ``kfac-moments-wide`` renewed them at every decomposition),
+in diagonal blocks of at most 512: ``Orthogonal(wider_than=512, block=512)``, and
+statistics every other step from step 256; the recommended recipe),
 ``kfac-moments-wide-whole`` (the same with every A factor whole),
 ``kfac-moments-wide-2`` (eigenbases every 2 steps, statistics every step, however long
 the run), ``kfac-moments-wide-s2`` (factor statistics every 2 steps from the start, decay
-0.81) and
+0.81), ``kfac-moments-wide-p8`` (the wide layers' powers refreshed on the decomposition
+steps that are multiples of 8: ``Orthogonal(every=8)``) and
 ``kfac-adaptive`` (no optimizer: the quadratic model's learning rate and momentum,
 Levenberg–Marquardt damping; its "learning rates" are the starting dampings). Every
 optimizer gets the same schedule (linear warm-up, cosine decay to 10 %), the same
@@ -102,6 +101,7 @@ LRS: dict[str, tuple[float, ...]] = {
     "kfac-moments-wide-whole": (7e-3, 1.4e-2),
     "kfac-moments-wide-2": (7e-3, 1.4e-2),
     "kfac-moments-wide-s2": (7e-3, 1.4e-2),
+    "kfac-moments-wide-p8": (7e-3, 1.4e-2),
     "kfac-adaptive": (0.1, 1.0),  # the starting damping: no learning rate to sweep
     "kfac-muon": (0.02, 0.05),
     "kfac-muon-two-sided": (0.02, 0.05),
@@ -235,10 +235,6 @@ Newton–Schulz iteration, G kept diagonal), in bfloat16 where this CPU multipli
 natively, as Muon's; an A factor wider than 512 in diagonal blocks of at most 512
 (``kfac-moments-wide-whole``: the same step with every A factor whole)."""
 
-WIDE_EVERY = kf.adapter.recipes.WIDE_EVERY
-"""The recommended recipe's ``Orthogonal.every`` (8): the wide layers' powers renewed on
-the decomposition steps that are multiples of it."""
-
 STATISTICS = kf.adapter.recipes.STATISTICS
 """The recommended recipe's statistics schedule: every step, every other from step 256."""
 
@@ -281,14 +277,9 @@ KFAC = {
     "kfac-moments-fresh": ("eigen", 0.0, 0.0, None, (1, 2), 0.9, MOMENTS),
     # the recommended recipe (kf.KFAC's): kfac-moments-fresh with the layers that have a
     # side wider than 512 on the orthogonalized step (no Gram and no eigh of their G
-    # factors, their A factors in blocks, their powers renewed at most every 8 steps),
-    # eigenbases every 2 steps, fewer in long runs, and statistics every other step from
-    # step 256
-    "kfac-moments-wide": _wide(
-        kf.step.GrowingInterval(), WIDE._replace(every=WIDE_EVERY), factor=STATISTICS
-    ),
-    # the variants below renew the wide layers' powers at every decomposition, as the
-    # recipe did when they raced beside it
+    # factors, their A factors in blocks), eigenbases every 2 steps, fewer in long runs,
+    # and statistics every other step from step 256
+    "kfac-moments-wide": _wide(kf.step.GrowingInterval(), WIDE, factor=STATISTICS),
     # the same with the wide layers' A factors whole (decomposed as one matrix)
     "kfac-moments-wide-whole": _wide(
         kf.step.GrowingInterval(), WIDE._replace(block=None), factor=STATISTICS
@@ -298,6 +289,12 @@ KFAC = {
     # the same with statistics every 2 steps from the start (decay 0.81: the same memory
     # in steps)
     "kfac-moments-wide-s2": _wide(kf.step.GrowingInterval(), WIDE, factor=2),
+    # the same with the wide layers' powers refreshed on every 8th step at most (on the
+    # decomposition steps that are multiples of 8): their step reads the factors through
+    # a smooth power, not an eigenbasis that must be fresh
+    "kfac-moments-wide-p8": _wide(
+        kf.step.GrowingInterval(), WIDE._replace(every=8), factor=STATISTICS
+    ),
     # the quadratic model's learning rate and momentum, adaptive damping ("lr": its start)
     "kfac-adaptive": ("eigen", 0.0, 0.0, None, (1, 5), 0.95, {}),
 }

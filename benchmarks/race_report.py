@@ -50,14 +50,6 @@ NARROW = "kfac-moments-fresh"
 """What :data:`RECIPE` is exactly on a model with no factor side wider than 512
 (``tests/test_orthogonal.py``): the race files' runs of it stand for :data:`RECIPE`'s on
 those workloads (:func:`recipe_docs`)."""
-ADOPTED = "kfac-moments-wide-p8"
-""":data:`RECIPE` as it raced before its wide layers' held powers (``Orthogonal(every=8)``)
-were adopted: where a race file holds runs of it (``lm4x_bf16``) they stand for
-:data:`RECIPE`'s, and that file's runs named :data:`RECIPE` for :data:`PREVIOUS`'s
-(:func:`recipe_docs`)."""
-PREVIOUS = "kfac-moments-wide-every1"
-"""The recipe before ``Orthogonal(every=8)``: its wide layers' powers renewed at every
-decomposition."""
 WIDE_FILE = "wide_race.json"
 """The results of ``wide_race.py``: :data:`RECIPE` raced, with AdamW, Muon and SOAP in the
 same run, on the workloads with a side wider than 512."""
@@ -456,9 +448,7 @@ def recipe_docs(results: Path, workloads: Sequence[str]) -> list[dict[str, Any]]
     """The runs of :data:`RECIPE` beside its competitors', per workload of ``workloads``
     that has them, in that order: :data:`WIDE_FILE`'s where it raced the workload (every
     optimizer of that entry ran in one process), else the race file's, with
-    :data:`NARROW`'s runs under :data:`RECIPE`'s name (or, in a file that holds
-    :data:`ADOPTED`'s, those under :data:`RECIPE`'s and :data:`RECIPE`'s under
-    :data:`PREVIOUS`').
+    :data:`NARROW`'s runs under :data:`RECIPE`'s name.
 
     Example:
         >>> recipe_docs(Path("/nonexistent"), ["lm"])
@@ -474,11 +464,8 @@ def recipe_docs(results: Path, workloads: Sequence[str]) -> list[dict[str, Any]]
         path = results / f"race_{workload}.json"
         doc = json.loads(path.read_text()) if path.exists() else {}
         if doc.get("benchmark") == "race" and not doc.get("quick"):
-            names = {NARROW: RECIPE}
-            if any(r["optimizer"] == ADOPTED for r in doc["runs"]):
-                names = {ADOPTED: RECIPE, RECIPE: PREVIOUS}
             runs = [
-                {**r, "optimizer": names.get(r["optimizer"], r["optimizer"])} for r in doc["runs"]
+                {**r, "optimizer": RECIPE} if r["optimizer"] == NARROW else r for r in doc["runs"]
             ]
             docs.append({**doc, "runs": runs})
     return docs

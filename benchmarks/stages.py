@@ -16,9 +16,8 @@ The recommended recipe (``race_report.RECIPE``, ``kfac-moments-wide`` of
 and second moments in K-FAC's eigenbasis (β₁ 0.9, β₂ 0.95), factor statistics every step
 with decay 0.9, eigendecompositions every 2 steps, SGD without momentum after it; the
 layers with a factor side wider than 512 take Muon's step on K-FAC's input curvature
-instead (``Orthogonal(powers=(0.5, 0), wider_than=512, every=8)``: their G factors
-diagonal, their A factor's damped ``-1/2`` power recomputed on the decompositions of the
-steps that are multiples of 8, held between them); the library's
+instead (``Orthogonal(powers=(0.5, 0), wider_than=512)``: their G factors diagonal, their
+A factor's damped ``-1/2`` power recomputed at each decomposition); the library's
 defaults otherwise (``grouped``: layers of one shape computed as stacks on accelerators,
 one at a time on a CPU; the stage rows call the stages as the step does). On ``lm``
 and ``gpt2`` no side is that wide and the recipe is ``kfac-moments-fresh`` exactly; on
@@ -41,13 +40,11 @@ dict, and the stage functions return new tensors).
   ``step/batch_factors.py``).
 - ``fold``: ``step.accumulate.fold_layers`` (the running averages, their
   finiteness checks).
-- ``decomposition: eigh``: ``step.decompose.decompose_layers`` of every layer (grouped,
-  or with ``batched_eigh``: one batched ``eigh`` per shape, its checks, the precomputed
+- ``decomposition: eigh``: ``step.decompose.decompose_layers`` (grouped, or with
+  ``batched_eigh``: one batched ``eigh`` per shape, its checks, the precomputed
   ``1/(dg daᵀ + λ)``, the lone factors one by one; else factor by factor); ``of which the
   batched eighs``: ``step.decompose_groups.batched_eigenpairs``, the first thing that
-  function calls; ``decomposition: eigh, the wide layers held``: the same function with
-  the wide layers held (``hold=``: what the steps between the multiples of
-  ``Orthogonal.every`` decompose); ``decomposition: QR refresh``: the same function
+  function calls; ``decomposition: QR refresh``: the same function
   with the state's ``eigenbasis_refresh="qr"`` (one warm-started power iteration + QR
   per factor, from the snapshot's eigenbases, factor by factor: refreshed sides are not
   batched; not the recipe's setting).
@@ -72,14 +69,10 @@ dict, and the stage functions return new tensors).
   recipe's base optimizers' ``step()`` (SGD; on ``gpt2`` AdamW too, for the tied
   embeddings).
 - ``K-FAC optimizer part``: the real ``pre.step()`` + optimizers (the race's
-  "optimizer" milliseconds), in training steps of their own, by kind: steps with an
-  ``eigh`` of every layer, with one of all but the wide layers (held by
-  ``Orthogonal.every``), without one; ``amortized over its first 256 steps`` is the
-  medians of the kinds weighted by their shares of the recipe's first 256 steps (an
-  ``eigh`` every 2 steps, of the wide layers every 8: 1/8, 3/8 and 1/2; 1/2, 0 and 1/2
-  without wide layers), and so are the sums of the stage rows and the recipe's whole
-  step. ``not in a stage row`` is the amortized step minus the sum of the stage rows
-  (the adapter's and ``update``'s bookkeeping).
+  "optimizer" milliseconds), in training steps of their own, by kind: steps with and
+  without an ``eigh``; ``amortized`` is the median over repetitions of the mean of two
+  consecutive steps (one of each). ``not in a stage row`` is the amortized step minus
+  the sum of the stage rows (the adapter's and ``update``'s bookkeeping).
 - ``Muon, as the race runs it``: Muon over the hidden 2-D weights + AdamW over the rest,
   as the race builds it: ``torch.optim.Muon`` (its Newton–Schulz iteration in bfloat16)
   where the CPU multiplies bfloat16 natively, else the same step in float32
@@ -87,8 +80,8 @@ dict, and the stage functions return new tensors).
   precision's rate. ``Muon, float32 Newton–Schulz``: the float32 step wherever, so that
   a comparison never rests on a bfloat16 product the CPU only emulates (the JSON records
   the CPU's bfloat16 flags and both matmul rates).
-  ``SOAP``: ``heavyball.SOAP`` (eager; its preconditioner every 2 steps: the median over
-  repetitions of the mean of two consecutive steps). ``AdamW``: ``torch.optim.AdamW``.
+  ``SOAP``: ``heavyball.SOAP`` (eager; its preconditioner every 2 steps: the mean of
+  two consecutive steps, as K-FAC's amortized step). ``AdamW``: ``torch.optim.AdamW``.
 - ``whole training step``: each optimizer's forward+backward and optimizer part in its
   own training steps.
 
@@ -195,7 +188,7 @@ from kfac_func.step.decompose_groups import (  # noqa: E402
 )
 from kfac_func.step.grouped import precondition_layers  # noqa: E402
 from kfac_func.step.grouping import grouped_here, plan_groups  # noqa: E402
-from kfac_func.step.orthogonal import held_layers, orthogonal_layers, prepare_layers  # noqa: E402
+from kfac_func.step.orthogonal import orthogonal_layers, prepare_layers  # noqa: E402
 
 RECIPE = rr.RECIPE
 BEFORE = "before"
@@ -206,14 +199,6 @@ inside the autocast region)."""
 HORIZON = 2000
 """The run over which the recipe's growing refresh interval is amortized (``lm_long``'s
 steps)."""
-SHORT = 256
-"""The start of a run over which the rows "amortized over its first 256 steps" weigh the
-kinds of the recipe's step: its schedule's first phase (eigenbases every 2 steps, the wide
-layers' every ``Orthogonal.every``), about the races' 120 to 200 steps."""
-NONE, HELD, ALL = 0, 1, 2
-"""The kinds of the recipe's training steps (``Bench.kinds``): no decomposition; every
-layer decomposed but the wide ones, which ``Orthogonal.every`` holds; every layer
-decomposed."""
 QUICK_WIDE = 48
 """``--quick``'s ``wider_than`` for the recipe: the tiny models have no side wider than
 512, so the smoke test makes their MLP and head layers the wide ones (their attention
@@ -342,7 +327,7 @@ class Bench:
         self.kfac_model = kfac.model
         self.base_opts = list(kfac.face.optimizers) if kfac.face is not None else kfac.opts
         self.rows_per_call = self.x.numel()
-        self.kinds: dict[str, list[int]] = {}
+        self.kinds: dict[str, list[bool]] = {}
         self.snapshot: KFACState | None = None
 
     # ------------------------------------------------------------------ units
@@ -401,9 +386,7 @@ class Bench:
         folded = dict(layers)
         before = moment_bases(folded)
 
-        def decompose(
-            config: Any, hold: Sequence[str] = ()
-        ) -> tuple[dict[str, LayerState], set[str]]:
+        def decompose(config: Any) -> tuple[dict[str, LayerState], set[str]]:
             out = dict(folded)
             fresh = decompose_layers(
                 out,
@@ -412,13 +395,10 @@ class Bench:
                 update_inverses=True,
                 eigh_device=None,
                 grouped=self.grouped or opts.batched_eigh,
-                hold=hold,
             )
             return out, fresh
 
         decomposed, fresh = self._time("eigh", lambda: decompose(cfg))
-        if self.wide and self.ortho is not None and self.ortho.every > 1:
-            self._time("eigh held", lambda: decompose(cfg, self.wide))
         sides = [
             (n, side)
             for n, ls in folded.items()
@@ -479,17 +459,13 @@ class Bench:
             )  # fmt: skip
 
     def steps_unit(self, name: str) -> None:
-        """Consecutive training steps of ``name``: two (one with and one without an eigh
-        for K-FAC; a whole preconditioner cycle for SOAP), or for the recipe whose
-        ``Orthogonal.every`` holds its wide layers, ``every`` of them (a step of each
-        kind: one decomposing every layer, the others holding the wide ones or
-        decomposing nothing)."""
+        """Two consecutive training steps of ``name`` (one with and one without an eigh
+        for the recipe; a whole preconditioner cycle for SOAP)."""
         st = self.steppers[name]
-        o = st.pre.orthogonal if st.pre is not None and name == RECIPE else None
-        wide = o is not None and bool(orthogonal_layers(st.pre.state.layers, o))
-        for _ in range(max(2, o.every) if o is not None and wide else 2):
+        for _ in range(2):
             if st.pre is not None:
-                self.kinds.setdefault(name, []).append(step_kind(st.pre))
+                every = int(st.pre._value(st.pre.inv_update_steps))
+                self.kinds.setdefault(name, []).append(st.pre.steps % every == 0)
 
             def fb() -> torch.Tensor:
                 st.zero_grad()
@@ -604,14 +580,12 @@ class Bench:
         # at the rate of the dtype the recipe's Gram products take their operands in
         stats = Floor.products(macs, self.pre._gram)
         factors = [t for ls in s.layers.values() for t in (ls.a_factor, ls.g_factor)]
-        eigh, held, qr, carry, powers = Floor(), Floor(), Floor(), Floor(), Floor()
+        eigh, qr, carry, powers = Floor(), Floor(), Floor(), Floor()
         for name, ls in s.layers.items():
             if ls.decomposition is None:
                 continue
             qa, qg = basis_of(ls.decomposition)
             eigh.macs += cube_macs(qa, EIGH_MACS) + cube_macs(qg, EIGH_MACS)
-            if name not in self.wide:  # decomposed on the steps that hold the wide layers
-                held.macs += cube_macs(qa, EIGH_MACS) + cube_macs(qg, EIGH_MACS)
             qr.macs += cube_macs(qa, QR_MACS) + cube_macs(qg, QR_MACS)
             if name in self.wide:  # no moments to carry: its powers, Q diag Qᵀ per side
                 assert ls.ortho_power is not None
@@ -641,7 +615,6 @@ class Bench:
             "batch factors": Floor(bytes=tensor_bytes(grams) + tensor_bytes(factors)),
             "fold": Floor(bytes=3 * tensor_bytes(factors)),
             "eigh": eigh,
-            "eigh held": held,
             "qr": qr,
             "carry": carry,
             "projections": projections,
@@ -678,19 +651,10 @@ def pair_ms(samples: Sequence[float]) -> float:
     return 1e3 * statistics.median(pairs)
 
 
-def kind_ms(samples: Sequence[float], kinds: Sequence[int], kind: int) -> float | None:
-    """The median of the steps of one kind (:data:`NONE`, :data:`HELD` or :data:`ALL`)."""
-    mine = [s for s, k in zip(samples, kinds) if k == kind]
+def kind_ms(samples: Sequence[float], kinds: Sequence[bool], eigh: bool) -> float | None:
+    """The median of the steps of one kind (with or without an eigh)."""
+    mine = [s for s, k in zip(samples, kinds) if k == eigh]
     return median_ms(mine) if mine else None
-
-
-def step_kind(pre: kf.KFACPreconditioner) -> int:
-    """The kind of the step ``pre`` takes next: :data:`NONE`, :data:`HELD` (its
-    ``Orthogonal.every`` keeps the wide layers' decompositions) or :data:`ALL`."""
-    steps = pre.steps
-    if steps % int(pre._value(pre.inv_update_steps)):
-        return NONE
-    return HELD if held_layers(pre.state.layers, pre.orthogonal, steps) else ALL
 
 
 SECTIONS = (
@@ -704,7 +668,7 @@ SECTIONS = (
 
 def build_rows(
     samples: dict[str, list[float]],
-    kinds: dict[str, list[int]],
+    kinds: dict[str, list[bool]],
     floors: dict[str, Floor],
     rates: dict[str, float],
     bench: Bench,
@@ -739,22 +703,15 @@ def build_rows(
     fb, st, kf_, ot, wh = SECTIONS
     statistics = ["hooks batch", "fold"]  # on the steps that gather statistics
     opt, kinds_ = samples[f"{RECIPE} opt"], kinds[RECIPE]
-    wide = "powers" in ms  # a layer takes the orthogonalized step
-    every, partial = decomposition_shares(HORIZON, wide), decomposition_shares(SHORT, wide)
-    share, gathered = sum(every), statistics_share(HORIZON)
-    eigh_ms, plain_ms = kind_ms(opt, kinds_, ALL), kind_ms(opt, kinds_, NONE)
-    held_ms = kind_ms(opt, kinds_, HELD)
-    long_ms = long_fb = short_ms = None
-    if eigh_ms is not None and plain_ms is not None and (held_ms or not every[1]):
+    share, gathered = eigh_share(HORIZON), statistics_share(HORIZON)
+    eigh_ms, plain_ms = kind_ms(opt, kinds_, True), kind_ms(opt, kinds_, False)
+    long_ms = long_fb = None
+    if eigh_ms is not None and plain_ms is not None:
         # a step that gathers no statistics: one without an eigh less their two stages,
         # its forward+backward the plain one (the hooks record nothing then)
         bare_ms = plain_ms - sum(ms[k] for k in statistics)
-        held_ms = held_ms or 0.0
-        long_ms = every[0] * eigh_ms + every[1] * held_ms
-        long_ms += (gathered - share) * plain_ms + (1 - gathered) * bare_ms
+        long_ms = share * eigh_ms + (gathered - share) * plain_ms + (1 - gathered) * bare_ms
         long_fb = gathered * median_ms(samples[f"{RECIPE} fb"]) + (1 - gathered) * ms["plain"]
-        short_ms = partial[0] * eigh_ms + partial[1] * held_ms
-        short_ms += (1 - sum(partial)) * plain_ms
     add("plain forward+backward", fb, ms["plain"], "model copy without hooks", key="plain")
     add("forward+backward, K-FAC hooks", fb, ms["hooks"], "the recipe's model", key="hooks")
     add(
@@ -787,7 +744,6 @@ def build_rows(
         ("fold (running average)", "fold", "fold_layers"),
         ("decomposition: eigh", "eigh", "decompose_layers"),
         ("  of which the batched eighs", "batched eigh", "batched_eigenpairs"),
-        ("decomposition: eigh, the wide layers held", "eigh held", "decompose_layers, hold="),
         ('decomposition: QR refresh ("qr")', "qr", "decompose_layers, qr config"),
         ("carry moments into new bases", "carry", "carry_moments"),
         ("powers of the wide layers", "powers", "prepare_layers"),
@@ -800,6 +756,7 @@ def build_rows(
         ("write-back to .grad", "copy back", "copy_back"),
         ("parameter update", "update", "base optimizers' step()"),
     ]
+    wide = "powers" in ms  # a layer takes the orthogonalized step
     parts = ["projections", "moments", *(["applied", "newton-schulz"] if wide else [])]
     ms["precondition rest"] = ms["precondition"] - sum(ms[k] for k in parts)
     for name, key, source in stage_rows:
@@ -818,24 +775,19 @@ def build_rows(
     with_eigh = without + sum(ms[k] for k in fresh)
     floor_fresh = sum((floors[k] for k in fresh), Floor())
     floor_eigh = floor_every + floor_fresh
-    # a step that holds the wide layers: their powers are kept, nothing to carry for them
-    held_key = "eigh held" if "eigh held" in ms else "eigh"
-    with_held = without + ms[held_key] + ms["carry"]
-    floor_held = floors[held_key] + floors["carry"]
     add("sum of stages, step with eigh", st, with_eigh, "sum", floor_eigh, "sum eigh")
     add("sum of stages, step without eigh", st, without, "sum", floor_every, "sum plain")
-    amortized_floor = floor_every + floor_fresh.times(partial[0]) + floor_held.times(partial[1])
-    sum_amortized = partial[0] * with_eigh + partial[1] * with_held
-    sum_amortized += (1 - sum(partial)) * without
+    amortized_floor = floor_every + floor_fresh.times(0.5)
+    sum_amortized = (with_eigh + without) / 2
     add(
-        f"sum of stages, amortized over its first {SHORT} steps",
+        "sum of stages, amortized (eigh every 2)",
         st,
         sum_amortized,
-        "sum, the kinds of step weighted by the schedule",
+        "sum",
         amortized_floor,
         "sum amortized",
     )
-    real = short_ms if short_ms is not None else pair_ms(opt)
+    real = pair_ms(opt)
     add(
         "step with eigh",
         kf_,
@@ -852,14 +804,7 @@ def build_rows(
         floor_every,
         "kfac plain",
     )
-    add(
-        f"amortized over its first {SHORT} steps",
-        kf_,
-        real,
-        "the kinds of step weighted by the schedule",
-        amortized_floor,
-        "kfac",
-    )
+    add("amortized (eigh every 2)", kf_, real, "mean of 2 steps", amortized_floor, "kfac")
     add("  not in a stage row", kf_, real - sum_amortized, "difference", key="kfac rest")
     add(
         f"amortized over {HORIZON:,} steps ({round(share * HORIZON)} with eigh, "
@@ -867,10 +812,7 @@ def build_rows(
         kf_,
         long_ms,
         "the kinds of step weighted by the recipe's schedule",
-        floor_of(always)
-        + floor_of(statistics).times(gathered)
-        + floor_fresh.times(every[0])
-        + floor_held.times(every[1]),
+        floor_of(always) + floor_of(statistics).times(gathered) + floor_fresh.times(share),
         "kfac long",
     )
     if before:
@@ -901,15 +843,11 @@ def build_rows(
         add("SOAP (2-step mean)", ot, pair_ms(samples["soap opt"]), "heavyball.SOAP", key="soap")
     add("AdamW", ot, pair_ms(samples["adamw opt"]), "torch.optim.AdamW", key="adamw")
     labels = {
-        RECIPE: f"K-FAC ({RECIPE}), amortized over its first {SHORT} steps",
+        RECIPE: f"K-FAC ({RECIPE}), amortized (eigh every 2)",
         BEFORE: "K-FAC before: float32 statistics, eigh every 2",
     }
     for name in bench.steppers:
-        steps = [a + b for a, b in zip(samples[f"{name} fb"], samples[f"{name} opt"])]
-        whole = pair_ms(steps)
-        if name == RECIPE and short_ms is not None:  # its kinds of step, weighted
-            of = [kind_ms(steps, kinds_, k) or 0.0 for k in (ALL, HELD, NONE)]
-            whole = partial[0] * of[0] + partial[1] * of[1] + (1 - sum(partial)) * of[2]
+        whole = pair_ms([a + b for a, b in zip(samples[f"{name} fb"], samples[f"{name} opt"])])
         add(labels.get(name, name), wh, whole, "forward+backward + optimizer", key=f"{name} whole")
     if long_ms is not None and long_fb is not None:
         add(
@@ -958,23 +896,6 @@ def statistics_share(horizon: int) -> float:
     return _share(optimizers.KFAC[RECIPE][4][0], horizon)
 
 
-def decomposition_shares(horizon: int, wide: bool) -> tuple[float, float]:
-    """The shares of the recipe's first ``horizon`` steps that decompose every layer and
-    that decompose all but the wide ones (held by its ``Orthogonal.every``; ``wide``: the
-    workload has layers taking the orthogonalized step).
-
-    Example:
-        >>> [round(s, 4) for s in decomposition_shares(256, True)]
-        [0.125, 0.375]
-        >>> decomposition_shares(256, False)
-        (0.5, 0.0)
-    """
-    interval = optimizers.KFAC[RECIPE][4][1]
-    held = optimizers.KFAC[RECIPE][6]["orthogonal"].every if wide else 1
-    steps = [s for s in range(horizon) if s % int(interval(s)) == 0]
-    return sum(s % held == 0 for s in steps) / horizon, sum(s % held != 0 for s in steps) / horizon
-
-
 def _share(interval: Any, horizon: int) -> float:
     every = interval if callable(interval) else (lambda _: interval)
     return sum(s % int(every(s)) == 0 for s in range(horizon)) / horizon
@@ -1004,7 +925,7 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, float | None]:
         "hooks_over_plain_after": over(f"{RECIPE} fb", "plain"),
         "hooks_over_plain_after_long": over("kfac long fb", "plain"),
         "whole_over_muon_before": over("before whole", "muon whole"),
-        "whole_over_muon_after_first_256": over(f"{RECIPE} whole", "muon whole"),
+        "whole_over_muon_after_every_2": over(f"{RECIPE} whole", "muon whole"),
         "whole_over_muon_after": over("kfac long whole", "muon whole"),
     }
 

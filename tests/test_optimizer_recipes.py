@@ -84,7 +84,7 @@ RECOMMENDED: dict[str, Any] = {
     "inv_update_steps": kf.step.GrowingInterval(),
     "factor_decay": kf.step.DecayPerStep(0.9, kf.step.GrowingInterval(first=1, until=256, most=2)),
     "batched_eigh": True,
-    "orthogonal": kf.Orthogonal(powers=(0.5, 0.0), wider_than=512, block=512, every=8),
+    "orthogonal": kf.Orthogonal(powers=(0.5, 0.0), wider_than=512, block=512),
 }
 FIELDS = {f.name for f in dataclasses.fields(kf.Settings)}
 ARGUMENTS = {k: v for k, v in RECOMMENDED.items() if k not in FIELDS}
@@ -246,16 +246,16 @@ def test_print_names_the_recommended_step() -> None:
     assert _step_words(kf.KFAC(_model())) == (
         "Adam's step in K-FAC's eigenbasis (betas 0.9, 0.95) on 3 layers; Muon's step on "
         "K-FAC's input curvature (A^(-1/2)) on the layers with a factor side wider than 512, "
-        "A in blocks of at most 512, its powers renewed at most every 8 steps: none here"
+        "A in blocks of at most 512: none here"
     )
     wide = nn.Sequential(nn.Linear(600, 16), nn.Tanh(), nn.Linear(16, 5))
     words = _step_words(kf.KFAC(wide))
     assert words.startswith("Adam's step in K-FAC's eigenbasis (betas 0.9, 0.95) on 1 layer;")
-    assert words.endswith("at most 512, its powers renewed at most every 8 steps: 1 layer here")
+    assert words.endswith("A in blocks of at most 512: 1 layer here")
     wide = nn.Sequential(nn.Linear(600, 16), nn.Tanh(), nn.Linear(16, 600))
     words = _step_words(kf.KFAC(wide))
     assert words.startswith("Adam's step in K-FAC's eigenbasis (betas 0.9, 0.95) on no layer here;")
-    assert words.endswith("at most 512, its powers renewed at most every 8 steps: 2 layers here")
+    assert words.endswith("A in blocks of at most 512: 2 layers here")
 
 
 def test_print_names_kfac_pytorchs_step() -> None:

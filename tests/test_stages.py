@@ -23,7 +23,6 @@ STAGE_ROWS = [
     "fold (running average)",
     "decomposition: eigh",
     "  of which the batched eighs",
-    "decomposition: eigh, the wide layers held",
     'decomposition: QR refresh ("qr")',
     "carry moments into new bases",
     "powers of the wide layers",
@@ -37,7 +36,7 @@ STAGE_ROWS = [
     "parameter update",
     "sum of stages, step with eigh",
     "sum of stages, step without eigh",
-    "sum of stages, amortized over its first 256 steps",
+    "sum of stages, amortized (eigh every 2)",
 ]
 FLOORED = [r for r in STAGE_ROWS if "rest" not in r]
 EIGHS, GATHERED = (round(f(2000) * 2000) for f in (stages.eigh_share, stages.statistics_share))
@@ -81,7 +80,7 @@ def test_stages_quick(tmp_path: Path) -> None:
             *STAGE_ROWS,
             "step with eigh",
             "step without eigh",
-            "amortized over its first 256 steps",
+            "amortized (eigh every 2)",
             "  not in a stage row",
             LONG,
             *(o for o in OTHERS if soap or "SOAP" not in o),
@@ -95,7 +94,7 @@ def test_stages_quick(tmp_path: Path) -> None:
             assert r["ms"] is not None and math.isfinite(r["ms"]), (name, r)
             assert r["vs_plain"] is not None and r["vs_muon"] is not None, (name, r)
             assert r["source"] and r["section"] in stages.SECTIONS, (name, r)
-        for row in [*FLOORED, "statistics in the hooks", "amortized over its first 256 steps"]:
+        for row in [*FLOORED, "statistics in the hooks", "amortized (eigh every 2)"]:
             # a difference of two medians may come out negative: only its presence counts
             assert rows[row]["floor_ms"] > 0 and rows[row]["vs_floor"] is not None, (name, row)
         assert rows["decomposition: eigh"]["floor_macs"] > 0
@@ -108,17 +107,14 @@ def test_stages_quick(tmp_path: Path) -> None:
         assert at_floors == pytest.approx(
             rows["plain forward+backward"]["ms"]
             + rows["statistics in the hooks"]["floor_ms"]
-            + rows["amortized over its first 256 steps"]["floor_ms"]
+            + rows["amortized (eigh every 2)"]["floor_ms"]
         )
         assert rows["fold (running average)"]["floor_macs"] == 0  # elementwise: bytes only
         assert rows["fold (running average)"]["floor_bytes"] > 0
         assert rows["Muon, as the race runs it, + AdamW"]["vs_muon"] == pytest.approx(1.0)
         assert rows["plain forward+backward"]["vs_plain"] == pytest.approx(1.0)
-        # the recipe's steps: with its wide layers held, a cycle of every kind per unit
         kinds = w["kinds"][stages.RECIPE]
-        cycle = max(2, stages.optimizers.KFAC[stages.RECIPE][6]["orthogonal"].every)
-        assert len(kinds) == cycle * doc["settings"]["reps"]
-        assert set(kinds) == {stages.NONE, stages.HELD, stages.ALL}
+        assert len(kinds) == 2 * doc["settings"]["reps"] and any(kinds) and not all(kinds)
         # every printed row is in the table
         for r in rows:
             assert r.strip() in proc.stdout, r

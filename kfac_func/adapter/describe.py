@@ -95,7 +95,7 @@ def describe_step(pre: KFACPreconditioner) -> str:
         >>> describe_step(kf.KFAC(model, recipe="kfac-pytorch").preconditioner)
         "K-FAC's damped inverse (eigendecomposition, damping 0.001) with the KL clip 0.001"
         >>> print(describe_step(kf.KFAC(model).preconditioner))
-        Adam's step in K-FAC's eigenbasis (betas 0.9, 0.95) on 2 layers; Muon's step on K-FAC's input curvature (A^(-1/2)) on the layers with a factor side wider than 512, A in blocks of at most 512, its powers renewed at most every 8 steps: none here
+        Adam's step in K-FAC's eigenbasis (betas 0.9, 0.95) on 2 layers; Muon's step on K-FAC's input curvature (A^(-1/2)) on the layers with a factor side wider than 512, A in blocks of at most 512: none here
         >>> model.add_module("head", nn.Linear(2, 2))
         >>> print(describe_step(kf.KFAC(model, recipe="orthogonal-two-sided").preconditioner))
         Muon's step on K-FAC's curvature, both sides (G^(-1/4) · A^(-1/4)) on every layer of one weight matrix but the head (named lm_head, head, classifier or output): 2 layers here

@@ -46,9 +46,8 @@ class KFAC(OptimizerStateMixin, torch.optim.Optimizer):
     as the run grows long:
     :class:`~kfac_func.step.GrowingInterval`), except on the layers with a factor side
     wider than 512, which take Muon's step on K-FAC's input curvature
-    (``Orthogonal(wider_than=512, block=512, every=8)``: their A factors, where wider than
-    512, in diagonal blocks of at most 512, their powers renewed at most every 8 steps), in
-    front of SGD without momentum, AdamW with the same
+    (``Orthogonal(wider_than=512, block=512)``: their A factors, where wider than 512, in
+    diagonal blocks of at most 512), in front of SGD without momentum, AdamW with the same
     learning rate, betas and weight decay on the parameters K-FAC does not precondition,
     learning rate 0.014, no weight decay. The library chooses the performance switches
     (layers of one shape computed together, batched decompositions, ``sync_free`` on one

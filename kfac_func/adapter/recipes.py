@@ -74,13 +74,6 @@ factors, where wider, in diagonal blocks no wider than this, so that no factor o
 wider than this is decomposed or (on the G side) gathered, at any model size. On a model
 with no side that wide the recipe is Adam's step in K-FAC's eigenbasis on every layer."""
 
-WIDE_EVERY = 8
-"""The recommended recipe's ``Orthogonal.every``: the wide layers' factors are decomposed
-again, and their powers renewed, on the decomposition steps that are multiples of 8 (every
-8 steps while the eigenbases come every 2, then with them). In the optimizer race under
-bfloat16 autocast (``kfac-moments-wide-p8`` on ``lm4x``, docs/benchmarks.md) it tied the
-recipe that renewed them at every decomposition, at a cheaper step."""
-
 STATISTICS = GrowingInterval(first=1, until=256, most=2)
 """The recommended recipe's ``factor_update_steps``: statistics every step for the first
 256 steps, then every other step, with the factor decay that keeps their memory in steps
@@ -139,7 +132,7 @@ RECIPES: dict[str, Recipe] = {
         settings=Settings(
             scaling="fisher",
             eigenbasis_moments=True,
-            orthogonal=Orthogonal(powers=(0.5, 0.0), wider_than=WIDE, block=WIDE, every=WIDE_EVERY),
+            orthogonal=Orthogonal(powers=(0.5, 0.0), wider_than=WIDE, block=WIDE),
         ),
         automatic=True,
     ),
@@ -151,8 +144,8 @@ RECIPES: dict[str, Recipe] = {
 factor statistics every step, then every other step from step 256 (:data:`STATISTICS`),
 eigenbases every 2 steps, growing to every 32 as a long run goes on
 (:class:`~kfac_func.step.GrowingInterval`), and Muon's step on K-FAC's input
-curvature for the layers with a side wider than :data:`WIDE`, their powers renewed at most
-every :data:`WIDE_EVERY` steps; the optimizer race's ``kfac-moments-wide``) and ``"kfac-pytorch"``
+curvature for the layers with a side wider than :data:`WIDE`; the optimizer race's
+``kfac-moments-wide``) and ``"kfac-pytorch"``
 (kfac-pytorch's preconditioner defaults in front of plain SGD, AdamW with torch's
 defaults on the other parameters: what ``kf.KFAC`` was before the recommended recipe),
 and the orthogonal recipes (Muon's step on K-FAC's curvature, see
