@@ -438,4 +438,4 @@ def test_every_holds_the_wide_layers_decompositions_between_its_multiples() -> N
         kf.StepOptions(orthogonal=True, ortho_every=0).orthogonal_settings("eigen")
     pre = _adapter(_model(), orthogonal=wide)  # the adapter hands the setting to its step
     assert pre._step_options().ortho_every == 3
-    assert "its powers renewed at most every 3 steps: 2 layers here" in describe_step(pre)
+    assert "their powers renewed at most every 3 steps: 2 layers here" in describe_step(pre)

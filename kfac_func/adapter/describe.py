@@ -76,7 +76,7 @@ def _orthogonal_words(o: Orthogonal, taking: int) -> str:
     if o.block is not None:
         layers += f", A in blocks of at most {o.block}"
     if o.every > 1:
-        layers += f", its powers renewed at most every {o.every} steps"
+        layers += f", their powers renewed at most every {o.every} steps"
     here = "none here" if taking == 0 else f"{counted(taking, 'layer')} here"
     return f"{what} on {layers}: {here}"
 

@@ -161,7 +161,7 @@ def update_distributed(
         hold=held_layers(layers, stage.orthogonal, step) if inverses_now else (),
     )
     carry_moments(layers, before, fresh)
-    ortho = opts.orthogonal_settings(state.config.compute_method)
+    ortho = stage.orthogonal
     if ortho is not None:  # the layers this rank steps orthogonally: momenta and powers
         workers = {n: layers[n] for n in names if comm.rank in plan.layers[n].grad_workers}
         prepare_layers(layers, orthogonal_layers(workers, ortho), ortho, fresh)
