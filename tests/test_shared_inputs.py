@@ -127,3 +127,18 @@ def test_equal_a_factors_share_one_eigendecomposition(
         for d in (shared, own):
             made = d.qa @ torch.diag(d.da) @ d.qa.T
             torch.testing.assert_close(made, pre.state.layers[name].a_factor, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("width", [5, 80])  # compared whole, and diagonals first
+def test_factors_are_the_same_only_entry_for_entry(width: int) -> None:
+    a = torch.randn(width, width)
+    a = a @ a.T
+    assert decompose._same(a, a.clone())
+    off = a.clone()
+    off[0, 1] += 1.0  # off the diagonal: only the whole comparison sees it
+    assert not decompose._same(a, off)
+    on = a.clone()
+    on[1, 1] += 1.0
+    assert not decompose._same(a, on)
+    assert not decompose._same(a, a.double())
+    assert not decompose._same(a, a[:-1, :-1])

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from kfac_func.blocks.spec import CheckedCall, Gram, LayerSpec, shape_error
+from kfac_func.blocks.spec import CheckedCall, Gram, LayerSpec, cast, shape_error
 from kfac_func.blocks.used_weights import WeightUseTap
 
 __all__ = ["JointBlock", "LayerBlock"]
@@ -387,18 +387,20 @@ class LayerBlock(ABC):
     # --- gradient <-> matrix ---------------------------------------------------------
 
     def param_grads(
-        self, spec: LayerSpec, grads: Mapping[str, torch.Tensor]
+        self, spec: LayerSpec, grads: Mapping[str, torch.Tensor], checked: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer's ``(weight, bias)`` gradients from ``{param name: grad}``; errors name
-        the layer, the missing keys and the shapes. A layer that owns only some rows of a
-        parameter (options ``rows`` / ``bias_rows``: ``(start, stop)``, as the q, k and v
-        parts of a packed attention weight) gets those rows."""
-        missing = [p for p in spec.param_names() if p not in grads]
+        the layer, the missing keys and the shapes (``checked``: the caller checked them
+        already). A layer that owns only some rows of a parameter (options ``rows`` /
+        ``bias_rows``: ``(start, stop)``, as the q, k and v parts of a packed attention
+        weight) gets those rows."""
+        missing = [] if checked else [p for p in spec.param_names() if p not in grads]
         if missing:
             raise ValueError(f"layer {spec.name!r}: no gradient for {missing} in grads")
         w = _rows(grads[spec.weight], spec.option("rows"))
         b = _rows(grads[spec.bias], spec.option("bias_rows")) if spec.bias else None
-        self.check_grads(spec, w, b)
+        if not checked:
+            self.check_grads(spec, w, b)
         return w, b
 
     def write_grads(
@@ -435,24 +437,25 @@ class LayerBlock(ABC):
         self, spec: LayerSpec, weight_grad: torch.Tensor, bias_grad: torch.Tensor | None
     ) -> torch.Tensor:
         """The gradient matrix ``(*batch_shape, g_dim, a_dim)``; the bias is the last column."""
-        m = weight_grad.reshape(*spec.batch_shape, spec.g_dim, -1)
+        m = weight_grad
+        if m.dim() != 2 or spec.groups > 1:  # a kernel's dimensions, or groups: reshaped
+            m = m.reshape(*spec.batch_shape, spec.g_dim, -1)
         if bias_grad is not None and spec.has_bias:
             if spec.groups > 1:
                 b = bias_grad.reshape(*spec.batch_shape, spec.g_dim, 1)
             else:
-                b = bias_grad[:, None]
-            m = torch.cat([m, b.to(m.dtype)], dim=-1)
+                b = bias_grad.unsqueeze(-1)
+            m = torch.cat([m, cast(b, m.dtype)], dim=-1)
         return m
 
     def from_matrix(
         self, spec: LayerSpec, m: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Inverse of :meth:`to_matrix`: ``(weight_grad, bias_grad or None)``."""
-        if spec.has_bias:
-            w, b = m[..., :-1], m[..., -1].reshape(spec.out_dim)
-        else:
-            w, b = m, None
-        return w.reshape(spec.weight_shape), b
+        w, b = (m[..., :-1], m[..., -1]) if spec.has_bias else (m, None)
+        b = b if b is None or b.dim() == 1 else b.reshape(spec.out_dim)  # groups: reshaped
+        shape = spec.weight_shape
+        return (w if w.shape == shape else w.reshape(shape)), b
 
 
 class JointBlock(LayerBlock):
@@ -490,8 +493,8 @@ def _write_rows(
 ) -> None:
     original = grads[name]
     if rows is None:
-        out[name] = value.to(original.dtype)
+        out[name] = cast(value, original.dtype)
         return
     if out[name] is original:  # the first part written: a copy of the whole parameter's
         out[name] = original.clone()
-    out[name][rows[0] : rows[1]] = value.to(original.dtype)
+    out[name][rows[0] : rows[1]] = value

@@ -3,7 +3,8 @@
 A :class:`LayerSpec` is hashable data (it becomes metadata of the state pytree and is
 written into checkpoints); its ``kind`` names the :class:`~kfac_func.blocks.base.LayerBlock`
 that knows everything specific to that kind of layer. :class:`Gram` is what a block
-computes from one call; :func:`row_gram` and :func:`shape_error` are shared by the blocks.
+computes from one call; :func:`row_gram`, :func:`shape_error` and :func:`cast` are shared by
+the blocks.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "Gram",
     "LayerSpec",
     "Rows",
+    "cast",
     "diagonal_blocks",
     "row_gram",
     "shape_error",
@@ -108,7 +110,15 @@ class LayerSpec:
 
     def option(self, key: str, default: Any = None) -> Any:
         """The value of one of :attr:`options` (``default`` when absent)."""
-        return dict(self.options).get(key, default)
+        return self._options.get(key, default)
+
+    # Derived values a step reads many times per layer are computed once per spec (kept
+    # in the instance's __dict__, outside the fields: equality, hashing and the
+    # checkpoint's description of the spec see the fields alone).
+
+    @functools.cached_property
+    def _options(self) -> dict[str, Any]:
+        return dict(self.options)
 
     def with_options(self, **changes: Any) -> LayerSpec:
         """A copy with ``changes`` set in :attr:`options` (kept sorted by name).
@@ -158,12 +168,12 @@ class LayerSpec:
         """
         return (self.block.placeholder_a, False)
 
-    @property
+    @functools.cached_property
     def a_dim(self) -> int:
         """Side of one A factor (inputs per group, times the kernel area, plus 1 for bias)."""
         return self.block.a_dim(self)
 
-    @property
+    @functools.cached_property
     def g_dim(self) -> int:
         """Side of one G factor: outputs per group."""
         return self.block.g_dim(self)
@@ -204,7 +214,7 @@ class LayerSpec:
         """Shape of the gradient matrix (bias as the last column)."""
         return (*self.batch_shape, self.g_dim, self.a_dim)
 
-    @property
+    @functools.cached_property
     def weight_shape(self) -> tuple[int, ...]:
         """Shape of the module's weight parameter."""
         return self.block.weight_shape(self)
@@ -236,6 +246,18 @@ class Gram(NamedTuple):
     spatial: int
     diagonal: bool = False
     groups: torch.Tensor | None = None
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``: itself when it is already (a small step's many casts that
+    change nothing cost a dispatch each otherwise).
+
+    Example:
+        >>> t = torch.ones(2)
+        >>> cast(t, torch.float32) is t, cast(t, torch.float64).dtype
+        (True, torch.float64)
+    """
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def shape_error(
@@ -423,10 +445,15 @@ def row_gram(
         out[..., :d] = sq
         out[..., d] = rows.shape[-2]
         return out
-    xx = gram_of(rows)
     if not with_ones:
-        return xx.to(wide)
+        return gram_of(rows).to(wide)
+    if rows.dtype.itemsize >= 4 and d < _BLOCKED_WIDTH:
+        # narrow rows of 32 bits or more: the ones column appended, one product (the
+        # assembly below costs a handful of small operations more than it saves here)
+        return gram_of(torch.nn.functional.pad(rows, (0, 1), value=1.0))
+    xx = gram_of(rows)
     # the Gram with the ones column's row and column, assembled (and widened) in place
+    # (a 16-bit product would round the count above 256, and a copy of wide rows costs)
     out = torch.empty(*batch, d + 1, d + 1, dtype=wide, device=rows.device)
     out[..., :d, :d] = xx
     s = rows.sum(dim=-2)

@@ -214,6 +214,11 @@ def _attempt_name(dt: torch.dtype, jitter: float, device: torch.device | None) -
     return name
 
 
+def _moved(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` on ``device`` in ``dtype`` (itself when it is)."""
+    return t if t.dtype == dtype and t.device == device else t.to(device, dtype)
+
+
 def _refuse_nonfinite(factor: torch.Tensor, what: str, tried: list[str]) -> None:
     """After the first failed attempt (none ``tried`` before it), raise
     :class:`DecompositionError` if the factor itself holds NaN/Inf."""
@@ -258,7 +263,7 @@ def _robust(
         jitter = rel * (scale or 1.0)
         where = _attempt_name(dt, jitter, run_on if run_on != home else None)
         try:
-            out = tuple(t.to(home, dtype) for t in attempt(factor.to(run_on, dt), jitter))
+            out = tuple(_moved(t, home, dtype) for t in attempt(_moved(factor, run_on, dt), jitter))
         except RuntimeError as err:  # torch.linalg.LinAlgError, cuSOLVER errors and kin
             _refuse_nonfinite(factor, what, tried)
             first = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
@@ -325,7 +330,7 @@ def eigh_factor(
 
     cdt = compute_dtype or torch.promote_types(dtype, torch.float32)
     q, d = _robust(factor, cdt, attempt, "eigh", dtype, device=device, label=label)
-    return q, d.clamp(min=0.0)
+    return q, d.clamp_(min=0.0)  # our own temporary
 
 
 def refresh_eigh(
@@ -389,7 +394,11 @@ def power_refresh(
 
 
 def eigenvalue_outer(dg: torch.Tensor, da: torch.Tensor, damping: float) -> torch.Tensor:
-    """``1 / (outer(dg, da) + damping)`` (batched over leading dimensions)."""
+    """``1 / (outer(dg, da) + damping)`` (batched over leading dimensions; with
+    ``damping == 0`` the cut-off of :func:`divide_eigenvalues`)."""
+    if damping > 0:  # the same numbers as the division, in place on one temporary
+        outer = torch.outer(dg, da) if dg.dim() == 1 else dg.unsqueeze(-1) * da.unsqueeze(-2)
+        return outer.add_(damping).reciprocal_()
     return divide_eigenvalues(torch.ones((), dtype=dg.dtype, device=dg.device), dg, da, damping)
 
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kfac_func.blocks.spec import cast
 from kfac_func.core.decomposition import (
     Decomposition,
     EigenDecomposition,
@@ -55,16 +56,16 @@ def precondition(
     """
     d = decomposition
     if isinstance(d, InverseDecomposition):
-        m = matrix.to(d.a_inv.dtype)
+        m = cast(matrix, d.a_inv.dtype)
         if d.g_inv.dim() == m.dim() and d.a_inv.dim() == m.dim():
-            return (d.g_inv @ m @ d.a_inv).to(matrix.dtype)
-        return right_product(left_product(d.g_inv, m), d.a_inv).to(matrix.dtype)
-    m = matrix.to(d.scale.dtype if isinstance(d, EKFACDecomposition) else d.da.dtype)
+            return cast(d.g_inv @ m @ d.a_inv, matrix.dtype)
+        return cast(right_product(left_product(d.g_inv, m), d.a_inv), matrix.dtype)
+    m = cast(matrix, d.scale.dtype if isinstance(d, EKFACDecomposition) else d.da.dtype)
     if d.qa is not None and d.qg is not None:
-        return _back_project(d.qg.mT @ m @ d.qa, d, damping).to(matrix.dtype)
+        return cast(_back_project(d.qg.mT @ m @ d.qa, d, damping), matrix.dtype)
     v = m if d.qg is None else d.qg.mT @ m
     v = v if d.qa is None else v @ d.qa
-    return _back_project(v, d, damping).to(matrix.dtype)
+    return cast(_back_project(v, d, damping), matrix.dtype)
 
 
 def left_product(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -196,16 +197,16 @@ def precondition_rows(
 
 
 def kl_clip_term(preconditioned: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """One layer's term ``Σ P ⊙ grad`` of the kl_clip sum: the dot product in ``P``'s
-    dtype, returned as a 0-d float64 tensor (:func:`kl_clip_scale_of_terms` turns the
-    terms of all layers into the scale).
+    """One layer's term ``Σ P ⊙ grad`` of the kl_clip sum: the dot product, a 0-d tensor
+    in ``P``'s dtype (:func:`kl_clip_scale_of_terms` turns the terms of all layers into
+    the scale, summing them in float64).
 
     Example:
         >>> kl_clip_term(torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]))
-        tensor(11., dtype=torch.float64)
+        tensor(11.)
     """
     p = preconditioned.reshape(-1)
-    return torch.dot(p, grad.reshape(-1).to(p.dtype)).double()
+    return torch.dot(p, cast(grad.reshape(-1), p.dtype))
 
 
 def kl_clip_scale_of_terms(
@@ -227,14 +228,14 @@ def kl_clip_scale_of_vector(
     terms: torch.Tensor, kl_clip: float, lr: float, *, dtype: torch.dtype
 ) -> torch.Tensor:
     """:func:`kl_clip_scale_of_terms` of the terms held in one vector, summed in its
-    order (the same number as the list of its entries gives).
+    order in float64 (the same number as the list of its entries gives).
 
     Example:
         >>> kl_clip_scale_of_vector(torch.tensor([1.0, 3.0]), kl_clip=1.0, lr=1.0,
         ...                         dtype=torch.float32)
         tensor(0.5000)
     """
-    vg = terms.sum() * (lr * lr)
+    vg = cast(terms, torch.float64).sum() * (lr * lr)
     return torch.clamp(torch.sqrt(kl_clip / vg.abs()), max=1.0).to(dtype)
 
 

@@ -29,11 +29,12 @@ __all__ = [
 
 
 def layer_grads(
-    spec: LayerSpec, grads: Mapping[str, torch.Tensor]
+    spec: LayerSpec, grads: Mapping[str, torch.Tensor], checked: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The layer's ``(weight, bias)`` gradients; errors name the layer, missing keys and
-    shapes (see :meth:`kfac_func.blocks.LayerBlock.param_grads`)."""
-    return spec.block.param_grads(spec, grads)
+    shapes unless ``checked`` (by :func:`validate_grads`; see
+    :meth:`kfac_func.blocks.LayerBlock.param_grads`)."""
+    return spec.block.param_grads(spec, grads, checked)
 
 
 def layer_matrix(ls: LayerState, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -224,16 +224,22 @@ def _takers(layers: Mapping[str, LayerState], todo: list[str], config: KFACConfi
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two factors on a CPU are equal, entry for entry, in the same dtype (their
-    diagonals compared first: factors that differ almost always differ there, at a small
-    fraction of the cost of comparing every entry)."""
-    return (
-        a.device.type == b.device.type == "cpu"
-        and a.shape == b.shape
-        and a.dtype == b.dtype
-        and torch.equal(a.diagonal(dim1=-2, dim2=-1), b.diagonal(dim1=-2, dim2=-1))
-        and torch.equal(a, b)
-    )
+    """Whether two factors on a CPU are equal, entry for entry, in the same dtype (the
+    diagonals of large ones compared first: factors that differ almost always differ
+    there, at a small fraction of the cost of comparing every entry)."""
+    if not (a.device.type == b.device.type == "cpu" and a.shape == b.shape):
+        return False
+    if a.dtype != b.dtype:
+        return False
+    diagonals = (t.diagonal(dim1=-2, dim2=-1) for t in (a, b))
+    if a.numel() > _SAME_AT_ONCE and not torch.equal(*diagonals):
+        return False
+    return torch.equal(a, b)
+
+
+# factors of at most this many entries are compared whole at once (a comparison of the
+# diagonals first costs more operations than it saves)
+_SAME_AT_ONCE = 64 * 64
 
 
 def decompose_layer(

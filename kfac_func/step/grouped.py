@@ -31,6 +31,7 @@ import torch
 from torch.func import vmap
 
 from kfac_func.blocks import LayerSpec, Rows
+from kfac_func.blocks.spec import cast
 from kfac_func.core.factors import rows_match
 from kfac_func.core.preconditioning import kl_clip_scale_of_vector, kl_clip_term
 from kfac_func.core.stacks import stacked
@@ -61,7 +62,7 @@ class _Unit:
         self.first = self.states[0]
         self.batched = len(names) > 1
         spec = self.first.spec
-        pairs = [layer_grads(ls.spec, grads) for ls in self.states]
+        pairs = [layer_grads(ls.spec, grads, checked=True) for ls in self.states]
         # a layer alone whose check the host reads (the default mode) is proved finite
         # by its sum, read with the others' (see _check); None: the layer counts only
         # if it passed, so its results need no selection on the device
@@ -356,12 +357,17 @@ def _written(
     raw matrix ``m``); without ``select`` (the caller writes finite layers only) ``p``, the
     step's own temporary, is scaled in place."""
     if not select:
-        out = p if scale is None else p.mul_(scale.to(p.dtype))
+        out = p if scale is None else p.mul_(cast(scale, p.dtype))
     else:
-        scaled = p if scale is None else p * scale.to(p.dtype)
-        out = torch.where(finite, scaled, m.to(p.dtype))
+        scaled = p if scale is None else p * cast(scale, p.dtype)
+        out = torch.where(finite, scaled, cast(m, p.dtype))
     w, b = spec.block.from_matrix(spec, out)
     return (w,) if b is None else (w, b)
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` (itself when it is there)."""
+    return t if t.device == device else t.to(device)
 
 
 def _check(
@@ -383,18 +389,20 @@ def _check(
     order = [name for u in units if u.finite is not None for name in u.names]
     for name in alone:
         spec = layers[name].spec
-        w, b = layer_grads(spec, grads)
+        w, b = layer_grads(spec, grads, checked=True)
         layer_rows = rows[name]
         assert layer_rows is not None
         flags.append(rows_match(spec, w, b, layer_rows).reshape(1))
     lone = [u for u in units if u.finite is None]
     # one read: the flags as 0/1, then the lone layers' sums (in float32: a sum that
     # overflows it is checked exactly below)
-    parts = [f.float() for f in flags] + [u.m.sum().reshape(1).float() for u in lone]
+    parts = [f.float() for f in flags]
+    if lone:
+        parts.append(torch.stack([_on(u.m.sum(), lone[0].m.device) for u in lone]).float())
     if not parts:
         return {}
     device = parts[0].device
-    read = (torch.cat([t.to(device) for t in parts]) if len(parts) > 1 else parts[0]).tolist()
+    read = (torch.cat([_on(t, device) for t in parts]) if len(parts) > 1 else parts[0]).tolist()
     finite = {name: bool(v) for name, v in zip(order, read)}
     by_rows = {name: bool(v) for name, v in zip(alone, read[len(order) :])}
     for u, total in zip(lone, read[len(order) + len(alone) :]):  # a sum not finite: exactly
