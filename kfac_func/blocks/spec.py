@@ -10,9 +10,9 @@ the blocks.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar, overload
 
 import torch
 
@@ -33,6 +33,31 @@ __all__ = [
     "token_counts",
     "with_ones",
 ]
+
+T = TypeVar("T")
+
+
+class _once(Generic[T]):
+    """A property computed once per instance, then kept in the instance's ``__dict__``
+    (which shadows this non-data descriptor from then on). Unlike
+    ``functools.cached_property`` it takes no lock, which ``torch.compile`` cannot trace;
+    under compilation the value is computed and not kept."""
+
+    def __init__(self, fn: Callable[[Any], T]) -> None:
+        self.fn, self.name = fn, fn.__name__
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _once[T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> T: ...
+    def __get__(self, obj: object | None, owner: type | None = None) -> T | _once[T]:
+        if obj is None:
+            return self
+        value = self.fn(obj)
+        if not torch.compiler.is_compiling():
+            obj.__dict__[self.name] = value
+        return value
+
 
 Rows = Sequence[tuple[torch.Tensor, torch.Tensor]]
 """``[(input rows, output-gradient rows)]`` of a layer's calls (no bias column)."""
@@ -116,7 +141,7 @@ class LayerSpec:
     # in the instance's __dict__, outside the fields: equality, hashing and the
     # checkpoint's description of the spec see the fields alone).
 
-    @functools.cached_property
+    @_once
     def _options(self) -> dict[str, Any]:
         return dict(self.options)
 
@@ -168,12 +193,12 @@ class LayerSpec:
         """
         return (self.block.placeholder_a, False)
 
-    @functools.cached_property
+    @_once
     def a_dim(self) -> int:
         """Side of one A factor (inputs per group, times the kernel area, plus 1 for bias)."""
         return self.block.a_dim(self)
 
-    @functools.cached_property
+    @_once
     def g_dim(self) -> int:
         """Side of one G factor: outputs per group."""
         return self.block.g_dim(self)
@@ -214,7 +239,7 @@ class LayerSpec:
         """Shape of the gradient matrix (bias as the last column)."""
         return (*self.batch_shape, self.g_dim, self.a_dim)
 
-    @functools.cached_property
+    @_once
     def weight_shape(self) -> tuple[int, ...]:
         """Shape of the module's weight parameter."""
         return self.block.weight_shape(self)
