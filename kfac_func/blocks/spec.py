@@ -273,16 +273,22 @@ class Gram(NamedTuple):
     groups: torch.Tensor | None = None
 
 
-def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` in ``dtype``: itself when it is already (a small step's many casts that
-    change nothing cost a dispatch each otherwise).
+def cast(
+    t: torch.Tensor, dtype: torch.dtype | None = None, device: torch.device | None = None
+) -> torch.Tensor:
+    """``t`` in ``dtype`` on ``device`` (None: as it is): itself when it is already (a
+    small step's many casts that change nothing cost a dispatch each otherwise).
 
     Example:
         >>> t = torch.ones(2)
         >>> cast(t, torch.float32) is t, cast(t, torch.float64).dtype
         (True, torch.float64)
+        >>> cast(t, device=torch.device("cpu")) is t
+        True
     """
-    return t if t.dtype == dtype else t.to(dtype)
+    if (dtype is None or t.dtype == dtype) and (device is None or t.device == device):
+        return t
+    return t.to(device=device, dtype=dtype)
 
 
 def shape_error(

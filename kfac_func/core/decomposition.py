@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kfac_func.blocks.spec import cast
 from kfac_func.core.pytree import register_dataclass
 
 __all__ = [
@@ -214,11 +215,6 @@ def _attempt_name(dt: torch.dtype, jitter: float, device: torch.device | None) -
     return name
 
 
-def _moved(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` on ``device`` in ``dtype`` (itself when it is)."""
-    return t if t.dtype == dtype and t.device == device else t.to(device, dtype)
-
-
 def _refuse_nonfinite(factor: torch.Tensor, what: str, tried: list[str]) -> None:
     """After the first failed attempt (none ``tried`` before it), raise
     :class:`DecompositionError` if the factor itself holds NaN/Inf."""
@@ -263,7 +259,7 @@ def _robust(
         jitter = rel * (scale or 1.0)
         where = _attempt_name(dt, jitter, run_on if run_on != home else None)
         try:
-            out = tuple(_moved(t, home, dtype) for t in attempt(_moved(factor, run_on, dt), jitter))
+            out = tuple(cast(t, dtype, home) for t in attempt(cast(factor, dt, run_on), jitter))
         except RuntimeError as err:  # torch.linalg.LinAlgError, cuSOLVER errors and kin
             _refuse_nonfinite(factor, what, tried)
             first = str(err).splitlines()[0][:120] if str(err) else type(err).__name__

@@ -365,11 +365,6 @@ def _written(
     return (w,) if b is None else (w, b)
 
 
-def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device`` (itself when it is there)."""
-    return t if t.device == device else t.to(device)
-
-
 def _check(
     units: Sequence[_Unit],
     layers: Mapping[str, LayerState],
@@ -398,11 +393,12 @@ def _check(
     # overflows it is checked exactly below)
     parts = [f.float() for f in flags]
     if lone:
-        parts.append(torch.stack([_on(u.m.sum(), lone[0].m.device) for u in lone]).float())
+        parts.append(torch.stack([cast(u.m.sum(), device=lone[0].m.device) for u in lone]).float())
     if not parts:
         return {}
     device = parts[0].device
-    read = (torch.cat([_on(t, device) for t in parts]) if len(parts) > 1 else parts[0]).tolist()
+    whole = torch.cat([cast(t, device=device) for t in parts]) if len(parts) > 1 else parts[0]
+    read = whole.tolist()
     finite = {name: bool(v) for name, v in zip(order, read)}
     by_rows = {name: bool(v) for name, v in zip(alone, read[len(order) :])}
     for u, total in zip(lone, read[len(order) + len(alone) :]):  # a sum not finite: exactly
