@@ -21,7 +21,7 @@ from kfac_func.core.decomposition import (
     eigh_factor,
     refresh_eigh,
 )
-from kfac_func.core.layer_decomposition import eigen_decompose
+from kfac_func.core.layer_decomposition import eigen_decompose, inverse_decompose
 from kfac_func.core.preconditioning import precondition
 
 _EIGH = torch.linalg.eigh
@@ -105,6 +105,34 @@ def test_every_attempt_failing_names_factor_attempts_and_condition(
     assert "float64 + " in msg and "condition estimate " in msg
     assert f"{condition_estimate(g):.3g}" in msg
     assert calls.count(torch.float64) == 3  # float64, then two jitters
+
+
+@pytest.mark.parametrize("fail", [None, "A", "G"])
+def test_a_layers_two_factors_are_checked_together_each_attempt_made_once(
+    monkeypatch: pytest.MonkeyPatch, fail: str | None
+) -> None:
+    """A layer's two dense factors: their first attempts are made once each and read
+    together; where one raised, that one alone is retried (in float64), from its own
+    outcome, and the other keeps its first attempt, bit for bit the one-factor results."""
+    a, g = _spd(5, seed=1, dtype=torch.float32), _spd(3, seed=2, dtype=torch.float32)
+    side = {"A": 5, "G": 3}.get(fail or "", 0)
+    expected = [eigh_factor(f, dtype=torch.float32) for f in (a, g)]
+    with _failing(monkeypatch, "eigh", lambda x, i: i < 2 and x.shape[-1] == side) as calls:
+        eig = eigen_decompose(a, g, 1e-3, outer_product=True)
+    assert calls == [torch.float32] * 2 + [torch.float64] * (fail is not None)
+    got = [(eig.qa, eig.da), (eig.qg, eig.dg)]
+    for name, (q, d), (q_ref, d_ref) in zip("AG", got, expected):
+        if name == fail:  # the float64 retry, rounded to float32
+            torch.testing.assert_close(q.abs(), q_ref.abs(), rtol=0, atol=1e-5)
+            torch.testing.assert_close(d, d_ref, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(q, q_ref) and torch.equal(d, d_ref)
+    with _failing(monkeypatch, "inv", lambda x, i: i == 1) as inv_calls:
+        inv = inverse_decompose(a, g, 1e-3)
+    assert inv_calls == [torch.float32, torch.float32, torch.float64]
+    assert torch.equal(inv.a_inv, damped_inverse(a, 1e-3, dtype=torch.float32))
+    torch.testing.assert_close(inv.g_inv, damped_inverse(g, 1e-3, dtype=torch.float32))
+    assert inv.a_inv.is_contiguous() and inv.g_inv.is_contiguous()
 
 
 def test_eigh_results_whose_sum_overflows_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:

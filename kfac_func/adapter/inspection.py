@@ -118,12 +118,16 @@ class InspectionMixin(PreconditionerBase):
     def _parameter(self, name: str) -> nn.Parameter:
         """The model's parameter ``name``. Its module is looked up once (lookups by dotted
         name are a noticeable part of a small model's step; the hooks hold the modules
-        too), the parameter itself every time (it may have been replaced)."""
+        too), the parameter itself every time (it may have been replaced): from the
+        module's parameters, where ``getattr`` would find it after a slower search, else
+        by ``getattr`` (a parametrized weight, say, which the assertion then refuses)."""
         place = self._parameter_modules.get(name)
         if place is None:
             prefix, _, attr = name.rpartition(".")
             place = self._parameter_modules[name] = (self.model.get_submodule(prefix), attr)
-        p = getattr(place[0], place[1])
+        p = place[0]._parameters.get(place[1])
+        if p is None:
+            p = getattr(place[0], place[1])
         assert isinstance(p, nn.Parameter), name
         return p
 

@@ -160,7 +160,7 @@ class LayerSpec:
         module it is a part of (the ``q_proj`` of a ``MultiheadAttention``)."""
         return str(self.option("module", self.name))
 
-    @property
+    @_once
     def block(self) -> LayerBlock:
         """The :class:`LayerBlock` registered for ``kind``."""
         return block_of(self.kind)

@@ -14,14 +14,23 @@ How they are applied to a gradient is in :mod:`kfac_func.core.preconditioning`.
 from __future__ import annotations
 
 import dataclasses
-import math
-import warnings
-from collections.abc import Callable, Mapping, Sequence
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from kfac_func.blocks.spec import cast
+from kfac_func.core.attempts import (
+    DecompositionError,
+    Outcome,
+    all_finite,
+    all_finite_together,
+    condition_estimate,
+    first_attempts,
+    outcome_of,
+    robust,
+    solver_error,
+)
 from kfac_func.core.pytree import register_dataclass
 
 __all__ = [
@@ -32,6 +41,7 @@ __all__ = [
     "EKFACDecomposition",
     "EigenDecomposition",
     "InverseDecomposition",
+    "Outcome",
     "all_finite",
     "all_finite_together",
     "condition_estimate",
@@ -40,7 +50,11 @@ __all__ = [
     "divide_eigenvalues",
     "divide_scale",
     "eigenvalue_outer",
+    "eigh_attempt",
     "eigh_factor",
+    "first_attempts",
+    "inverse_attempt",
+    "outcome_of",
     "power_refresh",
     "refresh_eigh",
     "solver_error",
@@ -117,174 +131,6 @@ def decomposition_from_fields(
     return cls(**{n: fields.get(n) for n in names})  # type: ignore[arg-type]
 
 
-def all_finite(t: torch.Tensor) -> bool:
-    """Whether every entry is finite: a finite sum proves it without the temporaries of
-    ``isfinite``; only a sum that overflowed is checked entry by entry.
-
-    Example:
-        >>> all_finite(torch.tensor([1.0, 2.0])), all_finite(torch.tensor([1.0, float("nan")]))
-        (True, False)
-    """
-    return all_finite_together((t,))
-
-
-def all_finite_together(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether every entry of every tensor is finite, in one host read where they are: a
-    finite sum of their sums proves it; only after a sum that overflowed (or one that is
-    not finite) is each checked entry by entry.
-
-    Example:
-        >>> all_finite_together([torch.ones(2), torch.zeros(3)])
-        True
-        >>> all_finite_together([torch.ones(2), torch.tensor([float("inf")])])
-        False
-    """
-    total: torch.Tensor | None = None
-    for t in tensors:
-        if t.numel():
-            total = t.sum() if total is None else total + t.sum()
-    if total is None or math.isfinite(float(total)):
-        return True
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
-
-
-class DecompositionError(ArithmeticError):
-    """A factor could not be decomposed, not even in float64 with added jitter.
-
-    The message says what was tried and gives the factor's condition estimate."""
-
-
-# relative jitters (times the mean |diagonal| of the factor) of the float64 retries
-_JITTERS = (0.0, 1e-10, 1e-6)
-
-
-def condition_estimate(factor: torch.Tensor) -> float:
-    """Largest ratio of extreme singular values over the batch (inf if singular, nan if
-    the factor is not finite); from the diagonal if the SVD itself fails.
-
-    Example:
-        >>> condition_estimate(torch.diag(torch.tensor([4.0, 0.5])))
-        8.0
-    """
-    f = factor.detach().to(torch.float64)
-    if not all_finite(f):
-        return math.nan
-    try:
-        s = torch.linalg.svdvals(f)
-        hi, lo = s[..., 0], s[..., -1]
-    except RuntimeError:
-        diag = f.diagonal(dim1=-2, dim2=-1).abs()
-        hi, lo = diag.amax(-1), diag.amin(-1)
-    with torch.no_grad():
-        ratio = torch.where(lo > 0, hi / lo.clamp(min=1e-300), torch.full_like(hi, math.inf))
-    return float(ratio.max())
-
-
-# markers of errors raised by a GPU solver library (cuSOLVER, MAGMA, hipSOLVER) rather
-# than by the numbers: e.g. CUSOLVER_STATUS_INVALID_VALUE from syevd on large factors
-_SOLVER_MARKERS = ("cusolver", "magma", "hipsolver", "rocsolver")
-
-
-def solver_error(err: BaseException) -> bool:
-    """Whether ``err`` comes from a GPU solver library (cuSOLVER, MAGMA, hipSOLVER): a
-    ``RuntimeError`` (or ``torch.linalg.LinAlgError``) whose message names one. Such an
-    error says nothing about the factor; its retries run on the CPU.
-
-    Example:
-        >>> solver_error(RuntimeError("cusolver error: CUSOLVER_STATUS_INVALID_VALUE"))
-        True
-        >>> solver_error(torch.linalg.LinAlgError("linalg.eigh: failed to converge"))
-        False
-    """
-    text = str(err).lower()
-    return isinstance(err, RuntimeError) and any(m in text for m in _SOLVER_MARKERS)
-
-
-def _device_name(device: torch.device) -> str:
-    return "the CPU" if device.type == "cpu" else str(device)
-
-
-def _attempt_name(dt: torch.dtype, jitter: float, device: torch.device | None) -> Callable[[], str]:
-    """How an attempt of :func:`_robust` is named in its messages ("float64 + 1e-06·I on
-    the CPU"), formatted only when a message needs it."""
-
-    def name() -> str:
-        text = str(dt).removeprefix("torch.") + (f" + {jitter:.2g}·I" if jitter else "")
-        return text if device is None else f"{text} on {_device_name(device)}"
-
-    return name
-
-
-def _refuse_nonfinite(factor: torch.Tensor, what: str, tried: list[str]) -> None:
-    """After the first failed attempt (none ``tried`` before it), raise
-    :class:`DecompositionError` if the factor itself holds NaN/Inf."""
-    if not tried and not all_finite(factor):
-        raise DecompositionError(f"{what}: the factor holds NaN/Inf")
-
-
-def _robust(
-    factor: torch.Tensor,
-    compute_dtype: torch.dtype,
-    attempt: Callable[[torch.Tensor, float], tuple[torch.Tensor, ...]],
-    what: str,
-    dtype: torch.dtype,
-    *,
-    device: torch.device | str | None = None,
-    label: str | None = None,
-) -> tuple[torch.Tensor, ...]:
-    """``attempt(factor in some dtype, jitter)`` in ``compute_dtype``, then in float64,
-    then in float64 with growing jitter, until its results are finite in ``dtype`` (the
-    storage dtype: a float64 result may overflow float32). Returns them in ``dtype`` on
-    the factor's device.
-
-    The attempts run on ``device`` (default: the factor's). After a GPU solver error
-    (:func:`solver_error`) the remaining attempts run on the CPU, and a success after one
-    is reported with a ``RuntimeWarning`` that starts with ``label`` (e.g. the layer and
-    the factor).
-
-    A factor that holds NaN/Inf is refused once the first attempt fails (its results are
-    not finite, or it raised), without a retry: it is not checked before, as a factor
-    folded in this step is known finite already."""
-    home = factor.device
-    run_on = torch.device(device) if device is not None else home
-    plan = [(compute_dtype, 0.0)] if compute_dtype != torch.float64 else []
-    plan += [(torch.float64, rel) for rel in _JITTERS]
-    tried: list[str] = []
-    solver: str | None = None  # the first solver error, when one was met
-    scale: float | None = None  # the mean |diagonal|, read once a retry needs it
-    for dt, rel in plan:
-        if rel and scale is None:
-            scale = float(factor.detach().diagonal(dim1=-2, dim2=-1).abs().double().mean())
-            scale = scale if scale > 0 else 1.0
-        jitter = rel * (scale or 1.0)
-        where = _attempt_name(dt, jitter, run_on if run_on != home else None)
-        try:
-            out = tuple(cast(t, dtype, home) for t in attempt(cast(factor, dt, run_on), jitter))
-        except RuntimeError as err:  # torch.linalg.LinAlgError, cuSOLVER errors and kin
-            _refuse_nonfinite(factor, what, tried)
-            first = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
-            tried.append(f"{where()}: {first}")
-            if solver_error(err):
-                dt_name = str(dt).removeprefix("torch.")
-                solver = solver or f"{dt_name} on {_device_name(run_on)}: {first}"
-                run_on = torch.device("cpu")
-            continue
-        if all_finite_together(out):
-            if solver is not None:
-                warnings.warn(
-                    f"{label + ': ' if label else ''}{what} raised a solver error ({solver}); "
-                    f"the retry in {where()} succeeded",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-            return out
-        _refuse_nonfinite(factor, what, tried)
-        tried.append(f"{where()}: non-finite result in {str(dtype).removeprefix('torch.')}")
-    raise DecompositionError(
-        f"{what} failed ({'; '.join(tried)}); condition estimate {condition_estimate(factor):.3g}"
-    )
-
-
 def eigh_factor(
     factor: torch.Tensor,
     *,
@@ -292,6 +138,7 @@ def eigh_factor(
     compute_dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     label: str | None = None,
+    first: Outcome | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(eigenvectors, eigenvalues clamped at 0)`` of one symmetric factor, in ``dtype``:
     of its upper triangle (mirrored), for a factor symmetric only up to rounding; the
@@ -307,6 +154,8 @@ def eigh_factor(
     error of a GPU solver library (cuSOLVER's ``CUSOLVER_STATUS_INVALID_VALUE`` on large
     factors, see :func:`solver_error`) the retries run on the CPU, and their success is
     reported with a ``RuntimeWarning`` that starts with ``label`` (the layer and factor).
+    ``first``: the first attempt's outcome, made already (see
+    :func:`~kfac_func.core.attempts.robust`).
 
     Example:
         >>> q, d = eigh_factor(torch.diag(torch.tensor([2.0, -1e-9])), dtype=torch.float32)
@@ -314,19 +163,27 @@ def eigh_factor(
         tensor([0., 2.])
     """
 
-    def attempt(f: torch.Tensor, jitter: float) -> tuple[torch.Tensor, torch.Tensor]:
-        if jitter:
-            f = f + jitter * torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
-        # f.mT: the same symmetric matrix, already in the column-major layout LAPACK
-        # works in, so eigh skips its transposing copy of the input; the eigenvectors
-        # stay column-major, as LAPACK returns them (a row-major copy is another
-        # transposing pass, as costly as the first)
-        d, q = torch.linalg.eigh(f.mT)
-        return q, d - jitter if jitter else d
-
     cdt = compute_dtype or torch.promote_types(dtype, torch.float32)
-    q, d = _robust(factor, cdt, attempt, "eigh", dtype, device=device, label=label)
+    q, d = robust(factor, cdt, eigh_attempt, "eigh", dtype, device=device, label=label, first=first)
     return q, d.clamp_(min=0.0)  # our own temporary
+
+
+def eigh_attempt(f: torch.Tensor, jitter: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One attempt of :func:`eigh_factor`: ``(eigenvectors, eigenvalues)`` of ``f + jitter·I``
+    (the jitter subtracted from the eigenvalues again), unchecked and unclamped.
+
+    Example:
+        >>> eigh_attempt(torch.diag(torch.tensor([2.0, 1.0])), 0.0)[1]
+        tensor([1., 2.])
+    """
+    if jitter:
+        f = f + jitter * torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
+    # f.mT: the same symmetric matrix, already in the column-major layout LAPACK works
+    # in, so eigh skips its transposing copy of the input; the eigenvectors stay
+    # column-major, as LAPACK returns them (a row-major copy is another transposing
+    # pass, as costly as the first)
+    d, q = torch.linalg.eigh(f.mT)
+    return q, d - jitter if jitter else d
 
 
 def refresh_eigh(
@@ -425,12 +282,15 @@ def damped_inverse(
     dtype: torch.dtype,
     compute_dtype: torch.dtype | None = None,
     label: str | None = None,
+    first: Outcome | None = None,
 ) -> torch.Tensor:
     """``(F + damping·I)⁻¹`` of one factor, in ``dtype``.
 
     Retried like :func:`eigh_factor` when the inversion fails or is not finite (here the
     jitter adds to the damping; after a GPU solver error on the CPU, with a warning that
     starts with ``label``). Raises :class:`DecompositionError` if every attempt fails.
+    ``first``: the first attempt's outcome, made already (see
+    :func:`~kfac_func.core.attempts.robust`).
 
     Example:
         >>> damped_inverse(torch.zeros(2, 2), 0.0, dtype=torch.float32)  # singular: jittered
@@ -438,14 +298,25 @@ def damped_inverse(
                 [0.0000e+00, 1.0000e+10]])
     """
 
-    def attempt(f: torch.Tensor, jitter: float) -> tuple[torch.Tensor]:
-        eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
-        # the damped factor is symmetric: inverted as its transpose, a column-major view,
-        # LAPACK skips its transposing copy of the input
-        return (torch.linalg.inv((f + (damping + jitter) * eye).mT),)
-
     cdt = compute_dtype or torch.promote_types(dtype, torch.float32)
-    (inv,) = _robust(factor, cdt, attempt, "inverse", dtype, label=label)
+    attempt = functools.partial(inverse_attempt, damping)
+    (inv,) = robust(factor, cdt, attempt, "inverse", dtype, label=label, first=first)
     # the inverse of the transpose is the transpose of the inverse: LAPACK returns it
     # column-major, so the row-major inverse is a view
     return inv.mT
+
+
+def inverse_attempt(damping: float, f: torch.Tensor, jitter: float) -> tuple[torch.Tensor]:
+    """One attempt of :func:`damped_inverse`: ``(f + (damping + jitter)·I)⁻¹``, unchecked,
+    column-major (the inverse of the transpose; :func:`damped_inverse` returns its
+    row-major view).
+
+    Example:
+        >>> inverse_attempt(1.0, torch.eye(2), 0.0)[0]
+        tensor([[0.5000, 0.0000],
+                [0.0000, 0.5000]])
+    """
+    eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
+    # the damped factor is symmetric: inverted as its transpose, a column-major view,
+    # LAPACK skips its transposing copy of the input
+    return (torch.linalg.inv((f + (damping + jitter) * eye).mT),)

@@ -13,6 +13,7 @@ preconditioning is ``(G + λI)⁻¹`` under the inverse method as under the eige
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -26,7 +27,11 @@ from kfac_func.core.decomposition import (
     all_finite,
     damped_inverse,
     eigenvalue_outer,
+    eigh_attempt,
     eigh_factor,
+    first_attempts,
+    inverse_attempt,
+    outcome_of,
     refresh_eigh,
 )
 
@@ -193,7 +198,8 @@ def eigen_decompose(
     placeholder: tuple[bool, bool] = (False, False),
     dgda: torch.Tensor | None = None,
 ) -> EigenDecomposition:
-    """Eigendecompose both factors.
+    """Eigendecompose both factors (two dense factors decomposed from scratch on their
+    device are checked together: :func:`~kfac_func.core.attempts.first_attempts`).
 
     Args:
         a, g: symmetric factors (optionally batched), or their diagonals (``diagonal``).
@@ -227,6 +233,17 @@ def eigen_decompose(
     pa, pg = (w.qa, w.qg) if w is not None else (None, None)
     ea, eg = eigenpairs
     pla, plg = placeholder
+    fresh = w is None and ea is None and eg is None and eigh_device is None
+    if fresh and _both_dense(diagonal, placeholder):
+        cdt = compute_dtype or torch.promote_types(dtype, torch.float32)
+        (fa, fg), ok = first_attempts((a, g), eigh_attempt, cdt, dtype)
+        if ok:
+            ea, eg = ((q, d.clamp_(min=0.0)) for q, d in map(outcome_of, (fa, fg)))
+        else:  # each side's retries, from its first attempt
+            ea, eg = (
+                _named(f, name, eigh_factor, x, dtype=dtype, compute_dtype=compute_dtype, first=o)
+                for f, x, o in zip("AG", (a, g), (fa, fg))
+            )
     qa, da = ea or _named("A", name, eigh_side, a, pa, diagonal=diagonal[0], placeholder=pla, **kw)
     qg, dg = eg or _named("G", name, eigh_side, g, pg, diagonal=diagonal[1], placeholder=plg, **kw)
     if not precompute_outer(outer_product, diagonal):
@@ -255,7 +272,9 @@ def inverse_decompose(
     placeholder: tuple[bool, bool] = (False, False),
 ) -> InverseDecomposition:
     """Damped inverses of both factors (vectors for the ``diagonal`` ones; ones, undamped,
-    for a ``placeholder`` side); ``name`` (the layer) is named in warnings.
+    for a ``placeholder`` side; two dense ones checked together, see
+    :func:`~kfac_func.core.attempts.first_attempts`); ``name`` (the layer) is named in
+    warnings.
 
     Example:
         >>> import torch
@@ -265,11 +284,28 @@ def inverse_decompose(
                 [0.0000, 0.5000]])
     """
     kw: dict[str, Any] = {"dtype": dtype, "compute_dtype": compute_dtype}
+    if _both_dense(diagonal, placeholder):
+        cdt = compute_dtype or torch.promote_types(dtype, torch.float32)
+        attempt = functools.partial(inverse_attempt, damping)
+        (fa, fg), ok = first_attempts((a, g), attempt, cdt, dtype)
+        if ok:  # column-major inverses: their row-major views, as damped_inverse's
+            return InverseDecomposition(outcome_of(fa)[0].mT, outcome_of(fg)[0].mT)
+        inverses = [
+            _named(f, name, damped_inverse, x, damping, first=first, **kw)
+            for f, x, first in zip("AG", (a, g), (fa, fg))
+        ]
+        return InverseDecomposition(*inverses)
     sides = [
         _named(f, name, inverse_side, x, damping, diagonal=d, placeholder=p, **kw)
         for f, x, d, p in zip("AG", (a, g), diagonal, placeholder)
     ]
     return InverseDecomposition(*sides)
+
+
+def _both_dense(diagonal: tuple[bool, bool], placeholder: tuple[bool, bool]) -> bool:
+    """Whether both sides are dense factors, decomposed by the same function: then their
+    first attempts are checked together (:func:`~kfac_func.core.attempts.first_attempts`)."""
+    return not (any(diagonal) or any(placeholder))
 
 
 R = TypeVar("R")

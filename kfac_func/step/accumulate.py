@@ -83,7 +83,7 @@ def fold_deferred(
     all the layers of a step (or :func:`settle_on_device` counts them, ``sync_free``:
     then a layer whose updates so far were all skipped takes the batch as its first).
     On a CPU, where reading the checks synchronises nothing, the folded factors are
-    checked first (:func:`~kfac_func.core.decomposition.all_finite_together`) and the
+    checked first (:func:`~kfac_func.core.attempts.all_finite_together`) and the
     selection is skipped when they pass (the same factors, fewer passes over them): the
     checks are None then, every one passed and nothing is left to settle."""
     if ls.spec.block.stacked_uses and a.dim() == ls.a_factor.dim() + 1:

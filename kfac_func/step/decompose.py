@@ -252,7 +252,7 @@ def decompose_layer(
     dgda: torch.Tensor | None = None,
 ) -> Decomposition:
     """The configured decomposition of one layer's current factors (may raise
-    :class:`~kfac_func.core.decomposition.DecompositionError`; see :func:`redecompose`).
+    :class:`~kfac_func.core.attempts.DecompositionError`; see :func:`redecompose`).
     ``eigh_device``, ``eigenpairs`` and ``dgda`` are :func:`~kfac_func.core.eigen_decompose`'s."""
     cdt = decomposition_dtype(config.convention, config.inv_dtype)
     if config.compute_method in ("eigen", "ekfac"):

@@ -260,7 +260,7 @@ def warm_start(
 def solver_failed(err: BaseException) -> bool:
     """Whether ``err``, raised by a step, is a linear-algebra solver's failure (LAPACK's
     ``LinAlgError``, or a GPU solver library's error, see
-    :func:`~kfac_func.core.decomposition.solver_error`): what the checked decomposition
+    :func:`~kfac_func.core.attempts.solver_error`): what the checked decomposition
     stage retries.
 
     Example:

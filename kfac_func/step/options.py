@@ -337,4 +337,4 @@ def step_options(options: StepOptions | None, settings: Mapping[str, Any]) -> St
         return StepOptions().replace(**settings)
     if not isinstance(options, StepOptions):
         raise TypeError(f"options must be a kfac_func.StepOptions, got {options!r}")
-    return options.replace(**settings)
+    return options.replace(**settings) if settings else options
