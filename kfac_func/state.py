@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -171,16 +171,25 @@ class LayerState:
             >>> ls.replace(factor_updates=3).factor_updates, ls.factor_updates
             (3, 0)
         """
-        unknown = changes.keys() - _LAYER_FIELDS
-        if unknown:
-            raise TypeError(f"LayerState has no fields {sorted(unknown)}")
-        new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
-        new.__dict__.update(changes)
-        return new
+        return _copy_with(self, changes, _LAYER_FIELDS)
 
 
 _LAYER_FIELDS = frozenset(f.name for f in dataclasses.fields(LayerState))
+
+
+_T = TypeVar("_T")
+
+
+def _copy_with(obj: _T, changes: Mapping[str, object], names: frozenset[str]) -> _T:
+    """A copy of a frozen dataclass instance that checks nothing on construction, with
+    ``changes`` (fields among ``names``; a TypeError names any other) applied."""
+    unknown = changes.keys() - names
+    if unknown:
+        raise TypeError(f"{type(obj).__name__} has no fields {sorted(unknown)}")
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    new.__dict__.update(changes)
+    return new
 
 
 class AdaptiveRecord(NamedTuple):
@@ -274,8 +283,18 @@ class KFACState:
     adaptive: AdaptiveState | None = None
 
     def replace(self, **changes: object) -> KFACState:
-        """A copy with ``changes`` applied."""
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        """A copy with ``changes`` applied (fields of this class; a TypeError names any
+        other), made as :meth:`LayerState.replace` makes its copies.
+
+        Example:
+            >>> import kfac_func as kf
+            >>> kf.init(kf.register(torch.nn.Linear(2, 1))).replace(step=4).step
+            4
+        """
+        return _copy_with(self, changes, _STATE_FIELDS)
+
+
+_STATE_FIELDS = frozenset(f.name for f in dataclasses.fields(KFACState))
 
 
 register_dataclass(

@@ -188,7 +188,7 @@ class FallbackMixin(InspectionMixin):
         self.demote(refused)
         no_grad: dict[str, list[str]] = {}
         for name, spec in self.layers.items():
-            missing = [p for p in spec.param_names() if self._parameter(p).grad is None]
+            missing = [p for p in spec.param_names() if self._bound[p].grad is None]
             if missing:
                 no_grad[name] = missing
         if no_grad and len(no_grad) < len(self.layers):

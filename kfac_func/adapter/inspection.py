@@ -48,17 +48,19 @@ class InspectionMixin(PreconditionerBase):
     _damping_checked: bool
     adaptive: Any
     _parameter_modules: dict[str, tuple[nn.Module, str]]
+    _bound: dict[str, nn.Parameter]  # (see ParameterPlaces._follow_parameters)
     orthogonal: Any
     sync_free: bool
     distributed_strategy: Any
 
     def _layer_grads(self) -> dict[str, torch.Tensor]:
         """The ``.grad`` of every registered layer's parameters, by parameter name (a
-        RuntimeError names the layer and the parameter without one)."""
+        RuntimeError names the layer and the parameter without one), as the step found
+        them (:meth:`_follow_parameters`)."""
         grads: dict[str, torch.Tensor] = {}
         for name, spec in self.layers.items():
             for pname in spec.param_names():
-                p = self._parameter(pname)
+                p = self._bound[pname]
                 if p.grad is None:
                     raise RuntimeError(
                         f"layer {name!r}: parameter {pname!r} has no gradient; call "

@@ -147,25 +147,28 @@ class FollowParametersMixin:
     _sharded: bool
     _handles: list[Any]
     _watch_handles: list[Any]
-    _bound: list[torch.Tensor]
+    _bound: dict[str, nn.Parameter]
     _seen_fn: Callable[[], set[str] | None]
 
     def _parameter(self, name: str) -> nn.Parameter:  # pragma: no cover - InspectionMixin's
         raise NotImplementedError
 
-    def _layer_parameters(self) -> list[torch.Tensor]:
-        return [self._parameter(p) for spec in self.layers.values() for p in spec.param_names()]
+    def _layer_parameters(self) -> dict[str, nn.Parameter]:
+        """The registered layers' parameters in the model now, by name, in layer order."""
+        return {p: self._parameter(p) for spec in self.layers.values() for p in spec.param_names()}
 
     def _follow_parameters(self) -> None:
         """Notice registered layers' parameters that the model replaced since the last
         step (``fully_shard`` or ``parallelize_module`` applied after construction) and
         adapt to them; a ValueError names what cannot be followed. Once the parameters
         are DTensors nothing changes any more (FSDP2 puts their unsharded forms in the
-        modules for a while)."""
+        modules for a while). Afterwards :attr:`_bound` holds the parameters as they are now
+        (what the rest of a step reads)."""
         now = self._layer_parameters()
-        if len(now) == len(self._bound) and all(a is b for a, b in zip(now, self._bound)):
+        bound = self._bound.values()
+        if len(now) == len(bound) and all(a is b for a, b in zip(now.values(), bound)):
             return
-        if not self._sharded and any(is_dtensor(p) for p in now):
+        if not self._sharded and any(is_dtensor(p) for p in now.values()):
             check_packed_parameters(self.model, self.layers)
             if self.adaptive is not None:
                 check_adaptive(self.adaptive, self.model, None, self.comm.world_size)
