@@ -22,7 +22,8 @@ from settings_keywords import with_settings
 from torch import nn
 
 import kfac_func as kf
-from kfac_func.core.decomposition import eigh_factor, solver_error
+from kfac_func.core.attempts import solver_error
+from kfac_func.core.decomposition import eigh_factor
 from kfac_func.step.decompose_groups import batched_eigenpairs
 
 _EIGH = torch.linalg.eigh

@@ -14,13 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kfac_func as kf
-from kfac_func.core.decomposition import (
-    DecompositionError,
-    condition_estimate,
-    damped_inverse,
-    eigh_factor,
-    refresh_eigh,
-)
+from kfac_func.core.attempts import DecompositionError, condition_estimate
+from kfac_func.core.decomposition import damped_inverse, eigh_factor, refresh_eigh
 from kfac_func.core.layer_decomposition import eigen_decompose, inverse_decompose
 from kfac_func.core.preconditioning import precondition
 

@@ -37,7 +37,8 @@ from kfac_func.blocks.tied import newly_tied
 from kfac_func.checkpoint.checksums import CHECKSUMS_KEY, add_checksums, verify_checksums
 from kfac_func.checkpoint.lent import lend
 from kfac_func.checkpoint.state_format import _COUNTER_DTYPES
-from kfac_func.core.decomposition import DECOMPOSITIONS, all_finite, decomposition_from_fields
+from kfac_func.core.attempts import all_finite
+from kfac_func.core.decomposition import DECOMPOSITIONS, decomposition_from_fields
 from kfac_func.distributed.communicator import Communicator
 from kfac_func.distributed.plan import DistributedStrategy, Plan
 from kfac_func.distributed.sharded import release_unowned

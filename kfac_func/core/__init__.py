@@ -13,9 +13,9 @@ Example:
     torch.Size([3, 3])
 """
 
+from kfac_func.core.attempts import DecompositionError
 from kfac_func.core.conventions import CONVENTIONS, Convention
 from kfac_func.core.decomposition import (
-    DecompositionError,
     EigenDecomposition,
     EKFACDecomposition,
     InverseDecomposition,

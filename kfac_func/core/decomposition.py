@@ -21,15 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from kfac_func.core.attempts import (
-    DecompositionError,
     Outcome,
     all_finite,
-    all_finite_together,
-    condition_estimate,
-    first_attempts,
-    outcome_of,
     robust,
-    solver_error,
 )
 from kfac_func.core.pytree import register_dataclass
 
@@ -37,14 +31,9 @@ __all__ = [
     "COMPUTE_METHODS",
     "DECOMPOSITIONS",
     "EIGENBASIS_REFRESH",
-    "DecompositionError",
     "EKFACDecomposition",
     "EigenDecomposition",
     "InverseDecomposition",
-    "Outcome",
-    "all_finite",
-    "all_finite_together",
-    "condition_estimate",
     "damped_inverse",
     "decomposition_from_fields",
     "divide_eigenvalues",
@@ -52,12 +41,9 @@ __all__ = [
     "eigenvalue_outer",
     "eigh_attempt",
     "eigh_factor",
-    "first_attempts",
     "inverse_attempt",
-    "outcome_of",
     "power_refresh",
     "refresh_eigh",
-    "solver_error",
 ]
 
 COMPUTE_METHODS = ("eigen", "inverse", "ekfac")

@@ -19,19 +19,16 @@ from typing import Any, TypeVar
 
 import torch
 
+from kfac_func.core.attempts import DecompositionError, all_finite, first_attempts, outcome_of
 from kfac_func.core.decomposition import (
-    DecompositionError,
     EigenDecomposition,
     EKFACDecomposition,
     InverseDecomposition,
-    all_finite,
     damped_inverse,
     eigenvalue_outer,
     eigh_attempt,
     eigh_factor,
-    first_attempts,
     inverse_attempt,
-    outcome_of,
     refresh_eigh,
 )
 

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 
 from kfac_func.captures import Captures
+from kfac_func.core.attempts import DecompositionError
 from kfac_func.core.conventions import decomposition_dtype
 from kfac_func.core.decomposition import (
     Decomposition,
-    DecompositionError,
     EigenDecomposition,
     InverseDecomposition,
     eigenvalue_outer,

@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable, MutableMapping, Sequence
 import torch
 
 from kfac_func.captures import Captures
-from kfac_func.core.decomposition import all_finite_together
+from kfac_func.core.attempts import all_finite_together
 from kfac_func.core.stacks import per_row, stacked
 from kfac_func.core.tied_factors import combine_stacked
 from kfac_func.state import KFACConfig, KFACState, LayerState

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from kfac_func.blocks import LayerSpec, Rows, grads_to_matrix
-from kfac_func.core.decomposition import all_finite
+from kfac_func.core.attempts import all_finite
 from kfac_func.state import LayerState
 from kfac_func.step.hyper import NonFinite, non_finite
 

@@ -16,12 +16,9 @@ from typing import Any
 
 import torch
 
+from kfac_func.core.attempts import DecompositionError
 from kfac_func.core.conventions import decomposition_dtype
-from kfac_func.core.decomposition import (
-    Decomposition,
-    DecompositionError,
-    EigenDecomposition,
-)
+from kfac_func.core.decomposition import Decomposition, EigenDecomposition
 from kfac_func.core.ekfac import from_eigen
 from kfac_func.core.layer_decomposition import Eigenpair, eigen_decompose, inverse_decompose
 from kfac_func.state import KFACConfig, KFACState, LayerState

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from kfac_func.core.attempts import solver_error
 from kfac_func.core.conventions import decomposition_dtype
 from kfac_func.core.decomposition import (
     Decomposition,
@@ -39,7 +40,6 @@ from kfac_func.core.decomposition import (
     InverseDecomposition,
     eigenvalue_outer,
     power_refresh,
-    solver_error,
 )
 from kfac_func.core.ekfac import from_eigen
 from kfac_func.core.layer_decomposition import (

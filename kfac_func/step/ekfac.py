@@ -15,7 +15,8 @@ import torch
 
 from kfac_func.blocks import LayerSpec
 from kfac_func.captures import Captures
-from kfac_func.core.decomposition import EKFACDecomposition, all_finite
+from kfac_func.core.attempts import all_finite
+from kfac_func.core.decomposition import EKFACDecomposition
 from kfac_func.core.ekfac import example_moments, rescaled
 from kfac_func.state import KFACState, LayerState
 from kfac_func.step.hyper import Hyper, NonFinite, as_list, non_finite, resolve_checked
