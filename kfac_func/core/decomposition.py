@@ -133,13 +133,15 @@ def eigh_factor(
     eigh runs in ``compute_dtype`` (default: ``dtype`` promoted to float32); if it fails
     or returns NaN/Inf it is retried in float64, then in float64 on ``F + εI`` with ε
     growing from 1e-10 to 1e-6 times the mean diagonal (ε is subtracted from the
-    eigenvalues again). Raises :class:`DecompositionError` if every attempt fails.
+    eigenvalues again). Raises :class:`~kfac_func.core.attempts.DecompositionError` if
+    every attempt fails.
 
     eigh runs on ``device`` when given (``"cpu"``: offload a GPU factor's eigh to the
     CPU), else on the factor's device; the results are on the factor's device. After an
     error of a GPU solver library (cuSOLVER's ``CUSOLVER_STATUS_INVALID_VALUE`` on large
-    factors, see :func:`solver_error`) the retries run on the CPU, and their success is
-    reported with a ``RuntimeWarning`` that starts with ``label`` (the layer and factor).
+    factors, see :func:`~kfac_func.core.attempts.solver_error`) the retries run on the
+    CPU, and their success is reported with a ``RuntimeWarning`` that starts with
+    ``label`` (the layer and factor).
     ``first``: the first attempt's outcome, made already (see
     :func:`~kfac_func.core.attempts.robust`).
 
@@ -274,7 +276,8 @@ def damped_inverse(
 
     Retried like :func:`eigh_factor` when the inversion fails or is not finite (here the
     jitter adds to the damping; after a GPU solver error on the CPU, with a warning that
-    starts with ``label``). Raises :class:`DecompositionError` if every attempt fails.
+    starts with ``label``). Raises :class:`~kfac_func.core.attempts.DecompositionError`
+    if every attempt fails.
     ``first``: the first attempt's outcome, made already (see
     :func:`~kfac_func.core.attempts.robust`).
 
