@@ -23,6 +23,7 @@ __all__ = [
     "Outcome",
     "all_finite",
     "all_finite_together",
+    "compute_dtype_of",
     "condition_estimate",
     "first_attempts",
     "outcome_of",
@@ -60,6 +61,17 @@ def all_finite_together(tensors: Sequence[torch.Tensor]) -> bool:
     if total is None or math.isfinite(float(total)):
         return True
     return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def compute_dtype_of(dtype: torch.dtype, compute_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a decomposition runs in: ``compute_dtype``, by default the storage
+    ``dtype`` promoted to at least float32.
+
+    Example:
+        >>> compute_dtype_of(torch.bfloat16, None), compute_dtype_of(torch.float32, torch.float64)
+        (torch.float32, torch.float64)
+    """
+    return compute_dtype or torch.promote_types(dtype, torch.float32)
 
 
 class DecompositionError(ArithmeticError):

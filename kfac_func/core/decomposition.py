@@ -20,11 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kfac_func.core.attempts import (
-    Outcome,
-    all_finite,
-    robust,
-)
+from kfac_func.core.attempts import Outcome, all_finite, compute_dtype_of, robust
 from kfac_func.core.pytree import register_dataclass
 
 __all__ = [
@@ -151,7 +147,7 @@ def eigh_factor(
         tensor([0., 2.])
     """
 
-    cdt = compute_dtype or torch.promote_types(dtype, torch.float32)
+    cdt = compute_dtype_of(dtype, compute_dtype)
     q, d = robust(factor, cdt, eigh_attempt, "eigh", dtype, device=device, label=label, first=first)
     return q, d.clamp_(min=0.0)  # our own temporary
 
@@ -287,7 +283,7 @@ def damped_inverse(
                 [0.0000e+00, 1.0000e+10]])
     """
 
-    cdt = compute_dtype or torch.promote_types(dtype, torch.float32)
+    cdt = compute_dtype_of(dtype, compute_dtype)
     attempt = functools.partial(inverse_attempt, damping)
     (inv,) = robust(factor, cdt, attempt, "inverse", dtype, label=label, first=first)
     # the inverse of the transpose is the transpose of the inverse: LAPACK returns it

@@ -19,7 +19,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from kfac_func.core.attempts import DecompositionError, all_finite, first_attempts, outcome_of
+from kfac_func.core.attempts import (
+    DecompositionError,
+    all_finite,
+    compute_dtype_of,
+    first_attempts,
+    outcome_of,
+)
 from kfac_func.core.decomposition import (
     EigenDecomposition,
     EKFACDecomposition,
@@ -95,7 +101,7 @@ def damped_reciprocal(
         >>> damped_reciprocal(torch.tensor([1.0, 3.0]), 1.0, dtype=torch.float32)
         tensor([0.5000, 0.2500])
     """
-    den = factor.to(compute_dtype or torch.promote_types(dtype, torch.float32)) + damping
+    den = factor.to(compute_dtype_of(dtype, compute_dtype)) + damping
     if damping > 0:
         return (1.0 / den).to(dtype)
     cutoff = den.amax(dim=-1, keepdim=True) * torch.finfo(den.dtype).eps * den.shape[-1]
@@ -232,7 +238,7 @@ def eigen_decompose(
     pla, plg = placeholder
     fresh = w is None and ea is None and eg is None and eigh_device is None
     if fresh and _both_dense(diagonal, placeholder):
-        cdt = compute_dtype or torch.promote_types(dtype, torch.float32)
+        cdt = compute_dtype_of(dtype, compute_dtype)
         (fa, fg), ok = first_attempts((a, g), eigh_attempt, cdt, dtype)
         if ok:
             ea, eg = ((q, d.clamp_(min=0.0)) for q, d in map(outcome_of, (fa, fg)))
@@ -282,7 +288,7 @@ def inverse_decompose(
     """
     kw: dict[str, Any] = {"dtype": dtype, "compute_dtype": compute_dtype}
     if _both_dense(diagonal, placeholder):
-        cdt = compute_dtype or torch.promote_types(dtype, torch.float32)
+        cdt = compute_dtype_of(dtype, compute_dtype)
         attempt = functools.partial(inverse_attempt, damping)
         (fa, fg), ok = first_attempts((a, g), attempt, cdt, dtype)
         if ok:  # column-major inverses: their row-major views, as damped_inverse's

@@ -210,13 +210,15 @@ class StepOptions:
             >>> StepOptions().replace(damping=0.1).damping
             0.1
         """
+        if not changes:
+            return self
         unknown = sorted(set(changes) - set(FIELDS))
         if unknown:
             raise TypeError(
                 f"unknown step settings {unknown}: the settings are StepOptions' fields "
                 f"{sorted(FIELDS)}"
             )
-        return dataclasses.replace(self, **changes) if changes else self
+        return dataclasses.replace(self, **changes)
 
     def stage_settings(self, compute_method: str, step: int) -> StageSettings:
         """The preconditioning stage's settings at ``step`` for a state of
@@ -337,4 +339,4 @@ def step_options(options: StepOptions | None, settings: Mapping[str, Any]) -> St
         return StepOptions().replace(**settings)
     if not isinstance(options, StepOptions):
         raise TypeError(f"options must be a kfac_func.StepOptions, got {options!r}")
-    return options.replace(**settings) if settings else options
+    return options.replace(**settings)
