@@ -49,6 +49,15 @@ repetition times one step of every (variant, kind), each K-FAC step directly pre
 SGD step, in an order reversed every other repetition; a fresh random batch is drawn before
 the clock starts. Times are medians over the repetitions.
 
+The 1/1 split
+-------------
+The same timed steps of factors+decomp (every step at 1/1) are also split in two: the
+forward and backward passes (``zero_grad`` included, with each side's hooks: the
+reference's covariances, the adapter's Gram products) and the preconditioner's
+``step()`` (the reference's running averages, ``eigh``/``inv``, preconditioning, kl_clip
+and write-back; the adapter's batch factors from its Grams, fold, decomposition and
+preconditioning); medians of each part over the repetitions.
+
 Peak memory
 -----------
 A fresh subprocess per (model, variant) builds the model and a batch, resets the kernel's
@@ -393,6 +402,9 @@ class Runner:
             self.layers = kf.register(self.model)
             self.state = kf.init(self.layers, convention="kfac-pytorch")
         self.loss = float("nan")
+        self.split = (math.nan, math.nan)
+        """The last step's seconds in the forward and backward passes (the hooks' statistics
+        included) and in the preconditioner's step."""
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randn(self.shape), torch.randint(0, self.classes, (self.shape[0],))
@@ -433,11 +445,14 @@ class Runner:
             for name, p in params.items():
                 p.grad = grads[name]
         else:
+            t0 = time.perf_counter()
             self.opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(self.model(x), y)
             loss.backward()
+            t1 = time.perf_counter()
             if self.pre is not None:
                 self.pre.step()
+            self.split = (t1 - t0, time.perf_counter() - t1)
         self.opt.step()
         self.loss = float(loss.item())
 
@@ -458,6 +473,9 @@ def measure(model: str, variants: list[str], kinds: list[Kind], args: Any) -> di
     base, shape, classes = make_model(model, args)
     runners = {v: Runner(v, base, shape, classes, args) for v in variants}
     samples: dict[str, dict[Kind, list[float]]] = {v: {k: [] for k in kinds} for v in variants}
+    splits: dict[str, dict[Kind, list[tuple[float, float]]]] = {
+        v: {k: [] for k in kinds} for v in variants
+    }
     sgd = runners.get("sgd")
     kfac = [v for v in variants if v != "sgd"]
     for r in runners.values():  # warm-up; the first K-FAC step also decomposes
@@ -472,10 +490,22 @@ def measure(model: str, variants: list[str], kinds: list[Kind], args: Any) -> di
             if sgd is not None:
                 samples["sgd"][kinds[0]].append(sgd.timed(kinds[0]))
             samples[v][k].append(runners[v].timed(k))
+            splits[v][k].append(runners[v].split)
         if args.verbose:
             print(f"  {model}: repetition {rep + 1}/{args.reps}", file=sys.stderr, flush=True)
     losses = {v: r.loss for v, r in runners.items()}
-    return {"samples": samples, "losses": losses, "runners": runners}
+    return {"samples": samples, "splits": splits, "losses": losses, "runners": runners}
+
+
+def split_record(model: str, method: str, splits: dict, suffix: str) -> dict[str, Any]:
+    """The medians of the 1/1 step's two parts, forward+backward (with the hooks) and the
+    preconditioner's step, of the reference and the adapter."""
+    out: dict[str, Any] = {"model": model, "method": method}
+    for v in ("reference", "adapter"):
+        parts = splits[v + suffix][(True, True)]
+        out[f"{v}_fb_ms"] = median_ms([fb for fb, _ in parts])
+        out[f"{v}_step_ms"] = median_ms([st for _, st in parts])
+    return out
 
 
 def amortized(samples: dict[Kind, list[float]], iv: tuple[int, int], sgd: bool) -> float:
@@ -736,12 +766,18 @@ def main(argv: list[str] | None = None) -> int:
 
     checkout = checked_out(("benchmarks/results",), False)
     corr = check_correctness(args)
-    rows, losses, records = [], {}, []
+    rows, losses, records, split_records = [], {}, [], []
     amortized_ms = {}  # (model, intervals) -> {variant: ms per step}
     for model in args.models:
         res = measure(model, variants, kinds, args)
         losses[model] = res["losses"]
         s = res["samples"]
+        if (True, True) in kinds:
+            split_records += [
+                split_record(model, method, res["splits"], suffix)
+                for method, suffix in (("eigen", ""), ("inverse", "-inv"))
+                if args.inverse or not suffix
+            ]
         for iv in args.intervals:
             ms = {v: amortized(s[v], iv, v == "sgd") for v in variants}
             amortized_ms[model, iv] = ms
@@ -803,6 +839,16 @@ def main(argv: list[str] | None = None) -> int:
         ],
         rows,
     )
+    if split_records:
+        print()
+        print("1/1 step split (ms, medians): forward+backward with the hooks, and the step:")
+        print_table(
+            ["model", "method", "ref fwd+bwd", "adapter fwd+bwd", "ref step", "adapter step"],
+            [
+                [r["model"], r["method"]] + [f"{r[k]:.2f}" for k in SPLIT_KEYS]
+                for r in split_records
+            ],
+        )
     qr_rows, qr_records, qr_accuracy = [], [], {}
     for model in args.models:
         for iv in args.intervals:
@@ -882,6 +928,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "settings": settings,
             "rows": records,
+            "split": split_records,
             "qr": qr_records,
             "qr_accuracy": {m: list(v) for m, v in qr_accuracy.items()},
             "correctness": corr,
@@ -895,6 +942,9 @@ def main(argv: list[str] | None = None) -> int:
         profile_adapter(args, args.profile_steps, top=15)
     return 0
 
+
+SPLIT_KEYS = ("reference_fb_ms", "adapter_fb_ms", "reference_step_ms", "adapter_step_ms")
+"""The parts of :func:`split_record`, in the order the printed table shows them."""
 
 RESULTS = HERE / "results"
 PAGE = HERE.parent / "docs" / "performance.md"
@@ -931,6 +981,24 @@ def render(doc: dict[str, Any]) -> str:
             f"{opt(r['functional_over_reference'], '.2f')} | "
             f"{opt(r.get('grouped_over_reference'), '.2f')} |"
         )
+    if doc.get("split"):
+        lines += [
+            "",
+            "Every step updating factors and decompositions (1/1), split: the forward and "
+            "backward passes with the hooks' statistics, then the preconditioner's step "
+            "(milliseconds, medians).",
+            "",
+            "| model | method | forward+backward: reference | adapter | adapter / reference | "
+            "step: reference | adapter | adapter / reference |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in doc["split"]:
+            fb = (r["reference_fb_ms"], r["adapter_fb_ms"])
+            st = (r["reference_step_ms"], r["adapter_step_ms"])
+            lines.append(
+                f"| {r['model']} | {r['method']} | {fb[0]:.2f} | {fb[1]:.2f} | "
+                f"{fb[1] / fb[0]:.2f} | {st[0]:.2f} | {st[1]:.2f} | {st[1] / st[0]:.2f} |"
+            )
     if doc["memory"]:
         lines += ["", "| model | variant | step peak MiB |", "|---|---|---|"]
         lines += [f"| {r['model']} | {r['variant']} | {r['peak_mib']:.1f} |" for r in doc["memory"]]
