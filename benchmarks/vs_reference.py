@@ -27,6 +27,11 @@ The variants
 - ``adapter`` / ``adapter-inv``: the same plus ``kfac_func.KFACPreconditioner(model,
   factor_update_steps=F, inv_update_steps=I, ...).step()`` (scaling ``"kfac-pytorch"``;
   its default ``grouped``: layer by layer on a CPU).
+- ``adapter-unchecked``: ``adapter`` with the finiteness checks of its batch factors and
+  decompositions answering "finite" unread while its step runs (``all_finite_together``
+  replaced, :func:`unchecked`): what those checks cost. Not a configuration of the
+  library, which keeps them (they keep a NaN batch out of the running factors and a failed
+  ``eigh`` out of the step); no peak memory is measured for it.
 - ``adapter-grouped``: ``adapter`` with ``grouped=True`` (the layers of one shape stacked
   and computed together, the default on accelerators), eigen only.
 - ``functional``: ``kf.capture`` + ``kf.update(..., donate=True)`` (state from
@@ -83,6 +88,7 @@ No timing is asserted anywhere; the numbers are printed for people to read.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import cProfile
 import io
@@ -96,7 +102,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +116,9 @@ try:
 except ImportError:  # a checkout without `pip install -e .`: use the repository's copy
     sys.path.insert(0, str(HERE.parent))
     import kfac_func as kf
+
+from kfac_func.core import attempts  # noqa: E402  (adapter-unchecked replaces its check)
+from kfac_func.step import accumulate  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 from stage_arithmetic import bf16_flags  # noqa: E402
@@ -130,6 +139,7 @@ VARIANTS = [
     "sgd",
     "reference",
     "adapter",
+    "adapter-unchecked",
     "adapter-grouped",
     "functional",
     "reference-inv",
@@ -450,7 +460,10 @@ class Runner:
             loss = F.cross_entropy(self.model(x), y)
             loss.backward()
             t1 = time.perf_counter()
-            if self.pre is not None:
+            if self.variant == "adapter-unchecked":
+                with unchecked():
+                    self.pre.step()
+            elif self.pre is not None:
                 self.pre.step()
             self.split = (t1 - t0, time.perf_counter() - t1)
         self.opt.step()
@@ -463,6 +476,18 @@ class Runner:
         t0 = time.perf_counter()
         self.step(x, y, kind)
         return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def unchecked() -> Iterator[None]:
+    """The library's finiteness checks of factors and decompositions answer True, unread,
+    inside the block (``adapter-unchecked``)."""
+    saved = attempts.all_finite_together
+    attempts.all_finite_together = accumulate.all_finite_together = lambda tensors: True
+    try:
+        yield
+    finally:
+        attempts.all_finite_together = accumulate.all_finite_together = saved
 
 
 # --------------------------------------------------------------------------- measurements
@@ -507,6 +532,10 @@ def split_record(model: str, method: str, splits: dict, suffix: str) -> dict[str
         out[f"{v}_step_ms"] = median_ms([st for _, st in parts])
     out["fb_adapter_over_reference"] = out["adapter_fb_ms"] / out["reference_fb_ms"]
     out["step_adapter_over_reference"] = out["adapter_step_ms"] / out["reference_step_ms"]
+    if not suffix and "adapter-unchecked" in splits:
+        parts = splits["adapter-unchecked"][(True, True)]
+        out["unchecked_step_ms"] = median_ms([st for _, st in parts])
+        out["step_unchecked_over_reference"] = out["unchecked_step_ms"] / out["reference_step_ms"]
     return out
 
 
@@ -789,6 +818,7 @@ def main(argv: list[str] | None = None) -> int:
                 ref, ours = ms[f"reference{suffix}"], ms[f"adapter{suffix}"]
                 fn = ms["functional"] if not suffix else float("nan")
                 grp = ms["adapter-grouped"] if not suffix else float("nan")
+                unc = ms["adapter-unchecked"] if not suffix else float("nan")
                 records.append(
                     {
                         "model": model,
@@ -802,6 +832,8 @@ def main(argv: list[str] | None = None) -> int:
                         "adapter_over_reference": ours / ref,
                         "functional_over_reference": None if suffix else fn / ref,
                         "grouped_over_reference": None if suffix else grp / ref,
+                        "unchecked_ms": None if suffix else unc,
+                        "unchecked_over_reference": None if suffix else unc / ref,
                         "width": make_model(model, args)[1][1] if model != "cnn" else None,
                     }
                 )
@@ -845,9 +877,11 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print("1/1 step split (ms, medians): forward+backward with the hooks, and the step:")
         print_table(
-            ["model", "method", "ref fwd+bwd", "adapter fwd+bwd", "ref step", "adapter step"],
+            ["model", "method", *SPLIT_COLUMNS],
             [
-                [r["model"], r["method"]] + [f"{r[k]:.2f}" for k in SPLIT_KEYS]
+                [r["model"], r["method"]]
+                + [f"{r[k]:.2f}" for k in SPLIT_KEYS]
+                + [f"{r['unchecked_step_ms']:.2f}" if "unchecked_step_ms" in r else "-"]
                 for r in split_records
             ],
         )
@@ -893,7 +927,11 @@ def main(argv: list[str] | None = None) -> int:
     memory: list[dict[str, Any]] = []
     if args.memory:
         mem_models = ["mlp"] if args.quick else args.models
-        mem_variants = ["sgd", "reference", "adapter"] if args.quick else variants
+        mem_variants = (
+            ["sgd", "reference", "adapter"]
+            if args.quick
+            else [v for v in variants if v != "adapter-unchecked"]
+        )
         mem = measure_memory(mem_models, mem_variants, args)
         mrows = []
         for model in mem_models:
@@ -947,6 +985,8 @@ def main(argv: list[str] | None = None) -> int:
 
 SPLIT_KEYS = ("reference_fb_ms", "adapter_fb_ms", "reference_step_ms", "adapter_step_ms")
 """The parts of :func:`split_record`, in the order the printed table shows them."""
+SPLIT_COLUMNS = ("ref fwd+bwd", "adapter fwd+bwd", "ref step", "adapter step", "unchecked step")
+"""The printed table's columns after the model and the method."""
 
 RESULTS = HERE / "results"
 PAGE = HERE.parent / "docs" / "performance.md"
@@ -988,17 +1028,23 @@ def render(doc: dict[str, Any]) -> str:
             "",
             "Every step updating factors and decompositions (1/1), split: the forward and "
             "backward passes with the hooks' statistics, then the preconditioner's step "
-            "(milliseconds, medians).",
+            "(milliseconds, medians); unchecked: the adapter's step with the finiteness "
+            "checks of its factors and decompositions skipped (what they cost).",
             "",
             "| model | method | forward+backward: reference | adapter | adapter / reference | "
-            "step: reference | adapter | adapter / reference |",
-            "|---|---|---|---|---|---|---|---|",
+            "step: reference | adapter | adapter / reference | unchecked / reference |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
+
+        def unchecked(r: dict[str, Any]) -> str:
+            v = r.get("step_unchecked_over_reference")
+            return "-" if v is None else f"{v:.2f}"
+
         lines += [
             f"| {r['model']} | {r['method']} | {r['reference_fb_ms']:.2f} | "
             f"{r['adapter_fb_ms']:.2f} | {r['fb_adapter_over_reference']:.2f} | "
             f"{r['reference_step_ms']:.2f} | {r['adapter_step_ms']:.2f} | "
-            f"{r['step_adapter_over_reference']:.2f} |"
+            f"{r['step_adapter_over_reference']:.2f} | {unchecked(r)} |"
             for r in doc["split"]
         ]
     if doc["memory"]:
