@@ -61,7 +61,8 @@ forward and backward passes (``zero_grad`` included, with each side's hooks: the
 reference's covariances, the adapter's Gram products) and the preconditioner's
 ``step()`` (the reference's running averages, ``eigh``/``inv``, preconditioning, kl_clip
 and write-back; the adapter's batch factors from its Grams, fold, decomposition and
-preconditioning); medians of each part over the repetitions.
+preconditioning); medians of each part over the repetitions. ``adapter-unchecked``'s step
+is reported beside them: the adapter's step less what its finiteness checks cost.
 
 Peak memory
 -----------
