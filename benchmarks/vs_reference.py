@@ -1036,16 +1036,12 @@ def render(doc: dict[str, Any]) -> str:
             "step: reference | adapter | adapter / reference | unchecked / reference |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
-
-        def unchecked(r: dict[str, Any]) -> str:
-            v = r.get("step_unchecked_over_reference")
-            return "-" if v is None else f"{v:.2f}"
-
         lines += [
             f"| {r['model']} | {r['method']} | {r['reference_fb_ms']:.2f} | "
             f"{r['adapter_fb_ms']:.2f} | {r['fb_adapter_over_reference']:.2f} | "
             f"{r['reference_step_ms']:.2f} | {r['adapter_step_ms']:.2f} | "
-            f"{r['step_adapter_over_reference']:.2f} | {unchecked(r)} |"
+            f"{r['step_adapter_over_reference']:.2f} | "
+            f"{opt(r.get('step_unchecked_over_reference'), '.2f')} |"
             for r in doc["split"]
         ]
     if doc["memory"]:
