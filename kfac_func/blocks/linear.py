@@ -18,7 +18,7 @@ from torch import nn
 from kfac_func.blocks.base import LayerBlock
 from kfac_func.blocks.mapped import mapped_params, mapping_error
 from kfac_func.blocks.registry import register_block
-from kfac_func.blocks.spec import Gram, LayerSpec, row_gram, shape_error, with_ones
+from kfac_func.blocks.spec import Gram, LayerSpec, cast, row_gram, shape_error, with_ones
 
 __all__ = ["LinearBlock"]
 
@@ -96,16 +96,16 @@ class LinearBlock(LayerBlock):
         """Input rows ``(prod(...), in)`` of ``x`` of shape ``(..., in)``; spatial 1."""
         if x.dim() == 0 or x.shape[-1] != spec.in_dim:
             raise shape_error(spec, "input", f"last dimension {spec.in_dim}", x.shape)
-        return x.reshape(-1, spec.in_dim), 1
+        return (x if x.dim() == 2 else x.reshape(-1, spec.in_dim)), 1
 
     def g_rows(self, spec: LayerSpec, r: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Output-gradient rows ``(prod(...), out)``; spatial 1."""
         if r.dim() == 0 or r.shape[-1] != spec.out_dim:
             raise shape_error(spec, "output-gradient", f"last dimension {spec.out_dim}", r.shape)
-        return r.reshape(-1, spec.out_dim), 1
+        return (r if r.dim() == 2 else r.reshape(-1, spec.out_dim)), 1
 
     def a_gram(self, spec: LayerSpec, x: torch.Tensor, dtype: torch.dtype) -> Gram:
-        rows, spatial = self.a_rows(spec, x.to(dtype))
+        rows, spatial = self.a_rows(spec, cast(x, dtype))
         if self.reduced(spec) and x.dim() > 2:  # the mean input of each example
             rows = rows.reshape(x.shape[0], -1, rows.shape[-1]).mean(dim=1)
         d = spec.a_diagonal
@@ -127,7 +127,7 @@ class LinearBlock(LayerBlock):
         )
 
     def g_gram(self, spec: LayerSpec, r: torch.Tensor, dtype: torch.dtype) -> Gram:
-        rows, spatial = self.g_rows(spec, r.to(dtype))
+        rows, spatial = self.g_rows(spec, cast(r, dtype))
         if self.reduced(spec) and r.dim() > 2:  # the summed output-gradient of each example
             rows = rows.reshape(r.shape[0], -1, rows.shape[-1]).sum(dim=1)
         d = spec.g_diagonal

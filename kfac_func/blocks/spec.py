@@ -477,7 +477,7 @@ def row_gram(
         out[..., d] = rows.shape[-2]
         return out
     if not with_ones:
-        return gram_of(rows).to(wide)
+        return cast(gram_of(rows), wide)
     if rows.dtype.itemsize >= 4 and d < _BLOCKED_WIDTH:
         # narrow rows of 32 bits or more: the ones column appended, one product (the
         # assembly below costs a handful of small operations more than it saves here)
