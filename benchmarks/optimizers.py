@@ -33,7 +33,8 @@ statistics every other step from step 256; the recommended recipe),
 ``kfac-moments-wide-2`` (eigenbases every 2 steps, statistics every step, however long
 the run), ``kfac-moments-wide-s2`` (factor statistics every 2 steps from the start, decay
 0.81), ``kfac-moments-wide-p8`` (the wide layers' powers refreshed on the decomposition
-steps that are multiples of 8: ``Orthogonal(every=8)``) and
+steps that are multiples of 8: ``Orthogonal(every=8)``), ``kfac-moments-wide-nn`` (the
+norm layers left out: their parameters on AdamW, as Muon's and SOAP's vectors) and
 ``kfac-adaptive`` (no optimizer: the quadratic model's learning rate and momentum,
 Levenberg–Marquardt damping; its "learning rates" are the starting dampings). Every
 optimizer gets the same schedule (linear warm-up, cosine decay to 10 %), the same
@@ -102,6 +103,7 @@ LRS: dict[str, tuple[float, ...]] = {
     "kfac-moments-wide-2": (7e-3, 1.4e-2),
     "kfac-moments-wide-s2": (7e-3, 1.4e-2),
     "kfac-moments-wide-p8": (7e-3, 1.4e-2),
+    "kfac-moments-wide-nn": (7e-3, 1.4e-2),
     "kfac-adaptive": (0.1, 1.0),  # the starting damping: no learning rate to sweep
     "kfac-muon": (0.02, 0.05),
     "kfac-muon-two-sided": (0.02, 0.05),
@@ -235,6 +237,10 @@ Newton–Schulz iteration, G kept diagonal), in bfloat16 where this CPU multipli
 natively, as Muon's; an A factor wider than 512 in diagonal blocks of at most 512
 (``kfac-moments-wide-whole``: the same step with every A factor whole)."""
 
+NORMS = "Norm$"
+"""``kfac-moments-wide-nn``'s ``skip_layers``: the modules whose class (or name) ends in
+``Norm`` (``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``)."""
+
 STATISTICS = kf.adapter.recipes.STATISTICS
 """The recommended recipe's statistics schedule: every step, every other from step 256."""
 
@@ -294,6 +300,12 @@ KFAC = {
     # a smooth power, not an eigenbasis that must be fresh
     "kfac-moments-wide-p8": _wide(
         kf.step.GrowingInterval(), WIDE._replace(every=8), factor=STATISTICS
+    ),
+    # the same with the norm layers left out (skip_layers): their weights and biases on
+    # AdamW, as Muon's and SOAP's vectors are, and no statistics of them in the hooks
+    "kfac-moments-wide-nn": (
+        *_wide(kf.step.GrowingInterval(), WIDE, factor=STATISTICS)[:-1],
+        {**_wide(kf.step.GrowingInterval(), WIDE)[-1], "skip_layers": [NORMS]},
     ),
     # the quadratic model's learning rate and momentum, adaptive damping ("lr": its start)
     "kfac-adaptive": ("eigen", 0.0, 0.0, None, (1, 5), 0.95, {}),
@@ -414,7 +426,7 @@ class Stepper:
             self.pre = self.face.preconditioner
             self.opts = [self.face]
             return
-        mine, rest = kf.register(model).split_parameters(model)
+        mine, rest = kf.register(model, kwargs.get("skip_layers")).split_parameters(model)
         sgd = torch.optim.SGD(mine, lr=lr, momentum=momentum, dampening=dampening)
         self.opts = [] if adaptive else [sgd]
         if rest:
