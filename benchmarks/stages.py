@@ -196,6 +196,10 @@ BEFORE = "before"
 and schedule changed: ``kfac-moments-wide-2`` (eigenbases every 2 steps however long the
 run) with float32 statistics (``gram_dtype=torch.float32``: the hooks' Grams in float32
 inside the autocast region)."""
+NORMS = "kfac-moments-wide-nn"
+"""The stepper of ``--autocast`` runs that times the recipe with its norm layers left out
+(their parameters on AdamW, as Muon's and SOAP's vectors; ``benchmarks/optimizers.py``),
+in training steps of its own beside the recipe's."""
 HORIZON = 2000
 """The run over which the recipe's growing refresh interval is amortized (``lm_long``'s
 steps)."""
@@ -299,7 +303,7 @@ class Bench:
         self.plain = copy.deepcopy(base)
         # the training steps of every optimizer: the race's recipes (learning rates at
         # the start of a long warm-up: small, so nothing diverges while timing)
-        names = ["adamw", "muon", "muon-fp32", RECIPE, *([BEFORE] if args.autocast else [])]
+        names = ["adamw", "muon", "muon-fp32", RECIPE, *([BEFORE, NORMS] if args.autocast else [])]
         if optimizers._heavyball() is not None:
             names.insert(3, "soap")
         self.steppers: dict[str, optimizers.Stepper] = {}
@@ -307,6 +311,7 @@ class Bench:
         overrides = {
             RECIPE: self.overrides,
             BEFORE: {**self.overrides, "gram_dtype": torch.float32},
+            NORMS: self.overrides,
         }
         for name in names:
             recipe = {"muon-fp32": "muon", BEFORE: "kfac-moments-wide-2"}.get(name, name)
@@ -724,9 +729,13 @@ def build_rows(
     )
     before = BEFORE in bench.steppers
     if before:  # the hooks of the recipe and of the recipe before, in their training steps
-        for name, label in ((RECIPE, "bfloat16"), (BEFORE, "float32")):
+        for name, label in (
+            (RECIPE, "bfloat16 statistics"),
+            (BEFORE, "float32 statistics"),
+            (NORMS, "bfloat16, norm layers on AdamW"),
+        ):
             add(
-                f"  in training steps, {label} statistics",
+                f"  in training steps, {label}",
                 fb,
                 median_ms(samples[f"{name} fb"]),
                 f"{name} stepper" + (" (before)" if name == BEFORE else ""),
@@ -845,6 +854,7 @@ def build_rows(
     labels = {
         RECIPE: f"K-FAC ({RECIPE}), amortized (eigh every 2)",
         BEFORE: "K-FAC before: float32 statistics, eigh every 2",
+        NORMS: "K-FAC, norm layers on AdamW, amortized (eigh every 2)",
     }
     for name in bench.steppers:
         whole = pair_ms([a + b for a, b in zip(samples[f"{name} fb"], samples[f"{name} opt"])])
@@ -927,6 +937,8 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, float | None]:
         "whole_over_muon_before": over("before whole", "muon whole"),
         "whole_over_muon_after_every_2": over(f"{RECIPE} whole", "muon whole"),
         "whole_over_muon_after": over("kfac long whole", "muon whole"),
+        "hooks_over_plain_norms_on_adamw": over(f"{NORMS} fb", "plain"),
+        "whole_over_muon_norms_on_adamw_every_2": over(f"{NORMS} whole", "muon whole"),
     }
 
 
