@@ -34,7 +34,8 @@ statistics every other step from step 256; the recommended recipe),
 the run), ``kfac-moments-wide-s2`` (factor statistics every 2 steps from the start, decay
 0.81), ``kfac-moments-wide-p8`` (the wide layers' powers refreshed on the decomposition
 steps that are multiples of 8: ``Orthogonal(every=8)``), ``kfac-moments-wide-nn`` (the
-norm layers left out: their parameters on AdamW, as Muon's and SOAP's vectors) and
+norm layers left out: their parameters on AdamW, as Muon's and SOAP's vectors),
+``kfac-moments-wide-b256`` (the wide layers' A factors in blocks of at most 256) and
 ``kfac-adaptive`` (no optimizer: the quadratic model's learning rate and momentum,
 Levenberg–Marquardt damping; its "learning rates" are the starting dampings). Every
 optimizer gets the same schedule (linear warm-up, cosine decay to 10 %), the same
@@ -104,6 +105,7 @@ LRS: dict[str, tuple[float, ...]] = {
     "kfac-moments-wide-s2": (7e-3, 1.4e-2),
     "kfac-moments-wide-p8": (7e-3, 1.4e-2),
     "kfac-moments-wide-nn": (7e-3, 1.4e-2),
+    "kfac-moments-wide-b256": (7e-3, 1.4e-2),
     "kfac-adaptive": (0.1, 1.0),  # the starting damping: no learning rate to sweep
     "kfac-muon": (0.02, 0.05),
     "kfac-muon-two-sided": (0.02, 0.05),
@@ -253,11 +255,12 @@ MOMENTS = {"eigenbasis_moments": True, "moment_beta2": 0.95, "moment_beta1": 0.9
 K-FAC's eigenbasis, β₁ 0.9 and β₂ 0.95, as SOAP's)."""
 
 
-def _wide(inv: Any, orthogonal: kf.Orthogonal, factor: Any = 1) -> tuple[Any, ...]:
+def _wide(inv: Any, orthogonal: kf.Orthogonal, factor: Any = 1, **extra: Any) -> tuple[Any, ...]:
     """A ``kfac-moments-wide`` variant of :data:`KFAC`: eigenbases every ``inv`` steps (or
     on that schedule), ``orthogonal`` on the wide layers, statistics every ``factor`` steps
-    (or on that schedule) with the decay that keeps 0.9's memory in steps."""
-    settings = {**MOMENTS, **GRAM, "orthogonal": orthogonal}
+    (or on that schedule) with the decay that keeps 0.9's memory in steps, and the
+    preconditioner arguments ``extra``."""
+    settings = {**MOMENTS, **GRAM, "orthogonal": orthogonal, **extra}
     decay = 0.9 if factor == 1 else kf.step.DecayPerStep(0.9, factor)
     return ("eigen", 0.0, 0.0, None, (factor, inv), decay, settings)
 
@@ -303,9 +306,13 @@ KFAC = {
     ),
     # the same with the norm layers left out (skip_layers): their weights and biases on
     # AdamW, as Muon's and SOAP's vectors are, and no statistics of them in the hooks
-    "kfac-moments-wide-nn": (
-        *_wide(kf.step.GrowingInterval(), WIDE, factor=STATISTICS)[:-1],
-        {**_wide(kf.step.GrowingInterval(), WIDE)[-1], "skip_layers": [NORMS]},
+    "kfac-moments-wide-nn": _wide(
+        kf.step.GrowingInterval(), WIDE, factor=STATISTICS, skip_layers=[NORMS]
+    ),
+    # the same with the wide layers' A factors in blocks of at most 256 (half the
+    # recipe's): four 193-wide blocks of lm4x's 769-wide A factor instead of two 385-wide
+    "kfac-moments-wide-b256": _wide(
+        kf.step.GrowingInterval(), WIDE._replace(block=256), factor=STATISTICS
     ),
     # the quadratic model's learning rate and momentum, adaptive damping ("lr": its start)
     "kfac-adaptive": ("eigen", 0.0, 0.0, None, (1, 5), 0.95, {}),
