@@ -34,8 +34,7 @@ statistics every other step from step 256; the recommended recipe),
 the run), ``kfac-moments-wide-s2`` (factor statistics every 2 steps from the start, decay
 0.81), ``kfac-moments-wide-p8`` (the wide layers' powers refreshed on the decomposition
 steps that are multiples of 8: ``Orthogonal(every=8)``), ``kfac-moments-wide-nn`` (the
-norm layers left out: their parameters on AdamW, as Muon's and SOAP's vectors),
-``kfac-moments-wide-b256`` (the wide layers' A factors in blocks of at most 256) and
+norm layers left out: their parameters on AdamW, as Muon's and SOAP's vectors) and
 ``kfac-adaptive`` (no optimizer: the quadratic model's learning rate and momentum,
 Levenberg–Marquardt damping; its "learning rates" are the starting dampings). Every
 optimizer gets the same schedule (linear warm-up, cosine decay to 10 %), the same
@@ -105,7 +104,6 @@ LRS: dict[str, tuple[float, ...]] = {
     "kfac-moments-wide-s2": (7e-3, 1.4e-2),
     "kfac-moments-wide-p8": (7e-3, 1.4e-2),
     "kfac-moments-wide-nn": (7e-3, 1.4e-2),
-    "kfac-moments-wide-b256": (7e-3, 1.4e-2),
     "kfac-adaptive": (0.1, 1.0),  # the starting damping: no learning rate to sweep
     "kfac-muon": (0.02, 0.05),
     "kfac-muon-two-sided": (0.02, 0.05),
@@ -308,11 +306,6 @@ KFAC = {
     # AdamW, as Muon's and SOAP's vectors are, and no statistics of them in the hooks
     "kfac-moments-wide-nn": _wide(
         kf.step.GrowingInterval(), WIDE, factor=STATISTICS, skip_layers=[NORMS]
-    ),
-    # the same with the wide layers' A factors in blocks of at most 256 (half the
-    # recipe's): four 193-wide blocks of lm4x's 769-wide A factor instead of two 385-wide
-    "kfac-moments-wide-b256": _wide(
-        kf.step.GrowingInterval(), WIDE._replace(block=256), factor=STATISTICS
     ),
     # the quadratic model's learning rate and momentum, adaptive damping ("lr": its start)
     "kfac-adaptive": ("eigen", 0.0, 0.0, None, (1, 5), 0.95, {}),

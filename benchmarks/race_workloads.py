@@ -51,7 +51,6 @@ KNOBS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "kfac-moments-wide-s2": ("moment_beta2", (0.95, 0.999)),
     "kfac-moments-wide-p8": ("moment_beta2", (0.95, 0.999)),
     "kfac-moments-wide-nn": ("moment_beta2", (0.95, 0.999)),
-    "kfac-moments-wide-b256": ("moment_beta2", (0.95, 0.999)),
     "kfac-muon": ("ortho_powers", ((0.5, 0.0), (1.0, 0.0))),
     "kfac-muon-two-sided": ("ortho_powers", ((0.25, 0.25), (0.5, 0.5))),
     "kfac-muon-kfac-head": ("ortho_powers", ((0.5, 0.0), (0.25, 0.25))),
