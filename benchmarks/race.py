@@ -136,23 +136,29 @@ def print_run(r: dict[str, Any]) -> None:
 
 
 def race(w: rw.RaceWorkload, args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
-    """Every run of the workload: each optimizer's grid on the tuning seed, then its best
-    setting on the evaluation seeds."""
+    """Every run of the workload: each optimizer's grid on the tuning seed, then, seed by
+    seed, every optimizer's best setting on that evaluation seed (in an order reversed
+    every other seed). The evaluation runs of all optimizers thus follow each other within
+    minutes: a machine whose speed drifts over a long race moves their seconds alike,
+    where each optimizer's evaluations run back to back would each meet another speed."""
     runs: list[dict[str, Any]] = []
+    best: dict[str, dict[str, Any]] = {}
     for name in args.optimizers:
         tuning = []
         for lr, settings in rw.grid(name, w, args.lr_points):
             tuning.append(run_once(name, lr, settings, w, args.tuning_seed, "tune"))
             log(tuning[-1])
-        best = min(tuning, key=lambda r: race_report.final_loss(r["rows"]))
-        tried = [r["lr"] for r in tuning if r["settings"] == best["settings"]]
-        for lr in rw.refine(tried, best["lr"], args.refine_points):  # around the best
-            tuning.append(run_once(name, lr, best["settings"], w, args.tuning_seed, "tune"))
+        top = min(tuning, key=lambda r: race_report.final_loss(r["rows"]))
+        tried = [r["lr"] for r in tuning if r["settings"] == top["settings"]]
+        for lr in rw.refine(tried, top["lr"], args.refine_points):  # around the best
+            tuning.append(run_once(name, lr, top["settings"], w, args.tuning_seed, "tune"))
             log(tuning[-1])
-        best = min(tuning, key=lambda r: race_report.final_loss(r["rows"]))
+        best[name] = min(tuning, key=lambda r: race_report.final_loss(r["rows"]))
         runs += tuning
-        for seed in args.eval_seeds:
-            runs.append(run_once(name, best["lr"], best["settings"], w, seed, "eval"))
+    for k, seed in enumerate(args.eval_seeds):
+        for name in args.optimizers if k % 2 == 0 else args.optimizers[::-1]:
+            b = best[name]
+            runs.append(run_once(name, b["lr"], b["settings"], w, seed, "eval"))
             log(runs[-1])
     return runs
 
