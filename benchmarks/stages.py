@@ -728,7 +728,7 @@ def build_rows(
         key="statistics",
     )
     before = BEFORE in bench.steppers
-    if before:  # the hooks of the recipe and of the recipe before, in their training steps
+    if before:  # the hooks of the recipe, the recipe before and the norms variant, in steps
         for name, label in (
             (RECIPE, "bfloat16 statistics"),
             (BEFORE, "float32 statistics"),
