@@ -1,12 +1,16 @@
 """The stage tables of ``docs/performance.md`` from ``benchmarks/results/stages.json``.
 
-``python benchmarks/stages_report.py`` rewrites two blocks of ``docs/performance.md`` from
+``python benchmarks/stages_report.py`` rewrites blocks of ``docs/performance.md`` from
 the committed results of ``benchmarks/stages.py``: between ``<!-- stages:start -->`` and
 ``<!-- stages:end -->``, per stage and workload, the milliseconds and the ratio to the
 stage's arithmetic floor; between ``<!-- stage-floors:start -->`` and
 ``<!-- stage-floors:end -->``, what the recipe's step at its floors would make of the
 race's time to Muon's and SOAP's final losses (the steps it takes to them from the race's
-headline, ``race_headline.json``). Nothing here imports torch.
+headline, ``race_headline.json``). From the run under bfloat16 autocast
+(``stages_bf16.json``), where it is committed, the same two for it: between
+``<!-- stages-bf16:start -->`` and ``<!-- stages-bf16:end -->``, the recipe before and
+after; between ``<!-- stage-floors-bf16:start -->`` and ``<!-- stage-floors-bf16:end -->``,
+the floors against the bfloat16 races. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ FLOOR_MARKERS = ("<!-- stage-floors:start -->", "<!-- stage-floors:end -->")
 HEADLINE = ROOT / "benchmarks" / "results" / "race_headline.json"
 BF16 = ROOT / "benchmarks" / "results" / "stages_bf16.json"
 BF16_MARKERS = ("<!-- stages-bf16:start -->", "<!-- stages-bf16:end -->")
+BF16_FLOOR_MARKERS = ("<!-- stage-floors-bf16:start -->", "<!-- stage-floors-bf16:end -->")
 BF16_ROWS = (
     ("plain", "plain forward+backward"),
     ("before fb", "forward+backward with the hooks, before: float32 statistics"),
@@ -140,19 +145,22 @@ def render_floors(
     doc: dict[str, Any],
     headline: dict[str, Any],
     source: str = "`benchmarks/results/stages.json`",
+    suffix: str = "",
 ) -> str:
     """The Markdown of the recipe's whole step, measured and at its floors, over Muon's
     and SOAP's whole steps, and times the steps the race's recipe takes to their final
     losses (as a share of their runs' steps): the race's time-to-target ratio as the
-    measured step makes it, and as the step at its floors would.
+    measured step makes it, as the step at its floors would, and as the forward and
+    backward passes with the hooks alone would (an optimizer part that cost nothing).
+    ``suffix``: the race's workloads are the stage run's with it (``"_bf16"``).
 
     Example:
         >>> rows = [{"key": k, "ms": v} for k, v in (("r whole", 60.0), ("floor whole",
-        ...         30.0), ("muon whole", 20.0), ("soap whole", 50.0))]
+        ...         30.0), ("hooks", 24.0), ("muon whole", 20.0), ("soap whole", 50.0))]
         >>> doc = {"workloads": {"lm": {"rows": rows}}, "recipe": {"name": "r"}}
         >>> head = {"rows": [{"workload": "lm", "competitor": c, "kfac_steps": 150,
         ...          "competitor_steps": 200, "ratio": 2.0} for c in ("muon", "soap")]}
-        >>> "| `lm` | Muon | 60.0 | 30.0 | 20.0 | 0.75 | 2.25× | 1.12× | 2.00× |" in (
+        >>> "| `lm` | Muon | 60.0 | 30.0 | 20.0 | 0.75 | 2.25× | 1.12× | 0.90× | 2.00× |" in (
         ...     render_floors(doc, head))
         True
     """
@@ -165,28 +173,33 @@ def render_floors(
         "",
         "| workload | competitor | K-FAC's step ms | at its floors | competitor's step ms "
         "| steps to its final (share) | time to its final: measured step | at the floors "
-        "| the race's ratio |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| forward+backward with the hooks alone | the race's ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for w, body in doc["workloads"].items():
         by = {r["key"]: r for r in body["rows"]}
         step, floor = by[f"{recipe} whole"]["ms"], by["floor whole"]["ms"]
         for c, name in COMPETITORS.items():
-            r = race.get((w, c))
+            r = race.get((w + suffix, c))
             if r is None or f"{c} whole" not in by or not r["kfac_steps"]:
                 continue
             theirs = by[f"{c} whole"]["ms"]
             share = r["kfac_steps"] / r["competitor_steps"]
             ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}×"
+            hooks = by.get(f"{recipe} fb", by["hooks"])["ms"]  # in training steps, where timed
+            alone = hooks / theirs * share
             lines.append(
-                f"| `{w}` | {name} | {step:.1f} | {floor:.1f} | {theirs:.1f} | "
+                f"| `{w + suffix}` | {name} | {step:.1f} | {floor:.1f} | {theirs:.1f} | "
                 f"{share:.2f} | {step / theirs * share:.2f}× | {floor / theirs * share:.2f}× "
-                f"| {ratio} |"
+                f"| {alone:.2f}× | {ratio} |"
             )
     return "\n".join(lines)
 
 
-def render_bf16(doc: dict[str, Any], source: str = "`benchmarks/results/stages_bf16.json`") -> str:
+BF16_SOURCE = "`benchmarks/results/stages_bf16.json`"
+
+
+def render_bf16(doc: dict[str, Any], source: str = BF16_SOURCE) -> str:
     """The Markdown of an ``--autocast`` run: the recipe before and after its bfloat16
     statistics and growing refresh interval, beside Muon, SOAP and AdamW (milliseconds),
     then the issue's two ratios per workload.
@@ -243,8 +256,12 @@ def main() -> int:
     changed = rr.replace_block(PAGE, FLOOR_MARKERS, floors)
     print(f"{PAGE}: floor table {'rewritten' if changed else 'unchanged'}")
     if BF16.exists():
-        changed = rr.replace_block(PAGE, BF16_MARKERS, render_bf16(json.loads(BF16.read_text())))
+        bf16 = json.loads(BF16.read_text())
+        changed = rr.replace_block(PAGE, BF16_MARKERS, render_bf16(bf16))
         print(f"{PAGE}: bfloat16 table {'rewritten' if changed else 'unchanged'}")
+        floors = render_floors(bf16, json.loads(HEADLINE.read_text()), BF16_SOURCE, "_bf16")
+        changed = rr.replace_block(PAGE, BF16_FLOOR_MARKERS, floors)
+        print(f"{PAGE}: bfloat16 floor table {'rewritten' if changed else 'unchanged'}")
     return 0
 
 

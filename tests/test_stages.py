@@ -234,3 +234,6 @@ def test_the_docs_stage_table_is_the_committed_results() -> None:
         assert bf16["quick"] is False and bf16["settings"]["autocast"] is True
         block = stages_report.block_of(page, stages_report.BF16_MARKERS)
         assert block == stages_report.render_bf16(bf16)
+        floors = stages_report.block_of(page, stages_report.BF16_FLOOR_MARKERS)
+        source = stages_report.BF16_SOURCE
+        assert floors == stages_report.render_floors(bf16, headline, source, "_bf16")
