@@ -179,6 +179,7 @@ def render_floors(
     for w, body in doc["workloads"].items():
         by = {r["key"]: r for r in body["rows"]}
         step, floor = by[f"{recipe} whole"]["ms"], by["floor whole"]["ms"]
+        hooks = by.get(f"{recipe} fb", by["hooks"])["ms"]  # in training steps, where timed
         for c, name in COMPETITORS.items():
             r = race.get((w + suffix, c))
             if r is None or f"{c} whole" not in by or not r["kfac_steps"]:
@@ -186,7 +187,6 @@ def render_floors(
             theirs = by[f"{c} whole"]["ms"]
             share = r["kfac_steps"] / r["competitor_steps"]
             ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}×"
-            hooks = by.get(f"{recipe} fb", by["hooks"])["ms"]  # in training steps, where timed
             alone = hooks / theirs * share
             lines.append(
                 f"| `{w + suffix}` | {name} | {step:.1f} | {floor:.1f} | {theirs:.1f} | "
