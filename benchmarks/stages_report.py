@@ -252,14 +252,15 @@ def main() -> int:
     doc = json.loads(RESULTS.read_text())
     changed = rr.replace_block(PAGE, MARKERS, render(doc))
     print(f"{PAGE}: stage table {'rewritten' if changed else 'unchanged'}")
-    floors = render_floors(doc, json.loads(HEADLINE.read_text()))
+    headline = json.loads(HEADLINE.read_text())
+    floors = render_floors(doc, headline)
     changed = rr.replace_block(PAGE, FLOOR_MARKERS, floors)
     print(f"{PAGE}: floor table {'rewritten' if changed else 'unchanged'}")
     if BF16.exists():
         bf16 = json.loads(BF16.read_text())
         changed = rr.replace_block(PAGE, BF16_MARKERS, render_bf16(bf16))
         print(f"{PAGE}: bfloat16 table {'rewritten' if changed else 'unchanged'}")
-        floors = render_floors(bf16, json.loads(HEADLINE.read_text()), BF16_SOURCE, "_bf16")
+        floors = render_floors(bf16, headline, BF16_SOURCE, "_bf16")
         changed = rr.replace_block(PAGE, BF16_FLOOR_MARKERS, floors)
         print(f"{PAGE}: bfloat16 floor table {'rewritten' if changed else 'unchanged'}")
     return 0
