@@ -85,6 +85,7 @@ from step_time import cpu_model, load_example  # noqa: E402
 
 import kfac_func as kf  # noqa: E402
 from kfac_func.adapter.settings import settings_from_keywords  # noqa: E402
+from kfac_func.core.hardware import native_bf16  # noqa: E402
 
 lm = load_example("transformer_lm")
 
@@ -215,8 +216,9 @@ def _heavyball() -> Any | None:
     return heavyball
 
 
-NATIVE_BF16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-"""Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX). Where it does not,
+NATIVE_BF16 = native_bf16("cpu")
+"""Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX; the library's
+:func:`~kfac_func.core.hardware.native_bf16`, as ``kf.KFAC`` decides). Where it does not,
 Muon's Newton–Schulz iteration runs in float32 (``stage_arithmetic.Muon32``): emulated
 bfloat16 products are many times slower than float32's, and a race against them would
 time the emulation, not Muon."""

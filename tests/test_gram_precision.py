@@ -16,6 +16,7 @@ from torch import nn
 
 import kfac_func as kf
 from kfac_func.blocks import a_gram, g_gram
+from kfac_func.core.hardware import native_bf16
 
 F64, BF16 = torch.float64, torch.bfloat16
 U = 2.0**-8
@@ -100,7 +101,7 @@ def test_preconditioner_factors_within_the_bound_and_autocast_activations_as_the
 
 
 def test_the_face_chooses_bfloat16_statistics_where_the_cpu_multiplies_it() -> None:
-    native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    native = native_bf16("cpu")
     assert kf.KFAC(_model()).preconditioner.gram_dtype == (BF16 if native else None)
     assert kf.KFAC(_model().double()).preconditioner.gram_dtype is None  # float64 asked for
     assert kf.KFAC(_model(), recipe="kfac-pytorch").preconditioner.gram_dtype is None
@@ -109,6 +110,36 @@ def test_the_face_chooses_bfloat16_statistics_where_the_cpu_multiplies_it() -> N
         kf.KFACPreconditioner(_model(), settings=kf.Settings(gram_dtype=torch.int8))
     with pytest.raises(ValueError, match="gram_dtype must be a floating"):
         kf.StepOptions(gram_dtype="bfloat16")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("avx512_bf16", "amx"), [(False, False), (True, False), (False, True)])
+def test_bfloat16_counts_as_native_only_with_its_instructions(
+    monkeypatch: pytest.MonkeyPatch, avx512_bf16: bool, amx: bool
+) -> None:
+    """An AVX-512 CPU without AVX-512 BF16 or AMX emulates bfloat16 products (oneDNN
+    answers that it supports them, and each takes about four times the float32 one):
+    the face keeps float32 statistics and a float32 Newton–Schulz iteration there."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    native = avx512_bf16 or amx
+    assert native_bf16("cpu") is native
+    opt = kf.KFAC(nn.Sequential(nn.Linear(16, 600), nn.Tanh(), nn.Linear(600, 5)))
+    assert opt.preconditioner.gram_dtype == (BF16 if native else None)
+    ortho = opt.preconditioner.orthogonal
+    assert ortho is not None and ortho.dtype == (BF16 if native else None)
+
+
+@pytest.mark.parametrize(("major", "native"), [(7, False), (8, True), (9, True)])
+def test_a_cuda_device_is_native_from_ampere_on(
+    monkeypatch: pytest.MonkeyPatch, major: int, native: bool
+) -> None:
+    """``torch.cuda.is_bf16_supported()`` counts emulation too (a V100's, a T4's)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (major, 0))
+    assert native_bf16("cuda:0") is native
+    assert native_bf16("meta") is False
 
 
 def test_the_functional_step_takes_the_setting() -> None:

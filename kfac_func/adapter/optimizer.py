@@ -26,6 +26,7 @@ from kfac_func.adapter.parameter_places import ParameterPlaces
 from kfac_func.adapter.preconditioner import KFACPreconditioner
 from kfac_func.adapter.recipes import Recipe, recipe_named
 from kfac_func.adapter.settings import SETTINGS, Settings, settings_from_keywords
+from kfac_func.core.hardware import native_bf16
 
 __all__ = ["KFAC"]
 
@@ -426,22 +427,16 @@ def _check_betas(betas: tuple[float, float] | None) -> tuple[float, float] | Non
 
 
 def _native_bf16(model: nn.Module) -> bool:
-    """Whether the device of ``model``'s parameters multiplies bfloat16 natively (a CUDA
-    device that supports it; a CPU whose oneDNN has bfloat16 kernels: AVX-512 BF16 or
-    AMX), where Muon's iteration runs in bfloat16 at about twice float32's speed.
+    """Whether the device of ``model``'s parameters multiplies bfloat16 natively
+    (:func:`~kfac_func.core.hardware.native_bf16`), where Muon's iteration runs in
+    bfloat16 at about twice float32's speed.
 
     Example:
         >>> isinstance(_native_bf16(nn.Linear(2, 2)), bool)
         True
     """
     p = next(model.parameters(), None)
-    if p is None:
-        return False
-    if p.device.type == "cuda":
-        return bool(torch.cuda.is_bf16_supported())
-    if p.device.type == "cpu":
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return False
+    return p is not None and native_bf16(p.device)
 
 
 def _single_precision(model: nn.Module, factor_dtype: torch.dtype | None) -> bool:
