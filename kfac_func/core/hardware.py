@@ -6,8 +6,8 @@ a CUDA device of compute capability 8.0 or newer (or a ROCm one), or a CPU with 
 BF16 or AMX. Elsewhere a bfloat16 product is emulated: oneDNN still "supports" bfloat16
 on any AVX-512 CPU (``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` answers True there)
 by widening each operand to float32, and on such a CPU a 768-wide bfloat16 product takes
-about four times as long as the float32 one; so is the CUDA emulation that
-``torch.cuda.is_bf16_supported()`` counts by default (on devices older than Ampere).
+about four times as long as the float32 one. ``torch.cuda.is_bf16_supported()`` likewise
+counts the emulation of CUDA devices older than Ampere by default.
 """
 
 from __future__ import annotations
