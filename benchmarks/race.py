@@ -14,7 +14,8 @@ model, evaluated only) is ``race_default.py``'s, written beside these results wi
 rerunning them. ``--autocast`` runs every optimizer's forward and loss under bfloat16
 autocast (where the CPU multiplies bfloat16 natively), each workload ``W`` as ``W_bf16``
 with a results file of its own. A workload that runs under autocast by itself (``lm_long``)
-runs in float32 on a CPU without native bfloat16, as ``W_f32`` (:func:`precision_named`),
+runs in float32 on a CPU without native bfloat16, as ``W_f32``
+(``race_workloads.precision_named``),
 so that neither precision's results replace the other's.
 
 Tuning budget (the same for every optimizer of a workload)
@@ -254,26 +255,6 @@ def bf16_workload(w: rw.RaceWorkload) -> rw.RaceWorkload:
     )
 
 
-def precision_named(w: rw.RaceWorkload, native_bf16: bool) -> rw.RaceWorkload:
-    """``w`` named for the precision it runs in: a workload under bfloat16 autocast by
-    itself runs in float32 where ``native_bf16`` is False, as ``W_f32`` (its own results
-    file); every other workload is returned as it is.
-
-    Example:
-        >>> precision_named(rw.WORKLOADS["lm_long"](True), False).name
-        'lm_long_f32'
-        >>> precision_named(rw.WORKLOADS["lm_long"](True), True).name
-        'lm_long'
-    """
-    if not w.autocast or native_bf16:
-        return w
-    return dataclasses.replace(
-        w,
-        name=f"{w.name}_f32",
-        description=f"{w.description} (float32 here: bfloat16 is not native on this CPU)",
-    )
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -428,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                 w = dataclasses.replace(w, eval_every=args.eval_every)
             if args.autocast:
                 w = bf16_workload(w)
-            w = precision_named(w, optimizers.NATIVE_BF16)
+            w = rw.precision_named(w, optimizers.NATIVE_BF16)
             if args.estimate:
                 estimate(w, args)
                 continue

@@ -10,7 +10,9 @@ the committed ``race_<workload>.json`` (copied into the file, so that the table 
 one file). The race's other rows are not rerun. ``--merge A B`` joins the files of
 runs made side by side (``--workloads`` split between processes) into one, in the race's
 order of workloads. ``--tables`` rewrites the table of ``docs/benchmarks.md`` from the
-file; ``--quick`` is a smoke test into a temporary folder.
+file; ``--quick`` is a smoke test into a temporary folder. A workload under bfloat16
+autocast by itself (``lm_long``) is left out on a CPU without native bfloat16
+(:func:`comparable`): its row would compare float32 runs with a bfloat16 race.
 Final losses do not depend on the machine's load; seconds do, and are not compared.
 """
 
@@ -198,6 +200,29 @@ def render_one_rate(results: Path) -> str:
     return "\n".join(lines)
 
 
+def comparable(names: list[str], native_bf16: bool = optimizers.NATIVE_BF16) -> list[str]:
+    """The workloads of ``names`` whose zero-tuning row this CPU can compare with their
+    race (``race_<workload>.json``): a workload under bfloat16 autocast by itself would run
+    in float32 here without native bfloat16 (``race_workloads.precision_named``) and be
+    compared with a bfloat16 race, so it is left out, with its reason printed.
+
+    Example:
+        >>> comparable(["lm", "lm_long"], native_bf16=False)
+        lm_long: left out, this CPU runs it in float32 and its race ran under bfloat16 autocast
+        ['lm']
+    """
+    kept = []
+    for name in names:
+        if rw.precision_named(rw.WORKLOADS[name](True), native_bf16).name == name:
+            kept.append(name)
+        else:
+            print(
+                f"{name}: left out, this CPU runs it in float32 and its race ran under "
+                "bfloat16 autocast"
+            )
+    return kept
+
+
 def run_workload(name: str, args: argparse.Namespace, log: Any) -> dict[str, Any]:
     """Train ``kf.KFAC(model)`` on workload ``name`` on each evaluation seed."""
     w = rw.WORKLOADS[name](args.quick)
@@ -378,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(
         ["python", "benchmarks/race_default.py", *(sys.argv[1:] if argv is None else argv)]
     )
+    if not args.quick:
+        args.workloads = comparable(args.workloads)
     checkout = git_commit(REWRITTEN)
     previous = torch.get_num_threads()
     torch.set_num_threads(args.threads)

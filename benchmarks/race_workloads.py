@@ -13,7 +13,7 @@ import itertools
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -368,3 +368,23 @@ WORKLOADS: dict[str, Callable[[bool], RaceWorkload]] = {
     "lm_long": race_lm_long,
 }
 """Workload name -> builder (``quick``: tiny models and data, a few steps)."""
+
+
+def precision_named(w: RaceWorkload, native_bf16: bool) -> RaceWorkload:
+    """``w`` named for the precision it runs in: a workload under bfloat16 autocast by
+    itself runs in float32 where ``native_bf16`` is False, as ``W_f32`` (its own results
+    file); every other workload is returned as it is.
+
+    Example:
+        >>> precision_named(WORKLOADS["lm_long"](True), False).name
+        'lm_long_f32'
+        >>> precision_named(WORKLOADS["lm_long"](True), True).name
+        'lm_long'
+    """
+    if not w.autocast or native_bf16:
+        return w
+    return replace(
+        w,
+        name=f"{w.name}_f32",
+        description=f"{w.description} (float32 here: bfloat16 is not native on this CPU)",
+    )

@@ -231,10 +231,9 @@ def _quick(tmp_path: Path, workloads: list[str], optimizers: list[str]) -> dict[
 def _ran_as(workload: str) -> str:
     """The name a workload races under on this CPU (``lm_long_f32`` without native bf16)."""
     import optimizers
-    import race
     import race_workloads as rw
 
-    return race.precision_named(rw.WORKLOADS[workload](True), optimizers.NATIVE_BF16).name
+    return rw.precision_named(rw.WORKLOADS[workload](True), optimizers.NATIVE_BF16).name
 
 
 def _check(doc: dict[str, Any], tmp_path: Path, optimizers: list[str]) -> None:
