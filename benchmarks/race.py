@@ -15,8 +15,8 @@ rerunning them. ``--autocast`` runs every optimizer's forward and loss under bfl
 autocast (where the CPU multiplies bfloat16 natively), each workload ``W`` as ``W_bf16``
 with a results file of its own. A workload that runs under autocast by itself (``lm_long``)
 runs in float32 on a CPU without native bfloat16, as ``W_f32``
-(``race_workloads.precision_named``),
-so that neither precision's results replace the other's.
+(``race_workloads.precision_named``), so that neither precision's results replace the
+other's.
 
 Tuning budget (the same for every optimizer of a workload)
 ----------------------------------------------------------
