@@ -34,7 +34,16 @@ the budget is spent):
    QR iteration after the first eigh: ``eigenbasis_refresh="qr"``) and
    ``kfac-moments 10/100`` (Adam's step in K-FAC's eigenbasis: ``eigenbasis_moments=True``,
    ``kl_clip=None``) and ``kfac-recommended 1/2`` (the preconditioner of ``kf.KFAC(model)``'s
-   recommended recipe, :func:`recommended_options`, in front of the same SGD).
+   recommended recipe as the optimizer face sets it up for the model on the device, the
+   switches it turns on by itself included: :func:`recommended_options`, in front of the
+   same SGD). The switches that wait for a GPU to earn their place are each timed against
+   the same step without them (:data:`SWITCHES`, a table of their own): ``kfac-per-layer
+   10/100`` (``grouped=False``; ``grouped`` is the default off the CPU), ``kfac-sync-free
+   10/100`` (``sync_free=True``), ``kfac-compiled 10/100`` (``sync_free=True,
+   compile=True``; run after every model's other variants, as its warm-up compiles, and
+   skipped by ``--quick``), ``kfac-recommended-synced 1/2`` and
+   ``kfac-recommended-unbatched 1/2`` (the recipe without the ``sync_free`` or the batched
+   ``eigh`` that the face turns on).
 
    Every variant starts from the same weights and draws a fresh random batch on the device
    before the clock starts. A repetition is one step of each kind the intervals produce
@@ -52,9 +61,10 @@ the budget is spent):
    step of each kind under ``torch.profiler`` (the host's launch calls, ``cudaLaunchKernel``
    and kin, and the kernels that ran; forward and backward included; CUDA only).
    Ratios are to AdamW on the same model.
-   Each model gets an equal share of the budget left when the part starts, and each
-   variant an equal share of its model's remainder: a variant stops repeating when its
-   share is spent (after at least one timed repetition).
+   Each variant of each model gets an equal share of the budget left when it starts: it
+   stops repeating when its share is spent (after at least one timed repetition). The
+   outputs are rewritten after every variant, so that a run stopped from outside keeps
+   the variants measured before.
 4. ``eigh_vs_qr``: ``torch.linalg.eigh`` of an n×n SPD float32 matrix against one QR
    refresh (:func:`kfac_func.core.decomposition.refresh_eigh`, warm-started from the
    eigenvectors of a nearby matrix) for n in 256, 768, 1024, 3072, 4096, on the device,
@@ -336,45 +346,80 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
     return [found[m] for m in args.models]
 
 
-def recommended_options() -> tuple[tuple[str, Any], ...]:
-    """The preconditioner's arguments of ``kf.KFAC(model)``'s recommended recipe (its
-    intervals are the variant's; its Adam betas are the eigenbasis moments'; the
-    orthogonalized step's iteration in float32 on every device).
+def recommended_options(model: nn.Module) -> dict[str, Any]:
+    """The preconditioner's arguments of ``kf.KFAC(model)``'s recommended recipe for
+    ``model`` where it lies, as the optimizer face chooses them (its intervals are the
+    variant's; its Adam betas are the eigenbasis moments'): the recipe's own and the
+    switches the face turns on by itself for this model and device (batched ``eigh``;
+    ``sync_free`` on one CUDA process; bfloat16 Grams and Newton–Schulz iteration where
+    the device multiplies bfloat16 natively).
 
     Example:
-        >>> dict(recommended_options())["moment_beta2"]
-        0.95
+        >>> options = recommended_options(nn.Sequential(nn.Linear(4, 4)))
+        >>> options["moment_beta2"], options["batched_eigh"], "sync_free" in options  # a CPU
+        (0.95, True, False)
     """
+    face = kf.KFAC(model)
+    settings = face.preconditioner.settings
+    face.preconditioner.remove()  # the face's hooks go: the variant builds its own
     recipe = kf.RECIPES["recommended"]
     skip = ("factor_update_steps", "inv_update_steps")
     options = {k: v for k, v in recipe.kfac_kwargs.items() if k not in skip}
     decay = options["factor_decay"]  # per step: the variant's intervals are fixed
     options["factor_decay"] = decay.per_step if isinstance(decay, kf.step.DecayPerStep) else decay
-    options.update({k: getattr(recipe.settings, k) for k in recipe.settings.named()})
+    options.update({k: getattr(settings, k) for k in settings.named()})
     options["moment_beta1"], options["moment_beta2"] = recipe.betas
-    return tuple(options.items())
+    return options
 
 
 @dataclass(frozen=True)
 class Variant:
-    optimizer: str  # sgd, adamw, kfac, kfac-qr, kfac-moments
+    optimizer: str  # sgd, adamw, kfac, kfac-qr, kfac-moments, ...
     intervals: tuple[int, int] | None = None  # K-FAC's (factor, decomposition) intervals
     options: tuple[tuple[str, Any], ...] = ()  # more KFACPreconditioner arguments
+    recipe: bool = False  # kf.KFAC(model)'s arguments (recommended_options), then options
 
     @property
     def label(self) -> str:
         return "-" if self.intervals is None else f"{self.intervals[0]}/{self.intervals[1]}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.optimizer} {self.label}"
+
+    @property
+    def compiles(self) -> bool:
+        return ("compile", True) in self.options
 
 
 VARIANTS = (
     Variant("sgd"),
     Variant("adamw"),
     Variant("kfac", (10, 100)),
+    Variant("kfac-per-layer", (10, 100), (("grouped", False),)),
+    Variant("kfac-sync-free", (10, 100), (("sync_free", True),)),
     Variant("kfac", (1, 1)),
     Variant("kfac-qr", (1, 1), (("eigenbasis_refresh", "qr"),)),
     Variant("kfac-moments", (10, 100), (("eigenbasis_moments", True), ("kl_clip", None))),
-    Variant("kfac-recommended", (1, 2), recommended_options()),
+    Variant("kfac-recommended", (1, 2), recipe=True),
+    Variant("kfac-recommended-synced", (1, 2), (("sync_free", False),), recipe=True),
+    Variant("kfac-recommended-unbatched", (1, 2), (("batched_eigh", False),), recipe=True),
+    # run after every model's other variants (part_step_time)
+    Variant("kfac-compiled", (10, 100), (("sync_free", True), ("compile", True))),
 )
+
+SWITCHES = (
+    ("grouped", "kfac-per-layer 10/100", "kfac 10/100"),
+    ("sync_free", "kfac 10/100", "kfac-sync-free 10/100"),
+    ("compile", "kfac-sync-free 10/100", "kfac-compiled 10/100"),
+    ('eigenbasis_refresh="qr"', "kfac 1/1", "kfac-qr 1/1"),
+    ("the recipe's sync_free", "kfac-recommended-synced 1/2", "kfac-recommended 1/2"),
+    ("the recipe's batched_eigh", "kfac-recommended-unbatched 1/2", "kfac-recommended 1/2"),
+)
+"""The switches that wait for a GPU to earn their place (docs/optimizers.md): each as
+``(switch, the variant without it, the variant with it)``. ``grouped`` is on by default
+off the CPU, so ``kfac 10/100`` has it; the recommended recipe's variants are what
+``kf.KFAC(model)`` turns on by itself, each with one switch turned off."""
 
 
 def kind_weights(intervals: tuple[int, int] | None) -> dict[Kind, float]:
@@ -413,6 +458,7 @@ class Trainer:
                 "kl_clip": 1e-3,
                 "lr": args.lr,
                 "max_factor_dim": args.max_factor_dim,
+                **(recommended_options(self.model) if v.recipe else {}),
                 **dict(v.options),
             }
             settings = settings_from_keywords(options, v.optimizer, warn=False)
@@ -513,57 +559,79 @@ def time_variant(
             "launches_per_kind": launches or None,
             "kfac_state_mib": state_mib,
             "kfac_layers": layers,
+            "kfac_settings": _settings_of(trainer.pre),
             "final_loss": loss,
         }
     finally:
         trainer.close()
 
 
+def _settings_of(pre: kf.KFACPreconditioner | None) -> dict[str, str] | None:
+    """The preconditioner's settings that differ from their defaults, as text."""
+    if pre is None:
+        return None
+    return {k: str(getattr(pre.settings, k)) for k in sorted(pre.settings.named())}
+
+
 def part_step_time(
-    args: argparse.Namespace, device: torch.device, budget: Budget
+    args: argparse.Namespace,
+    device: torch.device,
+    budget: Budget,
+    report: Callable[[dict[str, Any]], None] = lambda part: None,
 ) -> dict[str, Any]:
+    """Every variant on every model; ``report`` gets the part as it stands after each
+    variant (the outputs are rewritten then, so that a run stopped from outside, in a
+    long compilation say, keeps the variants measured before)."""
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
     wls = workloads(args)
-    for m, wl in enumerate(wls):
-        model_deadline = time.perf_counter() + max(0.0, budget.left()) / (len(wls) - m)
-        for n, v in enumerate(VARIANTS):
-            base = {"model": wl.name, "optimizer": v.optimizer, "intervals": v.label}
-            left = min(model_deadline - time.perf_counter(), budget.left())
-            if left <= 0:
-                rows.append({**base, "skipped": "budget spent"})
-                continue
-            deadline = time.perf_counter() + left / (len(VARIANTS) - n)
-            t0 = time.perf_counter()
-            try:
-                rows.append(time_variant(wl, v, device, args, deadline))
-            except Exception as e:  # one variant's failure must not stop the others
-                rows.append({**base, "error": f"{type(e).__name__}: {e}"})
-                notes.append(traceback.format_exc())
-            free_memory(device)  # the variant's model, optimizer and state are gone now
-            got = rows[-1].get("ms", rows[-1].get("error"))
-            print(
-                f"  [{wl.name} {v.optimizer} {v.label}: {time.perf_counter() - t0:.1f} s; {got}]",
-                file=sys.stderr,
-                flush=True,
-            )
-        for r in rows:
-            if r["model"] != wl.name:
-                continue
-            adamw = next(
-                (a for a in rows if a["model"] == wl.name and a["optimizer"] == "adamw"), {}
-            )
-            if "ms" in r and "ms" in adamw:
-                r["ms_vs_adamw"] = r["ms"] / adamw["ms"]
-            if r.get("peak_mib") is not None and adamw.get("peak_mib"):
-                r["peak_vs_adamw"] = r["peak_mib"] / adamw["peak_mib"]
-    return {
-        "models": {wl.name: wl.description for wl in wls},
-        "rows": rows,
-        "tracebacks": notes,
-        "warmup_reps": args.warmup,
-        "max_reps": args.steps,
-    }
+
+    def part() -> dict[str, Any]:
+        return {
+            "models": {wl.name: wl.description for wl in wls},
+            "rows": rows,
+            "tracebacks": notes,
+            "warmup_reps": args.warmup,
+            "max_reps": args.steps,
+        }
+
+    # the compiling variants last, after every model's others: their warm-up compiles
+    # (minutes, and more where a graph is compiled again) cannot starve the rest
+    plan = [(wl, v) for late in (False, True) for wl in wls for v in VARIANTS if v.compiles == late]
+    for n, (wl, v) in enumerate(plan):
+        base = {"model": wl.name, "optimizer": v.optimizer, "intervals": v.label}
+        if v.compiles and args.quick:
+            rows.append({**base, "skipped": "--quick: compiling takes minutes on a CPU"})
+            continue
+        left = budget.left()
+        if left <= 0:
+            rows.append({**base, "skipped": "budget spent"})
+            continue
+        deadline = time.perf_counter() + left / (len(plan) - n)
+        t0 = time.perf_counter()
+        try:
+            rows.append(time_variant(wl, v, device, args, deadline))
+        except Exception as e:  # one variant's failure must not stop the others
+            rows.append({**base, "error": f"{type(e).__name__}: {e}"})
+            notes.append(traceback.format_exc())
+        free_memory(device)  # the variant's model, optimizer and state are gone now
+        got = rows[-1].get("ms", rows[-1].get("error"))
+        print(
+            f"  [{wl.name} {v.name}: {time.perf_counter() - t0:.1f} s; {got}]",
+            file=sys.stderr,
+            flush=True,
+        )
+        report({**part(), "partial": True})
+    rows.sort(key=lambda r: [wl.name for wl in wls].index(r["model"]))  # (stable)
+    for r in rows:
+        adamw = next(
+            (a for a in rows if a["model"] == r["model"] and a["optimizer"] == "adamw"), {}
+        )
+        if "ms" in r and "ms" in adamw:
+            r["ms_vs_adamw"] = r["ms"] / adamw["ms"]
+        if r.get("peak_mib") is not None and adamw.get("peak_mib"):
+            r["peak_vs_adamw"] = r["peak_mib"] / adamw["peak_mib"]
+    return part()
 
 
 # --------------------------------------------------------------------------- parts 1, 2
@@ -775,6 +843,33 @@ def _status(part: dict[str, Any]) -> list[str]:
     return lines
 
 
+SWITCH_HEADERS = ["model", "switch", "without", "with", "ms without", "ms with", "with / without"]
+SWITCH_HEADERS += ["host syncs/step without", "with"]
+
+
+def switch_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """The table of :data:`SWITCHES` from the step-time rows: per model and switch, both
+    variants' step times, their ratio and host synchronisations ("n/a" where a variant
+    was not measured, or nothing was counted).
+
+    Example:
+        >>> rows = [{"model": "lm", "optimizer": o, "intervals": "10/100", "ms": ms,
+        ...          "syncs_per_step": None} for o, ms in (("kfac", 4.0), ("kfac-per-layer", 5.0))]
+        >>> switch_rows(rows)[0][1:]
+        ['grouped', 'kfac-per-layer 10/100', 'kfac 10/100', '5.0', '4.0', '0.80', 'n/a', 'n/a']
+    """
+    measured = {(r["model"], f"{r['optimizer']} {r['intervals']}"): r for r in rows if "ms" in r}
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for switch, without, with_ in SWITCHES:
+            a, b = measured.get((model, without), {}), measured.get((model, with_), {})
+            ratio = b["ms"] / a["ms"] if "ms" in a and "ms" in b else None
+            syncs = [_f(r.get("syncs_per_step"), ".2f") for r in (a, b)]
+            times = [_f(r.get("ms")) for r in (a, b)]
+            out.append([model, switch, without, with_, *times, _f(ratio, ".2f"), *syncs])
+    return out
+
+
 def markdown(results: dict[str, Any]) -> str:
     out = ["# kfac_func on a GPU: tests, step time, memory, decompositions", ""]
     env = results["environment"]
@@ -849,6 +944,13 @@ def markdown(results: dict[str, Any]) -> str:
             f"\nms/step: per-kind medians weighted by each kind's share of a cycle; "
             f"{st['warmup_reps']} warm-up repetitions excluded, at most {st['max_reps']} timed."
         )
+        out += ["", "## The switches that wait for a GPU", ""]
+        out.append(
+            "Each switch's step against the same step without it (the variants above); a "
+            "switch not faster on either model, beyond the run-to-run noise, has not earned "
+            "its place (docs/optimizers.md)."
+        )
+        out += ["", *_table(SWITCH_HEADERS, switch_rows(st["rows"]))]
 
     out += ["", "## The recommended recipe's stages (benchmarks/stages.py)", ""]
     sg = results["stages"]
@@ -971,7 +1073,7 @@ def main(argv: list[str] | None = None) -> int:
         "tests": lambda: part_tests(args, budget),
         "process_group": lambda: part_process_group(args, device),
         "eigh_vs_qr": lambda: part_eigh_vs_qr(args, device, budget),
-        "step_time": lambda: part_step_time(args, device, budget),
+        "step_time": lambda: part_step_time(args, device, budget, partial),
         "stages": lambda: part_stages(args, device, budget),
     }
     results: dict[str, Any] = {
@@ -983,6 +1085,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     md, js = out.with_name(out.name + ".md"), out.with_name(out.name + ".json")
+
+    def partial(step_time: dict[str, Any]) -> None:  # the step-time part so far
+        results["step_time"] = step_time
+        write_outputs(results, budget, md, js)
+
     for name in RUN_ORDER:
         t0 = time.perf_counter()
         if name == "tests" and args.no_tests:

@@ -27,6 +27,11 @@ VARIANTS = {
     ("kfac-qr", "1/1"),
     ("kfac-moments", "10/100"),
     ("kfac-recommended", "1/2"),
+    ("kfac-per-layer", "10/100"),
+    ("kfac-sync-free", "10/100"),
+    ("kfac-recommended-synced", "1/2"),
+    ("kfac-recommended-unbatched", "1/2"),
+    ("kfac-compiled", "10/100"),  # skipped by --quick (compiling takes minutes on a CPU)
 }
 
 
@@ -66,7 +71,11 @@ def test_gpu_script_quick(tmp_path: Path) -> None:
     assert {(r["model"], r["optimizer"], r["intervals"]) for r in rows} == {
         (m, o, i) for m in ("lm", "cnn") for o, i in VARIANTS
     }
+    compiled = [r for r in rows if r["optimizer"] == "kfac-compiled"]
+    assert [r["skipped"] for r in compiled] == ["--quick: compiling takes minutes on a CPU"] * 2
     for r in rows:
+        if r["optimizer"] == "kfac-compiled":
+            continue
         assert "error" not in r and "skipped" not in r, r
         assert _finite(r["ms"]) and r["ms"] > 0, r
         assert _finite(r["ms_vs_adamw"]) and _finite(r["final_loss"]), r
@@ -79,6 +88,18 @@ def test_gpu_script_quick(tmp_path: Path) -> None:
             assert r["kfac_layers"] > 0 and _finite(r["kfac_state_mib"]), r
         if r["optimizer"] == "adamw":
             assert r["ms_vs_adamw"] == 1.0
+    # the recipe's variants are what kf.KFAC(model) sets up (on a CPU: batched eigh, no
+    # sync_free), each but for the switch it turns off
+    settings = {(r["model"], r["optimizer"]): r["kfac_settings"] for r in rows if "ms" in r}
+    for model in ("lm", "cnn"):
+        recipe = settings[(model, "kfac-recommended")]
+        assert recipe["batched_eigh"] == "True" and recipe["scaling"] == "fisher", recipe
+        assert recipe["eigenbasis_moments"] == "True" and "sync_free" not in recipe, recipe
+        assert settings[(model, "kfac-recommended-synced")] == recipe
+        unbatched = settings[(model, "kfac-recommended-unbatched")]
+        assert unbatched == {k: v for k, v in recipe.items() if k != "batched_eigh"}
+        assert settings[(model, "kfac-per-layer")] == {"grouped": "False"}
+        assert settings[(model, "kfac-sync-free")] == {"sync_free": "True"}
     amortized = next(r for r in rows if r["optimizer"] == "kfac" and r["intervals"] == "10/100")
     assert amortized["kind_weights"] == {
         "factors+decomp": 0.01,
@@ -114,6 +135,23 @@ def test_gpu_script_quick(tmp_path: Path) -> None:
     for model in ("lm", "cnn"):
         for optimizer, intervals in VARIANTS:
             assert (model, optimizer, intervals) in table, (model, optimizer, intervals)
+    # the switches' table: each switch on each model, against the step without it (the
+    # compiled variant, skipped here, leaves its ratio open)
+    section = text.split("## The switches that wait for a GPU")[1].split("\n## ")[0]
+    lines = [line for line in section.splitlines() if line.startswith("| ")][1:]
+    table_rows = {
+        (cells[0], cells[1]): cells
+        for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines)
+    }
+    for model in ("lm", "cnn"):
+        for switch, without, with_ in _load_script().SWITCHES:
+            row = table_rows[(model, switch)]
+            assert row[2:4] == [without, with_], row
+            if "compiled" in with_:
+                assert row[5:7] == ["n/a", "n/a"], row
+            else:
+                # (the ratio of the unrounded times; the times are rounded to 0.1 ms)
+                assert float(row[6]) == pytest.approx(float(row[5]) / float(row[4]), rel=0.05)
     assert "parts with errors: none" in text
 
 
