@@ -622,7 +622,8 @@ def part_step_time(
             flush=True,
         )
         report({**part(), "partial": True})
-    rows.sort(key=lambda r: [wl.name for wl in wls].index(r["model"]))  # (stable)
+    order = {wl.name: m for m, wl in enumerate(wls)}
+    rows.sort(key=lambda r: order[r["model"]])  # each model's rows together (a stable sort)
     for r in rows:
         adamw = next(
             (a for a in rows if a["model"] == r["model"] and a["optimizer"] == "adamw"), {}
