@@ -394,12 +394,7 @@ class Bench:
         def decompose(config: Any) -> tuple[dict[str, LayerState], set[str]]:
             out = dict(folded)
             fresh = decompose_layers(
-                out,
-                lam,
-                config,
-                update_inverses=True,
-                eigh_device=None,
-                grouped=self.grouped or opts.batched_eigh,
+                out, lam, config, update_inverses=True, grouped=self.grouped or opts.batched_eigh
             )
             return out, fresh
 

@@ -358,65 +358,36 @@ def test_other_eigh_failures_are_retried_silently(monkeypatch: pytest.MonkeyPatc
     assert all(ls.decomposition_failures == 0 for ls in new.layers.values())
 
 
-# --------------------------------------------------------------- eigh on the CPU
+# --------------------------------------------------------------- batched eigh in the adapter
 
 
-def test_eigh_device_cpu_runs_eigh_on_the_cpu(
+def test_batched_eigh_reaches_eigh_from_the_adapter(
     monkeypatch: pytest.MonkeyPatch, device: torch.device
 ) -> None:
-    """``eigh_device="cpu"``: every eigh receives a CPU tensor, the decompositions live on
-    the factors' device and equal the eigh of the factors copied to the CPU. Without it,
-    eigh runs on the factors' device (on a CPU the offload changes nothing)."""
+    """``Settings(batched_eigh=True)``: the adapter's step stacks the equal-shaped factors
+    into one eigh on the factors' device."""
     model = mlp(device, depth=1)
-    state, _, _ = state_with_factors(model, device)
-    with patched(monkeypatch, "eigh", lambda x, i: False) as calls:
-        here = kf.decompose(state)
-    assert {dev.type for *_, dev in calls} == {device.type}
-    for batched in (False, True):
-        with patched(monkeypatch, "eigh", lambda x, i: False) as calls:
-            offloaded = kf.decompose(state, eigh_device="cpu", batched_eigh=batched)
-        assert calls and {dev.type for *_, dev in calls} == {"cpu"}, calls
-        for name, ls in state.layers.items():
-            dec = offloaded.layers[name].decomposition
-            assert isinstance(dec, kf.core.EigenDecomposition) and dec.qa is not None
-            assert dec.qa.device == ls.a_factor.device and dec.dg.device == ls.g_factor.device
-            if not batched:
-                q_ref, d_ref = eigh_factor(ls.a_factor.cpu(), dtype=torch.float32)
-                assert torch.equal(dec.qa.cpu(), q_ref) and torch.equal(dec.da.cpu(), d_ref)
-            if device.type == "cpu" and not batched:  # a no-op on a CPU
-                ref = here.layers[name].decomposition
-                assert isinstance(ref, kf.core.EigenDecomposition)
-                assert torch.equal(dec.qa, ref.qa) and torch.equal(dec.dg, ref.dg)
-
-
-def test_eigh_device_reaches_eigh_from_update_and_the_adapter(
-    monkeypatch: pytest.MonkeyPatch, device: torch.device
-) -> None:
-    model = mlp(device, depth=1)
-    _, grads, caps = state_with_factors(model, device)
-    state = kf.init(kf.register(model), device=device)
-    with patched(monkeypatch, "eigh", lambda x, i: False) as calls:
-        kf.update(state, grads, captures=caps, eigh_device="cpu")
-    assert calls and {dev.type for *_, dev in calls} == {"cpu"}
-    pre = kf.KFACPreconditioner(model, settings=kf.Settings(eigh_device="cpu", batched_eigh=True))
-    assert pre.eigh_device == torch.device("cpu") and pre.batched_eigh
+    pre = kf.KFACPreconditioner(model, settings=kf.Settings(batched_eigh=True))
+    assert pre.batched_eigh
     x = torch.randn(8, 6, device=device)
     model(x).pow(2).mean().backward()
     with patched(monkeypatch, "eigh", lambda x, i: False) as calls:
         pre.step()
-    assert calls and {dev.type for *_, dev in calls} == {"cpu"}
+    assert calls and {dev.type for *_, dev in calls} == {device.type}
     assert any(len(shape) == 3 for shape, *_ in calls)  # batched: 16×16 factors stacked
     assert all(ls.decomposition is not None for ls in pre.state.layers.values())
     assert all(p.grad is not None and p.grad.device.type == device.type for p in model.parameters())
 
 
-def test_bad_eigh_device_is_refused_naming_the_argument() -> None:
+def test_retired_eigh_device_is_refused_naming_it() -> None:
+    """``eigh_device`` (eigh offloaded to another device) was retired: no measurement
+    supported it. Passing it is a TypeError that names it."""
     model = mlp(torch.device("cpu"), depth=1)
     state = kf.init(kf.register(model))
-    with pytest.raises(ValueError, match="eigh_device must be None or a device"):
-        kf.decompose(state, eigh_device="gpu0")
-    with pytest.raises(ValueError, match="eigh_device must be None or a device"):
-        kf.KFACPreconditioner(model, settings=kf.Settings(eigh_device=2.5))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="eigh_device"):
+        kf.decompose(state, eigh_device="cpu")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="eigh_device"):
+        kf.Settings(eigh_device="cpu")  # type: ignore[call-arg]
 
 
 # --------------------------------------------------------------- bf16 autocast

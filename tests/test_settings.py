@@ -174,4 +174,3 @@ def test_settings_are_checked_when_made() -> None:
     assert kf.Settings(collective_timeout=timedelta(seconds=30)).named() == {"collective_timeout"}
     with pytest.raises(dataclasses.FrozenInstanceError):
         kf.Settings().grouped = False  # type: ignore[misc]
-    assert kf.Settings(eigh_device="cpu").eigh_device == torch.device("cpu")

@@ -25,7 +25,7 @@ __all__ = ["InspectionMixin"]
 _STEP_ATTRS = (
     "factor_decay", "kl_clip", "lr",
     "eigenbasis_moments", "moment_beta2", "moment_eps", "moment_beta1",
-    "sync_free", "batched_eigh", "eigh_device", "grouped",
+    "sync_free", "batched_eigh", "grouped",
 )  # fmt: skip
 
 

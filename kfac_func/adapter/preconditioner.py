@@ -122,7 +122,7 @@ class KFACPreconditioner(
         a = self._set_arguments(model, shared)
         s = self.settings
         self.sync_free, self.compile, self.grouped = s.sync_free, s.compile, s.grouped
-        self.batched_eigh, self.eigh_device = s.batched_eigh, s.eigh_device
+        self.batched_eigh = s.batched_eigh
 
         # named as the model's state dict names them (no checkpoint_wrapper prefixes)
         table = register(

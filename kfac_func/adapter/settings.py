@@ -33,7 +33,6 @@ from kfac_func.captures import check_loss_divisor
 from kfac_func.core.conventions import CONVENTIONS, convention_argument
 from kfac_func.distributed.communicator import AllreduceMethod
 from kfac_func.step.basis import BasisMoments
-from kfac_func.step.decompose import check_eigh_device
 from kfac_func.step.orthogonal import Orthogonal
 
 __all__ = ["PARALLEL_SETTINGS", "SETTINGS", "Settings", "settings_from_keywords"]
@@ -80,8 +79,6 @@ class Settings:
             refresh after the first; see :func:`kfac_func.core.decomposition.refresh_eigh`).
         batched_eigh: decompose factors of equal shape, dtype and device with one stacked
             ``eigh`` call per group.
-        eigh_device: run ``eigh`` on this device (e.g. ``"cpu"``) and move the results
-            back to the factors' device; None: the factors' own.
         grouped: on one process, compute the layers of one shape together (see
             :func:`kfac_func.update`; transient memory: about the largest group's factors).
             None: where the factors are on an accelerator, not on a CPU.
@@ -128,7 +125,6 @@ class Settings:
     adaptive: AdaptiveStepper | None = None
     eigenbasis_refresh: str = "eigh"
     batched_eigh: bool = False
-    eigh_device: torch.device | str | None = None
     grouped: bool | None = None
     sync_free: bool = False
     compile: bool = False
@@ -169,7 +165,6 @@ class Settings:
             raise ValueError(
                 f"collective_timeout must be a positive datetime.timedelta or None, got {timeout!r}"
             )
-        object.__setattr__(self, "eigh_device", check_eigh_device(self.eigh_device))
 
     def replace(self, **changes: Any) -> Settings:
         """A copy with ``changes`` (fields of this class), checked again.

@@ -162,7 +162,6 @@ def robust(
     what: str,
     dtype: torch.dtype,
     *,
-    device: torch.device | str | None = None,
     label: str | None = None,
     first: Outcome | None = None,
 ) -> tuple[torch.Tensor, ...]:
@@ -171,7 +170,7 @@ def robust(
     storage dtype: a float64 result may overflow float32). Returns them in ``dtype`` on
     the factor's device.
 
-    The attempts run on ``device`` (default: the factor's). After a GPU solver error
+    The attempts run on the factor's device. After a GPU solver error
     (:func:`solver_error`) the remaining attempts run on the CPU, and a success after one
     is reported with a ``RuntimeWarning`` that starts with ``label`` (e.g. the layer and
     the factor).
@@ -192,7 +191,7 @@ def robust(
         (tensor([2.]),)
     """
     home = factor.device
-    run_on = torch.device(device) if device is not None else home
+    run_on = home
     tried: list[str] = []
     solver: str | None = None  # the first solver error, when one was met
     scale: float | None = None  # the mean |diagonal|, read once a retry needs it

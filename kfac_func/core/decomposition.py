@@ -118,7 +118,6 @@ def eigh_factor(
     *,
     dtype: torch.dtype,
     compute_dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
     label: str | None = None,
     first: Outcome | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,12 +131,11 @@ def eigh_factor(
     eigenvalues again). Raises :class:`~kfac_func.core.attempts.DecompositionError` if
     every attempt fails.
 
-    eigh runs on ``device`` when given (``"cpu"``: offload a GPU factor's eigh to the
-    CPU), else on the factor's device; the results are on the factor's device. After an
-    error of a GPU solver library (cuSOLVER's ``CUSOLVER_STATUS_INVALID_VALUE`` on large
-    factors, see :func:`~kfac_func.core.attempts.solver_error`) the retries run on the
-    CPU, and their success is reported with a ``RuntimeWarning`` that starts with
-    ``label`` (the layer and factor).
+    eigh runs on the factor's device. After an error of a GPU solver library (cuSOLVER's
+    ``CUSOLVER_STATUS_INVALID_VALUE`` on large factors, see
+    :func:`~kfac_func.core.attempts.solver_error`) the retries run on the CPU, and their
+    success is reported with a ``RuntimeWarning`` that starts with ``label`` (the layer
+    and factor).
     ``first``: the first attempt's outcome, made already (see
     :func:`~kfac_func.core.attempts.robust`).
 
@@ -148,7 +146,7 @@ def eigh_factor(
     """
 
     cdt = compute_dtype_of(dtype, compute_dtype)
-    q, d = robust(factor, cdt, eigh_attempt, "eigh", dtype, device=device, label=label, first=first)
+    q, d = robust(factor, cdt, eigh_attempt, "eigh", dtype, label=label, first=first)
     return q, d.clamp_(min=0.0)  # our own temporary
 
 
@@ -176,7 +174,6 @@ def refresh_eigh(
     *,
     dtype: torch.dtype,
     compute_dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
     label: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An approximate :func:`eigh_factor` warm-started from the previous eigenvectors
@@ -187,8 +184,8 @@ def refresh_eigh(
     One product and one QR instead of an eigendecomposition; exact when ``q`` spans the
     eigenvectors of ``F``, and converging towards them over successive refreshes of a
     slowly changing factor (as the basis updates of SOAP and Shampoo). Falls back to
-    :func:`eigh_factor` if the iteration fails or is not finite (``device`` and
-    ``label`` are that fallback's; the iteration runs on the factor's device).
+    :func:`eigh_factor` if the iteration fails or is not finite (``label`` is that
+    fallback's).
 
     Example:
         >>> f = torch.diag(torch.tensor([3.0, 1.0]))
@@ -202,7 +199,7 @@ def refresh_eigh(
             return qn, d
     except RuntimeError:
         pass
-    return eigh_factor(factor, dtype=dtype, compute_dtype=compute_dtype, device=device, label=label)
+    return eigh_factor(factor, dtype=dtype, compute_dtype=compute_dtype, label=label)
 
 
 def power_refresh(

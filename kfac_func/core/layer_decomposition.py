@@ -130,18 +130,17 @@ def eigh_side(
     placeholder: bool = False,
     dtype: torch.dtype,
     compute_dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
     label: str | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """``(eigenvectors or None, eigenvalues)`` of one factor: :func:`diagonal_eigenvalues`
     for a diagonal one, else ``refresh_eigh`` from ``previous`` when given, else
-    ``eigh_factor`` (eigh on ``device``, warnings starting with ``label``); a
+    ``eigh_factor`` (warnings starting with ``label``); a
     ``placeholder`` side is ``(None, ones)`` (:func:`placeholder_side`)."""
     if placeholder:
         return None, placeholder_side(factor, dtype=dtype)
     if diagonal:
         return None, diagonal_eigenvalues(factor, dtype=dtype)
-    kw: dict[str, Any] = {"compute_dtype": compute_dtype, "device": device, "label": label}
+    kw: dict[str, Any] = {"compute_dtype": compute_dtype, "label": label}
     if previous is not None:
         return refresh_eigh(factor, previous, dtype=dtype, **kw)
     return eigh_factor(factor, dtype=dtype, **kw)
@@ -195,14 +194,13 @@ def eigen_decompose(
     outer_product: bool = False,
     warm_start: EigenDecomposition | EKFACDecomposition | None = None,
     diagonal: tuple[bool, bool] = (False, False),
-    eigh_device: torch.device | str | None = None,
     eigenpairs: tuple[Eigenpair | None, Eigenpair | None] = (None, None),
     name: str | None = None,
     placeholder: tuple[bool, bool] = (False, False),
     dgda: torch.Tensor | None = None,
 ) -> EigenDecomposition:
-    """Eigendecompose both factors (two dense factors decomposed from scratch on their
-    device are checked together: :func:`~kfac_func.core.attempts.first_attempts`).
+    """Eigendecompose both factors (two dense factors decomposed from scratch are checked
+    together: :func:`~kfac_func.core.attempts.first_attempts`).
 
     Args:
         a, g: symmetric factors (optionally batched), or their diagonals (``diagonal``).
@@ -214,8 +212,6 @@ def eigen_decompose(
             factor, see :func:`precompute_outer`).
         warm_start: a previous decomposition to refresh with :func:`refresh_eigh`
             instead of decomposing from scratch.
-        eigh_device: where eigh runs (``"cpu"``: offload it; default: the factors'
-            device); the results are on the factors' device.
         eigenpairs: ``(eigenvectors, eigenvalues)`` of A and of G already computed (by
             :func:`~kfac_func.step.decompose_groups.batched_eigenpairs`), used instead of
             decomposing that factor; None: decompose it here.
@@ -232,11 +228,11 @@ def eigen_decompose(
         (tensor([1., 1., 1.]), tensor([2., 2.]))
     """
     w = warm_start
-    kw: dict[str, Any] = {"dtype": dtype, "compute_dtype": compute_dtype, "device": eigh_device}
+    kw: dict[str, Any] = {"dtype": dtype, "compute_dtype": compute_dtype}
     pa, pg = (w.qa, w.qg) if w is not None else (None, None)
     ea, eg = eigenpairs
     pla, plg = placeholder
-    fresh = w is None and ea is None and eg is None and eigh_device is None
+    fresh = w is None and ea is None and eg is None
     if fresh and _both_dense(diagonal, placeholder):
         cdt = compute_dtype_of(dtype, compute_dtype)
         (fa, fg), ok = first_attempts((a, g), eigh_attempt, cdt, dtype)

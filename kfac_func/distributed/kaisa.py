@@ -169,7 +169,6 @@ def decompose_owned(
     damping: float,
     update_inverses: bool,
     batched_eigh: bool = False,
-    eigh_device: torch.device | None = None,
     hold: Collection[str] = (),
 ) -> tuple[dict[str, LayerState], set[str]]:
     """The layers with the decompositions of this step, and the names of those that got a
@@ -192,7 +191,7 @@ def decompose_owned(
         for side, owner in enumerate((plan.layers[n].a_owner, plan.layers[n].g_owner))
         if owner == rank and needs_decomposition(layers[n], cfg, update_inverses=now(n))
     ]
-    pairs = batched_eigenpairs(layers, cfg, owned, eigh_device=eigh_device)
+    pairs = batched_eigenpairs(layers, cfg, owned)
     for name in names:
         lp, ls = plan.layers[name], layers[name]
         if rank not in lp.grad_workers or not needs_decomposition(
@@ -226,9 +225,7 @@ def decompose_owned(
                     }
                     if eigen:
                         got = pairs.pop((name, side), None)
-                        q, d = got or eigh_side(
-                            factor, previous, device=eigh_device, label=label, **kw
-                        )
+                        q, d = got or eigh_side(factor, previous, label=label, **kw)
                         sent = [d] if q is None else [q, d]
                     else:
                         sent = [inverse_side(factor, damping, label=label, **kw)]

@@ -39,7 +39,6 @@ from kfac_func.state import KFACState, LayerState
 from kfac_func.step.autocast import without_autocast
 from kfac_func.step.basis import carry_moments, moment_bases
 from kfac_func.step.checks import check_grads_mapping, layer_matrix
-from kfac_func.step.decompose import check_eigh_device
 from kfac_func.step.grouped import preconditioned_layers
 from kfac_func.step.hyper import as_list, resolve
 from kfac_func.step.options import StepOptions, step_options
@@ -96,8 +95,8 @@ def update_distributed(
     gathered onto each layer's grad workers and come back as DTensors of the same
     placements (:mod:`kfac_func.distributed.sharded`); the captures must then hold the
     whole layers' inputs and output-gradients (the adapter's hooks gather tensor-parallel
-    shards), and ``sync_free`` does not apply. ``batched_eigh`` and ``eigh_device`` apply
-    to the factors each owner decomposes; the preconditioning is grouped whatever
+    shards), and ``sync_free`` does not apply. ``batched_eigh`` applies to the factors
+    each owner decomposes; the preconditioning is grouped whatever
     ``grouped`` says (the factor and decomposition stages go layer by layer).
 
     Example:
@@ -157,7 +156,6 @@ def update_distributed(
         stage.damping,
         inverses_now,
         opts.batched_eigh,
-        check_eigh_device(opts.eigh_device),
         hold=held_layers(layers, stage.orthogonal, step) if inverses_now else (),
     )
     carry_moments(layers, before, fresh)

@@ -35,7 +35,6 @@ from kfac_func.step.decompose_groups import (
 from kfac_func.step.hyper import Hyper, resolve_checked
 
 __all__ = [
-    "check_eigh_device",
     "decompose",
     "decompose_layer",
     "decompose_layers",
@@ -51,7 +50,6 @@ def decompose(
     damping: Hyper = 1e-3,
     only_missing: bool = False,
     batched_eigh: bool = False,
-    eigh_device: torch.device | str | None = None,
 ) -> KFACState:
     """Recompute every layer's decomposition from its current factors.
 
@@ -61,18 +59,14 @@ def decompose(
     (see :func:`redecompose`) never stops training: its layer keeps its previous
     decomposition.
 
-    Two settings for GPUs (``"eigen"`` and ``"ekfac"``; ``update``, ``update_distributed``
-    and ``KFACPreconditioner`` take them too):
-
-    - ``batched_eigh``: factors of equal shape and dtype, across layers, are stacked and
-      decomposed with one ``eigh`` call per shape (see
-      :func:`~kfac_func.step.decompose_groups.batched_eigenpairs`), instead of one call per
-      factor: on a GPU fewer solver calls, each of which waits for its result; on a CPU
-      LAPACK decomposes the stack one matrix at a time. Results equal the per-factor
-      ones to rounding (not always bit for bit). Eigenbases refreshed by QR are
-      refreshed one by one (they are not eigh).
-    - ``eigh_device``: where eigh runs, e.g. ``"cpu"`` to offload it from a GPU (its
-      results are moved back to the factors' device); None: the factors' device.
+    ``batched_eigh``, a setting for GPUs (``"eigen"`` and ``"ekfac"``; ``update``,
+    ``update_distributed`` and ``KFACPreconditioner`` take it too): factors of equal shape
+    and dtype, across layers, are stacked and decomposed with one ``eigh`` call per shape
+    (see :func:`~kfac_func.step.decompose_groups.batched_eigenpairs`), instead of one
+    call per factor: on a GPU fewer solver calls, each of which waits for its result; on
+    a CPU LAPACK decomposes the stack one matrix at a time. Results equal the per-factor
+    ones to rounding (not always bit for bit). Eigenbases refreshed by QR are refreshed
+    one by one (they are not eigh).
 
     Example:
         >>> import torch
@@ -81,7 +75,7 @@ def decompose(
         >>> state = kf.init(kf.register(nn.Linear(3, 2)), convention="kfac-pytorch")
         >>> kf.decompose(state).layers[""].decomposition.da
         tensor([1., 1., 1., 1.])
-        >>> batched = kf.decompose(state, batched_eigh=True, eigh_device="cpu")
+        >>> batched = kf.decompose(state, batched_eigh=True)
         >>> torch.equal(batched.layers[""].decomposition.qa, torch.eye(4))
         True
     """
@@ -92,28 +86,9 @@ def decompose(
         lam,
         state.config,
         update_inverses=not only_missing,
-        eigh_device=eigh_device,
         grouped=batched_eigh,
     )
     return state.replace(layers=layers)
-
-
-def check_eigh_device(eigh_device: torch.device | str | None) -> torch.device | None:
-    """``eigh_device`` as a ``torch.device`` (None stays None); a ValueError names the
-    argument when it is not a device.
-
-    Example:
-        >>> check_eigh_device("cpu")
-        device(type='cpu')
-    """
-    if eigh_device is None:
-        return None
-    try:
-        return torch.device(eigh_device)
-    except (RuntimeError, TypeError, ValueError) as err:
-        raise ValueError(
-            f"eigh_device must be None or a device such as 'cpu', got {eigh_device!r}"
-        ) from err
 
 
 def decompose_layers(
@@ -122,7 +97,6 @@ def decompose_layers(
     config: KFACConfig,
     *,
     update_inverses: bool,
-    eigh_device: torch.device | str | None = None,
     grouped: bool = True,
     sync_free: bool = False,
     hold: Collection[str] = (),
@@ -156,7 +130,6 @@ def decompose_layers(
         >>> layers[""].decomposition.da
         tensor([1., 1., 1.])
     """
-    device = check_eigh_device(eigh_device)
     todo = [
         name
         for name, ls in layers.items()
@@ -164,9 +137,7 @@ def decompose_layers(
     ]
     if sync_free and todo:
         try:
-            made = new_decompositions(
-                layers, todo, damping, config, eigh_device=device, grouped=grouped
-            )
+            made = new_decompositions(layers, todo, damping, config, grouped=grouped)
         except RuntimeError as err:  # nothing of layers changed yet
             if not solver_failed(err) or torch.compiler.is_compiling():
                 raise
@@ -177,7 +148,7 @@ def decompose_layers(
     takers = _takers(layers, todo, config)  # their A factor's eigenpair is the previous layer's
     if grouped:
         sides = [(name, side) for name in todo for side in (0, 1) if side or name not in takers]
-        pairs = batched_eigenpairs(layers, config, sides, eigh_device=device)
+        pairs = batched_eigenpairs(layers, config, sides)
     outers = batched_outers(layers, config, pairs, damping) if grouped else {}
     fresh = set()
     last_a: Eigenpair | None = None  # the previous layer's A eigenpair, where it has one
@@ -187,7 +158,7 @@ def decompose_layers(
         if name in takers and last_a is not None:
             given = (last_a, given[1])
         layers[name] = redecompose(
-            old, damping, config, eigh_device=device, eigenpairs=given, dgda=outers.pop(name, None)
+            old, damping, config, eigenpairs=given, dgda=outers.pop(name, None)
         )
         dec, last_a = layers[name].decomposition, None
         if layers[name].decomposition_failures == old.decomposition_failures:
@@ -244,13 +215,12 @@ def decompose_layer(
     damping: float,
     config: KFACConfig,
     *,
-    eigh_device: torch.device | str | None = None,
     eigenpairs: tuple[Eigenpair | None, Eigenpair | None] = (None, None),
     dgda: torch.Tensor | None = None,
 ) -> Decomposition:
     """The configured decomposition of one layer's current factors (may raise
     :class:`~kfac_func.core.attempts.DecompositionError`; see :func:`redecompose`).
-    ``eigh_device``, ``eigenpairs`` and ``dgda`` are :func:`~kfac_func.core.eigen_decompose`'s."""
+    ``eigenpairs`` and ``dgda`` are :func:`~kfac_func.core.eigen_decompose`'s."""
     cdt = decomposition_dtype(config.convention, config.inv_dtype)
     if config.compute_method in ("eigen", "ekfac"):
         eig = eigen_decompose(
@@ -263,7 +233,6 @@ def decompose_layer(
             and config.compute_eigenvalue_outer_product,
             warm_start=warm_start(ls, config),
             diagonal=ls.spec.diagonal,
-            eigh_device=eigh_device,
             eigenpairs=eigenpairs,
             name=ls.spec.name,
             dgda=dgda,

@@ -82,7 +82,6 @@ def new_decompositions(
     damping: float,
     config: KFACConfig,
     *,
-    eigh_device: torch.device | None = None,
     grouped: bool = True,
 ) -> Made:
     """The new decompositions of the layers ``todo`` and their finiteness, computed on the
@@ -99,7 +98,7 @@ def new_decompositions(
         (tensor([1., 1., 1.]), tensor(True))
     """
     eigen = config.compute_method in ("eigen", "ekfac")
-    sides = _sides(layers, todo, config, damping, eigen, eigh_device, grouped)
+    sides = _sides(layers, todo, config, damping, eigen, grouped)
     pairs = {key: side[0] for key, side in sides.items()} if eigen else {}
     dgda = batched_outers(layers, config, pairs, damping) if grouped else {}  # type: ignore[arg-type]
     made: Made = {}
@@ -142,8 +141,6 @@ def batched_eigenpairs(
     layers: Mapping[str, LayerState],
     config: KFACConfig,
     sides: Iterable[tuple[str, int]],
-    *,
-    eigh_device: torch.device | None = None,
 ) -> dict[tuple[str, int], Eigenpair]:
     """The eigenpairs of the factors ``sides`` (``(layer, 0)`` for A, ``(layer, 1)`` for G)
     that share their shape with another, for the eigen methods: one batched ``eigh`` per
@@ -182,7 +179,7 @@ def batched_eigenpairs(
             continue
         factors = [f for _, f in members]
         try:  # the stack is handed over: _dense frees it as soon as it is read
-            results = _dense(stacked(factors)[0], 0.0, True, config.inv_dtype, cdt, eigh_device)
+            results = _dense(stacked(factors)[0], 0.0, True, config.inv_dtype, cdt)
         except RuntimeError:  # the factors get the checked path's retries
             continue
         q, d = results
@@ -278,7 +275,6 @@ def _sides(
     config: KFACConfig,
     damping: float,
     eigen: bool,
-    eigh_device: torch.device | None,
     grouped: bool = True,
 ) -> dict[tuple[str, int], _Side]:
     """Each side's decomposition and finiteness flag: the dense factors of one shape
@@ -309,9 +305,7 @@ def _sides(
     # what it holds plus the current stack's solver temporaries
     for members in sorted(groups.values(), key=lambda m: -len(m) * m[0][1].numel()):
         # the stack is handed over: _dense frees it as soon as it is read
-        results = _dense(
-            stacked([f for _, f in members])[0], damping, eigen, dtype, cdt, eigh_device
-        )
+        results = _dense(stacked([f for _, f in members])[0], damping, eigen, dtype, cdt)
         flags = all_finite_rows(list(results)).all(dim=1).unbind(0)
         each = list(zip(*(r.unbind(0) for r in results)))
         for k, (key, _) in enumerate(members):
@@ -325,19 +319,16 @@ def _dense(
     eigen: bool,
     dtype: torch.dtype,
     cdt: torch.dtype,
-    eigh_device: torch.device | None,
 ) -> tuple[torch.Tensor, ...]:
     """``(eigenvectors, eigenvalues)`` or ``(inverse,)`` of a stack of dense factors, as
     :func:`~kfac_func.core.decomposition.eigh_factor` and
     :func:`~kfac_func.core.decomposition.damped_inverse` compute them (without checks)."""
-    home = stack.device
-    run_on = eigh_device if eigh_device is not None else home
-    f = stack.to(run_on if eigen else home, cdt)
+    f = stack.to(cdt)
     del stack  # the caller hands over its only reference: freed before the copies below
     if eigen:
         d, q = torch.linalg.eigh(f.mT)  # column-major in and out, as eigh_factor's
         del f
-        return q.to(home, dtype), d.to(home, dtype).clamp(min=0.0)
+        return q.to(dtype), d.to(dtype).clamp(min=0.0)
     eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
     return (torch.linalg.inv((f + damping * eye).mT).to(dtype).mT,)
 

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from kfac_func.step.basis import BasisMoments
-from kfac_func.step.decompose import check_eigh_device
 from kfac_func.step.hyper import (
     HYPER_CHECKS,
     Hyper,
@@ -128,7 +127,6 @@ class StepOptions:
             in ``moment_count`` (the moments themselves keep their values).
         batched_eigh: one batched eigh per factor shape across layers (see
             :func:`kfac_func.decompose`).
-        eigh_device: the device eigh runs on (``"cpu"``: offload it); None: the factors'.
         grouped: compute the layers of one shape together, as stacked tensors: their batch
             factors (:mod:`kfac_func.step.batch_factors`), running factors
             (:func:`~kfac_func.step.accumulate.fold_layers`), preconditioning
@@ -179,7 +177,6 @@ class StepOptions:
     ortho_every: int = 1
     sync_free: bool = False
     batched_eigh: bool = False
-    eigh_device: torch.device | str | None = None
     grouped: bool | None = None
     gram_dtype: torch.dtype | None = None
 
@@ -198,7 +195,6 @@ class StepOptions:
             BasisMoments(self.moment_beta2, self.moment_eps, self.moment_beta1).check("eigen")
         if self.orthogonal:
             self.orthogonal_settings("eigen")
-        object.__setattr__(self, "eigh_device", check_eigh_device(self.eigh_device))
         dt = self.gram_dtype
         if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
             raise ValueError(f"gram_dtype must be a floating torch.dtype or None, got {dt!r}")

@@ -156,7 +156,6 @@ def update(
         lam,
         config,
         update_inverses=inverses_now,
-        eigh_device=opts.eigh_device,
         grouped=grouped or opts.batched_eigh,
         sync_free=sync_free,
         hold=held_layers(layers, ortho, step) if inverses_now else (),
