@@ -80,9 +80,9 @@ RECOMMENDED: dict[str, Any] = {
     "moment_beta2": 0.95,
     "kl_clip": None,
     "scaling": "fisher",
-    "factor_update_steps": kf.step.GrowingInterval(first=1, until=256, most=2),
+    "factor_update_steps": kf.step.GrowingInterval(first=1, until=256, most=4),
     "inv_update_steps": kf.step.GrowingInterval(),
-    "factor_decay": kf.step.DecayPerStep(0.9, kf.step.GrowingInterval(first=1, until=256, most=2)),
+    "factor_decay": kf.step.DecayPerStep(0.9, kf.step.GrowingInterval(first=1, until=256, most=4)),
     "batched_eigh": True,
     "orthogonal": kf.Orthogonal(powers=(0.5, 0.0), wider_than=512, block=512),
 }
@@ -224,8 +224,9 @@ def test_print_shows_the_recipe_and_the_layer_table() -> None:
     assert head == "KFAC(recipe='recommended', lr=0.014, current lr=0.014)"
     assert step.startswith("  step: ")
     assert when == (
-        "  schedule: statistics every step, every 2 from step 256; decompositions every 2 "
-        "steps, twice as far apart each time the run doubles from step 256, at most every 32"
+        "  schedule: statistics every step, twice as far apart each time the run doubles from "
+        "step 256, at most every 4; decompositions every 2 steps, twice as far apart each "
+        "time the run doubles from step 256, at most every 32"
     )
     assert where == (
         "  K-FAC preconditions 2 layers: SGD on their 4 parameters; AdamW on 1 other parameter"

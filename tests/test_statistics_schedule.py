@@ -86,9 +86,12 @@ def test_statistics_thin_on_the_schedule_with_the_decay_per_step() -> None:
 def test_the_recommended_recipe_thins_its_statistics_from_step_256() -> None:
     recipe = kf.RECIPES["recommended"].kfac_kwargs
     every, decay = recipe["factor_update_steps"], recipe["factor_decay"]
-    assert [every(t) for t in (0, 255, 256, 10_000)] == [1, 1, 2, 2]
+    assert [every(t) for t in (0, 255, 256, 511, 512, 10_000)] == [1, 1, 2, 2, 4, 4]
     assert [decay(t) for t in (0, 255)] == [0.9, 0.9]
     assert decay(256) == pytest.approx(0.81)
+    assert decay(512) == pytest.approx(0.9**4)
+    # 756 of 2,000 steps gather statistics (1,128 at every other step from step 256)
+    assert sum(t % every(t) == 0 for t in range(2000)) == 756
     # every step that decomposes has fresh statistics
     inv = recipe["inv_update_steps"]
     assert all(t % every(t) == 0 for t in range(5000) if t % inv(t) == 0)

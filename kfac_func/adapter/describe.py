@@ -148,7 +148,7 @@ def describe_schedule(pre: KFACPreconditioner) -> str:
         >>> describe_schedule(kf.KFAC(layer, recipe="kfac-pytorch").preconditioner)
         'statistics every step; decompositions every step'
         >>> print(describe_schedule(kf.KFAC(layer).preconditioner))
-        statistics every step, every 2 from step 256; decompositions every 2 steps, twice as far apart each time the run doubles from step 256, at most every 32
+        statistics every step, twice as far apart each time the run doubles from step 256, at most every 4; decompositions every 2 steps, twice as far apart each time the run doubles from step 256, at most every 32
     """  # noqa: E501
     return (
         f"statistics {_every(pre.factor_update_steps)}; "

@@ -42,9 +42,9 @@ class KFAC(OptimizerStateMixin, torch.optim.Optimizer):
     (:data:`kfac_func.RECIPES` ``["recommended"]``, the optimizer race's
     ``kfac-moments-wide``): Adam's step in K-FAC's eigenbasis (``eigenbasis_moments``
     with ``betas`` (0.9, 0.95), no KL clip, ``"fisher"`` scaling, factor statistics every
-    step with decay 0.9, every other step with decay 0.81 from step 256
-    (:data:`~kfac_func.adapter.recipes.STATISTICS`), eigenbases every 2 steps, then fewer
-    as the run grows long:
+    step with decay 0.9, every other step with decay 0.81 from step 256, every 4th with
+    decay 0.6561 from step 512 (:data:`~kfac_func.adapter.recipes.STATISTICS`),
+    eigenbases every 2 steps, then fewer as the run grows long:
     :class:`~kfac_func.step.GrowingInterval`), except on the layers with a factor side
     wider than 512, which take Muon's step on K-FAC's input curvature
     (``Orthogonal(wider_than=512, block=512)``: their A factors, where wider than 512, in
