@@ -28,7 +28,8 @@ schedule: factor statistics every step with decay 0.9 and eigenbases every 2 ste
 ``kfac-moments-wide`` (``kfac-moments-fresh`` whose layers with a factor side wider than
 512 take Muon's orthogonalized step on K-FAC's input curvature instead, their A factors
 in diagonal blocks of at most 512: ``Orthogonal(wider_than=512, block=512)``, and
-statistics every other step from step 256; the recommended recipe),
+statistics every other step from step 256, every 4th from step 512; the recommended
+recipe),
 ``kfac-moments-wide-whole`` (the same with every A factor whole),
 ``kfac-moments-wide-2`` (eigenbases every 2 steps, statistics every step, however long
 the run), ``kfac-moments-wide-s2`` (factor statistics every 2 steps from the start, decay
@@ -244,7 +245,8 @@ NORMS = "Norm$"
 ``Norm`` (``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``)."""
 
 STATISTICS = kf.adapter.recipes.STATISTICS
-"""The recommended recipe's statistics schedule: every step, every other from step 256."""
+"""The recommended recipe's statistics schedule: every step, every other from step 256, every
+4th from step 512."""
 
 GRAM = {"gram_dtype": torch.bfloat16} if NATIVE_BF16 else {}
 """The recommended recipe's statistics: bfloat16 operands where this CPU multiplies them
@@ -287,7 +289,7 @@ KFAC = {
     # the recommended recipe (kf.KFAC's): kfac-moments-fresh with the layers that have a
     # side wider than 512 on the orthogonalized step (no Gram and no eigh of their G
     # factors, their A factors in blocks), eigenbases every 2 steps, fewer in long runs,
-    # and statistics every other step from step 256
+    # and statistics every other step from step 256, every 4th from step 512
     "kfac-moments-wide": _wide(kf.step.GrowingInterval(), WIDE, factor=STATISTICS),
     # the same with the wide layers' A factors whole (decomposed as one matrix)
     "kfac-moments-wide-whole": _wide(

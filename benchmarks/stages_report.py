@@ -37,7 +37,7 @@ BF16_ROWS = (
     ("plain", "plain forward+backward"),
     ("before fb", "forward+backward with the hooks, before: float32 statistics"),
     (f"{rr.RECIPE} fb", "… after: bfloat16 statistics"),
-    ("kfac long fb", "… after, amortized over 2,000 steps (statistics every other step from 256)"),
+    ("kfac long fb", "… after, amortized over 2,000 steps of the schedule at the run's commit"),
     ("kfac-moments-wide-nn fb", "… after, the norm layers on AdamW (tried, not the recipe)"),
     ("before", "K-FAC optimizer part, before: eigenbases every 2 steps"),
     ("kfac", "… after, eigenbases every 2 steps (its first 256 steps)"),
